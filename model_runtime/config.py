@@ -1,0 +1,207 @@
+"""Frozen, typed configuration for the engine.
+
+Each concern has its own dataclass (model shape, KV cache, scheduler, device); `EngineConfig` composes them.
+Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the field and the allowed
+range, so a bad YAML key or CLI flag fails once, at start-up, with a message the user can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or out of range; the message names the field."""
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(isinstance(value, int) and value > 0, f"{type(obj).__name__}.{name}",
+                 f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency scaling (`rope_type: llama3`). Other rope types are rejected at load."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(self.factor >= 1.0, "rope_scaling.factor", f"must be >= 1, got {self.factor}")
+        _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor",
+                 "must be greater than low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder. Filled from config.json, GGUF metadata or a named dummy shape."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in SUPPORTED_ARCHITECTURES, "model.architecture",
+                 f"{self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", "must be > 0")
+        _require(self.rope_theta > 0, "model.rope_theta", "must be > 0")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def param_count(self) -> int:
+        """Parameters, for memory planning and roofline numbers."""
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * per_layer + embed + head + self.hidden_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. `num_blocks=None` sizes the cache from free memory (GPU) or `cpu_cache_bytes` (CPU)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    dtype: str | None = None  # None: the model dtype
+    gpu_memory_utilization: float = 0.90
+    cpu_cache_bytes: int = 512 * 2**20
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "cache.block_size",
+                 f"must be a power of two in [1, 128], got {self.block_size}")
+        _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
+                 "cache.num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        _require(self.dtype is None or self.dtype in DTYPES, "cache.dtype", f"must be one of {DTYPES}")
+        _require(0.05 <= self.gpu_memory_utilization <= 0.99, "cache.gpu_memory_utilization",
+                 f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        _require(self.cpu_cache_bytes > 0, "cache.cpu_cache_bytes", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (the chunked-prefill budget)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _require(self.max_model_len is None or self.max_model_len > 0, "scheduler.max_model_len", "must be > 0")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the engine runs. `device='auto'` picks cuda when present; dtype None picks bf16 on GPU, fp32 on CPU."""
+
+    device: str = "auto"
+    dtype: str | None = None
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                 "device.device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        _require(self.dtype is None or self.dtype in DTYPES, "device.dtype", f"must be one of {DTYPES}")
+        _require(self.attention_backend in ("auto", "torch", "triton"), "device.attention_backend",
+                 "must be auto, torch or triton")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs, besides the weights themselves."""
+
+    model: str = "smollm2-135m-instruct"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "engine") -> EngineConfig:
+        """Build from a plain mapping (parsed YAML); unknown keys are errors that name the key."""
+        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        _reject_unknown(data, {"model", *sections}, where)
+        kwargs: dict[str, Any] = {}
+        if "model" in data:
+            _require(isinstance(data["model"], str), f"{where}.model", "must be a string")
+            kwargs["model"] = data["model"]
+        for key, klass in sections.items():
+            if key in data:
+                kwargs[key] = dataclass_from_dict(klass, data[key], f"{where}.{key}")
+        return cls(**kwargs)
+
+
+def _reject_unknown(data: object, allowed: set[str], where: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(allowed))}")
+
+
+def dataclass_from_dict(klass: Any, data: object, where: str) -> Any:
+    """Build a flat frozen dataclass from a mapping, naming the key on unknown fields or wrong types."""
+    names = {f.name: f for f in dataclasses.fields(klass)}
+    _reject_unknown(data, set(names), where)
+    assert isinstance(data, dict)
+    try:
+        return klass(**data)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None

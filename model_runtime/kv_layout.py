@@ -1,0 +1,121 @@
+"""KVLayout: the single owner of the paged KV cache's shape, bytes and slot arithmetic.
+
+The allocator (block_pool), the cache tensor (model_runner), attention kernels and kv_transfer all derive what
+they need from one KVLayout. Prefill and decode workers compare `fingerprint()` when they pair, so two sides
+that disagree on the format of a block refuse to pair instead of silently corrupting KV.
+
+One tensor holds the whole cache:
+
+    cache[layer, kv, block, offset, kv_head, head_dim]      kv: 0 = K, 1 = V
+          L      2   N      B       H        D
+
+    slot(token t of a sequence) = block_table[t // B] * B + t % B
+
+so `cache[l, 0]` is layer l's K pages, contiguous, `[N, B, H, D]`, and a token's slot indexes the flattened
+`[N * B, H, D]` view. Block 0 is the null block: never handed out, the target of padding in CUDA graphs.
+A request's blocks move between workers as `cache[:, :, block_ids]` (all layers) or `cache[l, :, block_ids]`
+(one layer, for transfer overlapped with prefill).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from model_runtime.config import DTYPES, ConfigError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+NULL_BLOCK = 0
+
+# The fields that define what a block's bytes mean. num_blocks is not among them: the two sides of a
+# handoff may size their caches differently.
+FORMAT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"KVLayout.{name}: must be positive, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ConfigError(f"KVLayout.num_blocks: must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"KVLayout.dtype: must be one of {DTYPES}, got {self.dtype!r}")
+
+    # --- shape and bytes -------------------------------------------------------------------------------
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across all layers, K and V."""
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def bytes_per_block_layer(self) -> int:
+        """One block of one layer, K and V."""
+        return self.bytes_per_block // self.num_layers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks the pool can hand out (block 0 is the null block)."""
+        return self.num_blocks - 1
+
+    def staging_shape(self, num_blocks: int, layers: tuple[int, int] | None = None) -> tuple[int, ...]:
+        """Shape of `cache[l0:l1, :, block_ids]`: the contiguous buffer a request's blocks travel in."""
+        l0, l1 = layers if layers is not None else (0, self.num_layers)
+        return (l1 - l0, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    # --- slot arithmetic -------------------------------------------------------------------------------
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def slot(self, block_table: list[int], position: int) -> int:
+        return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Slots of positions [start, end) of a sequence whose blocks are `block_table`."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def check_block_ids(self, block_ids: list[int] | tuple[int, ...], where: str = "block id") -> None:
+        """Reject ids outside [1, num_blocks): a peer must never make us read or write the null block or beyond."""
+        for b in block_ids:
+            if not 1 <= b < self.num_blocks:
+                raise ValueError(f"{where} {b} is out of range [1, {self.num_blocks})")
+
+    # --- pairing ---------------------------------------------------------------------------------------
+    def format_dict(self) -> dict[str, int | str]:
+        return {name: getattr(self, name) for name in FORMAT_FIELDS}
+
+    def fingerprint(self) -> str:
+        text = ";".join(f"{k}={v}" for k, v in self.format_dict().items())
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def mismatch(self, other_format: dict[str, int | str]) -> str | None:
+        """None if `other_format` (a peer's format_dict) describes the same block format, else what differs."""
+        diffs = [f"{k}: ours={getattr(self, k)} theirs={other_format.get(k)}"
+                 for k in FORMAT_FIELDS if getattr(self, k) != other_format.get(k)]
+        return "; ".join(diffs) if diffs else None

@@ -1,0 +1,169 @@
+"""Requests, their sampling parameters and their lifecycle states.
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED_*
+       ^                     |
+       +----- PREEMPTED <----+        (blocks freed; resumes by recomputing prompt + output so far)
+
+    WAITING_FOR_KV: a decode worker reserved blocks and waits for a prefill worker's KV to land; it becomes
+    RUNNING with num_computed_tokens = prompt length and one output token (the one prefill sampled).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message starts with the parameter's name."""
+
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise SamplingError(f"{name}: {msg}")
+
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            bad("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                bad("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 when top-k is disabled."""
+        return max(self.top_k, 0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise SamplingError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    """One sequence in the engine. The scheduler and block pool mutate it; nothing else does."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Top-n logprobs per output token when sampling.logprobs is set: (chosen logprob, [(id, logprob), ...]).
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on first admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at `request.num_computed_tokens`, run this step.
+
+    `sample` is true when the chunk reaches the end of the request's known tokens, so the step's output for
+    its last position is a new token (false for the earlier chunks of a chunked prefill).
+    """
+
+    request: Request
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one engine step runs: the contract between scheduler and model runner."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
