@@ -37,9 +37,9 @@ pytest: install
 serve: install
 	$(BIN)/tandem generate --offline --chat --max-tokens 64 "Explain in two sentences why the sky is blue."
 
+# Stubs are committed; a unit test regenerates them into a temp dir and fails when they differ.
 protos: install
-	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=tandem_api --grpc_python_out=tandem_api \
-	  --pyi_out=tandem_api protos/tandem/v1/*.proto
+	$(BIN)/python protos/generate.py tandem_api
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
