@@ -167,3 +167,35 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of text, messages (a chat, rendered with the model's template) or token_ids."""
+
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("text", "messages", "token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"prompt: give exactly one of text, messages, token_ids (got {given or 'none'})")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The whole result of one request, as the offline engine and the service both report it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
