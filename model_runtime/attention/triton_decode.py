@@ -1,0 +1,361 @@
+"""Paged decode attention in Triton: one query token per sequence, split-KV over a fixed number of segments.
+
+Stage 1 runs one program per (sequence, KV head, segment). All query heads that share the KV head are packed
+into the M dimension of the tile (padded to >= 16 rows so `tl.dot` runs on tensor cores), and the program
+walks its slice of the context TILE_N tokens at a time through the block table:
+
+    context of sequence s:  |-- seg 0 --|-- seg 1 --| ... |-- seg S-1 --|      (empty tail segments allowed)
+    token t lives at        k_cache[block_tables[s, t // B], t % B, kv_head, :]
+
+Each program keeps an fp32 online softmax (log2 domain) and writes its normalised partial output and its
+log-sum-exp into preallocated scratch; stage 2 merges the segments per (sequence, query head). With one
+segment, stage 1 writes the final output directly and stage 2 is skipped.
+
+CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
+from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
+seq_len 0 (graph padding) runs no loop iteration and yields an all-zero output row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
+MAX_SEGMENTS = 64
+DEFAULT_TILE_N = 64
+
+
+@triton.jit
+def _decode_segment_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kb,
+    stride_kh,
+    stride_vn,
+    stride_vb,
+    stride_vh,
+    stride_bt,
+    stride_ps,
+    stride_ph,
+    stride_pg,
+    stride_ls,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Segments are whole tiles so only the last tile of the context is partial.
+    per_seg = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), TILE_N) * TILE_N
+    start = seg * per_seg
+    end = tl.minimum(start + per_seg, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t0 in range(start, end, TILE_N):
+        tok = t0 + offs_n
+        tok_ok = tok < end
+        block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        in_page = tok % PAGE
+        kv_mask = tok_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + block[:, None] * stride_kn
+            + in_page[:, None] * stride_kb
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr
+            + block[:, None] * stride_vn
+            + in_page[:, None] * stride_vb
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]  # all zeros for an empty segment or a padded sequence
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SEGMENTS == 1:
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(
+            part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + seg * stride_pg + d[None, :],
+            o,
+            mask=out_mask,
+        )
+        tl.store(part_lse_ptr + seq * stride_ls + heads * stride_lh + seg, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ps,
+    stride_ph,
+    stride_pg,
+    stride_ls,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    g = tl.arange(0, NUM_SEGMENTS)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + g)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every segment empty (seq_len 0): all weights become 0
+    w = tl.exp2(lse - m)
+    part = tl.load(
+        part_out_ptr + seq * stride_ps + head * stride_ph + g[:, None] * stride_pg + d[None, :],
+        mask=d_ok[None, :],
+        other=0.0,
+    )
+    part = tl.where(w[:, None] > 0.0, part, 0.0)
+    num = tl.sum(part * w[:, None], 0)
+    den = tl.sum(w, 0)
+    o = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@dataclass(frozen=True)
+class DecodeScratch:
+    """Stage-1 results: partial outputs [S, Hq, G, D] and base-2 log-sum-exps [S, Hq, G] (fp32)."""
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+class DecodeWorkspace:
+    """Scratch for the split-KV decode, grown on demand and reused by every layer and step.
+
+    Views are carved from the front of two flat buffers, so a given (batch, heads, segments, head_dim) always
+    gets the same addresses: what a captured CUDA graph needs. Size it with `reserve` before capturing;
+    growing during a capture is refused (the graph would hold an address the next growth frees).
+    """
+
+    def __init__(self) -> None:
+        self._out: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
+
+    def reserve(
+        self, num_seqs: int, num_heads: int, num_segments: int, head_dim: int, device: torch.device | str
+    ) -> None:
+        self.scratch(num_seqs, num_heads, num_segments, head_dim, torch.device(device))
+
+    def scratch(
+        self, num_seqs: int, num_heads: int, num_segments: int, head_dim: int, device: torch.device
+    ) -> DecodeScratch:
+        lse_numel = num_seqs * num_heads * num_segments
+        out_numel = lse_numel * head_dim
+        if self._needs_growth(out_numel, lse_numel, device):
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"DecodeWorkspace: scratch for {num_seqs} sequences x {num_heads} heads x {num_segments} "
+                    "segments is not reserved; call TritonAttention.reserve(...) (or run the largest batch "
+                    "eagerly) before CUDA-graph capture"
+                )
+            self._out = torch.empty(out_numel, dtype=torch.float32, device=device)
+            self._lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
+        assert self._out is not None and self._lse is not None  # set just above; narrows the type
+        shape = (num_seqs, num_heads, num_segments)
+        return DecodeScratch(self._out[:out_numel].view(*shape, head_dim), self._lse[:lse_numel].view(shape))
+
+    def _needs_growth(self, out_numel: int, lse_numel: int, device: torch.device) -> bool:
+        if self._out is None or self._lse is None or self._out.device != device:
+            return True
+        return self._out.numel() < out_numel or self._lse.numel() < lse_numel
+
+
+def choose_num_segments(num_seqs: int, num_kv_heads: int, target_programs: int) -> int:
+    """Segments per sequence from shapes only (never from seq_lens, so a CUDA graph's grid stays valid).
+
+    Enough (sequence, KV head, segment) programs to fill the GPU about `target_programs` deep; a power of two
+    (the reduce kernel's arange) capped at MAX_SEGMENTS. Large batches get 1: no split, no reduce pass.
+    """
+    wanted = math.ceil(target_programs / max(1, num_seqs * num_kv_heads))
+    return min(MAX_SEGMENTS, triton.next_power_of_2(max(1, wanted)))
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    num_segments: int,
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            f"decode_attention: q must be [S, Hq, D] and k_cache [N, B, Hkv, D]; got "
+            f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
+    if q.shape[1] % k_cache.shape[2] != 0 or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"decode_attention: q heads/dim {tuple(q.shape[1:])} do not match cache "
+            f"heads/dim {tuple(k_cache.shape[2:])}"
+        )
+    if block_tables.shape[0] < q.shape[0] or seq_lens.shape[0] < q.shape[0]:
+        raise ValueError(
+            f"decode_attention: {q.shape[0]} query rows but block_tables has "
+            f"{block_tables.shape[0]} rows and seq_lens {seq_lens.shape[0]}"
+        )
+    if out.shape != q.shape:
+        raise ValueError(f"decode_attention: out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if num_segments < 1 or num_segments & (num_segments - 1):
+        raise ValueError(f"decode_attention: num_segments must be a power of two >= 1, got {num_segments}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"decode_attention: v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
+        )
+    if (
+        q.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or v_cache.stride(3) != 1
+        or out.stride(2) != 1
+        or block_tables.stride(1) != 1
+    ):
+        raise ValueError(
+            "decode_attention: the head_dim axis of q/out/caches and the block axis of "
+            "block_tables must be contiguous"
+        )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace,
+    num_segments: int,
+    tile_n: int = DEFAULT_TILE_N,
+) -> torch.Tensor:
+    """out[s] = attention of q[s] ([Hq, D], one token) over tokens [0, seq_lens[s]) of its pages. Returns out."""
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_segments)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
+    po, pl = scratch.partial_out, scratch.partial_lse
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 is unused for 16-bit
+    _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        po,
+        pl,
+        out,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=k_cache.shape[1],
+        TILE_N=tile_n,
+        NUM_SEGMENTS=num_segments,
+        DOT_PRECISION=precision,
+    )
+    if num_segments > 1:
+        _reduce_segments_kernel[(num_seqs, num_heads)](
+            po,
+            pl,
+            out,
+            po.stride(0),
+            po.stride(1),
+            po.stride(2),
+            pl.stride(0),
+            pl.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SEGMENTS=num_segments,
+        )
+    return out

@@ -1,0 +1,247 @@
+"""Triton attention kernels on the CPU through Triton's interpreter (fp32, tiny shapes), against torch_ref.
+
+TRITON_INTERPRET must be set before triton is imported, and this pytest process may already hold compiled
+(non-interpreted) kernels from other tests, so the kernels run in one child process: this file executed as a
+script. The child prints one JSON line {case: {"ok", "detail"}}; each pytest test asserts one case.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+TOL = 1e-4  # fp32 interpreter: numpy matmuls, so only summation-order differences remain
+
+
+# --- building paged inputs (child side) ---------------------------------------------------------------------
+def _meta(seq_lens: list[int], query_lens: list[int], block_tables: torch.Tensor, slots: list[int]):
+    from model_runtime.attention.base import AttentionMetadata
+
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _random_tables(gen: torch.Generator, seq_lens: list[int], block_size: int) -> tuple[torch.Tensor, int]:
+    """Scattered block ids (a random permutation of 1..N-1), rows padded with the null block 0."""
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(1, max(need)) + 1, dtype=torch.int32)
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    return table, num_blocks
+
+
+def _paged_case(
+    seed: int,
+    seq_lens: list[int],
+    query_lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+):
+    """Random caches already holding every context token; q/k/v for the new tokens; metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    table, num_blocks = _random_tables(gen, seq_lens, block_size)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    slots: list[int] = []
+    for i, (s, n) in enumerate(zip(seq_lens, query_lens)):
+        blocks = table[i].tolist()
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size if s > 0 else -1 for p in range(s - n, s)
+        ]
+    t = sum(query_lens)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=gen)
+    k, v = (
+        torch.randn(t, kv_heads, head_dim, generator=gen),
+        torch.randn(t, kv_heads, head_dim, generator=gen),
+    )
+    return q, k, v, k_cache, v_cache, _meta(seq_lens, query_lens, table, slots)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, live: list[bool]) -> tuple[bool, str]:
+    """Live rows match the reference; padded rows (seq_len 0) are exactly zero."""
+    keep = torch.tensor(live)
+    err = _rel_err(out[keep], ref[keep])
+    pad_ok = bool((out[~keep] == 0).all()) if (~keep).any() else True
+    nan_free = not bool(out.isnan().any())
+    return err < TOL and pad_ok and nan_free, f"rel_err={err:.2e} pad_zero={pad_ok} nan_free={nan_free}"
+
+
+# --- cases (child side) -------------------------------------------------------------------------------------
+def _case_store() -> tuple[bool, str]:
+    from model_runtime.attention.base import store_kv
+    from model_runtime.attention.triton_store import store_kv_triton
+
+    gen = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 4, 2, 24, generator=gen), torch.randn(6, 4, 2, 24, generator=gen)
+    fused = torch.randn(7, 3, 2, 24, generator=gen)  # strided k/v views, as sliced out of a fused qkv output
+    k, v = fused[:, 1], fused[:, 2]
+    slots = torch.tensor([5, -1, 22, 4, -1, 9, 23], dtype=torch.int64)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(k, v, ref_k, ref_v, slots)
+    store_kv_triton(k, v, kc, vc, slots)
+    ok = torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    return ok, f"caches equal: {ok}"
+
+
+def _decode_case(
+    seed: int,
+    seq_lens: list[int],
+    group: int,
+    block_size: int,
+    head_dim: int = 32,
+    segments: int = 4,
+    tile_n: int = 16,
+) -> Callable[[], tuple[bool, str]]:
+    def run() -> tuple[bool, str]:
+        from model_runtime.attention.torch_ref import paged_attention_ref
+        from model_runtime.attention.triton_decode import DecodeWorkspace, decode_attention
+
+        q, _, _, kc, vc, meta = _paged_case(
+            seed, seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size
+        )
+        out = torch.full_like(q, float("nan"))
+        decode_attention(
+            q, kc, vc, meta.block_tables, meta.seq_lens, 0.3, out, DecodeWorkspace(), segments, tile_n
+        )
+        live = [s > 0 for s in seq_lens]
+        safe = _meta(
+            [max(1, s) for s in seq_lens], [1] * len(seq_lens), meta.block_tables, [0] * len(seq_lens)
+        )
+        return _compare(out, paged_attention_ref(q, kc, vc, safe, 0.3), live)
+
+    return run
+
+
+def _backend_case(seq_lens: list[int], query_lens: list[int]) -> Callable[[], tuple[bool, str]]:
+    """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs."""
+
+    def run() -> tuple[bool, str]:
+        from model_runtime.attention.select import make_attention_backend
+        from model_runtime.attention.torch_ref import TorchAttention
+
+        q, k, v, kc, vc, meta = _paged_case(7, seq_lens, query_lens, 2, 2, 32, 4)
+        backend = make_attention_backend("triton", "cpu")
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25)
+        out = backend.forward(q, k, v, kc, vc, meta, 0.25)
+        live = [s > 0 for s, n in zip(seq_lens, query_lens) for _ in range(n)]
+        ok, detail = _compare(out, torch.nan_to_num(ref), live)
+        caches = torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+        return ok and caches, f"{detail} caches_equal={caches} backend={backend.name}"
+
+    return run
+
+
+CASES: dict[str, Callable[[], tuple[bool, str]]] = {
+    "store_skips_padding_slots": _case_store,
+    "decode_b1_gqa1_block4": _decode_case(1, [13], 1, 4),
+    "decode_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8),
+    "decode_b6_gqa4_block16_padded": _decode_case(3, [17, 0, 5, 40, 0, 33], 4, 16),
+    "decode_many_segments": _decode_case(4, [300, 2], 2, 4, segments=16),
+    "decode_one_segment_direct_write": _decode_case(5, [23, 0, 70], 4, 8, segments=1),
+    "decode_head_dim_40_tile_32": _decode_case(6, [45, 9], 2, 16, head_dim=40, tile_n=32),
+    "backend_decode_only_with_padding": _backend_case([9, 0, 21], [1, 1, 1]),
+    "backend_mixed_prefill_prefix_decode": _backend_case([5, 11, 9, 0], [5, 4, 1, 0]),
+}
+
+
+def _child_main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1")
+    torch.set_num_threads(1)
+    results = {}
+    for name, case in CASES.items():
+        try:
+            ok, detail = case()
+        except Exception as exc:  # reported per case, so one broken kernel does not hide the others
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        results[name] = {"ok": ok, "detail": detail}
+    print(json.dumps(results))
+
+
+# --- pytest side --------------------------------------------------------------------------------------------
+def _interpreter_breaks_on_numpy() -> bool:
+    from importlib.metadata import version
+
+    import numpy
+
+    def major_minor(text: str) -> tuple[int, int]:
+        major, minor = text.split(".")[:2]
+        return int(major), int(minor)
+
+    return major_minor(version("triton")) < (3, 7) and major_minor(numpy.__version__) >= (2, 4)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict[str, object]]:
+    if not HAVE_TRITON:
+        pytest.skip(
+            "triton is not installed (the CPU torch wheel does not ship it): pip install 'triton>=3.7'"
+        )
+    if _interpreter_breaks_on_numpy():
+        pytest.skip(
+            "triton < 3.7's interpreter fails on numpy >= 2.4 (triton-lang/triton#9171): "
+            "pip install 'triton>=3.7'"
+        )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter child failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_kernel_matches_reference(interpreted: dict[str, dict[str, object]], case: str) -> None:
+    result = interpreted[case]
+    assert result["ok"], f"{case}: {result['detail']}"
+
+
+def test_select_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_runtime.attention.select import make_attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert make_attention_backend("auto", "cpu").name == "torch"
+    assert make_attention_backend("torch", "cuda").name == "torch"
+    with pytest.raises(ValueError, match="flash"):
+        make_attention_backend("flash", "cpu")
+    if HAVE_TRITON:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            make_attention_backend("triton", "cpu")
+
+
+if __name__ == "__main__":
+    _child_main()
