@@ -1,0 +1,249 @@
+"""Decode attention on the GPU: Triton paged kernel vs the HBM roofline, Llama-3-8B shapes.
+
+    python bench/attention.py [--batches 1,8,32] [--contexts 512,2048] [--segments N] [--tile-n N]
+
+One layer: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, every sequence at the full context,
+block tables a random permutation of the pool. For each (batch, context) it checks the kernel against the torch
+reference on a few sequences, then times it with CUDA events (CUDA-graph replays of `--inner` back-to-back
+calls, so launch overhead is excluded; median over `--reps`). Roofline = KV bytes read / HBM bandwidth, the
+bandwidth measured in the same run by a large device-to-device copy (read + write bytes). For context, the
+same batch through torch SDPA (FlashAttention, enable_gqa) on a dense, contiguous KV copy.
+Prints a table and writes bench/results/attention_<gpu-name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_runtime.attention.base import AttentionMetadata
+from model_runtime.attention.torch_ref import paged_attention_ref
+from model_runtime.attention.triton_backend import TritonAttention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+CHECK_SEQS = 4
+TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class Row:
+    batch: int
+    context: int
+    num_segments: int
+    kv_bytes: int
+    triton_us: float
+    roofline_us: float
+    fraction_of_roofline: float
+    achieved_gbps: float
+    sdpa_dense_us: float | None
+    max_rel_err: float
+
+
+def time_graph(fn, inner: int, reps: int) -> float:
+    """Median microseconds of one call of fn, from CUDA-graph replays of `inner` calls timed by CUDA events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    for _ in range(2):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """HBM bandwidth as read + write bytes of a device-to-device copy, median over reps."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def build(batch: int, context: int, gen: torch.Generator):
+    """A paged pool holding exactly `batch` sequences of `context` tokens, in scattered blocks."""
+    per_seq = -(-context // BLOCK)
+    num_blocks = batch * per_seq + 1
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks - 1, generator=gen).to("cuda") + 1
+    tables = perm.view(batch, per_seq).to(torch.int32).contiguous()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    return q, k_cache, v_cache, tables, seq_lens
+
+
+def check(out: torch.Tensor, q, k_cache, v_cache, tables, context: int) -> float:
+    """Relative error of the first CHECK_SEQS sequences against the fp32 torch reference."""
+    n = min(CHECK_SEQS, q.shape[0])
+    used = tables[:n].long()  # copy just their pages (in fp32) into a small pool: block i+1 <- used[i]
+    sub_k = torch.cat([torch.zeros_like(k_cache[:1]), k_cache[used.flatten()]]).float()
+    sub_v = torch.cat([torch.zeros_like(v_cache[:1]), v_cache[used.flatten()]]).float()
+    sub_tables = torch.arange(1, used.numel() + 1, device="cuda", dtype=torch.int32).view_as(used)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((n,), context, dtype=torch.int32, device="cuda"),
+        block_tables=sub_tables,
+        query_lens_host=[1] * n,
+        seq_lens_host=[context] * n,
+        max_query_len=1,
+        max_seq_len=context,
+    )
+    ref = paged_attention_ref(q[:n].float(), sub_k, sub_v, meta, SCALE)
+    err = float((out[:n].float() - ref).abs().max() / ref.abs().max())
+    if not err < TOL:
+        raise SystemExit(f"kernel disagrees with the reference at context {context}: rel err {err:.3e}")
+    return err
+
+
+def dense_sdpa_us(q, k_cache, v_cache, tables, context: int, args) -> float | None:
+    """The same attention through SDPA on a contiguous [B, Hkv, S, D] copy (no paging)."""
+    try:
+        k = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+        v = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    except torch.OutOfMemoryError:
+        return None
+    qd = q.unsqueeze(2)  # [B, Hq, 1, D]
+    us = time_graph(
+        lambda: F.scaled_dot_product_attention(qd, k, v, scale=SCALE, enable_gqa=True), args.inner, args.reps
+    )
+    return us
+
+
+def bench_one(batch: int, context: int, bw_gbps: float, args, gen: torch.Generator) -> Row:
+    q, k_cache, v_cache, tables, seq_lens = build(batch, context, gen)
+    backend = TritonAttention(num_segments=args.segments, tile_n=args.tile_n)
+    segments = backend.segments_for(batch, KV_HEADS, q.device)
+    out = backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    err = check(out, q, k_cache, v_cache, tables, context)
+    us = time_graph(
+        lambda: backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE), args.inner, args.reps
+    )
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
+    dense = None if args.no_sdpa else dense_sdpa_us(q, k_cache, v_cache, tables, context, args)
+    return Row(batch, context, segments, kv_bytes, us, roof_us, roof_us / us, kv_bytes / us / 1e3, dense, err)
+
+
+def print_table(rows: list[Row], bw_gbps: float, gpu: str) -> None:
+    print(
+        f"\n{gpu}: decode attention, Llama-3-8B layer (32/8 heads, D 128, bf16, block {BLOCK}); "
+        f"HBM copy {bw_gbps:.0f} GB/s"
+    )
+    print(
+        f"{'batch':>6} {'ctx':>6} {'segs':>5} {'KV MB':>9} {'triton us':>10} {'roof us':>9} "
+        f"{'% roof':>7} {'GB/s':>7} {'sdpa dense us':>14}"
+    )
+    for r in rows:
+        dense = f"{r.sdpa_dense_us:14.1f}" if r.sdpa_dense_us is not None else f"{'-':>14}"
+        print(
+            f"{r.batch:>6} {r.context:>6} {r.num_segments:>5} {r.kv_bytes / 1e6:>9.1f} {r.triton_us:>10.1f} "
+            f"{r.roofline_us:>9.1f} {100 * r.fraction_of_roofline:>6.1f}% {r.achieved_gbps:>7.0f} {dense}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--contexts", default="512,2048,8192")
+    parser.add_argument("--segments", type=int, default=None, help="fixed split-KV count (default: auto)")
+    parser.add_argument("--tile-n", type=int, default=64)
+    parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<gpu>.json)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/attention.py needs a CUDA GPU")
+    gpu = torch.cuda.get_device_name()
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth_gbps()
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            rows.append(bench_one(batch, context, bw, args, gen))
+            torch.cuda.empty_cache()  # the last config's pool is garbage now
+            r = rows[-1]
+            print(
+                f"batch {batch} ctx {context}: {r.triton_us:.1f} us ({100 * r.fraction_of_roofline:.0f}% of "
+                f"roofline), err {r.max_rel_err:.1e}",
+                flush=True,
+            )
+    print_table(rows, bw, gpu)
+    write_json(rows, bw, gpu, args)
+
+
+def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
+    import triton
+
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    path = Path(args.out) if args.out else Path(__file__).parent / "results" / f"attention_{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": "decode attention (Triton paged split-KV) vs HBM roofline",
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "shape": {
+            "q_heads": Q_HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK,
+            "dtype": "bfloat16",
+        },
+        "settings": {
+            "segments": args.segments or "auto",
+            "tile_n": args.tile_n,
+            "inner": args.inner,
+            "reps": args.reps,
+            "timing": "median of CUDA-event-timed CUDA-graph replays",
+        },
+        "hbm_copy_gbps": bw_gbps,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Triton attention on a CUDA GPU against the torch reference: decode kernel, store, CUDA graphs, prefill path.
+
+References run in fp32 on the same (bf16-rounded) inputs. Outputs are poisoned with NaN before each run, block
+tables are random permutations, and some batches carry padding rows (seq_len 0) that must come back as zeros.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_runtime.attention.base import AttentionMetadata, store_kv
+from model_runtime.attention.torch_ref import TorchAttention, paged_attention_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+DEV = "cuda"
+
+
+def _triton():
+    from model_runtime.attention.triton_backend import TritonAttention
+
+    return TritonAttention
+
+
+def make_meta(seq_lens: list[int], query_lens: list[int], table: torch.Tensor, slots: torch.Tensor):
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    return AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        block_tables=table,
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def random_tables(
+    gen: torch.Generator,
+    seq_lens: list[int],
+    block_size: int,
+    num_blocks: int | None = None,
+    width: int | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Scattered block ids (drawn from a permutation of 1..N-1) per sequence, padded with the null block 0."""
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = num_blocks or sum(need) + 5
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = torch.zeros(len(seq_lens), width or max(1, max(need)) + 2, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at : at + n]
+        at += n
+    return table.to(DEV), num_blocks
+
+
+def slots_for(
+    table: torch.Tensor, seq_lens: list[int], query_lens: list[int], block_size: int
+) -> torch.Tensor:
+    rows = table.cpu().tolist()
+    slots = []
+    for blocks, s, n in zip(rows, seq_lens, query_lens):
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size if s > 0 else -1 for p in range(s - n, s)
+        ]
+    return torch.tensor(slots, dtype=torch.int64, device=DEV)
+
+
+def paged_inputs(seed, seq_lens, query_lens, kv_heads, group, head_dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    table, num_blocks = random_tables(gen, seq_lens, block_size)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, generator=gen).to(DEV, dtype)
+    vc = torch.randn(shape, generator=gen).to(DEV, dtype)
+    t = sum(query_lens)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=gen).to(DEV, dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
+    meta = make_meta(seq_lens, query_lens, table, slots_for(table, seq_lens, query_lens, block_size))
+    return q, k, v, kc, vc, meta
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
+
+
+def check_decode_rows(
+    out: torch.Tensor, q, kc, vc, meta: AttentionMetadata, scale: float, tol: float
+) -> None:
+    live = torch.tensor([s > 0 for s in meta.seq_lens_host], device=DEV)
+    safe = make_meta(
+        [max(1, s) for s in meta.seq_lens_host], [1] * meta.num_seqs, meta.block_tables, meta.slot_mapping
+    )
+    ref = paged_attention_ref(q.float(), kc.float(), vc.float(), safe, scale)
+    assert not out.isnan().any(), "NaN left in the output (a row was never written)"
+    assert rel_err(out[live], ref[live]) < tol
+    assert (out[~live] == 0).all(), "padding rows (seq_len 0) must be zeros"
+
+
+def decode_seq_lens(batch: int, ctx: int, seed: int, pad_every: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, ctx + 1, (batch,), generator=gen).tolist()
+    lens[0] = ctx
+    if pad_every:
+        lens = [0 if i % pad_every == pad_every - 1 else s for i, s in enumerate(lens)]
+    return lens
+
+
+GRID = [(b, c) for b in (1, 7, 64) for c in (1, 17, 512, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("batch", "ctx"), GRID, ids=[f"b{b}-ctx{c}" for b, c in GRID])
+def test_decode_matches_reference(batch: int, ctx: int, dtype: torch.dtype) -> None:
+    i = GRID.index((batch, ctx))
+    block_size, group = (16, 32, 64)[i % 3], (1, 2, 4, 8)[i % 4]
+    seq_lens = decode_seq_lens(batch, ctx, seed=i, pad_every=3 if batch > 1 else 0)
+    q, _, _, kc, vc, meta = paged_inputs(i, seq_lens, [1] * batch, 2, group, 128, block_size, dtype)
+    out = _triton()().decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.088)
+    check_decode_rows(out, q, kc, vc, meta, 0.088, TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_decode_shapes_bf16(block_size: int, group: int, head_dim: int) -> None:
+    seq_lens = decode_seq_lens(7, 1000, seed=block_size + group, pad_every=4)
+    q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 7, 4, group, head_dim, block_size, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    from model_runtime.attention.triton_decode import DecodeWorkspace, decode_attention
+
+    decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, head_dim**-0.5, out, DecodeWorkspace(), 8)
+    check_decode_rows(out, q, kc, vc, meta, head_dim**-0.5, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("segments", [1, 2, 16, 64])
+def test_decode_fixed_segment_counts(segments: int) -> None:
+    seq_lens = decode_seq_lens(5, 4096, seed=segments, pad_every=5)
+    q, _, _, kc, vc, meta = paged_inputs(segments, seq_lens, [1] * 5, 8, 4, 128, 16, torch.bfloat16)
+    out = _triton()(num_segments=segments).decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.088)
+    check_decode_rows(out, q, kc, vc, meta, 0.088, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_store_matches_reference(dtype: torch.dtype) -> None:
+    from model_runtime.attention.triton_store import store_kv_triton
+
+    _, k, v, kc, vc, meta = paged_inputs(0, [40, 0, 9], [40, 1, 9], 8, 4, 128, 16, dtype)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store_kv(k, v, ref_k, ref_v, meta.slot_mapping)
+    store_kv_triton(k, v, kc, vc, meta.slot_mapping)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prefill_and_mixed_batch_match_reference(dtype: torch.dtype) -> None:
+    """Fresh prompts (flash path), chunks over a cached prefix, decode tokens and padding in one batch."""
+    seq_lens, query_lens = [300, 700, 129, 5000, 0, 64], [300, 64, 1, 1, 0, 17]
+    q, k, v, kc, vc, meta = paged_inputs(11, seq_lens, query_lens, 8, 4, 128, 16, dtype)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref = TorchAttention().forward(
+        q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), meta, 0.088
+    )
+    out = _triton()().forward(q, k, v, kc, vc, meta, 0.088)
+    store_kv(k, v, ref_kc, ref_vc, meta.slot_mapping)  # the reference's cache writes, in the cache dtype
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_cuda_graph_replay_equals_eager() -> None:
+    """Capture forward (store + decode) on a padded bucket of 8, replay on new data, compare to eager."""
+    block, kv_heads, group, dim, width = 16, 8, 4, 128, 260
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = 8 * width + 1
+    kc = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(DEV, torch.bfloat16)
+    vc = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(DEV, torch.bfloat16)
+
+    def step_inputs(seq_lens: list[int]):
+        table, _ = random_tables(gen, seq_lens, block, num_blocks, width)
+        qkv = torch.randn(8, (group + 2) * kv_heads, dim, generator=gen).to(DEV, torch.bfloat16)
+        q, k, v = qkv.split([group * kv_heads, kv_heads, kv_heads], dim=1)  # strided views, as in a model
+        return q, k, v, make_meta(seq_lens, [1] * 8, table, slots_for(table, seq_lens, [1] * 8, block))
+
+    backend = _triton()()
+    backend.reserve(8, group * kv_heads, kv_heads, dim, DEV)
+    q, k, v, meta = step_inputs([100, 17, 4096, 1, 600, 0, 0, 0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # JIT-compile and warm up outside the capture
+            backend.forward(q, k, v, kc, vc, meta, 0.088)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.forward(q, k, v, kc, vc, meta, 0.088)
+
+    q2, k2, v2, meta2 = step_inputs([2000, 0, 33, 4000, 9, 1, 0, 250])  # same bucket, new rows
+    for dst, src in (
+        (q, q2),
+        (k, k2),
+        (v, v2),
+        (meta.seq_lens, meta2.seq_lens),
+        (meta.slot_mapping, meta2.slot_mapping),
+        (meta.block_tables, meta2.block_tables),
+    ):
+        dst.copy_(src)
+    eager_kc, eager_vc = kc.clone(), vc.clone()
+    static_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _triton()().forward(q2, k2, v2, eager_kc, eager_vc, meta2, 0.088)
+    assert torch.equal(static_out, eager), "graph replay differs from the eager run on the same inputs"
+    assert torch.equal(kc, eager_kc) and torch.equal(vc, eager_vc)
+    check_decode_rows(static_out, q2, kc, vc, meta2, 0.088, TOL[torch.bfloat16])
