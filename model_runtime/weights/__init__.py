@@ -1,0 +1,46 @@
+"""Model sources: resolve a spec, read its config, load its weights (tokenizers live in model_runtime.tokenizer).
+
+    source = resolve_model("smollm2-135m-instruct")   # or an HF dir, a .gguf file, "dummy:llama-3-8b"
+    config = load_model_config(source)                 # model_runtime.config.ModelConfig
+    weights = load_weights(source, config, torch.bfloat16, "cuda")   # canonical fused names, see canonical.py
+
+Module map: source.py (specs -> ModelSource), config_loading.py (ModelConfig), gguf_file.py (GGUF metadata and
+tensor index), canonical.py (engine names, fusing), hf.py / gguf_loader.py / dummy.py (one per format),
+shapes.py (named dummy shapes), gguf_vocab.py (a GGUF's tokenizer). Importing this package does not import
+torch: the router resolves models for their tokenizer alone. `load_weights` imports it when called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from model_runtime.weights.config_loading import load_model_config
+from model_runtime.weights.errors import ModelLoadError
+from model_runtime.weights.shapes import DUMMY_SHAPES
+from model_runtime.weights.source import EMBEDDED_MODEL, ModelSource, SourceFormat, resolve_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from model_runtime.config import ModelConfig
+
+
+def load_weights(
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor in `dtype` on `device` (see model_runtime.weights.canonical for the names)."""
+    from model_runtime.weights.loading import load_weights as load
+
+    return load(source, config, dtype, device)
+
+
+__all__ = [
+    "DUMMY_SHAPES",
+    "EMBEDDED_MODEL",
+    "ModelLoadError",
+    "ModelSource",
+    "SourceFormat",
+    "load_model_config",
+    "load_weights",
+    "resolve_model",
+]

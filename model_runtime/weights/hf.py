@@ -1,0 +1,49 @@
+"""Hugging Face safetensors checkpoints (single file or sharded) as a `TensorSource`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from model_runtime.weights.errors import ModelLoadError
+
+
+class SafetensorsSource:
+    """Tensors of one or more safetensors files, read lazily (each file is memory-mapped, not copied)."""
+
+    def __init__(self, directory: Path, files: tuple[Path, ...], handles: dict[str, Any]) -> None:
+        self.where = str(directory)
+        self._files = files
+        self._handles = handles  # tensor name -> the open safe_open handle of the file that holds it
+
+    def names(self) -> Iterable[str]:
+        return self._handles.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        handle = self._handles.get(name)
+        if handle is None:
+            raise ModelLoadError(f"{self.where}: tensor {name} is missing from the safetensors files")
+        return handle.get_tensor(name)
+
+
+@contextlib.contextmanager
+def open_safetensors(directory: Path, files: tuple[Path, ...]) -> Iterator[SafetensorsSource]:
+    """Open every file for the duration of the `with` block; the mmaps are closed on exit."""
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            except Exception as exc:  # SafetensorError or OSError
+                raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+            names: list[str] = handle.keys()  # a safe_open handle is not iterable
+            for name in names:
+                if name in handles:
+                    raise ModelLoadError(f"{file}: tensor {name} also appears in another shard")
+                handles[name] = handle
+        yield SafetensorsSource(directory, files, handles)
