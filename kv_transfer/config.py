@@ -1,0 +1,89 @@
+"""TransferConfig: which transport moves KV and how long every step may take.
+
+One frozen dataclass, validated once; errors name the field (`transfer.<field>`) and the allowed range so a bad
+YAML key or CLI flag fails at start-up. `model_runtime.config.dataclass_from_dict(TransferConfig, data,
+"transfer")` builds it from a parsed YAML mapping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from model_runtime.config import ConfigError
+
+TRANSPORT_KINDS = ("tcp", "nccl", "cuda_ipc")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _fail(name: str, msg: str) -> None:
+    raise ConfigError(f"transfer.{name}: {msg}")
+
+
+def _check_seconds(name: str, value: object, upper: float = 24 * 3600.0) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= upper
+    ):
+        _fail(name, f"must be a number of seconds in (0, {upper:g}], got {value!r}")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        _fail(name, f"must be an integer in [{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How a KVSender / KVReceiver moves blocks.
+
+    kind: "tcp" (CPU or GPU caches, bytes over the control socket), "nccl" (GPU to GPU, two different GPUs),
+        "cuda_ipc" (same node: the receiver copies from the sender's mapped cache; the GPUs may be the same).
+    host, port: where a receiver listens (port 0 picks a free port). advertise_host: the address put in
+        KVTargets; needed when host is a wildcard such as 0.0.0.0.
+    connect_timeout_s: connecting plus the handshake; also how long an unclaimed connection may idle.
+    transfer_timeout_s: a sender's default deadline for one handoff, from send() to the receiver's ack.
+    lease_ttl_s: a receiver's default lease lifetime, from reserve() to landing.
+    pair_setup_timeout_s: NCCL communicator init / IPC handle exchange, once per (sender, receiver) pair.
+    poll_interval_s: how often blocked reads, writes and GPU waits wake to check deadlines and aborts.
+    chunk_bytes: tcp data is written in chunks of at most this size; aborts are seen between chunks.
+    max_connections: open control connections a receiver serves at once; more are refused (RECEIVER_BUSY).
+    max_inflight_sends: transfers a sender runs at once; more wait in its queue (their deadlines still run).
+    """
+
+    kind: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    connect_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    lease_ttl_s: float = 60.0
+    pair_setup_timeout_s: float = 60.0
+    poll_interval_s: float = 0.02
+    chunk_bytes: int = 4 * 2**20
+    max_connections: int = 64
+    max_inflight_sends: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kind not in TRANSPORT_KINDS:
+            _fail("kind", f"must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.host, str) or (not self.host and not self.advertise_host):
+            _fail("host", f"must be a host name or address, got {self.host!r}")
+        if not isinstance(self.advertise_host, str):
+            _fail("advertise_host", f"must be a string, got {self.advertise_host!r}")
+        if self.host in WILDCARD_HOSTS and not self.advertise_host:
+            _fail("advertise_host", f"required when host is the wildcard {self.host!r}: peers cannot dial it")
+        _check_int("port", self.port, 0, 65535)
+        for name in ("connect_timeout_s", "transfer_timeout_s", "lease_ttl_s", "pair_setup_timeout_s"):
+            _check_seconds(name, getattr(self, name))
+        _check_seconds("poll_interval_s", self.poll_interval_s, upper=1.0)
+        _check_int("chunk_bytes", self.chunk_bytes, 256, 2**30)
+        _check_int("max_connections", self.max_connections, 1, 65536)
+        _check_int("max_inflight_sends", self.max_inflight_sends, 1, 4096)
+
+    @property
+    def public_host(self) -> str:
+        """The address peers dial: advertise_host when set, else host."""
+        return self.advertise_host or self.host

@@ -1,0 +1,241 @@
+"""LeaseTable: the receiver's reserved blocks, their handles, and who owns the blocks at each moment.
+
+    reserve() ---> RESERVED --claim()--> RECEIVING --land()--> (caller owns the blocks)
+                      |                     |
+           cancel/expire: freed now    cancel/expire: only flagged; the receiving thread sees the flag,
+                                       stops writing, then fail_claimed() frees
+
+Invariant: a block is returned to the allocator only by the thread that last could write into it. Unclaimed
+leases have no writer, so cancel() and expire() free them at once; a claimed lease is freed by its receiving
+thread in fail_claimed() after its last write, never by the reaper. A handle is 16 random bytes, bound to one
+request id, usable for one claim; retired handles are remembered (bounded) so a reused or expired handle fails
+with the precise reason, and an unknown one with UNKNOWN_HANDLE.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kv_transfer.contracts import BlockAllocator, FailureReason, Lease, NoRoom, TransferFailed
+from model_runtime.kv_layout import KVLayout
+
+HANDLE_BYTES = 16
+RETIRED_CAPACITY = 16384
+
+# (lease, why it failed, monotonic time of the claim or 0.0): called after the blocks went back to the allocator.
+FailedCallback = Callable[[Lease, TransferFailed, float], None]
+
+
+class LeaseState(enum.Enum):
+    RESERVED = 1
+    RECEIVING = 2
+
+
+@dataclass
+class _Entry:
+    lease: Lease
+    state: LeaseState = LeaseState.RESERVED
+    cancel: TransferFailed | None = None
+    claimed_at: float = 0.0
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        layout: KVLayout,
+        allocator: BlockAllocator,
+        on_failed: FailedCallback,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._layout = layout
+        self._allocator = allocator
+        self._on_failed = on_failed
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_handle: dict[bytes, _Entry] = {}
+        self._by_request: dict[str, bytes] = {}
+        self._retired: OrderedDict[bytes, FailureReason | None] = OrderedDict()  # None: landed
+
+    def __len__(self) -> int:
+        return len(self._by_handle)
+
+    # --- reserve ---------------------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int, ttl_s: float) -> Lease:
+        num_blocks = self._check_request(request_id, num_tokens, ttl_s)
+        with self._lock:
+            if request_id in self._by_request:
+                raise ValueError(f"request_id {request_id!r} already holds a lease")
+        block_ids = self._allocator.allocate(num_blocks)
+        if block_ids is None:
+            raise NoRoom(request_id, num_blocks)
+        self._check_allocation(block_ids, num_blocks)
+        now = self._clock()
+        lease = Lease(
+            request_id, secrets.token_bytes(HANDLE_BYTES), tuple(block_ids), num_tokens, now, now + ttl_s
+        )
+        with self._lock:
+            duplicate = request_id in self._by_request
+            if not duplicate:
+                self._by_handle[lease.handle] = _Entry(lease)
+                self._by_request[request_id] = lease.handle
+        if duplicate:  # a concurrent reserve() for the same request won the race
+            self._allocator.free(block_ids)
+            raise ValueError(f"request_id {request_id!r} already holds a lease")
+        return lease
+
+    def _check_request(self, request_id: str, num_tokens: int, ttl_s: float) -> int:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens: must be an integer >= 1, got {num_tokens!r}")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s: must be > 0, got {ttl_s!r}")
+        num_blocks = self._layout.blocks_for_tokens(num_tokens)
+        if num_blocks > self._layout.usable_blocks:
+            raise ValueError(
+                f"num_tokens: {num_tokens} tokens need {num_blocks} blocks, more than the cache's "
+                f"{self._layout.usable_blocks}"
+            )
+        return num_blocks
+
+    def _check_allocation(self, block_ids: list[int], num_blocks: int) -> None:
+        """The allocator is trusted but verified: a wrong id here would let a peer overwrite someone's KV."""
+        problem = None
+        if len(block_ids) != num_blocks or len(set(block_ids)) != num_blocks:
+            problem = f"allocator returned {block_ids!r} for {num_blocks} distinct blocks"
+        else:
+            try:
+                self._layout.check_block_ids(block_ids, "allocator block id")
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            self._allocator.free(block_ids)
+            raise RuntimeError(problem)
+
+    # --- the receiving thread --------------------------------------------------------------------------
+    def claim(self, handle: bytes, request_id: str) -> Lease:
+        """Bind the lease to the calling thread (its only writer from now on), or raise why not."""
+        expired = None
+        with self._lock:
+            entry = self._by_handle.get(handle)
+            if entry is None:
+                raise self._retired_failure(handle)
+            if entry.lease.request_id != request_id:
+                raise TransferFailed(
+                    FailureReason.HANDLE_MISMATCH,
+                    f"the handle belongs to another request than {request_id!r}",
+                )
+            if entry.state is LeaseState.RECEIVING:
+                raise TransferFailed(
+                    FailureReason.HANDLE_BUSY,
+                    f"request {request_id!r}: another connection is filling this lease",
+                )
+            if self._clock() > entry.lease.expires_at:
+                expired = self._remove(entry, FailureReason.LEASE_EXPIRED)
+            else:
+                entry.state = LeaseState.RECEIVING
+                entry.claimed_at = self._clock()
+                return entry.lease
+        failure = TransferFailed(FailureReason.LEASE_EXPIRED, f"request {request_id!r}: the lease expired")
+        self._release(expired, failure, 0.0)
+        raise failure
+
+    def cancellation(self, handle: bytes) -> TransferFailed | None:
+        """Why the claimed lease must stop (abort, expiry, shutdown), or None. Polled by the receiving
+        thread; reads one attribute, so it takes no lock."""
+        entry = self._by_handle.get(handle)
+        if entry is None:
+            return TransferFailed(FailureReason.INTERNAL, "a claimed lease left the table")
+        return entry.cancel
+
+    def land(self, handle: bytes) -> Lease:
+        """All bytes arrived: the blocks now belong to the caller. Raises the cancellation if one came first."""
+        with self._lock:
+            entry = self._by_handle[handle]
+            if entry.cancel is not None:
+                raise entry.cancel
+            self._remove(entry, None)
+            return entry.lease
+
+    def fail_claimed(self, handle: bytes, failure: TransferFailed) -> None:
+        """The receiving thread gave up and will not write again: free the blocks and report."""
+        with self._lock:
+            entry = self._by_handle.get(handle)
+            if entry is None:
+                return
+            self._remove(entry, failure.reason)
+        self._release(entry, failure, entry.claimed_at)
+
+    # --- other threads ---------------------------------------------------------------------------------
+    def cancel(self, key: str | bytes, failure: TransferFailed) -> bool:
+        """Abort the lease of a request id or handle. False when there is none (landed, failed, unknown)."""
+        with self._lock:
+            handle = key if isinstance(key, bytes) else self._by_request.get(key)
+            entry = self._by_handle.get(handle) if handle is not None else None
+            if entry is None:
+                return False
+            freed = self._cancel_locked(entry, failure)
+        if freed is not None:
+            self._release(freed, failure, 0.0)
+        return True
+
+    def expire(self) -> None:
+        """Run by the reaper: end every lease past its expiry, whether or not any traffic comes."""
+        now = self._clock()
+        freed = []
+        with self._lock:
+            for entry in list(self._by_handle.values()):
+                if now > entry.lease.expires_at and entry.cancel is None:
+                    failure = TransferFailed(
+                        FailureReason.LEASE_EXPIRED, f"request {entry.lease.request_id!r}: the lease expired"
+                    )
+                    done = self._cancel_locked(entry, failure)
+                    if done is not None:
+                        freed.append((done, failure))
+        for entry, failure in freed:
+            self._release(entry, failure, 0.0)
+
+    def cancel_all(self, failure: TransferFailed) -> None:
+        with self._lock:
+            handles = list(self._by_handle)
+        for handle in handles:
+            self.cancel(handle, failure)
+
+    # --- internals -------------------------------------------------------------------------------------
+    def _cancel_locked(self, entry: _Entry, failure: TransferFailed) -> _Entry | None:
+        if entry.state is LeaseState.RESERVED:
+            return self._remove(entry, failure.reason)
+        if entry.cancel is None:
+            entry.cancel = failure  # the receiving thread frees after its last write
+        return None
+
+    def _remove(self, entry: _Entry, reason: FailureReason | None) -> _Entry:
+        handle = entry.lease.handle
+        del self._by_handle[handle]
+        del self._by_request[entry.lease.request_id]
+        self._retired[handle] = reason
+        while len(self._retired) > RETIRED_CAPACITY:
+            self._retired.popitem(last=False)
+        return entry
+
+    def _release(self, entry: _Entry, failure: TransferFailed, claimed_at: float) -> None:
+        self._allocator.free(entry.lease.block_ids)
+        self._on_failed(entry.lease, failure, claimed_at)
+
+    def _retired_failure(self, handle: bytes) -> TransferFailed:
+        if handle not in self._retired:
+            return TransferFailed(FailureReason.UNKNOWN_HANDLE, "no lease was issued with this handle")
+        reason = self._retired[handle]
+        if reason is None:
+            return TransferFailed(FailureReason.HANDLE_REUSED, "the lease of this handle already landed")
+        if reason in (FailureReason.LEASE_EXPIRED, FailureReason.RECEIVER_ABORTED, FailureReason.SHUTDOWN):
+            return TransferFailed(reason, f"the lease of this handle already ended ({reason.name})")
+        return TransferFailed(
+            FailureReason.HANDLE_REUSED, f"the lease of this handle already failed ({reason.name})"
+        )

@@ -1,0 +1,97 @@
+"""Pairing: what two peers check about each other before any KV byte moves.
+
+The block format comes from KVLayout alone (`format_dict`, `fingerprint`, `mismatch`): a mismatch is refused
+with a message naming the differing field. The transport kinds must agree, and nccl needs two GPUs.
+"""
+
+from __future__ import annotations
+
+from kv_transfer.contracts import FailureReason, TransferFailed
+from model_runtime.kv_layout import FORMAT_FIELDS, KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+PROTOCOL_VERSION = 1
+HANDLE_BYTES = 16
+
+TRANSPORT_TO_PROTO = {
+    "tcp": kv_pb2.KV_TRANSPORT_TCP,
+    "nccl": kv_pb2.KV_TRANSPORT_NCCL,
+    "cuda_ipc": kv_pb2.KV_TRANSPORT_CUDA_IPC,
+}
+TRANSPORT_FROM_PROTO = {v: k for k, v in TRANSPORT_TO_PROTO.items()}
+
+
+def format_message(layout: KVLayout) -> kv_pb2.KVFormat:
+    message = kv_pb2.KVFormat()
+    for name, value in layout.format_dict().items():
+        setattr(message, name, value)
+    return message
+
+
+def format_from_message(message: kv_pb2.KVFormat) -> dict[str, int | str]:
+    return {name: getattr(message, name) for name in FORMAT_FIELDS}
+
+
+def check_format(layout: KVLayout, message: kv_pb2.KVFormat, fingerprint: str) -> None:
+    """Refuse a peer whose blocks mean something else; the message names every differing field."""
+    diff = layout.mismatch(format_from_message(message))
+    if diff is not None:
+        raise TransferFailed(FailureReason.LAYOUT_MISMATCH, f"KV layouts differ: {diff}")
+    if fingerprint != layout.fingerprint():
+        raise TransferFailed(
+            FailureReason.LAYOUT_MISMATCH,
+            f"layout fingerprints differ ({fingerprint!r} vs ours {layout.fingerprint()!r}) "
+            "although the format fields agree: peers run different KVLayout versions",
+        )
+
+
+def make_hello(
+    layout: KVLayout, instance_id: bytes, kind: str, device_uuid: str, pair_ready: bool = False
+) -> kv_pb2.KVFrame:
+    return kv_pb2.KVFrame(
+        hello=kv_pb2.KVHello(
+            protocol_version=PROTOCOL_VERSION,
+            instance_id=instance_id,
+            format=format_message(layout),
+            layout_fingerprint=layout.fingerprint(),
+            transports=[TRANSPORT_TO_PROTO[kind]],
+            device_uuid=device_uuid,
+            pair_ready=pair_ready,
+        )
+    )
+
+
+def check_hello(layout: KVLayout, kind: str, device_uuid: str, hello: kv_pb2.KVHello) -> None:
+    """What both sides check in the peer's KVHello: version, block format, transport and GPUs."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise TransferFailed(
+            FailureReason.PROTOCOL_ERROR,
+            f"protocol version {hello.protocol_version}, expected {PROTOCOL_VERSION}",
+        )
+    if len(hello.instance_id) != HANDLE_BYTES:
+        raise TransferFailed(FailureReason.PROTOCOL_ERROR, "hello.instance_id must be 16 bytes")
+    check_format(layout, hello.format, hello.layout_fingerprint)
+    if TRANSPORT_TO_PROTO[kind] not in hello.transports:
+        theirs = ", ".join(TRANSPORT_FROM_PROTO.get(t, str(t)) for t in hello.transports) or "none"
+        raise TransferFailed(FailureReason.TRANSPORT_MISMATCH, f"transport: ours={kind} theirs={theirs}")
+    if kind == "nccl" and device_uuid and hello.device_uuid == device_uuid:
+        raise TransferFailed(
+            FailureReason.TRANSPORT_MISMATCH,
+            "nccl needs two different GPUs but both caches are on one GPU; use cuda_ipc",
+        )
+
+
+def check_target(layout: KVLayout, kind: str, target: kv_pb2.KVTarget) -> None:
+    """A sender's checks of a KVTarget before it connects (raise TransferFailed, nothing is sent)."""
+    if not target.host or not 0 < target.port < 65536:
+        raise TransferFailed(
+            FailureReason.CONNECT_FAILED, f"target address {target.host!r}:{target.port} is invalid"
+        )
+    if len(target.handle) != HANDLE_BYTES:
+        raise TransferFailed(FailureReason.UNKNOWN_HANDLE, f"target.handle must be {HANDLE_BYTES} bytes")
+    if not target.request_id:
+        raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, "target.request_id is empty")
+    check_format(layout, target.format, target.layout_fingerprint)
+    if target.transport != TRANSPORT_TO_PROTO[kind]:
+        theirs = TRANSPORT_FROM_PROTO.get(target.transport, str(target.transport))
+        raise TransferFailed(FailureReason.TRANSPORT_MISMATCH, f"transport: ours={kind} target={theirs}")

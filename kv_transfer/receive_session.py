@@ -1,0 +1,238 @@
+"""One control connection on the receiver, run on its own thread from accept to close.
+
+    KVHello -> check layout/transport -> KVHello      (refuse: KVError, close)
+    KVBegin -> claim the lease, check counts -> KVBeginOk
+    [KVPairSetup -> transport builds the pair -> KVPairSetupAck]
+    KVPart* -> transport writes the layer group into the lease's blocks
+    KVDone  -> every layer arrived -> land (blocks now the caller's) -> KVAck, result
+
+While the lease is claimed this thread is the only writer into its blocks, so it is also the one that frees
+them when anything fails: after its last write, never before (see kv_transfer.leases).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.contracts import FailureReason, FirstToken, Lease, TransferFailed, TransferResult
+from kv_transfer.frames import FrameConnection, Watch, error_frame, expect, frame_failure
+from kv_transfer.leases import LeaseTable
+from kv_transfer.pairing import check_hello, make_hello
+from kv_transfer.transport import PartJob, ReceiverTransport
+from model_runtime.kv_layout import KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+log = logging.getLogger(__name__)
+
+# Failures the sender caused or already knows about: telling it again is pointless.
+PEER_CAUSED = (FailureReason.CONNECTION_LOST, FailureReason.SENDER_ABORTED)
+# Failures that are our decision to stop (KVAbort) rather than a refusal of what the sender sent (KVError).
+OUR_ABORTS = (FailureReason.RECEIVER_ABORTED, FailureReason.LEASE_EXPIRED, FailureReason.SHUTDOWN)
+
+
+@dataclass(frozen=True)
+class ReceiverCore:
+    """What every session of one KVReceiver shares."""
+
+    layout: KVLayout
+    config: TransferConfig
+    table: LeaseTable
+    transport: ReceiverTransport
+    instance_id: bytes
+    device_uuid: str
+    deliver: Callable[[TransferResult], None]
+    shutdown: Callable[[], TransferFailed | None]  # a SHUTDOWN failure once the receiver is closing
+
+
+class ReceiveSession:
+    def __init__(self, core: ReceiverCore, conn: FrameConnection) -> None:
+        self.core = core
+        self.conn = conn
+        self.lease: Lease | None = None  # claimed and not landed: ours to fail
+        self.claimed_at = 0.0
+        self.src_block_ids: tuple[int, ...] = ()
+        self.watch = Watch(
+            time.monotonic() + core.config.connect_timeout_s,
+            FailureReason.DEADLINE_EXCEEDED,
+            "handshake",
+            cancelled=core.shutdown,
+        )
+
+    def run(self) -> None:
+        try:
+            peer_id = self._handshake()
+            self._claim()
+            self._serve(peer_id)
+        except TransferFailed as failure:
+            self._fail(failure)
+        except Exception as exc:  # a bug: fail this lease closed, keep the receiver alive, say what happened
+            log.exception("KV receive session failed")
+            self._fail(TransferFailed(FailureReason.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.conn.close()
+
+    # --- steps -----------------------------------------------------------------------------------------
+    def _handshake(self) -> bytes:
+        hello = expect(self.conn.read_frame(self.watch), "hello", FailureReason.PROTOCOL_ERROR).hello
+        check_hello(self.core.layout, self.core.config.kind, self.core.device_uuid, hello)
+        ready = self.core.transport.pair_ready(hello.instance_id)
+        reply = make_hello(
+            self.core.layout,
+            self.core.instance_id,
+            self.core.config.kind,
+            self.core.device_uuid,
+            pair_ready=ready,
+        )
+        self.conn.send_frame(reply, self.watch)
+        return bytes(hello.instance_id)
+
+    def _claim(self) -> None:
+        begin = expect(self.conn.read_frame(self.watch), "begin", FailureReason.PROTOCOL_ERROR).begin
+        lease = self.core.table.claim(bytes(begin.handle), begin.request_id)
+        self.lease, self.claimed_at = lease, time.monotonic()
+        self._check_begin(begin, lease)
+        self.src_block_ids = tuple(begin.src_block_ids)
+        table, handle = self.core.table, lease.handle
+        self.watch = Watch(
+            lease.expires_at,
+            FailureReason.LEASE_EXPIRED,
+            f"lease of {lease.request_id!r}",
+            cancelled=lambda: table.cancellation(handle) or self.core.shutdown(),
+        )
+        remaining_ms = max(0, int((lease.expires_at - time.monotonic()) * 1000))
+        self.conn.send_frame(
+            kv_pb2.KVFrame(begin_ok=kv_pb2.KVBeginOk(lease_remaining_ms=remaining_ms)), self.watch
+        )
+
+    def _check_begin(self, begin: kv_pb2.KVBegin, lease: Lease) -> None:
+        n = len(lease.block_ids)
+        expected_bytes = self.core.layout.bytes_per_block * n
+        problems = []
+        if begin.num_blocks != n:
+            problems.append(f"num_blocks: lease={n} sender={begin.num_blocks}")
+        if begin.num_tokens != lease.num_tokens:
+            problems.append(f"num_tokens: lease={lease.num_tokens} sender={begin.num_tokens}")
+        if begin.num_bytes != expected_bytes:
+            problems.append(f"num_bytes: lease={expected_bytes} sender={begin.num_bytes}")
+        if self.core.config.kind == "cuda_ipc" and len(begin.src_block_ids) != n:
+            problems.append(f"src_block_ids: {len(begin.src_block_ids)} ids for {n} blocks")
+        if problems:
+            raise TransferFailed(
+                FailureReason.DESCRIPTOR_MISMATCH, f"request {lease.request_id!r}: " + "; ".join(problems)
+            )
+
+    def _serve(self, peer_id: bytes) -> None:
+        covered: set[int] = set()
+        while True:
+            frame = self.conn.read_frame(self.watch)
+            kind = frame.WhichOneof("body")
+            if kind == "pair_setup":
+                self.core.transport.setup_pair(peer_id, frame.pair_setup, self.conn, self.watch)
+            elif kind == "part":
+                self._receive_part(peer_id, frame.part, covered)
+            elif kind == "done":
+                self._land(frame.done, covered)
+                return
+            else:
+                raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
+                    FailureReason.PROTOCOL_ERROR, f"unexpected {kind} frame after KVBegin"
+                )
+
+    def _receive_part(self, peer_id: bytes, part: kv_pb2.KVPart, covered: set[int]) -> None:
+        assert self.lease is not None
+        layout, n = self.core.layout, len(self.lease.block_ids)
+        layers = range(part.layer_begin, part.layer_end)
+        if not 0 <= part.layer_begin < part.layer_end <= layout.num_layers:
+            raise TransferFailed(
+                FailureReason.DESCRIPTOR_MISMATCH,
+                f"part layers [{part.layer_begin}, {part.layer_end}) outside [0, {layout.num_layers})",
+            )
+        if covered.intersection(layers):
+            raise TransferFailed(
+                FailureReason.DESCRIPTOR_MISMATCH,
+                f"part layers [{part.layer_begin}, {part.layer_end}) overlap an earlier part",
+            )
+        expected = layout.bytes_per_block_layer * n * len(layers)
+        if part.num_bytes != expected:
+            raise TransferFailed(
+                FailureReason.DESCRIPTOR_MISMATCH,
+                f"part num_bytes: expected {expected} for {n} blocks x {len(layers)} layers, "
+                f"got {part.num_bytes}",
+            )
+        self.core.transport.receive_part(
+            PartJob(
+                conn=self.conn,
+                watch=self.watch,
+                peer_id=peer_id,
+                request_id=self.lease.request_id,
+                block_ids=self.lease.block_ids,
+                layer_begin=part.layer_begin,
+                layer_end=part.layer_end,
+                num_bytes=expected,
+                remote_block_ids=self.src_block_ids,
+            )
+        )
+        covered.update(layers)
+
+    def _land(self, done: kv_pb2.KVDone, covered: set[int]) -> None:
+        assert self.lease is not None
+        missing = self.core.layout.num_layers - len(covered)
+        if missing:
+            raise TransferFailed(
+                FailureReason.DESCRIPTOR_MISMATCH, f"KVDone with {missing} layers not received"
+            )
+        first = _first_token(done)
+        lease = self.core.table.land(self.lease.handle)  # raises a cancellation that came first
+        self.lease = None  # the blocks are the caller's now
+        seconds = time.monotonic() - self.claimed_at
+        num_bytes = self.core.layout.bytes_per_block * len(lease.block_ids)
+        notice = Watch(
+            time.monotonic() + self.core.config.connect_timeout_s, FailureReason.DEADLINE_EXCEEDED, "ack"
+        )
+        try:
+            self.conn.send_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck(num_bytes=num_bytes)), notice)
+        except (
+            TransferFailed
+        ) as exc:  # the KV landed: decode proceeds; the sender frees its blocks either way
+            log.warning("request %r landed but the ack was not delivered: %s", lease.request_id, exc)
+        self.core.deliver(
+            TransferResult(lease, True, first_token=first, num_bytes=num_bytes, seconds=seconds)
+        )
+
+    # --- failure ---------------------------------------------------------------------------------------
+    def _fail(self, failure: TransferFailed) -> None:
+        if self.lease is not None:  # free only now: this thread has made its last write
+            self.core.table.fail_claimed(self.lease.handle, failure)
+            self.lease = None
+        if failure.reason in PEER_CAUSED:
+            return
+        grace = min(1.0, self.core.config.connect_timeout_s)
+        notice = Watch(time.monotonic() + grace, FailureReason.DEADLINE_EXCEEDED, "failure notice")
+        if failure.reason in OUR_ABORTS:
+            sent = self.conn.send_abort(failure, notice)
+        else:
+            try:
+                self.conn.send_frame(error_frame(failure.reason, failure.message), notice)
+                sent = True
+            except TransferFailed:
+                sent = False
+        if sent:  # let the frame reach the sender before the socket goes: drain what it still sends
+            self.conn.close(grace_s=grace)
+
+
+def _first_token(done: kv_pb2.KVDone) -> FirstToken:
+    if not done.HasField("first_token"):
+        raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, "KVDone carries no first token")
+    token = done.first_token
+    try:
+        return FirstToken(
+            token.token_id,
+            token.logprob if token.HasField("logprob") else None,
+            tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+        )
+    except ValueError as exc:
+        raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None

@@ -1,0 +1,211 @@
+"""One transfer on the sender, run on a transfer thread from connect to ack.
+
+    connect -> KVHello + KVBegin (pipelined) -> KVHello, KVBeginOk -> [pair setup]
+            -> for each layer group the caller queues: KVPart + transport data
+            -> KVDone(first token) -> KVAck
+
+It never raises: every outcome becomes a SendResult. A local stop (abort, deadline, shutdown) is announced to
+the receiver with KVAbort when the stream allows; whatever the receiver says while we stream (KVError,
+KVAbort) ends the transfer with the receiver's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.contracts import FailureReason, SendResult, TransferFailed
+from kv_transfer.frames import FrameConnection, Watch, expect, frame_failure
+from kv_transfer.pairing import check_hello, check_target, make_hello
+from kv_transfer.send_handle import DoneRequest, PartRequest, SendHandle
+from kv_transfer.transport import PartJob, SenderTransport
+from model_runtime.kv_layout import KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+log = logging.getLogger(__name__)
+
+LOCAL_STOPS = (FailureReason.SENDER_ABORTED, FailureReason.DEADLINE_EXCEEDED, FailureReason.SHUTDOWN)
+
+
+@dataclass(frozen=True)
+class SenderCore:
+    """What every transfer of one KVSender shares."""
+
+    layout: KVLayout
+    config: TransferConfig
+    transport: SenderTransport
+    instance_id: bytes
+    device_uuid: str
+    shutdown: Callable[[], TransferFailed | None]
+    chunk_hook: Callable[[str, int], None] | None
+
+
+class SendSession:
+    def __init__(self, core: SenderCore, handle: SendHandle) -> None:
+        self.core = core
+        self.handle = handle
+        self.conn: FrameConnection | None = None
+        self.watch = Watch(
+            handle.deadline,
+            FailureReason.DEADLINE_EXCEEDED,
+            f"send of {handle.request_id!r}",
+            cancelled=lambda: handle.cancellation() or core.shutdown(),
+        )
+
+    def run(self) -> SendResult:
+        try:
+            self._run()
+            num_bytes = self.core.layout.bytes_per_block * len(self.handle.src_block_ids)
+            return self._result(True, None, "", num_bytes)
+        except TransferFailed as failure:
+            failure = self._explain(failure)
+            return self._result(False, failure.reason, failure.message)
+        except Exception as exc:  # a bug: fail this transfer, keep the sender alive, say what happened
+            log.exception("KV send of %r failed", self.handle.request_id)
+            return self._result(False, FailureReason.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            if self.conn is not None:
+                self.conn.close()
+
+    def _run(self) -> None:
+        target = self.handle.target
+        check_target(self.core.layout, self.core.config.kind, target)
+        n = len(self.handle.src_block_ids)
+        if target.num_tokens != self.handle.num_tokens or target.num_blocks != n:
+            raise TransferFailed(
+                FailureReason.DESCRIPTOR_MISMATCH,
+                f"target wants {target.num_tokens} tokens in {target.num_blocks} blocks, "
+                f"send has {self.handle.num_tokens} tokens in {n} blocks",
+            )
+        self.watch.check()
+        self.conn = self._connect(target)
+        peer_id, peer_ready = self._handshake(self.conn, target)
+        self.core.transport.ensure_pair(peer_id, peer_ready, self.conn, self.watch)
+        self._stream(self.conn, peer_id)
+
+    # --- steps -----------------------------------------------------------------------------------------
+    def _connect(self, target: kv_pb2.KVTarget) -> FrameConnection:
+        timeout = max(0.001, min(self.core.config.connect_timeout_s, self.watch.remaining()))
+        try:
+            sock = socket.create_connection((target.host, target.port), timeout=timeout)
+        except OSError as exc:
+            raise TransferFailed(
+                FailureReason.CONNECT_FAILED, f"{target.host}:{target.port}: {exc}"
+            ) from None
+        return FrameConnection(sock, self.core.config.poll_interval_s)
+
+    def _handshake(self, conn: FrameConnection, target: kv_pb2.KVTarget) -> tuple[bytes, bool]:
+        core, handle = self.core, self.handle
+        deadline = min(handle.deadline, time.monotonic() + core.config.connect_timeout_s)
+        watch = Watch(deadline, FailureReason.DEADLINE_EXCEEDED, "KV handshake", cancelled=self.watch.failure)
+        begin = kv_pb2.KVBegin(
+            handle=target.handle,
+            request_id=target.request_id,
+            num_blocks=len(handle.src_block_ids),
+            num_tokens=handle.num_tokens,
+            num_bytes=core.layout.bytes_per_block * len(handle.src_block_ids),
+        )
+        if core.config.kind == "cuda_ipc":
+            begin.src_block_ids.extend(handle.src_block_ids)
+        conn.send_frame(make_hello(core.layout, core.instance_id, core.config.kind, core.device_uuid), watch)
+        conn.send_frame(kv_pb2.KVFrame(begin=begin), watch)
+        hello = expect(conn.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
+        check_hello(core.layout, core.config.kind, core.device_uuid, hello)
+        if hello.instance_id != target.receiver_id:
+            raise TransferFailed(
+                FailureReason.UNKNOWN_HANDLE,
+                f"the receiver at {target.host}:{target.port} restarted since it issued the lease",
+            )
+        expect(conn.read_frame(watch), "begin_ok", FailureReason.PROTOCOL_ERROR)
+        return bytes(hello.instance_id), hello.pair_ready
+
+    def _stream(self, conn: FrameConnection, peer_id: bytes) -> None:
+        core, handle = self.core, self.handle
+        progress = None
+        if core.chunk_hook is not None:
+            hook, request_id = core.chunk_hook, handle.request_id
+            progress = lambda sent: hook(request_id, sent)  # noqa: E731
+        while True:
+            item = self._next_item(conn)
+            if isinstance(item, PartRequest):
+                num_bytes = core.layout.bytes_per_block_layer * len(handle.src_block_ids) * item.num_layers
+                part = kv_pb2.KVPart(
+                    layer_begin=item.layer_begin, layer_end=item.layer_end, num_bytes=num_bytes
+                )
+                conn.send_frame(kv_pb2.KVFrame(part=part), self.watch)
+                core.transport.send_part(
+                    PartJob(
+                        conn=conn,
+                        watch=self.watch,
+                        peer_id=peer_id,
+                        request_id=handle.request_id,
+                        block_ids=handle.src_block_ids,
+                        layer_begin=item.layer_begin,
+                        layer_end=item.layer_end,
+                        num_bytes=num_bytes,
+                        ready=item.ready,
+                        progress=progress,
+                    )
+                )
+                continue
+            conn.send_frame(kv_pb2.KVFrame(done=kv_pb2.KVDone(first_token=_token_message(item))), self.watch)
+            expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
+            return
+
+    def _next_item(self, conn: FrameConnection) -> PartRequest | DoneRequest:
+        """The caller's next layer group (or the end), while watching our deadline and the receiver."""
+        while True:
+            item = self.handle.next_request(self.core.config.poll_interval_s)
+            if item is not None:
+                return item
+            self.watch.check()
+            if conn.frame_waiting():
+                frame = conn.read_frame(self.watch)
+                raise frame_failure(frame, FailureReason.RECEIVER_ABORTED) or TransferFailed(
+                    FailureReason.PROTOCOL_ERROR, f"unexpected {frame.WhichOneof('body')} frame"
+                )
+
+    # --- outcome ---------------------------------------------------------------------------------------
+    def _explain(self, failure: TransferFailed) -> TransferFailed:
+        """Tell the receiver why we stop, or find out why it stopped us."""
+        conn = self.conn
+        if conn is None:
+            return failure
+        notice = Watch(
+            time.monotonic() + min(1.0, self.core.config.connect_timeout_s),
+            FailureReason.DEADLINE_EXCEEDED,
+            "abort notice",
+        )
+        if failure.reason in LOCAL_STOPS:
+            conn.send_abort(failure, notice)
+        elif failure.reason is FailureReason.CONNECTION_LOST and conn.frame_waiting():
+            try:  # the receiver may have said why before it closed
+                return frame_failure(conn.read_frame(notice), failure.reason) or failure
+            except TransferFailed:
+                pass
+        return failure
+
+    def _result(self, ok: bool, reason: FailureReason | None, message: str, num_bytes: int = 0) -> SendResult:
+        return SendResult(
+            self.handle.request_id,
+            self.handle.src_block_ids,
+            ok,
+            reason,
+            message,
+            num_bytes,
+            time.monotonic() - self.handle.started_at,
+        )
+
+
+def _token_message(done: DoneRequest) -> kv_pb2.KVFirstToken:
+    token = done.first_token
+    message = kv_pb2.KVFirstToken(token_id=token.token_id)
+    if token.logprob is not None:
+        message.logprob = token.logprob
+    for token_id, logprob in token.top_logprobs:
+        message.top_logprobs.add(token_id=token_id, logprob=logprob)
+    return message
