@@ -1,0 +1,223 @@
+"""The `tandem` command line: generate (against a server or offline), status, serve.
+
+Exit codes: 0 success, 1 runtime failure (server unreachable, deadline, engine error), 2 bad input (flags,
+JSONL lines, rejected requests). Expected errors print one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
+from tandem_client.client import Client
+from tandem_client.errors import InvalidArgument, TandemError
+from tandem_client.inputs import (
+    GenerationInput,
+    InputError,
+    prompt_from_text,
+    read_jsonl,
+    sampling_from_flags,
+)
+from tandem_client.offline import DEFAULT_MODEL, EngineUnavailable, run_offline
+from tandem_client.output import OutputRecord, status_json, status_table, write_atomic
+
+EXIT_RUNTIME = 1
+EXIT_INPUT = 2
+DEFAULT_CONCURRENCY = 8
+DEFAULT_STATUS_TIMEOUT = 10.0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("generate", help="generate text for a prompt or a JSONL file of requests")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
+    )
+    where.add_argument("--offline", action="store_true", help="run the engine in this process, no server")
+    p.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="model to use (offline default: smollm2-135m-instruct; server: the served model)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="most tokens per request (default 64)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 (default) is greedy, so results reproduce",
+    )
+    p.add_argument("--top-p", type=float, metavar="P")
+    p.add_argument("--top-k", type=int, metavar="K")
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeat for several)"
+    )
+    p.add_argument(
+        "--logprobs", type=int, metavar="N", help="return chosen-token logprobs and the top N alternatives"
+    )
+    p.add_argument("--chat", action="store_true", help="send plain prompts as a user message of a chat")
+    p.add_argument("--json", action="store_true", help="print one JSON line per request, in input order")
+    p.add_argument("--input", metavar="FILE.jsonl", help="requests, one JSON object per line")
+    p.add_argument("--output", metavar="FILE.jsonl", help="write the JSON lines to FILE (atomically)")
+    p.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        metavar="N",
+        help=f"requests in flight (server mode, default {DEFAULT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--timeout", type=_positive_float, metavar="S", help="deadline per request in seconds (server mode)"
+    )
+    p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt (or use --input)")
+    p.set_defaults(handler=cmd_generate)
+
+
+def _add_status(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("status", help="show the router's workers: role, state, KV blocks, load")
+    p.add_argument(
+        "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
+    )
+    p.add_argument("--json", action="store_true", help="print the status as one JSON object")
+    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_STATUS_TIMEOUT, metavar="S")
+    p.set_defaults(handler=cmd_status)
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("serve", help="start a local cluster: Ray workers plus the router")
+    p.add_argument("--config", metavar="FILE", help="deployment config (YAML)")
+    p.set_defaults(handler=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: disaggregated prefill/decode LLM serving"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(commands)
+    _add_status(commands)
+    _add_serve(commands)
+    return parser
+
+
+def _check_generate_flags(args: argparse.Namespace) -> None:
+    if (args.prompt is None) == (args.input is None):
+        raise InputError("give a PROMPT or --input FILE.jsonl (exactly one)")
+    if args.offline and args.concurrency is not None:
+        raise InputError("--concurrency applies to server mode only (the offline engine batches by itself)")
+    if args.offline and args.timeout is not None:
+        raise InputError("--timeout applies to server mode only")
+
+
+def _collect_inputs(args: argparse.Namespace) -> list[GenerationInput]:
+    base = sampling_from_flags(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        logprobs=args.logprobs,
+    )
+    if args.input is not None:
+        return read_jsonl(args.input, base, chat=args.chat)
+    return [GenerationInput(0, prompt_from_text(args.prompt, args.chat), base)]
+
+
+def _run(args: argparse.Namespace, inputs: list[GenerationInput]) -> list[OutputRecord]:
+    progress = args.input is not None
+    if args.offline:
+        return run_offline(args.model or DEFAULT_MODEL, inputs, progress)
+    from tandem_client.remote import run_remote
+
+    return run_remote(
+        resolve_address(args.server),
+        args.model,
+        inputs,
+        concurrency=args.concurrency or DEFAULT_CONCURRENCY,
+        timeout=args.timeout,
+        progress=progress,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _check_generate_flags(args)
+    inputs = _collect_inputs(args)  # every line is checked before anything is generated
+    if not args.offline and args.prompt is not None and not (args.json or args.output):
+        from tandem_client.remote import stream_text
+
+        stream_text(resolve_address(args.server), args.model, inputs[0], args.timeout, sys.stdout)
+        return 0
+    records = _run(args, inputs)
+    lines = [record.to_json() for record in records]
+    if args.output:
+        write_atomic(args.output, lines)
+        print(f"tandem: wrote {len(lines)} results to {args.output}", file=sys.stderr)
+    if args.json:
+        print("\n".join(lines))
+    elif not args.output:
+        print("\n".join(record.text for record in records))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with Client(resolve_address(args.server), timeout=args.timeout) as client:
+        status = client.status()
+    print(status_json(status) if args.json else status_table(status))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from deploy.serve import main as serve_main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("deploy", "deploy.serve"):
+            raise
+        print(
+            "tandem: error: `tandem serve` is not available: deploy/serve.py is not installed",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
+    argv = ["--config", args.config] if args.config else []
+    return int(serve_main(argv) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (InputError, InvalidArgument) as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except (TandemError, EngineUnavailable, OSError) as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Exceptions the SDK raises: one class per gRPC status a caller can act on, all under TandemError.
+
+Each class also derives from the matching built-in where there is one (InvalidArgument is a ValueError,
+DeadlineExceeded a TimeoutError, Unavailable a ConnectionError), so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TandemError(Exception):
+    """A failed call. `code` is the gRPC status code, `details` the server's (or the SDK's) explanation."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}" if details else code.name)
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(TandemError, ValueError):
+    """The request is malformed or out of range; `details` names the field. Retrying will not help."""
+
+
+class NotFound(TandemError):
+    """The named model (or other resource) does not exist on the server."""
+
+
+class ResourceExhausted(TandemError):
+    """No capacity now, or a message exceeded the size limit. Retry later or send less."""
+
+
+class Unavailable(TandemError, ConnectionError):
+    """The server (or every worker) is unreachable. Safe to retry with backoff before the first token."""
+
+
+class DeadlineExceeded(TandemError, TimeoutError):
+    """The call's deadline passed before it finished."""
+
+
+class Cancelled(TandemError):
+    """The call was cancelled (by the server, or by this client closing the stream)."""
+
+
+class Aborted(TandemError):
+    """The server gave up on a request after it had started (for example a worker died mid-stream)."""
+
+
+class Unauthenticated(TandemError):
+    """Missing or bad credentials."""
+
+
+class Internal(TandemError):
+    """A server bug or a broken stream (for example one that ended without its final message)."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
+    grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.DATA_LOSS: Internal,
+}
+
+
+def error_for_status(code: grpc.StatusCode, details: str) -> TandemError:
+    """The exception for a status code; codes without a class of their own give a plain TandemError."""
+    return _BY_CODE.get(code, TandemError)(code, details)
+
+
+def error_from_rpc(error: grpc.RpcError) -> TandemError:
+    """Translate a grpc (or grpc.aio) RpcError, which carries code() and details()."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return error_for_status(code or grpc.StatusCode.UNKNOWN, details or "")

@@ -1,0 +1,97 @@
+"""What `tandem` prints and writes: one JSON line per request, atomic result files, the status table."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from tandem_client.types import ClusterStatus, GenerationResult, TokenLogprob
+
+
+@dataclass(frozen=True)
+class OutputRecord:
+    """One request's outcome as `tandem generate --json` reports it, whichever way it was produced."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    # Only when --logprobs was given: one entry per output token.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @classmethod
+    def from_result(cls, result: GenerationResult, with_logprobs: bool) -> OutputRecord:
+        return cls(
+            prompt_token_ids=result.prompt_token_ids,
+            token_ids=result.token_ids,
+            text=result.text,
+            finish_reason=str(result.finish_reason),
+            logprobs=result.logprobs if with_logprobs else None,
+        )
+
+    def to_json(self) -> str:
+        """{"prompt_token_ids", "token_ids", "text", "finish_reason"[, "logprobs"]} on one line."""
+        record: dict[str, object] = {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+        if self.logprobs is not None:
+            record["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        return json.dumps(record, ensure_ascii=False)
+
+
+def write_atomic(path: str, lines: Iterable[str]) -> None:
+    """Write lines to path via a temp file in the same directory and a rename: readers see the old file or
+    the whole new one, and an error leaves no partial file behind."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+_COLUMNS = ("WORKER", "ROLE", "STATE", "ADDRESS", "KV BLOCKS", "RUNNING", "WAITING", "LEASES", "HEARTBEAT")
+
+
+def status_table(status: ClusterStatus) -> str:
+    """A plain-text table, one row per worker, plus the router's queue line."""
+    rows = [
+        (
+            w.worker_id,
+            str(w.role),
+            str(w.state),
+            w.address,
+            f"{w.kv_blocks_used}/{w.kv_blocks_total}",
+            str(w.running_requests),
+            str(w.waiting_requests),
+            str(w.active_leases),
+            f"{w.last_heartbeat_age_seconds:.1f}s",
+        )
+        for w in status.workers
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(_COLUMNS, *rows)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [_COLUMNS, *rows]
+    ]
+    if not rows:
+        lines.append("(no workers)")
+    router = status.router
+    lines.append(f"router: {router.queued_requests} queued, {router.in_flight_requests} in flight")
+    return "\n".join(lines)
+
+
+def status_json(status: ClusterStatus) -> str:
+    """The status as one JSON object (enums as their lowercase names)."""
+    return json.dumps(asdict(status))

@@ -1,0 +1,208 @@
+"""The SDK's typed values: what a caller sends (Prompt, Sampling) and what comes back (results, status).
+
+All frozen dataclasses; protobuf stays inside tandem_client.wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TypedDict
+
+import grpc
+
+from tandem_client.errors import InvalidArgument
+
+
+def _bad(field: str, problem: str) -> InvalidArgument:
+    return InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of text, messages (a chat, rendered with the model's template) or token_ids."""
+
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        if len(given) != 1:
+            raise _bad("prompt", f"give exactly one of text, messages, token_ids (got {given or 'none'})")
+        if self.messages is not None and not self.messages:
+            raise _bad("messages", "must hold at least one message")
+        if self.token_ids is not None and not self.token_ids:
+            raise _bad("token_ids", "must hold at least one token id")
+
+    @classmethod
+    def of(
+        cls,
+        prompt: str | Prompt | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> Prompt:
+        """The Prompt for the SDK's (prompt | messages= | token_ids=) arguments."""
+        if isinstance(prompt, Prompt):
+            if messages is not None or token_ids is not None:
+                raise _bad("prompt", "pass either a Prompt or messages/token_ids, not both")
+            return prompt
+        if messages is not None and not all(isinstance(m, ChatMessage) for m in messages):
+            raise _bad("messages", "each message must be a tandem_client.ChatMessage(role, content)")
+        return cls(
+            text=prompt,
+            messages=None if messages is None else tuple(messages),
+            token_ids=None if token_ids is None else tuple(token_ids),
+        )
+
+
+class SamplingFields(TypedDict, total=False):
+    """Keyword arguments that Client.generate/stream accept; see Sampling."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters; None means "the server's default". Ranges are checked by the server (or engine)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a single stop string and lists for convenience; store tuples so the value stays hashable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the top-n alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """Tokens produced since the previous delta; `text` may lag token_ids by an incomplete UTF-8 character."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds, measured by the router from the request's arrival."""
+
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    e2e_seconds: float
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The whole result of one request (the joined deltas plus the final message)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # The stop string or token id that ended generation when finish_reason is STOP, else None.
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+    vocab_size: int
+
+
+class WorkerRole(enum.StrEnum):
+    UNSPECIFIED = "unspecified"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class WorkerState(enum.StrEnum):
+    UNSPECIFIED = "unspecified"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: WorkerRole
+    address: str
+    state: WorkerState
+    kv_blocks_used: int
+    kv_blocks_total: int
+    running_requests: int
+    waiting_requests: int
+    active_leases: int
+    last_heartbeat_age_seconds: float
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    queued_requests: int
+    in_flight_requests: int
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    workers: tuple[WorkerInfo, ...]
+    router: RouterInfo
