@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_runtime.attention.base import AttentionMetadata
 from model_runtime.attention.torch_ref import paged_attention_ref
 from model_runtime.attention.triton_backend import TritonAttention
+from model_runtime.attention.triton_decode import DecodeTuning
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -149,7 +150,8 @@ def dense_sdpa_us(q, k_cache, v_cache, tables, context: int, args) -> float | No
 
 def bench_one(batch: int, context: int, bw_gbps: float, args, gen: torch.Generator) -> Row:
     q, k_cache, v_cache, tables, seq_lens = build(batch, context, gen)
-    backend = TritonAttention(num_segments=args.segments, tile_n=args.tile_n)
+    tuning = DecodeTuning(tile_n=args.tile_n, num_warps=args.num_warps, num_stages=args.num_stages)
+    backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
     out = backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE)
     err = check(out, q, k_cache, v_cache, tables, context)
@@ -186,7 +188,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--contexts", default="512,2048,8192")
     parser.add_argument("--segments", type=int, default=None, help="fixed split-KV count (default: auto)")
-    parser.add_argument("--tile-n", type=int, default=64)
+    parser.add_argument("--tile-n", type=int, default=DecodeTuning.tile_n)
+    parser.add_argument("--num-warps", type=int, default=DecodeTuning.num_warps)
+    parser.add_argument("--num-stages", type=int, default=DecodeTuning.num_stages)
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
@@ -234,6 +238,8 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
         "settings": {
             "segments": args.segments or "auto",
             "tile_n": args.tile_n,
+            "num_warps": args.num_warps,
+            "num_stages": args.num_stages,
             "inner": args.inner,
             "reps": args.reps,
             "timing": "median of CUDA-event-timed CUDA-graph replays",

@@ -23,8 +23,8 @@ from torch.nn.attention.bias import causal_lower_right
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.attention.torch_ref import gather_context
 from model_runtime.attention.triton_decode import (
-    DEFAULT_TILE_N,
     MAX_SEGMENTS,
+    DecodeTuning,
     DecodeWorkspace,
     choose_num_segments,
     decode_attention,
@@ -51,7 +51,7 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_segments: int | None = None, tile_n: int = DEFAULT_TILE_N) -> None:
+    def __init__(self, num_segments: int | None = None, tuning: DecodeTuning | None = None) -> None:
         if num_segments is not None and not (
             1 <= num_segments <= MAX_SEGMENTS and num_segments & (num_segments - 1) == 0
         ):
@@ -59,10 +59,8 @@ class TritonAttention(AttentionBackend):
                 f"TritonAttention.num_segments: must be a power of two in [1, {MAX_SEGMENTS}], "
                 f"got {num_segments}"
             )
-        if tile_n < 16 or tile_n & (tile_n - 1):
-            raise ValueError(f"TritonAttention.tile_n: must be a power of two >= 16, got {tile_n}")
         self.num_segments = num_segments
-        self.tile_n = tile_n
+        self.tuning = tuning or DecodeTuning()
         self.workspace = DecodeWorkspace()
 
     def segments_for(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -106,7 +104,7 @@ class TritonAttention(AttentionBackend):
         out = torch.empty_like(q)
         segments = self.segments_for(q.shape[0], k_cache.shape[2], q.device)
         return decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, self.workspace, segments, self.tile_n
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, self.workspace, segments, self.tuning
         )
 
     def _forward_mixed(

@@ -286,6 +286,23 @@ def _check_inputs(
         )
 
 
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch knobs of the stage-1 kernel: tokens per loop step, warps per program, software-pipeline depth."""
+
+    tile_n: int = DEFAULT_TILE_N
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
+            raise ValueError(f"DecodeTuning.tile_n: must be a power of two >= 16, got {self.tile_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeTuning.num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"DecodeTuning.num_stages: must be in [1, 6], got {self.num_stages}")
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -296,66 +313,69 @@ def decode_attention(
     out: torch.Tensor,
     workspace: DecodeWorkspace,
     num_segments: int,
-    tile_n: int = DEFAULT_TILE_N,
+    tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:
     """out[s] = attention of q[s] ([Hq, D], one token) over tokens [0, seq_lens[s]) of its pages. Returns out."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_segments)
     num_seqs, num_heads, head_dim = q.shape
+    scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
+    tuning = tuning or DecodeTuning()
+    _launch_segments(q, k_cache, v_cache, block_tables, seq_lens, scale, out, scratch, num_segments, tuning)
+    if num_segments > 1:
+        _launch_reduce(scratch, out, num_segments)
+    return out
+
+
+def _launch_segments(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    scratch: DecodeScratch,
+    num_segments: int,
+    tuning: DecodeTuning,
+) -> None:
+    num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
     po, pl = scratch.partial_out, scratch.partial_lse
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 is unused for 16-bit
+    # fp32 inputs stay exact (no tf32); the setting is irrelevant for 16-bit inputs.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fmt: off
     _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        po,
-        pl,
-        out,
+        q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
         scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        po.stride(0),
-        po.stride(1),
-        po.stride(2),
-        pl.stride(0),
-        pl.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        PAGE=k_cache.shape[1],
-        TILE_N=tile_n,
-        NUM_SEGMENTS=num_segments,
-        DOT_PRECISION=precision,
+        po.stride(0), po.stride(1), po.stride(2),
+        pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        PAGE=k_cache.shape[1], TILE_N=tuning.tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
-    if num_segments > 1:
-        _reduce_segments_kernel[(num_seqs, num_heads)](
-            po,
-            pl,
-            out,
-            po.stride(0),
-            po.stride(1),
-            po.stride(2),
-            pl.stride(0),
-            pl.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SEGMENTS=num_segments,
-        )
-    return out
+    # fmt: on
+
+
+def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int) -> None:
+    num_seqs, num_heads, head_dim = out.shape
+    po, pl = scratch.partial_out, scratch.partial_lse
+    # fmt: off
+    _reduce_segments_kernel[(num_seqs, num_heads)](
+        po, pl, out,
+        po.stride(0), po.stride(1), po.stride(2),
+        pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SEGMENTS=num_segments,
+    )
+    # fmt: on
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))

@@ -126,14 +126,23 @@ def _decode_case(
 ) -> Callable[[], tuple[bool, str]]:
     def run() -> tuple[bool, str]:
         from model_runtime.attention.torch_ref import paged_attention_ref
-        from model_runtime.attention.triton_decode import DecodeWorkspace, decode_attention
+        from model_runtime.attention.triton_decode import DecodeTuning, DecodeWorkspace, decode_attention
 
         q, _, _, kc, vc, meta = _paged_case(
             seed, seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size
         )
         out = torch.full_like(q, float("nan"))
         decode_attention(
-            q, kc, vc, meta.block_tables, meta.seq_lens, 0.3, out, DecodeWorkspace(), segments, tile_n
+            q,
+            kc,
+            vc,
+            meta.block_tables,
+            meta.seq_lens,
+            0.3,
+            out,
+            DecodeWorkspace(),
+            segments,
+            DecodeTuning(tile_n=tile_n),
         )
         live = [s > 0 for s in seq_lens]
         safe = _meta(
