@@ -1,0 +1,179 @@
+"""Engine: one model, one KV cache, continuous batching. The colocated engine, and the core both workers run.
+
+    engine = Engine(EngineConfig(model="smollm2-135m-instruct"))
+    engine.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...          # StepOutput: new token(s) and text delta per request
+
+The scheduler decides which tokens run, the runner computes logits, the sampler picks tokens, and an
+OutputTracker per request turns tokens into text and applies the stop rules. With `prefill_only=True` (the
+prefill worker) a request leaves the engine after its first sampled token with its blocks still allocated, so
+its KV can be shipped; the owner frees them with `release_blocks`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from model_runtime.attention.select import make_attention_backend
+from model_runtime.block_pool import BlockPool
+from model_runtime.config import EngineConfig, ModelConfig
+from model_runtime.detokenizer import IncrementalDetokenizer
+from model_runtime.kv_layout import KVLayout
+from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
+from model_runtime.output import OutputTracker
+from model_runtime.request import Request, SamplingParams
+from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
+from model_runtime.scheduler import Scheduler
+from model_runtime.tokenizer import Tokenizer
+from model_runtime.weights import load_model_config, load_weights, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run (bad prompt or parameters); the message names the field."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # prefill_only engines: the request's blocks, still allocated, and its prompt length.
+    kv_block_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
+
+
+def activation_estimate(model: ModelConfig, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
+    """Peak bytes of one step's activations, kept on purpose generous: hidden states, qkv, the MLP's
+    gate/up product, and float32 logits plus sampler scratch for every sequence."""
+    per_token = (4 * model.hidden_size + 2 * model.q_size + 3 * model.intermediate_size) * dtype_bytes
+    return 2 * max_tokens * per_token + 4 * max_seqs * model.vocab_size * 4
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, prefill_only: bool = False) -> None:
+        self.config = config
+        self.prefill_only = prefill_only
+        self.device = config.device.resolved_device()
+        dtype_name = config.device.resolved_dtype()
+        self.source = resolve_model(config.model)
+        self.model_config = load_model_config(self.source)
+        self.tokenizer = Tokenizer.from_source(self.source)
+        weights = load_weights(self.source, self.model_config, TORCH_DTYPES[dtype_name], self.device)
+        mc = self.model_config
+        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        kv_dtype = config.cache.dtype or dtype_name
+        probe = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, 2, kv_dtype)
+        activations = activation_estimate(mc, config.scheduler.max_num_batched_tokens,
+                                          config.scheduler.max_num_seqs, probe.element_bytes)
+        num_blocks = plan_num_blocks(mc, config.cache, probe.bytes_per_block, self.device, activations)
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size,
+                               num_blocks, kv_dtype)
+        backend = make_attention_backend(config.device.attention_backend, self.device)
+        self.runner = ModelRunner(mc, weights, self.layout, self.device, backend, self.max_model_len)
+        self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)
+        self.sampler = Sampler(self.device, seed=config.device.seed)
+        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self._trackers: dict[str, OutputTracker] = {}
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", mc.name,
+                 self.device, dtype_name, num_blocks, config.cache.block_size, self.max_model_len)
+
+    # --- requests --------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                                 f"the model's context of {self.max_model_len} tokens")
+        sampling.check_vocab(vocab)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+        self.validate(prompt_token_ids, sampling)
+        if request_id in self._trackers:
+            raise InvalidRequest(f"request_id: {request_id!r} is already running")
+        request = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(request)
+        self._trackers[request_id] = self._tracker(request)
+        return request
+
+    def _tracker(self, request: Request) -> OutputTracker:
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        return OutputTracker(request.sampling, self.eos_token_ids, detok, self.max_model_len,
+                             request.num_prompt_tokens)
+
+    def abort(self, request_id: str) -> bool:
+        self._trackers.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def release_blocks(self, block_ids: tuple[int, ...] | list[int]) -> None:
+        """prefill_only: give back the blocks of a request whose KV has been shipped (or abandoned)."""
+        self.pool.free(list(block_ids))
+
+    # --- stepping --------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.execute(out)
+        sampled_chunks = [c for c in out.chunks if c.sample]
+        tokens, logprobs = self._sample(logits, [c.request for c in sampled_chunks])
+        self.scheduler.advance(out)
+        results = []
+        for chunk, token, lp in zip(sampled_chunks, tokens, logprobs):
+            if chunk.request.is_finished:  # aborted while the step ran
+                continue
+            results.append(self._emit(chunk.request, token, lp))
+        return results
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
+        if not requests:
+            return [], []
+        tensors = SamplingTensors.from_params([r.sampling for r in requests],
+                                              [r.num_output_tokens for r in requests],
+                                              self.model_config.vocab_size, logits.device)
+        result = self.sampler(logits, tensors)
+        tokens = result.sampled_token_ids.tolist()
+        lps = result.logprobs_lists() if result.logprobs is not None else [None] * len(tokens)
+        return tokens, lps
+
+    def _emit(self, request: Request, token: int, logprob: TokenLogprobs | None) -> StepOutput:
+        self.scheduler.append_token(request, token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        tracker = self._trackers[request.request_id]
+        verdict = tracker.on_token(token)
+        lps = [logprob] if logprob is not None else None
+        if verdict.finished is not None:
+            self.scheduler.finish(request, verdict.finished)
+            del self._trackers[request.request_id]
+            return StepOutput(request.request_id, [token], verdict.text_delta, lps, verdict.finished.value,
+                              verdict.stop_reason)
+        if self.prefill_only:
+            self.scheduler.detach(request)
+            del self._trackers[request.request_id]
+            return StepOutput(request.request_id, [token], verdict.text_delta, lps,
+                              kv_block_ids=tuple(request.block_ids),
+                              num_prompt_tokens=request.num_prompt_tokens)
+        return StepOutput(request.request_id, [token], verdict.text_delta, lps)
+
+    # --- introspection ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free

@@ -1,0 +1,171 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2) over a paged KV cache.
+
+The model file holds only the model. Attention is injected as an `AttentionBackend`; positions, the cache and
+the attention metadata are passed explicitly to `forward`. Parameter names are the fused ones that
+`model_runtime.weights` produces (qkv, gate_up), so one matmul serves q, k and v, and one serves gate and up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata
+from model_runtime.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
+    scaled = torch.where(wavelen < high_wavelen, inv_freq, scaled)
+    return scaled.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (rotate the two halves of each head), the Hugging Face convention."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]; rotated in float32 and returned in x's dtype."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(positions, q.view(t, self.num_heads, self.head_dim))
+        k = rope(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta,
+                                   self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_idx, backend)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.attn(self.input_norm(hidden), positions, rope, kv_cache, meta)
+        return hidden + self.mlp(self.post_attn_norm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rope_device: torch.device | str) -> None:
+        """Build under `with torch.device("meta")` and call load_weights to avoid allocating random weights;
+        the rotary tables are built on `rope_device` regardless."""
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        with torch.device(rope_device):
+            self.rope = RotaryEmbedding(config, rope_device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [L, 2, N, B, Hkv, D]. Returns final hidden states [T, H]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rope, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Adopt the canonical fused tensors from model_runtime.weights (no copy); a missing or extra name, or
+        a shape that disagrees with the config, is an error. The model may be built on the meta device."""
+        params = dict(self.named_parameters())
+        renamed = {_module_path(name): tensor for name, tensor in weights.items()}
+        missing = sorted(set(params) - set(renamed))
+        extra = sorted(set(renamed) - set(params))
+        if missing or extra:
+            raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, tensor in renamed.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, model expects "
+                                 f"{tuple(params[name].shape)}")
+            owner_name, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner_name), leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+# Canonical weight names are flat per layer (layers.N.qkv.weight); the modules group them.
+_SUBMODULE = {"qkv": "attn.qkv", "o_proj": "attn.o_proj", "gate_up": "mlp.gate_up", "down": "mlp.down"}
+
+
+def _module_path(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) == 4 and parts[2] in _SUBMODULE:
+        return f"layers.{parts[1]}.{_SUBMODULE[parts[2]]}.{parts[3]}"
+    return name

@@ -1,0 +1,116 @@
+"""The engine's greedy tokens equal Hugging Face transformers' on the same weights (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.llm import LLM
+from model_runtime.request import PromptInput, SamplingParams
+from tests.model.reference import assert_greedy_match, hf_greedy
+from tests.model.tiny_models import EOS_ID, tiny_vocab_size, write_tiny_gguf, write_tiny_hf
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 24
+
+
+def cpu_config(model: str, **scheduler: int) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(**scheduler) if scheduler else SchedulerConfig(),
+        device=DeviceConfig(device="cpu"),
+    )
+
+
+def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Lengths straddle block boundaries (block_size 4) and include a single-token prompt.
+    lengths = [1, 3, 4, 5, 9, 16, 23, 40][:n]
+    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    inputs = [PromptInput(token_ids=tuple(p)) for p in prompts]
+    return [c.token_ids for c in llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_new))]
+
+
+def check_against_hf(ref_model, llm: LLM, prompts: list[list[int]], label: str) -> None:
+    ours = run_ours(llm, prompts)
+    for i, (prompt, tokens) in enumerate(zip(prompts, ours)):
+        ref = hf_greedy(ref_model, prompt, MAX_NEW, EOS_ID)
+        assert_greedy_match(tokens, ref, f"{label} prompt {i}")
+
+
+HF_VARIANTS = [
+    ("llama", {}),
+    ("llama", {"llama3_rope": True}),
+    ("llama", {"tie": True, "sharded": True}),
+    ("qwen2", {}),
+    ("qwen2", {"tie": True}),
+    ("mistral", {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "flags"), HF_VARIANTS, ids=[f"{a}-{'-'.join(f) or 'plain'}" for a, f in HF_VARIANTS]
+)
+def test_tiny_hf_models_match_transformers(tmp_path, arch, flags):
+    path = write_tiny_hf(tmp_path, arch, **flags)
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), cpu_config(str(path)))
+    check_against_hf(ref_model, llm, random_prompts(8, tiny_vocab_size(), seed=hash(arch) % 1000), arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_q8_q4_1_matches_transformers(tmp_path, arch):
+    qtypes = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1)
+    path = write_tiny_gguf(tmp_path, arch, qtypes=qtypes)
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    llm = LLM(str(path), cpu_config(str(path)))
+    check_against_hf(ref_model, llm, random_prompts(6, tiny_vocab_size(), seed=7), f"gguf-{arch}")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = write_tiny_hf(tmp_path_factory.mktemp("batch"), "llama")
+    return str(path)
+
+
+def test_batch_composition_changes_nothing(tiny_llama):
+    """Alone, all together, chunked prefill and forced preemption give the same greedy tokens."""
+    prompts = random_prompts(8, tiny_vocab_size(), seed=3)
+    alone = [run_ours(LLM(tiny_llama, cpu_config(tiny_llama)), [p])[0] for p in prompts[:3]]
+    together = run_ours(LLM(tiny_llama, cpu_config(tiny_llama)), prompts)
+    assert together[:3] == alone
+    chunked = run_ours(LLM(tiny_llama, cpu_config(tiny_llama, max_num_batched_tokens=7)), prompts)
+    assert chunked == together
+    # 24 usable blocks of 4 tokens cannot hold 8 sequences of up to 64 tokens: the scheduler must preempt.
+    tight = EngineConfig(
+        model=tiny_llama,
+        cache=CacheConfig(block_size=4, num_blocks=25, enable_prefix_caching=False),
+        device=DeviceConfig(device="cpu"),
+    )
+    llm = LLM(tiny_llama, tight)
+    preempted = run_ours(llm, prompts)
+    assert preempted == together
+    assert llm.engine.num_free_blocks == 24
+
+
+def test_prefix_cache_hits_give_same_tokens(tiny_llama):
+    base = random_prompts(8, tiny_vocab_size(), seed=11)[-1]  # 40 tokens
+    prompts = [base, base[:37] + [5, 6, 7], base]
+    llm = LLM(tiny_llama, cpu_config(tiny_llama))
+    first = run_ours(llm, prompts[:1])
+    again = run_ours(llm, prompts)  # the shared prefix now comes from the cache
+    fresh = run_ours(LLM(tiny_llama, cpu_config(tiny_llama)), prompts[1:2])
+    assert again[0] == first[0] == again[2]
+    assert again[1] == fresh[0]
