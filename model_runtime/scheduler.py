@@ -217,7 +217,7 @@ class Scheduler:
         """Give `request` blocks for `num_tokens` tokens, preempting from the tail of running as needed."""
         need = self._blocks_for(num_tokens) - len(request.block_ids)
         while need > self.pool.num_free:
-            victim = self._running[0]
+            victim = self._running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:

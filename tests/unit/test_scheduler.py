@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model_runtime.block_pool import BlockPool
 from model_runtime.config import SchedulerConfig
@@ -287,3 +289,109 @@ def test_add_running_validates_its_request() -> None:
         s.add_running(r)
     with pytest.raises(RequestRejected, match="add_running"):
         s.add(r)
+
+
+# --- random workloads ----------------------------------------------------------------------------------
+class FakeModel:
+    """Plays the model runner on a simulated paged cache, slot -> token written there.
+
+    Before a chunk runs, every earlier position of its sequence must read back its own token through the block
+    table (so shared and revived blocks hold the right prefix), and every block it writes must be its alone.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool, self.bs = pool, pool.block_size
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def run(self, out: SchedulerOutput) -> None:
+        for chunk in out.chunks:
+            r, bs = chunk.request, self.bs
+            tokens, start = r.all_token_ids, r.num_computed_tokens
+            end = start + chunk.num_tokens
+            assert len(r.block_ids) >= -(-end // bs) and 0 not in r.block_ids
+            assert len(set(r.block_ids)) == len(r.block_ids)
+            for p in range(start):
+                assert self.slots.get((r.block_ids[p // bs], p % bs)) == tokens[p]
+            for p in range(start, end):
+                assert self.pool.ref_count(r.block_ids[p // bs]) == 1
+                self.slots[(r.block_ids[p // bs], p % bs)] = tokens[p]
+
+
+BASES = [list(range(40)), list(range(40)), [i % 3 for i in range(40)]]  # two equal bases: shared prefixes
+specs_strategy = st.lists(
+    st.tuples(
+        st.integers(1, 30), st.integers(1, 12), st.integers(0, 2), st.integers(0, 15), st.integers(0, 60)
+    ),
+    min_size=2,
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=specs_strategy,
+    spare_blocks=st.integers(-2, 5),
+    bs=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 20),
+    seqs=st.integers(1, 5),
+    max_model_len=st.integers(12, 40),
+    caching=st.booleans(),
+)
+def test_random_workloads_always_finish_with_all_blocks_free(
+    specs: list[tuple[int, int, int, int, int]],
+    spare_blocks: int,
+    bs: int,
+    budget: int,
+    seqs: int,
+    max_model_len: int,
+    caching: bool,
+) -> None:
+    # About one max_model_len sequence of blocks, give or take: tight enough to preempt, some requests rejected.
+    pool = BlockPool(max(2, -(-max_model_len // bs) + 1 + spare_blocks), bs, caching)
+    s = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget), pool, bs, max_model_len)
+    model, accepted = FakeModel(pool), []
+    for step_no in range(5000):
+        for i, (plen, max_tokens, base, arrive_at, abort_at) in enumerate(specs):
+            if arrive_at == step_no:
+                r = req(str(i), BASES[base][:plen], max_tokens, arrival=float(i))
+                cap = min(plen + max_tokens, max_model_len)
+                if plen + 1 > max_model_len or -(-cap // bs) > pool.usable:
+                    with pytest.raises(RequestRejected):
+                        s.add(r)
+                else:
+                    s.add(r)
+                    accepted.append(r)
+            if abort_at == step_no:
+                s.abort(str(i))
+        if step_no > 15 and not s.has_unfinished():
+            break
+        had_work = s.has_unfinished()
+        out = s.schedule()
+        assert out.is_empty != had_work  # progress: every step with work left runs something
+        assert out.num_tokens <= budget and len(out.chunks) <= seqs
+        assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
+        model.run(out)
+        s.advance(out)
+        for chunk in out.chunks:
+            if chunk.sample:
+                r = chunk.request
+                s.append_token(r, (r.num_tokens * 31 + int(r.request_id)) % 3)
+                if r.num_tokens == s.token_cap(r):
+                    s.finish(r, RequestStatus.FINISHED_LENGTH)
+                elif r.output_token_ids[-1] == 2 and int(r.request_id) % 2 == 0:
+                    s.finish(r, RequestStatus.FINISHED_STOPPED)
+        check_ownership(pool, [r for r in accepted if not r.is_finished])
+    else:
+        pytest.fail("the workload did not finish within 5000 steps")
+    assert all(r.is_finished and r.block_ids == [] for r in accepted)
+    assert pool.num_free == pool.usable
+
+
+def check_ownership(pool: BlockPool, live: list[Request]) -> None:
+    """Every reference the pool counts belongs to exactly one live request's block table, and vice versa."""
+    assert pool.num_free + pool.num_used == pool.usable
+    for block in range(1, pool.num_blocks):
+        assert pool.ref_count(block) == sum(r.block_ids.count(block) for r in live)
+    for r in live:
+        if r.status is not RequestStatus.RUNNING:
+            assert r.block_ids == [] and r.num_computed_tokens == 0
