@@ -254,7 +254,9 @@ class Scheduler:
         """Give a waiting/preempted request its prefix-cache hits and blocks for its first chunk; 0 if none fit."""
         # Match at most the full blocks before the last token: one token must run to sample from, and the
         # blocks it writes into must be this request's own.
-        cached = self.pool.match_hashes(self._hashes_upto(request, request.num_tokens - 1))
+        cached = self.pool.match_hashes(
+            self._block_hashes(request, 0, (request.num_tokens - 1) // self.block_size)
+        )
         num_computed = len(cached) * self.block_size
         n = min(request.num_tokens - num_computed, budget)
         need = self._blocks_for(num_computed + n) - len(cached)
@@ -276,21 +278,21 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _hashes_upto(self, request: Request, num_tokens: int) -> list[bytes]:
-        """Chained hashes of the full blocks among the request's first `num_tokens` tokens."""
-        if not self.pool.enable_prefix_caching:
+    def _block_hashes(self, request: Request, first: int, end: int) -> list[bytes]:
+        """Chained hashes of the request's full blocks [first, end), computed once per block and kept."""
+        if not self.pool.enable_prefix_caching or end <= first:
             return []
         hashes = self._hashes.setdefault(request.request_id, [])
-        num_full = num_tokens // self.block_size
-        if len(hashes) < num_full:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_tokens)
-        return hashes[:num_full]
+        if len(hashes) < end:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, end * self.block_size)
+        return hashes[first:end]
 
     def _commit_full_blocks(self, request: Request, first_block: int) -> None:
         """Register the request's full computed blocks from index `first_block` on with the prefix cache."""
-        hashes = self._hashes_upto(request, request.num_computed_tokens)
-        if len(hashes) > first_block:
-            self.pool.cache_full_blocks(request.block_ids[first_block : len(hashes)], hashes[first_block:])
+        end = request.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(request, first_block, end)
+        if hashes:
+            self.pool.cache_full_blocks(request.block_ids[first_block:end], hashes)
 
     def _check_new(self, request: Request) -> None:
         rid = request.request_id
