@@ -31,10 +31,13 @@ from tandem_client import (
     GenerationResult,
     Internal,
     InvalidArgument,
+    Prompt,
     ResourceExhausted,
+    Sampling,
     Unavailable,
     WorkerRole,
     WorkerState,
+    wire,
 )
 from tandem_client.cli import main as cli_main
 
@@ -439,6 +442,18 @@ def test_cli_status_table_and_json(server, capsys) -> None:
     assert cli_main(["status", "--server", server[0], "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["workers"][1]["state"] == "draining" and status["router"]["queued_requests"] == 4
+
+
+def test_request_message_keeps_zero_values_and_omits_unset_ones() -> None:
+    sampling = Sampling(temperature=0.0, seed=0, stop="\n", ignore_eos=True)  # type: ignore[arg-type]
+    request = wire.build_request(Prompt(text="a"), sampling, model="m", request_id="")
+    # temperature 0 means greedy: it must travel with presence, not vanish as proto3's default value.
+    assert request.sampling.HasField("temperature") and request.sampling.temperature == 0
+    assert request.sampling.HasField("seed") and request.sampling.seed == 0
+    assert not request.sampling.HasField("top_p") and not request.sampling.HasField("max_tokens")
+    assert list(request.sampling.stop) == ["\n"] and request.sampling.ignore_eos
+    assert request.model == "m" and request.HasField("request_id")
+    assert not wire.build_request(Prompt(token_ids=(1,)), Sampling()).HasField("model")
 
 
 def test_public_names_are_exported() -> None:
