@@ -84,7 +84,7 @@ class SendSession:
         self.watch.check()
         self.conn = self._connect(target)
         peer_id, peer_ready = self._handshake(self.conn, target)
-        self.core.transport.ensure_pair(peer_id, peer_ready, self.conn, self.watch)
+        self.core.transport.ensure_pair(peer_id, peer_ready, self.conn, self.watch, self.handle.started_at)
         self._stream(self.conn, peer_id)
 
     # --- steps -----------------------------------------------------------------------------------------
@@ -133,10 +133,6 @@ class SendSession:
             item = self._next_item(conn)
             if isinstance(item, PartRequest):
                 num_bytes = core.layout.bytes_per_block_layer * len(handle.src_block_ids) * item.num_layers
-                part = kv_pb2.KVPart(
-                    layer_begin=item.layer_begin, layer_end=item.layer_end, num_bytes=num_bytes
-                )
-                conn.send_frame(kv_pb2.KVFrame(part=part), self.watch)
                 core.transport.send_part(
                     PartJob(
                         conn=conn,

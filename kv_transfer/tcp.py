@@ -15,7 +15,7 @@ import torch
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.frames import frame_failure
-from kv_transfer.transport import PartJob, ReceiverTransport, SenderTransport
+from kv_transfer.transport import PartJob, ReceiverTransport, SenderTransport, part_frame
 from model_runtime.kv_layout import KVLayout
 
 
@@ -34,6 +34,7 @@ class TcpSenderTransport(SenderTransport):
         if job.ready is not None:
             job.ready.synchronize()
         ids = torch.tensor(job.block_ids, dtype=torch.long, device=self._cache.device)
+        job.conn.send_frame(part_frame(job), job.watch)
         job.conn.start_data(job.num_bytes)
         sent = 0
         for layer in range(job.layer_begin, job.layer_end):

@@ -63,19 +63,24 @@ class ReceiverTransport(ABC):
 
 class SenderTransport(ABC):
     def ensure_pair(  # noqa: B027 (optional hook)
-        self, peer_id: bytes, peer_ready: bool, conn: FrameConnection, watch: Watch
+        self, peer_id: bytes, peer_ready: bool, conn: FrameConnection, watch: Watch, since: float
     ) -> None:
-        """Make per-pair state live (sending KVPairSetup when needed) before the first part."""
+        """Make per-pair state live before the first part, sending KVPairSetup when needed. peer_ready is the
+        receiver's word in its KVHello; a pair this process set up after `since` (the monotonic time this
+        transfer started) is fresher than that word, so concurrent first transfers set a pair up once."""
 
     @abstractmethod
     def send_part(self, job: PartJob) -> None:
-        """Ship the part; raise TransferFailed on any failure."""
-
-    def drop_pair(self, peer_id: bytes, why: str) -> None:  # noqa: B027 (optional hook)
-        """Forget per-pair state after a failure that may have left it inconsistent (nccl aborts the comm)."""
+        """Send the KVPart frame and ship the part's bytes; raise TransferFailed on any failure."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release per-pair state; the sender calls it once, after its transfers ended."""
+
+
+def part_frame(job: PartJob) -> kv_pb2.KVFrame:
+    """The KVPart frame that announces `job` to the receiver."""
+    part = kv_pb2.KVPart(layer_begin=job.layer_begin, layer_end=job.layer_end, num_bytes=job.num_bytes)
+    return kv_pb2.KVFrame(part=part)
 
 
 def check_cache(layout: KVLayout, cache: torch.Tensor) -> None:

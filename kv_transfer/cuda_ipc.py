@@ -1,0 +1,237 @@
+"""cuda_ipc transport: same node; the receiver pulls (copies) from the sender's cache, mapped once per pair.
+
+Why pull rather than push (the sender writing into the receiver's exposed cache): the receiver stays the only
+writer of its own cache. It knows exactly when its copies finished (its own stream's event), so it can free or
+admit blocks on its own authority; a pushing sender that stalls or dies could leave a write in flight into
+blocks the receiver has already handed to another request, and the receiver could never rule that out. Pull is
+one-sided, so it cannot hang on a missing peer, and the sender only reads: it keeps its blocks until KVAck.
+
+Pair setup: the sender exports the CUDA allocation that holds its cache (cudaIpcGetMemHandle of the
+allocation's base, plus the cache's offset in it and its num_blocks); the receiver opens it once and keeps it.
+Per part, for each run of consecutive (src, dst) block ids, one 2-D copy moves rows of one (layer, K|V) block
+run; rows repeat every K|V plane:
+
+    cache[l, kv, b] starts at base + l*S0 + kv*S1 + b*S2   (S = byte strides of KVLayout.cache_shape)
+    copy run (s..s+k) -> (d..d+k): width k*S2, height 2*(l1-l0), pitches S1 (sender) and S1' (receiver)
+
+The sender's `ready` event is waited on the host before KVPart goes out, since the receiver copies as soon as it
+reads it. Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as
+long as the prefill worker); a mapping stays open until the receiver closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.contracts import FailureReason, TransferFailed
+from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
+from kv_transfer.frames import FrameConnection, Watch, expect
+from kv_transfer.transport import PartJob, ReceiverTransport, SenderTransport, part_frame
+from model_runtime.config import ConfigError
+from model_runtime.kv_layout import KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+
+def _runtime() -> Any:
+    try:
+        from cupy.cuda import runtime  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise TransferFailed(
+            FailureReason.PAIR_SETUP_FAILED, f"transport cuda_ipc needs CuPy: {exc}"
+        ) from None
+    return runtime
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the CUDA allocation containing `ptr` (cuMemGetAddressRange; the IPC handle covers a
+    whole allocation, and PyTorch's caching allocator may place the cache inside a larger one)."""
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if status != 0:
+        raise TransferFailed(
+            FailureReason.PAIR_SETUP_FAILED, f"cuMemGetAddressRange failed with CUresult {status}"
+        )
+    return int(base.value), int(size.value)
+
+
+def byte_strides(layout: KVLayout) -> tuple[int, ...]:
+    """Byte strides of a contiguous cache of `layout`, derived from KVLayout.cache_shape (a meta tensor:
+    no memory), so the 2-D copy geometry never restates the layout."""
+    meta = torch.empty(layout.cache_shape, dtype=getattr(torch, layout.dtype), device="meta")
+    return tuple(stride * meta.element_size() for stride in meta.stride())
+
+
+def block_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) for maximal runs where both id lists advance by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class IpcSenderTransport(SenderTransport):
+    def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
+        self._device = require_cuda(cache, "cuda_ipc")
+        self._layout = layout
+        self._cache = cache
+        self._export: kv_pb2.KVIpcExport | None = None
+        self._lock = threading.Lock()
+
+    def ensure_pair(
+        self, peer_id: bytes, peer_ready: bool, conn: FrameConnection, watch: Watch, since: float
+    ) -> None:
+        if peer_ready:
+            return
+        setup = kv_pb2.KVPairSetup(cuda_ipc=self._exported())
+        conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
+        expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
+
+    def _exported(self) -> kv_pb2.KVIpcExport:
+        with self._lock:
+            if self._export is None:
+                bind_device(self._device)
+                base, _ = allocation_range(self._cache.data_ptr())
+                try:
+                    handle = _runtime().ipcGetMemHandle(base)
+                except Exception as exc:  # e.g. expandable_segments allocations cannot be exported this way
+                    raise TransferFailed(
+                        FailureReason.PAIR_SETUP_FAILED, f"cudaIpcGetMemHandle failed: {exc}"
+                    ) from None
+                self._export = kv_pb2.KVIpcExport(
+                    mem_handle=bytes(handle),
+                    offset=self._cache.data_ptr() - base,
+                    num_blocks=self._layout.num_blocks,
+                )
+            return self._export
+
+    def send_part(self, job: PartJob) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()  # the receiver copies as soon as it reads KVPart
+        job.conn.send_frame(part_frame(job), job.watch)
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    handle: bytes
+    offset: int
+    mapped_ptr: int  # what ipcOpenMemHandle returned (to close it)
+    remote: KVLayout  # the sender's layout (its own num_blocks)
+    strides: tuple[int, ...]
+
+    @property
+    def cache_ptr(self) -> int:
+        return self.mapped_ptr + self.offset
+
+
+class IpcReceiverTransport(ReceiverTransport):
+    def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
+        self._device = require_cuda(cache, "cuda_ipc")
+        self._layout = layout
+        self._cache = cache
+        self._strides = byte_strides(layout)
+        self._stream = torch.cuda.Stream(self._device)
+        self._lock = threading.Lock()
+        self._mappings: dict[bytes, _Mapping] = {}
+        self._retired: list[_Mapping] = []
+
+    def pair_ready(self, peer_id: bytes) -> bool:
+        with self._lock:
+            return peer_id in self._mappings
+
+    def setup_pair(
+        self, peer_id: bytes, setup: kv_pb2.KVPairSetup, conn: FrameConnection, watch: Watch
+    ) -> None:
+        if setup.WhichOneof("kind") != "cuda_ipc":
+            raise TransferFailed(FailureReason.TRANSPORT_MISMATCH, "expected a cuda_ipc pair setup")
+        export = setup.cuda_ipc
+        with self._lock:
+            current = self._mappings.get(peer_id)
+        if current is None or (current.handle, current.offset) != (bytes(export.mem_handle), export.offset):
+            mapping = self._open(export)
+            with self._lock:
+                old = self._mappings.get(peer_id)
+                self._mappings[peer_id] = mapping
+                if old is not None:  # a copy may still use it: close it with the receiver, not now
+                    self._retired.append(old)
+        conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck()), watch)
+
+    def _open(self, export: kv_pb2.KVIpcExport) -> _Mapping:
+        try:
+            remote = dataclasses.replace(self._layout, num_blocks=export.num_blocks)
+        except ConfigError as exc:
+            raise TransferFailed(FailureReason.PAIR_SETUP_FAILED, f"sender's cache: {exc}") from None
+        bind_device(self._device)
+        try:
+            ptr = int(_runtime().ipcOpenMemHandle(bytes(export.mem_handle)))
+        except Exception as exc:
+            raise TransferFailed(
+                FailureReason.PAIR_SETUP_FAILED, f"cudaIpcOpenMemHandle failed: {exc}"
+            ) from None
+        mapping = _Mapping(bytes(export.mem_handle), export.offset, ptr, remote, byte_strides(remote))
+        _, size = allocation_range(ptr)
+        if export.offset + remote.total_bytes > size:
+            _runtime().ipcCloseMemHandle(ptr)
+            raise TransferFailed(
+                FailureReason.PAIR_SETUP_FAILED,
+                f"sender's cache (offset {export.offset} + {remote.total_bytes} bytes) "
+                f"overruns its {size}-byte allocation",
+            )
+        return mapping
+
+    def receive_part(self, job: PartJob) -> None:
+        with self._lock:
+            mapping = self._mappings.get(job.peer_id)
+        if mapping is None:
+            raise TransferFailed(FailureReason.PAIR_SETUP_FAILED, "no mapped cache for this sender")
+        try:
+            mapping.remote.check_block_ids(job.remote_block_ids, "src block id")
+        except ValueError as exc:  # never read outside the sender's cache
+            raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
+        bind_device(self._device)
+        self._enqueue_copies(job, mapping)
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        try:
+            wait_event(copied, job.watch, job.conn, FailureReason.SENDER_ABORTED)
+        except TransferFailed:
+            copied.synchronize()  # local copies always finish; the contract: no write pending on return
+            raise
+
+    def _enqueue_copies(self, job: PartJob, mapping: _Mapping) -> None:
+        runtime = _runtime()
+        src, dst = mapping.strides, self._strides
+        rows = 2 * (
+            job.layer_end - job.layer_begin
+        )  # (layer, K|V) planes, S0 == 2 * S1 for a contiguous cache
+        src_base = mapping.cache_ptr + job.layer_begin * src[0]
+        dst_base = self._cache.data_ptr() + job.layer_begin * dst[0]
+        for s, d, length in block_runs(job.remote_block_ids, job.block_ids):
+            runtime.memcpy2DAsync(
+                dst_base + d * dst[2],
+                dst[1],
+                src_base + s * src[2],
+                src[1],
+                length * dst[2],
+                rows,
+                runtime.memcpyDefault,
+                self._stream.cuda_stream,
+            )
+
+    def close(self) -> None:
+        runtime = _runtime()
+        with self._lock:
+            mappings = [*self._mappings.values(), *self._retired]
+            self._mappings, self._retired = {}, []
+        for mapping in mappings:
+            runtime.ipcCloseMemHandle(mapping.mapped_ptr)

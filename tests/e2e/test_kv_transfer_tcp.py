@@ -1,0 +1,472 @@
+"""KV handoff over the tcp transport between two processes on 127.0.0.1.
+
+The parent process runs a KVReceiver (the decode side); a spawned child runs a KVSender (the prefill side),
+building its own cache from a seed and reporting plain values (reason names, checksums) back. For the
+dead/stopped-receiver cases the roles swap. A few protocol attacks use a raw socket speaking the wire format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import secrets
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer import FailureReason, FirstToken, KVReceiver, KVSender, TransferConfig
+from kv_transfer.frames import FrameConnection, Watch, encode_frame
+from kv_transfer.pairing import make_hello
+from model_runtime.kv_layout import KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+NUM_BLOCKS = 40
+CHUNK = 512
+FIRST = FirstToken(7, -0.25, ((7, -0.25), (3, -1.5)))
+
+
+def make_layout(dtype: str, kv_heads: int = 2) -> KVLayout:
+    return KVLayout(
+        num_layers=4, num_kv_heads=kv_heads, head_dim=8, block_size=4, num_blocks=NUM_BLOCKS, dtype=dtype
+    )
+
+
+def make_cache(layout: KVLayout, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.cache_shape, generator=gen).to(getattr(torch, layout.dtype))
+
+
+def checksum(cache: torch.Tensor, ids) -> str:
+    gathered = cache[:, :, list(ids)].contiguous()
+    return hashlib.sha256(gathered.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def config(**kw) -> TransferConfig:
+    base = dict(
+        chunk_bytes=CHUNK,
+        poll_interval_s=0.01,
+        connect_timeout_s=3.0,
+        transfer_timeout_s=20.0,
+        lease_ttl_s=20.0,
+    )
+    return TransferConfig(**{**base, **kw})
+
+
+class ShuffledFreeList:
+    """A thread-safe block pool handing out scattered ids; it refuses double frees."""
+
+    def __init__(self, num_blocks: int, seed: int) -> None:
+        self.free_ids = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free_ids)
+        self.total = len(self.free_ids)
+        self.lock = threading.Lock()
+
+    def allocate(self, n: int) -> list[int] | None:
+        with self.lock:
+            if len(self.free_ids) < n:
+                return None
+            out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+            return out
+
+    def free(self, ids) -> None:
+        with self.lock:
+            if set(ids) & set(self.free_ids):
+                raise AssertionError(f"double free of {ids}")
+            self.free_ids.extend(ids)
+
+    @property
+    def all_free(self) -> bool:
+        return len(self.free_ids) == self.total
+
+
+# --- the child: a sender peer driven by plain commands ----------------------------------------------------
+def _sender_peer(conn) -> None:
+    lock = threading.Lock()
+
+    def event(name: str) -> None:
+        with lock:
+            conn.send(("event", name))
+
+    while True:
+        cmd = conn.recv()
+        if cmd["op"] == "exit":
+            return
+        result = _peer_send(cmd, event, conn)
+        with lock:
+            conn.send(("result", result))
+
+
+def _peer_send(cmd: dict, event, conn) -> dict:
+    layout = make_layout(cmd["dtype"], cmd.get("kv_heads", 2))
+    cache = make_cache(layout, cmd["seed"])
+    ids = [int(x) for x in cmd["ids"].split(",")]
+    mode, pace = cmd["mode"], cmd.get("pace_ms", 0) / 1000
+    total = layout.bytes_per_block * len(ids)
+    box, data_sent, released = [], threading.Event(), []
+
+    def hook(_request_id: str, sent: int) -> None:
+        if sent == CHUNK:
+            event("streaming")
+        if mode == "abort_mid" and sent >= 3 * CHUNK and box:
+            box[0].abort("test: abort mid-stream")
+        if sent == total:
+            data_sent.set()
+        time.sleep(pace)
+
+    target = kv_pb2.KVTarget.FromString(bytes.fromhex(cmd["target"]))
+    with KVSender(layout, cache, config(), on_release=released.append, chunk_hook=hook) as sender:
+        n_tokens, timeout = cmd["num_tokens"], cmd.get("timeout_s", 20.0)
+        if mode in ("all", "abort_mid"):
+            handle = sender.send(target, ids, n_tokens, FIRST, timeout)
+            box.append(handle)
+        else:
+            handle = sender.open(target, ids, n_tokens, timeout)
+            box.append(handle)
+            _drive_layers(mode, handle, layout, data_sent, event, conn)
+        result = handle.result(timeout=30)
+    return dict(
+        ok=result.ok,
+        failure=result.failure.name if result.failure else "",
+        message=result.message,
+        released=len(released),
+        released_ids=",".join(map(str, released[0].src_block_ids)) if released else "",
+        checksum=checksum(cache, ids),
+    )
+
+
+def _drive_layers(mode: str, handle, layout: KVLayout, data_sent, event, conn) -> None:
+    layers = layout.num_layers
+    if mode == "groups":
+        for begin, end in ((0, 1), (1, 3), (3, layers)):
+            handle.send_layers(begin, end)
+        handle.finish(FIRST)
+    elif mode == "abort_before_data":
+        time.sleep(0.5)  # connect + claim take milliseconds on loopback
+        handle.abort("test: abort before data")
+    elif mode == "abort_after_data":
+        handle.send_layers(0, layers)
+        data_sent.wait(10)
+        time.sleep(0.2)
+        handle.abort("test: abort after data")
+    elif mode == "wait_go":
+        handle.send_layers(0, layers)
+        data_sent.wait(10)
+        event("data_sent")
+        assert conn.recv() == ("go",)
+        handle.finish(FIRST)
+
+
+class Peer:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_sender_peer, args=(child,), daemon=True)
+        self.proc.start()
+
+    def start(self, **cmd) -> None:
+        self.conn.send({"op": "send", **cmd})
+
+    def next(self, timeout: float = 30.0):
+        assert self.conn.poll(timeout), "peer process went silent"
+        return self.conn.recv()
+
+    def wait_event(self, name: str) -> None:
+        while True:
+            kind, value = self.next()
+            assert kind == "event", f"peer finished before {name}: {value}"
+            if value == name:
+                return
+
+    def result(self) -> dict:
+        while True:
+            kind, value = self.next()
+            if kind == "result":
+                return value
+
+    def run(self, **cmd) -> dict:
+        self.start(**cmd)
+        return self.result()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = Peer()
+    yield p
+    p.conn.send({"op": "exit"})
+    p.proc.join(10)
+    if p.proc.is_alive():
+        p.proc.kill()
+
+
+def wait_results(receiver: KVReceiver, n: int = 1, timeout: float = 15.0):
+    end, out = time.monotonic() + timeout, []
+    while len(out) < n and time.monotonic() < end:
+        out += receiver.poll()
+        time.sleep(0.01)
+    assert len(out) == n, f"expected {n} results, got {out}"
+    return out
+
+
+def send_cmd(receiver: KVReceiver, lease, dtype: str, mode: str, **kw) -> dict:
+    n = len(lease.block_ids)
+    src_ids = random.Random(n).sample(range(1, NUM_BLOCKS), n)
+    return dict(
+        target=receiver.target(lease).SerializeToString().hex(),
+        ids=",".join(map(str, src_ids)),
+        num_tokens=lease.num_tokens,
+        dtype=dtype,
+        seed=11,
+        mode=mode,
+        **kw,
+    )
+
+
+# --- data moves bit-exact ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("num_tokens", "mode"), [(3, "all"), (11, "groups"), (27, "all")])
+def test_handoff_bytes_identical(peer, dtype, num_tokens, mode):
+    layout = make_layout(dtype)
+    cache, alloc = make_cache(layout, seed=99), ShuffledFreeList(NUM_BLOCKS, seed=num_tokens)
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        lease = receiver.reserve(f"req-{num_tokens}", num_tokens)
+        others = [b for b in range(1, NUM_BLOCKS) if b not in lease.block_ids]
+        before = checksum(cache, others)
+        cmd = send_cmd(receiver, lease, dtype, mode)
+        sent = peer.run(**cmd)
+        (result,) = wait_results(receiver)
+        stats = receiver.stats()
+    assert sent["ok"], sent
+    assert sent["released"] == 1 and sent["released_ids"] == cmd["ids"]
+    assert result.ok and result.first_token == FIRST
+    assert len(lease.block_ids) % 2 == 1 and cmd["ids"] != ",".join(map(str, lease.block_ids))
+    assert checksum(cache, lease.block_ids) == sent["checksum"]
+    assert checksum(cache, others) == before  # nothing outside the lease was written
+    assert stats.transfers_ok == 1 and stats.bytes_ok == layout.bytes_per_block * len(lease.block_ids)
+    assert len(alloc.free_ids) == alloc.total - len(lease.block_ids)  # landed blocks are the caller's
+
+
+# --- aborts from either side at every phase ---------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["abort_before_data", "abort_mid", "abort_after_data"])
+def test_sender_abort_at_each_phase_frees_both_sides(peer, mode):
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 1)
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        lease = receiver.reserve("req", 27)
+        before = checksum(cache, lease.block_ids)
+        sent = peer.run(**send_cmd(receiver, lease, "float32", mode, pace_ms=5))
+        (result,) = wait_results(receiver)
+    assert sent["failure"] == "SENDER_ABORTED" and sent["released"] == 1
+    assert result.failure is FailureReason.SENDER_ABORTED, result
+    assert alloc.all_free
+    if mode == "abort_before_data":
+        assert checksum(cache, lease.block_ids) == before
+
+
+@pytest.mark.parametrize("phase", ["before_begin", "mid_stream", "after_data"])
+def test_receiver_abort_at_each_phase_frees_both_sides(peer, phase):
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 2)
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        lease = receiver.reserve("req", 27)
+        if phase == "before_begin":
+            assert receiver.abort("req", "client cancelled")
+            results = wait_results(receiver)
+            sent = peer.run(**send_cmd(receiver, lease, "float32", "all"))
+        elif phase == "mid_stream":
+            peer.start(**send_cmd(receiver, lease, "float32", "all", pace_ms=20))
+            peer.wait_event("streaming")
+            assert receiver.abort(lease.handle)
+            sent = peer.result()
+            results = wait_results(receiver)
+        else:
+            peer.start(**send_cmd(receiver, lease, "float32", "wait_go"))
+            peer.wait_event("data_sent")
+            assert receiver.abort("req")
+            results = wait_results(receiver)
+            assert alloc.all_free  # freed before the sender says another word
+            peer.conn.send(("go",))
+            sent = peer.result()
+        assert not receiver.poll()  # exactly one result per lease
+    assert sent["failure"] == "RECEIVER_ABORTED" and sent["released"] == 1, sent
+    assert results[0].failure is FailureReason.RECEIVER_ABORTED
+    assert alloc.all_free
+
+
+# --- handles: forged, reused, expired; lease expiry; layout mismatch ---------------------------------------
+def test_forged_reused_and_expired_handles_fail_closed(peer):
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 3)
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        lease = receiver.reserve("req", 11)
+        before = checksum(cache, list(range(1, NUM_BLOCKS)))
+        forged = send_cmd(receiver, lease, "float32", "all")
+        target = receiver.target(lease)
+        target.handle = secrets.token_bytes(16)
+        forged["target"] = target.SerializeToString().hex()
+        assert peer.run(**forged)["failure"] == "UNKNOWN_HANDLE"
+        assert checksum(cache, list(range(1, NUM_BLOCKS))) == before  # no write anywhere
+
+        real = send_cmd(receiver, lease, "float32", "all")
+        assert peer.run(**real)["ok"]
+        wait_results(receiver)
+        after_landing = checksum(cache, lease.block_ids)
+        reuse = dict(real, seed=12)  # same handle, different bytes
+        assert peer.run(**reuse)["failure"] == "HANDLE_REUSED"
+        assert checksum(cache, lease.block_ids) == after_landing
+
+        short = receiver.reserve("short", 5, ttl_s=0.2)
+        (expired,) = wait_results(receiver)  # the reaper ends it with no traffic at all
+        assert expired.failure is FailureReason.LEASE_EXPIRED and expired.request_id == "short"
+        late = peer.run(**send_cmd(receiver, short, "float32", "all"))
+        assert late["failure"] == "LEASE_EXPIRED" and late["released"] == 1
+    assert len(alloc.free_ids) == alloc.total - len(lease.block_ids)
+
+
+def test_layout_mismatch_is_refused_naming_the_field(peer):
+    layout = make_layout("float32")
+    with KVReceiver(layout, make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 4), config()) as receiver:
+        lease = receiver.reserve("req", 4)
+        sent = peer.run(**send_cmd(receiver, lease, "float32", "all", kv_heads=4))
+    assert (
+        sent["failure"] == "LAYOUT_MISMATCH" and "num_kv_heads" in sent["message"] and sent["released"] == 1
+    )
+
+
+# --- dead and stopped peers ------------------------------------------------------------------------------
+def test_sender_killed_mid_stream_frees_the_lease():
+    victim = Peer()
+    try:
+        layout = make_layout("float32")
+        alloc = ShuffledFreeList(NUM_BLOCKS, 6)
+        with KVReceiver(layout, make_cache(layout, 5), alloc, config()) as receiver:
+            lease = receiver.reserve("req", 27)
+            victim.start(**send_cmd(receiver, lease, "float32", "all", pace_ms=50))
+            victim.wait_event("streaming")
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            start = time.monotonic()
+            (result,) = wait_results(receiver)
+        assert result.failure is FailureReason.CONNECTION_LOST
+        assert time.monotonic() - start < 5 and alloc.all_free
+    finally:
+        victim.proc.kill()
+
+
+def _receiver_peer(conn, dtype: str, num_tokens: int) -> None:
+    layout = make_layout(dtype)
+    receiver = KVReceiver(layout, make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 7), config())
+    lease = receiver.reserve("req", num_tokens)
+    conn.send(receiver.target(lease).SerializeToString().hex())
+    conn.recv()  # park until killed
+
+
+@pytest.mark.parametrize("fate", ["killed", "stopped"])
+def test_receiver_dead_or_stopped_mid_stream_releases_sender_blocks(fate):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_peer, args=(child, "float32", 27), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30)
+        target = kv_pb2.KVTarget.FromString(bytes.fromhex(parent.recv()))
+        layout = make_layout("float32")
+        streaming, released = threading.Event(), []
+        hook = lambda _rid, sent: (streaming.set(), time.sleep(0.02))  # noqa: E731
+        # A stopped receiver's kernel still buffers these few KiB, so the sender then waits for an ack that never
+        # comes: only its deadline can end the transfer. A killed one resets the connection.
+        with KVSender(
+            layout,
+            make_cache(layout, 11),
+            config(chunk_bytes=CHUNK),
+            on_release=released.append,
+            chunk_hook=hook,
+        ) as sender:
+            handle = sender.send(target, list(range(1, 8)), 27, FIRST, timeout_s=2.0)
+            assert streaming.wait(10)
+            os.kill(proc.pid, signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
+            result = handle.result(timeout=10)
+        expected = {"killed": FailureReason.CONNECTION_LOST, "stopped": FailureReason.DEADLINE_EXCEEDED}[fate]
+        assert result.failure is expected, result
+        assert released == [result] and result.seconds < 5
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+# --- protocol attacks with a raw socket ------------------------------------------------------------------
+def raw_claim(receiver: KVReceiver, layout: KVLayout, lease, num_bytes: int | None = None) -> FrameConnection:
+    import socket
+
+    conn = FrameConnection(socket.create_connection(receiver.endpoint, timeout=2), 0.01)
+    watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+    n = len(lease.block_ids)
+    begin = kv_pb2.KVBegin(
+        handle=lease.handle,
+        request_id=lease.request_id,
+        num_blocks=n,
+        num_tokens=lease.num_tokens,
+        num_bytes=num_bytes or layout.bytes_per_block * n,
+    )
+    conn.send_frame(make_hello(layout, secrets.token_bytes(16), "tcp", ""), watch)
+    conn.send_frame(kv_pb2.KVFrame(begin=begin), watch)
+    assert conn.read_frame(watch).HasField("hello")
+    return conn
+
+
+def test_stalled_sender_expiry_frees_only_after_the_read_is_torn_down():
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 8)
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        lease = receiver.reserve("req", 27, ttl_s=0.5)
+        conn = raw_claim(receiver, layout, lease)
+        watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+        assert conn.read_frame(watch).HasField("begin_ok")
+        layer_bytes = layout.bytes_per_block_layer * len(lease.block_ids)
+        conn.send_frame(
+            kv_pb2.KVFrame(part=kv_pb2.KVPart(layer_begin=0, layer_end=4, num_bytes=4 * layer_bytes)), watch
+        )
+        conn.sock.sendall((layer_bytes).to_bytes(4, "big") + b"\x01" * (layer_bytes // 2))  # then stall
+        (result,) = wait_results(receiver)
+        assert result.failure is FailureReason.LEASE_EXPIRED and alloc.all_free
+        cache[:, :, list(lease.block_ids)] = 123.0  # the blocks' next owner writes them
+        with contextlib.suppress(OSError):  # the stalled sender wakes up and sends the rest of the layer
+            conn.sock.sendall(b"\x02" * (layer_bytes - layer_bytes // 2))
+        time.sleep(0.3)
+        assert bool((cache[:, :, list(lease.block_ids)] == 123.0).all()), (
+            "a stale write landed after the free"
+        )
+        conn.close()
+
+
+def test_byte_count_disagreeing_with_the_lease_fails_closed():
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 9)
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        lease = receiver.reserve("req", 11)
+        before = checksum(cache, lease.block_ids)
+        conn = raw_claim(receiver, layout, lease, num_bytes=layout.bytes_per_block * 3 + 8)
+        reply = conn.read_frame(Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test"))
+        conn.close()
+        (result,) = wait_results(receiver)
+    assert reply.error.code == FailureReason.DESCRIPTOR_MISMATCH.value and "num_bytes" in reply.error.message
+    assert result.failure is FailureReason.DESCRIPTOR_MISMATCH and alloc.all_free
+    assert checksum(cache, lease.block_ids) == before
+
+
+def test_garbage_on_the_control_port_is_refused_and_the_receiver_survives(peer):
+    import socket
+
+    layout = make_layout("float32")
+    with KVReceiver(layout, make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 10), config()) as receiver:
+        with socket.create_connection(receiver.endpoint, timeout=2) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + encode_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck())))
+            assert b"bad frame magic" in sock.recv(4096)
+        lease = receiver.reserve("req", 4)
+        assert peer.run(**send_cmd(receiver, lease, "float32", "all"))["ok"]

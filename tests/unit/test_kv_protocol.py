@@ -1,0 +1,325 @@
+"""kv_transfer protocol pieces in isolation: frames, pairing checks, the lease table's ownership rules, config
+validation, argument checks and the cuda_ipc copy geometry. No threads beyond a socketpair; milliseconds."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer import FailureReason, FirstToken, KVSender, NoRoom, TransferConfig, TransferFailed
+from kv_transfer.cuda_ipc import block_runs, byte_strides
+from kv_transfer.frames import (
+    MAGIC,
+    MAX_FRAME_BYTES,
+    FrameConnection,
+    Watch,
+    decode_frame,
+    decode_frame_length,
+    encode_frame,
+    error_frame,
+    expect,
+    failure_from_proto,
+    failure_to_proto,
+)
+from kv_transfer.leases import LeaseTable
+from kv_transfer.pairing import check_format, check_hello, format_message, make_hello
+from kv_transfer.send_handle import SendHandle
+from model_runtime.config import ConfigError
+from model_runtime.kv_layout import KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float32")
+
+
+class FreeList:
+    def __init__(self, num_blocks: int) -> None:
+        self.free_ids = list(range(1, num_blocks))
+        self.lock = threading.Lock()
+
+    def allocate(self, n: int) -> list[int] | None:
+        with self.lock:
+            if len(self.free_ids) < n:
+                return None
+            out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+            return out
+
+    def free(self, ids) -> None:
+        with self.lock:
+            assert not set(ids) & set(self.free_ids), "double free"
+            self.free_ids.extend(ids)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_table(num_blocks: int = 16):
+    alloc, clock, failed = FreeList(num_blocks), Clock(), []
+    table = LeaseTable(
+        LAYOUT, alloc, lambda lease, failure, _: failed.append((lease, failure.reason)), clock=clock
+    )
+    return table, alloc, clock, failed
+
+
+def reason_of(fn) -> FailureReason:
+    with pytest.raises(TransferFailed) as info:
+        fn()
+    return info.value.reason
+
+
+# --- frames ----------------------------------------------------------------------------------------------
+def test_frame_round_trip_preserves_every_field():
+    begin = kv_pb2.KVBegin(
+        handle=b"h" * 16,
+        request_id="r1",
+        num_blocks=3,
+        num_tokens=9,
+        num_bytes=123456,
+        src_block_ids=[5, 2, 9],
+    )
+    data = encode_frame(kv_pb2.KVFrame(begin=begin))
+    assert data[:4] == MAGIC
+    assert decode_frame_length(data[:8]) == len(data) - 8
+    assert decode_frame(data[8:]).begin == begin
+
+
+def test_frame_header_rejects_bad_magic_and_oversize():
+    assert reason_of(lambda: decode_frame_length(b"HTTP\x00\x00\x00\x10")) is FailureReason.PROTOCOL_ERROR
+    oversize = MAGIC + (MAX_FRAME_BYTES + 1).to_bytes(4, "big")
+    assert reason_of(lambda: decode_frame_length(oversize)) is FailureReason.PROTOCOL_ERROR
+
+
+def test_frame_payload_garbage_and_empty_body_are_protocol_errors():
+    assert reason_of(lambda: decode_frame(b"\xff\xff\xff")) is FailureReason.PROTOCOL_ERROR
+    assert reason_of(lambda: decode_frame(b"")) is FailureReason.PROTOCOL_ERROR
+
+
+def test_failure_enum_mirrors_proto_names_and_values():
+    names = kv_pb2.KVFailure.keys()  # noqa: SIM118 (an enum wrapper, not a dict)
+    proto_names = {n.removeprefix("KV_FAILURE_") for n in names} - {"UNSPECIFIED"}
+    assert proto_names == {r.name for r in FailureReason}
+    for reason in FailureReason:
+        assert failure_to_proto(reason) == reason.value
+        assert failure_from_proto(failure_to_proto(reason)) is reason
+    assert failure_from_proto(999) is FailureReason.PROTOCOL_ERROR
+
+
+def test_expect_raises_the_peers_reason():
+    frame = error_frame(FailureReason.HANDLE_REUSED, "used")
+    assert (
+        reason_of(lambda: expect(frame, "begin_ok", FailureReason.PROTOCOL_ERROR))
+        is FailureReason.HANDLE_REUSED
+    )
+    ack = kv_pb2.KVFrame(ack=kv_pb2.KVAck())
+    assert (
+        reason_of(lambda: expect(ack, "begin_ok", FailureReason.PROTOCOL_ERROR))
+        is FailureReason.PROTOCOL_ERROR
+    )
+
+
+def test_connection_chunks_and_abort_inside_a_part():
+    a, b = socket.socketpair()
+    left, right = FrameConnection(a, 0.01), FrameConnection(b, 0.01)
+    watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+    left.start_data(10)
+    left.send_chunk(memoryview(b"0123"), watch)
+    assert left.send_abort(TransferFailed(FailureReason.SENDER_ABORTED, "stop"), watch)
+    buf = bytearray(4)
+    assert right.read_chunk_length(watch) == 4
+    right.recv_into(memoryview(buf), watch)
+    assert bytes(buf) == b"0123"
+    assert right.read_chunk_length(watch) == 0  # end of data: an abort frame follows
+    assert right.read_frame(watch).abort.reason == failure_to_proto(FailureReason.SENDER_ABORTED)
+    left.close()
+    assert reason_of(lambda: right.read_frame(watch)) is FailureReason.CONNECTION_LOST
+    right.close()
+
+
+def test_blocked_read_ends_at_the_deadline():
+    a, b = socket.socketpair()
+    conn = FrameConnection(a, 0.01)
+    start = time.monotonic()
+    watch = Watch(start + 0.1, FailureReason.LEASE_EXPIRED, "test")
+    assert reason_of(lambda: conn.read_frame(watch)) is FailureReason.LEASE_EXPIRED
+    assert time.monotonic() - start < 1.0
+    conn.close()
+    b.close()
+
+
+# --- pairing ---------------------------------------------------------------------------------------------
+def test_layout_mismatch_names_the_differing_field():
+    other = KVLayout(num_layers=4, num_kv_heads=4, head_dim=8, block_size=4, num_blocks=99, dtype="float32")
+    with pytest.raises(TransferFailed) as info:
+        check_format(LAYOUT, format_message(other), other.fingerprint())
+    assert info.value.reason is FailureReason.LAYOUT_MISMATCH
+    assert "num_kv_heads: ours=2 theirs=4" in info.value.message
+    assert "num_blocks" not in info.value.message  # cache sizes may differ between the two sides
+
+
+def test_fingerprint_disagreement_with_equal_fields_is_refused():
+    with pytest.raises(TransferFailed, match="fingerprints differ"):
+        check_format(LAYOUT, format_message(LAYOUT), "0" * 32)
+
+
+def test_hello_checks_transport_and_refuses_nccl_on_one_gpu():
+    hello = make_hello(LAYOUT, b"i" * 16, "tcp", "").hello
+    check_hello(LAYOUT, "tcp", "", hello)
+    assert reason_of(lambda: check_hello(LAYOUT, "nccl", "", hello)) is FailureReason.TRANSPORT_MISMATCH
+    gpu_hello = make_hello(LAYOUT, b"i" * 16, "nccl", "GPU-1").hello
+    with pytest.raises(TransferFailed, match="two different GPUs"):
+        check_hello(LAYOUT, "nccl", "GPU-1", gpu_hello)
+    check_hello(LAYOUT, "nccl", "GPU-2", gpu_hello)
+
+
+# --- lease table -----------------------------------------------------------------------------------------
+def test_forged_handle_is_unknown_and_touches_nothing():
+    table, alloc, _, failed = make_table()
+    lease = table.reserve("r1", 9, ttl_s=10)
+    assert reason_of(lambda: table.claim(b"\x00" * 16, "r1")) is FailureReason.UNKNOWN_HANDLE
+    assert table.claim(lease.handle, "r1") == lease  # the real lease is unaffected
+    assert failed == [] and len(alloc.free_ids) == 15 - 3
+
+
+def test_handle_is_bound_to_its_request_and_single_use():
+    table, alloc, _, _ = make_table()
+    lease = table.reserve("r1", 4, ttl_s=10)
+    assert reason_of(lambda: table.claim(lease.handle, "r2")) is FailureReason.HANDLE_MISMATCH
+    table.claim(lease.handle, "r1")
+    assert reason_of(lambda: table.claim(lease.handle, "r1")) is FailureReason.HANDLE_BUSY
+    assert table.land(lease.handle) == lease
+    assert reason_of(lambda: table.claim(lease.handle, "r1")) is FailureReason.HANDLE_REUSED
+    assert len(alloc.free_ids) == 14  # landed blocks belong to the caller: never freed by the table
+
+
+def test_expired_handle_fails_and_frees_once():
+    table, alloc, clock, failed = make_table()
+    lease = table.reserve("r1", 4, ttl_s=1.0)
+    clock.now += 1.5
+    assert reason_of(lambda: table.claim(lease.handle, "r1")) is FailureReason.LEASE_EXPIRED
+    assert failed == [(lease, FailureReason.LEASE_EXPIRED)] and len(alloc.free_ids) == 15
+    assert reason_of(lambda: table.claim(lease.handle, "r1")) is FailureReason.LEASE_EXPIRED
+
+
+def test_reaper_frees_unclaimed_leases_but_only_flags_claimed_ones():
+    table, alloc, clock, failed = make_table()
+    idle = table.reserve("idle", 4, ttl_s=1.0)
+    busy = table.reserve("busy", 8, ttl_s=1.0)
+    table.claim(busy.handle, "busy")
+    clock.now += 2.0
+    table.expire()
+    assert failed == [(idle, FailureReason.LEASE_EXPIRED)]
+    assert set(busy.block_ids).isdisjoint(alloc.free_ids)  # its receiving thread may still write: not freed
+    assert table.cancellation(busy.handle).reason is FailureReason.LEASE_EXPIRED
+    assert reason_of(lambda: table.land(busy.handle)) is FailureReason.LEASE_EXPIRED
+    table.fail_claimed(busy.handle, TransferFailed(FailureReason.LEASE_EXPIRED, "expired"))
+    assert len(alloc.free_ids) == 15 and len(table) == 0
+
+
+def test_receiver_abort_is_reported_to_a_late_sender():
+    table, _, _, failed = make_table()
+    lease = table.reserve("r1", 4, ttl_s=10)
+    assert table.cancel("r1", TransferFailed(FailureReason.RECEIVER_ABORTED, "cancelled"))
+    assert failed == [(lease, FailureReason.RECEIVER_ABORTED)]
+    assert reason_of(lambda: table.claim(lease.handle, "r1")) is FailureReason.RECEIVER_ABORTED
+    assert not table.cancel("r1", TransferFailed(FailureReason.RECEIVER_ABORTED, "again"))
+
+
+def test_reserve_no_room_duplicates_and_bad_allocations():
+    table, _, _, _ = make_table(num_blocks=4)
+    table.reserve("r1", 8, ttl_s=10)
+    with pytest.raises(NoRoom):
+        table.reserve("r2", 8, ttl_s=10)
+    with pytest.raises(ValueError, match="already holds a lease"):
+        table.reserve("r1", 1, ttl_s=10)
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.reserve("r3", 0, ttl_s=10)
+
+    class Broken(FreeList):
+        def allocate(self, n):
+            return [0] * n  # the null block: must never be handed to a peer
+
+    broken = Broken(16)
+    bad = LeaseTable(LAYOUT, broken, lambda *a: None)
+    with pytest.raises(RuntimeError, match="allocator"):
+        bad.reserve("r1", 4, ttl_s=10)
+
+
+# --- config and arguments --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("kind", "rdma"),
+        ("port", 70000),
+        ("lease_ttl_s", 0),
+        ("connect_timeout_s", float("nan")),
+        ("poll_interval_s", 5.0),
+        ("chunk_bytes", 1),
+        ("max_connections", 0),
+    ],
+)
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=rf"transfer\.{field}"):
+        TransferConfig(**{field: value})
+
+
+def test_config_wildcard_host_needs_an_advertised_address():
+    with pytest.raises(ConfigError, match=r"transfer\.advertise_host"):
+        TransferConfig(host="0.0.0.0")
+    assert TransferConfig(host="0.0.0.0", advertise_host="10.0.0.5").public_host == "10.0.0.5"
+
+
+def test_send_range_and_count_checks_keep_ownership_with_the_caller():
+    cache = torch.zeros(LAYOUT.cache_shape)
+    released = []
+    with KVSender(LAYOUT, cache, on_release=released.append) as sender:
+        target = kv_pb2.KVTarget()
+        with pytest.raises(ValueError, match=r"out of range \[1, 16\)"):
+            sender.send(target, [3, 16], 8, FirstToken(1))
+        with pytest.raises(ValueError, match=r"out of range \[1, 16\)"):
+            sender.send(target, [0], 4, FirstToken(1))
+        with pytest.raises(ValueError, match="fill 2 blocks"):
+            sender.send(target, [3], 8, FirstToken(1))
+        with pytest.raises(ValueError, match="duplicates"):
+            sender.send(target, [3, 3], 8, FirstToken(1))
+    assert released == []  # nothing was taken over
+
+
+def test_layer_groups_must_tile_the_layers():
+    handle = SendHandle(kv_pb2.KVTarget(request_id="r"), (1,), 4, num_layers=4, timeout_s=10)
+    handle.send_layers(0, 2)
+    with pytest.raises(ValueError, match="overlaps"):
+        handle.send_layers(1, 3)
+    with pytest.raises(ValueError, match="non-empty range"):
+        handle.send_layers(3, 5)
+    with pytest.raises(ValueError, match="never queued"):
+        handle.finish(FirstToken(1))
+    handle.send_layers(2, 4)
+    handle.finish(FirstToken(1))
+    with pytest.raises(ValueError, match="after finish"):
+        handle.send_layers(0, 1)
+
+
+# --- cuda_ipc geometry (pure arithmetic, checked against torch indexing) ---------------------------------
+def test_block_runs_coalesce_only_joint_steps():
+    assert block_runs((4, 5, 6, 9), (1, 2, 3, 4)) == [(4, 1, 3), (9, 4, 1)]
+    assert block_runs((4, 5), (2, 1)) == [(4, 2, 1), (5, 1, 1)]
+
+
+def test_byte_strides_match_the_block_addresses_torch_uses():
+    cache = torch.arange(LAYOUT.total_bytes // 4, dtype=torch.float32).reshape(LAYOUT.cache_shape)
+    strides = byte_strides(LAYOUT)
+    assert strides[0] == 2 * strides[1]  # the 2-D copy walks (layer, K|V) planes with one pitch
+    for layer, kv, block in [(0, 0, 1), (2, 1, 7), (3, 1, 15)]:
+        offset = (layer * strides[0] + kv * strides[1] + block * strides[2]) // 4
+        assert cache[layer, kv, block].flatten()[0].item() == offset
+        assert strides[2] == cache[layer, kv, block].numel() * 4
