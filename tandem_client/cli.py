@@ -30,15 +30,21 @@ DEFAULT_STATUS_TIMEOUT = 10.0
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
@@ -69,9 +75,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         metavar="T",
         help="0 (default) is greedy, so results reproduce",
     )
-    p.add_argument("--top-p", type=float, metavar="P")
-    p.add_argument("--top-k", type=int, metavar="K")
-    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, metavar="S", help="seed for random sampling (temperature > 0)")
     p.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeat for several)"
     )
@@ -80,7 +86,12 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--chat", action="store_true", help="send plain prompts as a user message of a chat")
     p.add_argument("--json", action="store_true", help="print one JSON line per request, in input order")
-    p.add_argument("--input", metavar="FILE.jsonl", help="requests, one JSON object per line")
+    p.add_argument(
+        "--input",
+        metavar="FILE.jsonl",
+        help='one request per line: {"prompt"|"messages"|"prompt_token_ids": ...} plus optional '
+        "max_tokens, temperature, top_p, top_k, seed, stop",
+    )
     p.add_argument("--output", metavar="FILE.jsonl", help="write the JSON lines to FILE (atomically)")
     p.add_argument(
         "--concurrency",
