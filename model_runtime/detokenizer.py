@@ -37,6 +37,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        if self._decode(0, len(self._ids)).endswith(REPLACEMENT_CHAR):
+            # A prompt ending inside a character (raw token-id prompts can) would make the output's first bytes
+            # complete prompt text; decode the output on its own instead.
+            self._ids = []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # everything emitted so far

@@ -22,7 +22,13 @@ from model_runtime.weights import (
     resolve_model,
 )
 from model_runtime.weights.canonical import canonical_shapes
-from tests.model.tiny_models import hf_state_dict, tiny_hf_model, write_tiny_gguf, write_tiny_hf
+from tests.model.tiny_models import (
+    hf_state_dict,
+    tiny_hf_model,
+    transformers_smollm2,
+    write_tiny_gguf,
+    write_tiny_hf,
+)
 
 pytestmark = pytest.mark.model
 
@@ -256,8 +262,7 @@ def test_gguf_config_matches_transformers(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_transformers_state() -> dict[str, np.ndarray]:
-    source = resolve_model("smollm2-135m-instruct")
-    return hf_state_dict(source.require_path())
+    return {name: t.detach().numpy() for name, t in transformers_smollm2().state_dict().items()}
 
 
 def test_embedded_smollm2_equals_transformers(smollm2_transformers_state: dict[str, np.ndarray]) -> None:

@@ -25,7 +25,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -93,7 +92,8 @@ def tiny_hf_model(
     arch: str = "llama", *, seed: int = 0, tie: bool = False, llama3_rope: bool = False, **overrides: Any
 ) -> Any:
     """A seeded random transformers `PreTrainedModel` of the tiny shape (float32, eval mode)."""
-    import transformers  # imported here so tokenizer-only users of this module stay light
+    import torch  # torch and transformers are imported here so tokenizer-only users stay light
+    import transformers
 
     fields: dict[str, Any] = {
         **SHAPE,
@@ -196,6 +196,7 @@ def write_tiny_gguf(
 
 def hf_state_dict(path: Path) -> dict[str, np.ndarray]:
     """transformers' float32 state dict of an HF dir or a GGUF file (dequantized), keyed by HF names."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -317,3 +318,30 @@ def _spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     scores += [-1e9] * len(unused)
     types = [2, 3, 3, 3, 3] + [6] * len(byte_tokens) + [1] * len(pieces) + [5] * len(unused)
     return tokens, scores, types
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_smollm2() -> Any:
+    """transformers' float32 model of the embedded SmolLM2 GGUF, loaded once per process (~20 s on 2 cores).
+
+    Shared by every test that compares against it; treat it as read-only (no .to(), no weight edits).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_runtime.weights.source import embedded_model_path
+
+    path = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_smollm2_tokenizer() -> Any:
+    """transformers' tokenizer of the embedded SmolLM2 GGUF, loaded once per process (read-only)."""
+    from transformers import AutoTokenizer
+
+    from model_runtime.weights.source import embedded_model_path
+
+    path = embedded_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
