@@ -27,8 +27,11 @@ def _require(cond: bool, name: str, msg: str) -> None:
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(isinstance(value, int) and value > 0, f"{type(obj).__name__}.{name}",
-                 f"must be a positive integer, got {value!r}")
+        _require(
+            isinstance(value, int) and value > 0,
+            f"{type(obj).__name__}.{name}",
+            f"must be a positive integer, got {value!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,11 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         _require(self.factor >= 1.0, "rope_scaling.factor", f"must be >= 1, got {self.factor}")
-        _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor",
-                 "must be greater than low_freq_factor")
+        _require(
+            self.high_freq_factor > self.low_freq_factor,
+            "rope_scaling.high_freq_factor",
+            "must be greater than low_freq_factor",
+        )
 
 
 @dataclass(frozen=True)
@@ -69,13 +75,32 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        _require(self.architecture in SUPPORTED_ARCHITECTURES, "model.architecture",
-                 f"{self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "max_position_embeddings")
-        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
-                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        _require(self.head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+        _require(
+            self.architecture in SUPPORTED_ARCHITECTURES,
+            "model.architecture",
+            f"{self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+        _positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        _require(
+            self.head_dim % 2 == 0,
+            "model.head_dim",
+            f"must be even for rotary embeddings, got {self.head_dim}",
+        )
         _require(self.rms_norm_eps > 0, "model.rms_norm_eps", "must be > 0")
         _require(self.rope_theta > 0, "model.rope_theta", "must be > 0")
 
@@ -109,13 +134,22 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "cache.block_size",
-                 f"must be a power of two in [1, 128], got {self.block_size}")
-        _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
-                 "cache.num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "cache.block_size",
+            f"must be a power of two in [1, 128], got {self.block_size}",
+        )
+        _require(
+            self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
+            "cache.num_blocks",
+            f"must be >= 2 (block 0 is reserved), got {self.num_blocks}",
+        )
         _require(self.dtype is None or self.dtype in DTYPES, "cache.dtype", f"must be one of {DTYPES}")
-        _require(0.05 <= self.gpu_memory_utilization <= 0.99, "cache.gpu_memory_utilization",
-                 f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        _require(
+            0.05 <= self.gpu_memory_utilization <= 0.99,
+            "cache.gpu_memory_utilization",
+            f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}",
+        )
         _require(self.cpu_cache_bytes > 0, "cache.cpu_cache_bytes", "must be > 0")
 
 
@@ -129,7 +163,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
-        _require(self.max_model_len is None or self.max_model_len > 0, "scheduler.max_model_len", "must be > 0")
+        _require(
+            self.max_model_len is None or self.max_model_len > 0, "scheduler.max_model_len", "must be > 0"
+        )
 
 
 @dataclass(frozen=True)
@@ -143,11 +179,17 @@ class DeviceConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-                 "device.device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        _require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device.device",
+            f"must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
         _require(self.dtype is None or self.dtype in DTYPES, "device.dtype", f"must be one of {DTYPES}")
-        _require(self.attention_backend in ("auto", "torch", "triton"), "device.attention_backend",
-                 "must be auto, torch or triton")
+        _require(
+            self.attention_backend in ("auto", "torch", "triton"),
+            "device.attention_backend",
+            "must be auto, torch or triton",
+        )
 
     def resolved_device(self) -> str:
         if self.device != "auto":

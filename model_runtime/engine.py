@@ -69,15 +69,18 @@ class Engine:
         self.tokenizer = Tokenizer.from_source(self.source)
         weights = load_weights(self.source, self.model_config, TORCH_DTYPES[dtype_name], self.device)
         mc = self.model_config
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         kv_dtype = config.cache.dtype or dtype_name
         probe = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, 2, kv_dtype)
-        activations = activation_estimate(mc, config.scheduler.max_num_batched_tokens,
-                                          config.scheduler.max_num_seqs, probe.element_bytes)
+        activations = activation_estimate(
+            mc, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, probe.element_bytes
+        )
         num_blocks = plan_num_blocks(mc, config.cache, probe.bytes_per_block, self.device, activations)
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size,
-                               num_blocks, kv_dtype)
+        self.layout = KVLayout(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, num_blocks, kv_dtype
+        )
         backend = make_attention_backend(config.device.attention_backend, self.device)
         self.runner = ModelRunner(mc, weights, self.layout, self.device, backend, self.max_model_len)
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -85,8 +88,15 @@ class Engine:
         self.sampler = Sampler(self.device, seed=config.device.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._trackers: dict[str, OutputTracker] = {}
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", mc.name,
-                 self.device, dtype_name, num_blocks, config.cache.block_size, self.max_model_len)
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            mc.name,
+            self.device,
+            dtype_name,
+            num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+        )
 
     # --- requests --------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -97,8 +107,10 @@ class Engine:
         if bad is not None:
             raise InvalidRequest(f"prompt_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                                 f"the model's context of {self.max_model_len} tokens")
+            raise InvalidRequest(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                f"the model's context of {self.max_model_len} tokens"
+            )
         sampling.check_vocab(vocab)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
@@ -112,8 +124,9 @@ class Engine:
 
     def _tracker(self, request: Request) -> OutputTracker:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        return OutputTracker(request.sampling, self.eos_token_ids, detok, self.max_model_len,
-                             request.num_prompt_tokens)
+        return OutputTracker(
+            request.sampling, self.eos_token_ids, detok, self.max_model_len, request.num_prompt_tokens
+        )
 
     def abort(self, request_id: str) -> bool:
         self._trackers.pop(request_id, None)
@@ -145,9 +158,12 @@ class Engine:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
         if not requests:
             return [], []
-        tensors = SamplingTensors.from_params([r.sampling for r in requests],
-                                              [r.num_output_tokens for r in requests],
-                                              self.model_config.vocab_size, logits.device)
+        tensors = SamplingTensors.from_params(
+            [r.sampling for r in requests],
+            [r.num_output_tokens for r in requests],
+            self.model_config.vocab_size,
+            logits.device,
+        )
         result = self.sampler(logits, tensors)
         tokens = result.sampled_token_ids.tolist()
         lps = result.logprobs_lists() if result.logprobs is not None else [None] * len(tokens)
@@ -163,14 +179,25 @@ class Engine:
         if verdict.finished is not None:
             self.scheduler.finish(request, verdict.finished)
             del self._trackers[request.request_id]
-            return StepOutput(request.request_id, [token], verdict.text_delta, lps, verdict.finished.value,
-                              verdict.stop_reason)
+            return StepOutput(
+                request.request_id,
+                [token],
+                verdict.text_delta,
+                lps,
+                verdict.finished.value,
+                verdict.stop_reason,
+            )
         if self.prefill_only:
             self.scheduler.detach(request)
             del self._trackers[request.request_id]
-            return StepOutput(request.request_id, [token], verdict.text_delta, lps,
-                              kv_block_ids=tuple(request.block_ids),
-                              num_prompt_tokens=request.num_prompt_tokens)
+            return StepOutput(
+                request.request_id,
+                [token],
+                verdict.text_delta,
+                lps,
+                kv_block_ids=tuple(request.block_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
         return StepOutput(request.request_id, [token], verdict.text_delta, lps)
 
     # --- introspection ---------------------------------------------------------------------------------

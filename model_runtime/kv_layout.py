@@ -46,7 +46,9 @@ class KVLayout:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"KVLayout.{name}: must be positive, got {getattr(self, name)}")
         if self.num_blocks < 2:
-            raise ConfigError(f"KVLayout.num_blocks: must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+            raise ConfigError(
+                f"KVLayout.num_blocks: must be >= 2 (block 0 is reserved), got {self.num_blocks}"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"KVLayout.dtype: must be one of {DTYPES}, got {self.dtype!r}")
 
@@ -116,6 +118,9 @@ class KVLayout:
 
     def mismatch(self, other_format: dict[str, int | str]) -> str | None:
         """None if `other_format` (a peer's format_dict) describes the same block format, else what differs."""
-        diffs = [f"{k}: ours={getattr(self, k)} theirs={other_format.get(k)}"
-                 for k in FORMAT_FIELDS if getattr(self, k) != other_format.get(k)]
+        diffs = [
+            f"{k}: ours={getattr(self, k)} theirs={other_format.get(k)}"
+            for k in FORMAT_FIELDS
+            if getattr(self, k) != other_format.get(k)
+        ]
         return "; ".join(diffs) if diffs else None

@@ -19,8 +19,9 @@ class LLM:
         if config is None:
             config = EngineConfig(model=model)
         elif config.model != model:
-            config = EngineConfig(model=model, cache=config.cache, scheduler=config.scheduler,
-                                  device=config.device)
+            config = EngineConfig(
+                model=model, cache=config.cache, scheduler=config.scheduler, device=config.device
+            )
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
@@ -32,8 +33,12 @@ class LLM:
         assert prompt.text is not None  # PromptInput guarantees exactly one field
         return self.tokenizer.encode(prompt.text)
 
-    def generate(self, prompts: Sequence[PromptInput], sampling: Sequence[SamplingParams] | SamplingParams,
-                 progress: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[PromptInput],
+        sampling: Sequence[SamplingParams] | SamplingParams,
+        progress: bool = False,
+    ) -> list[Completion]:
         """All prompts run together; results come back in input order. Every prompt is validated before any
         runs, so a bad one fails the call with an error naming its index and nothing is generated."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
@@ -49,7 +54,9 @@ class LLM:
             encoded.append(ids)
         return self._run(encoded, params, progress)
 
-    def _run(self, encoded: list[list[int]], params: list[SamplingParams], progress: bool) -> list[Completion]:
+    def _run(
+        self, encoded: list[list[int]], params: list[SamplingParams], progress: bool
+    ) -> list[Completion]:
         ids = [f"offline-{i}" for i in range(len(encoded))]
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
@@ -73,6 +80,14 @@ class LLM:
             for rid in ids:
                 if rid not in reasons:
                     self.engine.abort(rid)
-        return [Completion(rid, encoded[i], tokens[rid], "".join(texts[rid]), reasons[rid],
-                           logprobs[rid] if params[i].logprobs is not None else None)
-                for i, rid in enumerate(ids)]
+        return [
+            Completion(
+                rid,
+                encoded[i],
+                tokens[rid],
+                "".join(texts[rid]),
+                reasons[rid],
+                logprobs[rid] if params[i].logprobs is not None else None,
+            )
+            for i, rid in enumerate(ids)
+        ]

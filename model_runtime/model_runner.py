@@ -34,8 +34,13 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the step's hidden states that sample
 
 
-def plan_num_blocks(model_config: ModelConfig, cache: CacheConfig, block_size_bytes: int, device: str,
-                    activation_bytes: int = 0) -> int:
+def plan_num_blocks(
+    model_config: ModelConfig,
+    cache: CacheConfig,
+    block_size_bytes: int,
+    device: str,
+    activation_bytes: int = 0,
+) -> int:
     """How many KV blocks fit: an explicit cache.num_blocks wins; on CPU `cpu_cache_bytes`; on GPU what is left
     of `gpu_memory_utilization` x total memory after weights (already allocated) and the activation peak."""
     if cache.num_blocks is not None:
@@ -51,13 +56,21 @@ def plan_num_blocks(model_config: ModelConfig, cache: CacheConfig, block_size_by
         raise OutOfMemoryPlan(
             f"no room for the KV cache on {device}: {total / 2**30:.1f} GiB total, weights and activations use "
             f"{(total - budget) / 2**30:.1f} GiB at gpu_memory_utilization={cache.gpu_memory_utilization}. "
-            "Raise cache.gpu_memory_utilization, lower scheduler.max_num_batched_tokens, or use a smaller model.")
+            "Raise cache.gpu_memory_utilization, lower scheduler.max_num_batched_tokens, or use a smaller model."
+        )
     return int(num_blocks)
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], layout: KVLayout,
-                 device: str, backend: AttentionBackend, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        layout: KVLayout,
+        device: str,
+        backend: AttentionBackend,
+        max_model_len: int,
+    ) -> None:
         self.config = model_config
         self.layout = layout
         self.device = torch.device(device)
@@ -104,8 +117,12 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        return StepInputs(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                          self._tensor(logits_indices, torch.int64))
+        return StepInputs(
+            self._tensor(ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            meta,
+            self._tensor(logits_indices, torch.int64),
+        )
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)

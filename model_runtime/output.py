@@ -18,6 +18,8 @@ from model_runtime.request import RequestStatus, SamplingParams
 class Detokenizer(Protocol):
     def push(self, token_ids: list[int]) -> str: ...
 
+    def finish(self) -> str: ...
+
 
 @dataclass
 class TokenVerdict:
@@ -51,20 +53,26 @@ class OutputTracker:
         status, reason = self._token_stop(token_id)
         if status is None and self._stop_tail:
             status, reason = self._string_stop(search_from)
-        if status is None and (self.num_output_tokens >= self.sampling.max_tokens
-                               or self.prompt_len + self.num_output_tokens >= self.max_model_len):
+        if status is None and (
+            self.num_output_tokens >= self.sampling.max_tokens
+            or self.prompt_len + self.num_output_tokens >= self.max_model_len
+        ):
             status = RequestStatus.FINISHED_LENGTH
+        if status is not None and not isinstance(reason, str):
+            self.text += (
+                self.detokenizer.finish()
+            )  # an unfinished character ends as U+FFFD, as decode() has it
         self.finished = status
         return TokenVerdict(self._release(), status, reason)
 
-    def _token_stop(self, token_id: int) -> tuple[RequestStatus | None, int | None]:
+    def _token_stop(self, token_id: int) -> tuple[RequestStatus | None, int | str | None]:
         if token_id in self.sampling.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token_id
         if not self.sampling.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, token_id
         return None, None
 
-    def _string_stop(self, search_from: int) -> tuple[RequestStatus | None, str | None]:
+    def _string_stop(self, search_from: int) -> tuple[RequestStatus | None, int | str | None]:
         hits = [(idx, s) for s in self.sampling.stop if (idx := self.text.find(s, search_from)) >= 0]
         if not hits:
             return None, None
@@ -77,6 +85,6 @@ class OutputTracker:
         upto = len(self.text)
         if self.finished is None and self._stop_tail:
             upto = max(self.emitted, len(self.text) - self._stop_tail + 1)
-        delta = self.text[self.emitted:upto]
+        delta = self.text[self.emitted : upto]
         self.emitted = max(self.emitted, upto)
         return delta

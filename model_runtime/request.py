@@ -1,11 +1,11 @@
 """Requests, their sampling parameters and their lifecycle states.
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED_*
-       ^                     |
-       +----- PREEMPTED <----+        (blocks freed; resumes by recomputing prompt + output so far)
+WAITING --schedule--> RUNNING --finish--> FINISHED_*
+   ^                     |
+   +----- PREEMPTED <----+        (blocks freed; resumes by recomputing prompt + output so far)
 
-    WAITING_FOR_KV: a decode worker reserved blocks and waits for a prefill worker's KV to land; it becomes
-    RUNNING with num_computed_tokens = prompt length and one output token (the one prefill sampled).
+WAITING_FOR_KV: a decode worker reserved blocks and waits for a prefill worker's KV to land; it becomes
+RUNNING with num_computed_tokens = prompt length and one output token (the one prefill sampled).
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ class SamplingParams:
         def bad(name: str, msg: str) -> None:
             raise SamplingError(f"{name}: {msg}")
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
@@ -63,7 +66,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
@@ -92,11 +97,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One sequence in the engine. The scheduler and block pool mutate it; nothing else does."""
 

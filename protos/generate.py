@@ -20,12 +20,21 @@ def generate(out_dir: pathlib.Path) -> None:
     pkg.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tandem" / "v1").glob("*.proto"))
     include = pathlib.Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for path in pkg.glob("*.py*"):
-        text = re.sub(r"^from tandem\.v1 import", "from tandem_api.tandem.v1 import", path.read_text(), flags=re.M)
+        text = re.sub(
+            r"^from tandem\.v1 import", "from tandem_api.tandem.v1 import", path.read_text(), flags=re.M
+        )
         path.write_text(text)
     for d in (out_dir, out_dir / "tandem", pkg):
         (d / "__init__.py").touch()

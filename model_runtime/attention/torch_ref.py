@@ -18,8 +18,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return pages.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context (cache already holds the new K/V)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
@@ -27,7 +28,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         if q_len == 0:
             continue
-        qi = q[start:start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
         k = gather_context(k_cache, meta.block_tables[i], seq_len)
         v = gather_context(v_cache, meta.block_tables[i], seq_len)
         k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [Hq, S, D]
@@ -36,7 +37,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
 
@@ -44,7 +45,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -39,7 +39,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
     scaled = torch.where(wavelen < high_wavelen, inv_freq, scaled)
@@ -54,6 +56,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -75,19 +79,28 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.qkv = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rope(positions, q.view(t, self.num_heads, self.head_dim))
         k = rope(positions, k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta,
-                                   self.scale)
+        out = self.backend.forward(
+            q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
+        )
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -111,14 +124,22 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         hidden = hidden + self.attn(self.input_norm(hidden), positions, rope, kv_cache, meta)
         return hidden + self.mlp(self.post_attn_norm(hidden))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rope_device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, rope_device: torch.device | str
+    ) -> None:
         """Build under `with torch.device("meta")` and call load_weights to avoid allocating random weights;
         the rotary tables are built on `rope_device` regardless."""
         super().__init__()
@@ -128,11 +149,19 @@ class LlamaForCausalLM(nn.Module):
             self.rope = RotaryEmbedding(config, rope_device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, 2, N, B, Hkv, D]. Returns final hidden states [T, H]."""
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
@@ -154,8 +183,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
         for name, tensor in renamed.items():
             if params[name].shape != tensor.shape:
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, model expects "
-                                 f"{tuple(params[name].shape)}")
+                raise ValueError(
+                    f"weight {name}: shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
+                )
             owner_name, _, leaf = name.rpartition(".")
             setattr(self.get_submodule(owner_name), leaf, nn.Parameter(tensor, requires_grad=False))
 

@@ -18,6 +18,7 @@ from tests.model.tiny_models import EOS_ID, tiny_vocab_size, write_tiny_gguf, wr
 pytestmark = pytest.mark.model
 
 MAX_NEW = 24
+SHARP_INIT = 0.4
 
 
 def cpu_config(model: str, **scheduler: int) -> EngineConfig:
@@ -62,7 +63,8 @@ HF_VARIANTS = [
     ("arch", "flags"), HF_VARIANTS, ids=[f"{a}-{'-'.join(f) or 'plain'}" for a, f in HF_VARIANTS]
 )
 def test_tiny_hf_models_match_transformers(tmp_path, arch, flags):
-    path = write_tiny_hf(tmp_path, arch, **flags)
+    # A large init makes attention peaky, so position handling (rope, masks, paging) decides the tokens.
+    path = write_tiny_hf(tmp_path, arch, initializer_range=SHARP_INIT, **flags)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(str(path), cpu_config(str(path)))
     check_against_hf(ref_model, llm, random_prompts(8, tiny_vocab_size(), seed=hash(arch) % 1000), arch)
@@ -81,7 +83,7 @@ def test_tiny_gguf_q8_q4_1_matches_transformers(tmp_path, arch):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    path = write_tiny_hf(tmp_path_factory.mktemp("batch"), "llama")
+    path = write_tiny_hf(tmp_path_factory.mktemp("batch"), "llama", initializer_range=SHARP_INIT)
     return str(path)
 
 
