@@ -65,7 +65,7 @@ class Tokenizer:
         self.name = name
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.chat_template = chat_template
+        self._chat_template = chat_template
         self.bos_token_id = _token_id(backend, bos_token)
         eos_id = _token_id(backend, eos_token)
         ids = ([] if eos_id is None else [eos_id]) + list(extra_eos_token_ids)
@@ -92,6 +92,15 @@ class Tokenizer:
     @classmethod
     def from_spec(cls, spec: str) -> Tokenizer:
         return cls.from_source(resolve_model(spec))
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        """The underlying `tokenizers.Tokenizer` (shared, do not modify)."""
+        return self._backend
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -135,9 +144,12 @@ class Tokenizer:
 
     def _compiled_template(self) -> jinja2.Template:
         if self._template is None:
-            if not self.chat_template:
+            if not self._chat_template:
                 raise ChatTemplateError(f"{self.name}: the model has no chat template; send a plain prompt")
-            self._template = _chat_environment().from_string(self.chat_template)
+            try:
+                self._template = _chat_environment().from_string(self._chat_template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ChatTemplateError(f"{self.name}: the chat template does not parse: {exc}") from exc
         return self._template
 
 

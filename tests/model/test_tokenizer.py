@@ -146,14 +146,17 @@ def test_tiny_gguf_tokenizers_equal_transformers(tmp_path: Path, kind: str) -> N
 
 
 def test_template_errors_are_chat_template_errors(tiny_dir: Path, tmp_path: Path) -> None:
-    tok = Tokenizer.from_spec(str(tiny_dir))
-    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    backend = Tokenizer.from_spec(str(tiny_dir)).backend
+    strict = Tokenizer(backend, chat_template="{{ raise_exception('roles must alternate') }}", name="strict")
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
-        tok.apply_chat_template([("user", "hi")])
-    plain = Tokenizer(tok._backend, name="plain")
+        strict.apply_chat_template([("user", "hi")])
+    broken = Tokenizer(backend, chat_template="{% for m in messages %}", name="broken")
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        broken.apply_chat_template([("user", "hi")])
+    plain = Tokenizer(backend, name="plain")
     with pytest.raises(ChatTemplateError, match="no chat template"):
         plain.encode_chat([("user", "hi")])
-    sandboxed = Tokenizer(tok._backend, chat_template="{{ ''.__class__.__mro__ }}", name="evil")
+    sandboxed = Tokenizer(backend, chat_template="{{ ''.__class__.__mro__ }}", name="evil")
     with pytest.raises(ChatTemplateError):
         sandboxed.apply_chat_template([("user", "hi")])
 
