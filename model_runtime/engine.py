@@ -25,7 +25,7 @@ from model_runtime.detokenizer import IncrementalDetokenizer
 from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.output import OutputTracker
-from model_runtime.request import Request, SamplingParams
+from model_runtime.request import Request, RequestStatus, SamplingParams
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.tokenizer import Tokenizer
@@ -88,6 +88,7 @@ class Engine:
         self.sampler = Sampler(self.device, seed=config.device.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._trackers: dict[str, OutputTracker] = {}
+        self.last_step_ran = False  # false when the last step() found nothing runnable (callers may back off)
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             mc.name,
@@ -128,6 +129,47 @@ class Engine:
             request.sampling, self.eos_token_ids, detok, self.max_model_len, request.num_prompt_tokens
         )
 
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        block_ids: tuple[int, ...],
+        first_token: int,
+        first_logprob: TokenLogprobs | None = None,
+    ) -> StepOutput | None:
+        """Decode worker: admit a request whose prompt KV landed in `block_ids` (allocated from this pool and
+        now owned by the engine) with the token prefill sampled. Returns a finished StepOutput when that token
+        already ends the request (its blocks are freed), else None: later tokens come from step()."""
+        self.validate(prompt_token_ids, sampling)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            eos_token_ids=self.eos_token_ids,
+            block_ids=list(block_ids),
+            num_computed_tokens=len(prompt_token_ids),
+        )
+        request.output_token_ids.append(first_token)
+        if first_logprob is not None:
+            request.output_logprobs.append(first_logprob)
+        tracker = self._tracker(request)
+        verdict = tracker.on_token(first_token)
+        if verdict.finished is not None:
+            self.pool.free(list(block_ids))
+            return StepOutput(
+                request_id,
+                [first_token],
+                verdict.text_delta,
+                None,
+                verdict.finished.value,
+                verdict.stop_reason,
+            )
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.scheduler.add_running(request)
+        self._trackers[request_id] = tracker
+        return None
+
     def abort(self, request_id: str) -> bool:
         self._trackers.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
@@ -142,6 +184,7 @@ class Engine:
     # --- stepping --------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
+        self.last_step_ran = not out.is_empty
         if out.is_empty:
             return []
         logits = self.runner.execute(out)
@@ -204,3 +247,7 @@ class Engine:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed, over every request the scheduler holds (placement signal)."""
+        return self.scheduler.uncomputed_prompt_tokens()

@@ -79,6 +79,10 @@ class Scheduler:
     def running(self) -> tuple[Request, ...]:
         return tuple(self._running)
 
+    def uncomputed_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute over every request held (the prefill placement signal)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._requests.values())
+
     def token_cap(self, request: Request) -> int:
         """Most tokens (prompt + output) the request may ever hold: max_tokens, capped by max_model_len."""
         return min(request.num_prompt_tokens + request.sampling.max_tokens, self.max_model_len)

@@ -1,0 +1,1 @@
+"""Decode worker: receives prompt KV from prefill workers and runs continuous batching (or colocated)."""

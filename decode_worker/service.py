@@ -1,0 +1,173 @@
+"""The decode worker's gRPC service: reserve KV room, admit requests whose KV landed, stream their tokens.
+
+One Decode call is one request's whole life on this worker:
+
+    remote prefill:  reserve blocks (lease) -> yield `reserved` (KVTarget) -> wait for the KV to land
+                     -> admit into continuous batching with prefill's first token -> yield token batches
+    local prefill:   add the prompt to the engine (colocated mode, recovery) -> yield token batches
+
+However the call ends (finished, client cancel, deadline, router decision, failure) the request's blocks and
+its lease are released: the `finally` below is the single exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from kv_transfer import KVReceiver, NoRoom, TransferResult
+from model_runtime.engine import InvalidRequest, StepOutput
+from model_runtime.engine_loop import EngineLoop
+from model_runtime.request import SamplingError
+from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
+from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
+from worker_host.rpc import CallEnded, wait_for, worker_info
+
+log = logging.getLogger(__name__)
+
+
+def token_batch(out: StepOutput) -> worker_pb2.TokenBatch:
+    lps = [logprob_proto(t, lp) for t, lp in zip(out.token_ids, out.logprobs or [])]
+    return worker_pb2.TokenBatch(token_ids=out.token_ids, logprobs=lps)
+
+
+def finished_event(out: StepOutput, num_cached: int = 0) -> worker_pb2.DecodeEvent:
+    done = worker_pb2.DecodeFinished(
+        finish_reason=FINISH_REASONS[out.finish_reason or "abort"], num_cached_tokens=num_cached
+    )
+    if isinstance(out.stop_reason, int):
+        done.stop_token_id = out.stop_reason
+    return worker_pb2.DecodeEvent(finished=done)
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        loop: EngineLoop,
+        receiver: KVReceiver | None,
+        role: admin_pb2.WorkerRole,
+        kv_wait_timeout_s: float = 60.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.loop = loop
+        self.receiver = receiver
+        self.role = role
+        self.kv_wait_timeout_s = kv_wait_timeout_s
+        self.address = ""
+        self.draining = threading.Event()
+        self._landed: dict[str, queue.Queue[TransferResult]] = {}
+        self._lock = threading.Lock()
+
+    # --- kv_transfer callback (receiver thread) --------------------------------------------------------
+    def on_transfer_result(self, result: TransferResult) -> None:
+        with self._lock:
+            waiter = self._landed.get(result.request_id)
+        if waiter is not None:
+            waiter.put(result)
+        elif result.ok:  # nobody waits any more (the call ended): the landed blocks are ours to free
+            self._release(result.lease.block_ids)
+
+    # --- RPCs ------------------------------------------------------------------------------------------
+    def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext) -> Iterator:
+        rid = request.request_id
+        if self.draining.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            self.loop.call(lambda e: e.validate(prompt, sampling))
+        except (InvalidRequest, SamplingError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs: queue.Queue[StepOutput] = queue.Queue()
+        self.loop.subscribe(rid, outputs.put)
+        landed: queue.Queue[TransferResult] = queue.Queue()
+        with self._lock:
+            self._landed[rid] = landed
+        try:
+            if request.local_prefill:
+                self.loop.call(lambda e: e.add_request(rid, prompt, sampling))
+            else:
+                finished = yield from self._receive_kv(request, prompt, sampling, landed, context)
+                if finished is not None:
+                    yield worker_pb2.DecodeEvent(finished=finished)
+                    return
+            yield from self._stream(rid, outputs, context)
+        except CallEnded:
+            return
+        finally:
+            self._cleanup(rid)
+
+    def _receive_kv(self, request, prompt, sampling, landed, context):
+        """Reserve, hand out the target, wait for the KV, admit the request. Returns DecodeFinished when the
+        first token already ended it, else None."""
+        rid = request.request_id
+        assert self.receiver is not None, "remote prefill needs a KV receiver"
+        ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
+        try:
+            # Not under the loop's lock: the allocator takes it (lock order: receiver, then engine).
+            lease = self.receiver.reserve(rid, len(prompt), ttl)
+        except NoRoom as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {exc}")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        yield worker_pb2.DecodeEvent(reserved=self.receiver.target(lease))
+        deadline = time.monotonic() + (ttl or self.kv_wait_timeout_s) + 5.0
+        result = wait_for(landed, context, self.loop, deadline, "the KV handoff")
+        if not result.ok:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"KV transfer for {rid} failed: {result.failure.name if result.failure else '?'}: "
+                f"{result.message}",
+            )
+        ft = result.first_token
+        assert ft is not None
+        first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
+        done = self.loop.call(
+            lambda e: e.add_prefilled(rid, prompt, sampling, result.lease.block_ids, ft.token_id, first_lp)
+        )
+        return finished_event(done).finished if done is not None else None
+
+    def _stream(self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext) -> Iterator:
+        while True:
+            out = wait_for(outputs, context, self.loop, float("inf"), "tokens")
+            yield worker_pb2.DecodeEvent(tokens=token_batch(out))
+            if out.finish_reason is not None:
+                yield finished_event(out)
+                return
+
+    def _cleanup(self, rid: str) -> None:
+        """The one exit path: forget the waiters, release a lease that never landed, abort the request."""
+        self.loop.unsubscribe(rid)
+        with self._lock:
+            waiter = self._landed.pop(rid, None)
+        while waiter is not None and not waiter.empty():  # landed after the handler stopped listening
+            late = waiter.get()
+            if late.ok:
+                self._release(late.lease.block_ids)
+        if self.receiver is not None:
+            self.receiver.abort(rid, "the decode call ended")
+        self.loop.call(lambda e: e.abort(rid))
+
+    def _release(self, block_ids: tuple[int, ...]) -> None:
+        self.loop.call(lambda e: e.release_blocks(block_ids))
+
+    def Status(self, request, context) -> admin_pb2.WorkerInfo:
+        leases = self.receiver.stats().active_leases if self.receiver is not None else 0
+        return self.loop.call(lambda e: self._status(e, leases))
+
+    def _status(self, engine, leases: int) -> admin_pb2.WorkerInfo:
+        return worker_info(
+            engine,
+            self.loop,
+            worker_id=self.worker_id,
+            role=self.role,
+            address=self.address,
+            draining=self.draining.is_set(),
+            active_leases=leases,
+        )

@@ -1,0 +1,70 @@
+"""DecodeWorker: one decode (or colocated) worker process: engine + loop + KV receiver + gRPC service."""
+
+from __future__ import annotations
+
+import logging
+
+from decode_worker.service import DecodeService
+from kv_transfer import KVReceiver
+from model_runtime.engine import Engine
+from model_runtime.engine_loop import EngineLoop
+from tandem_api.tandem.v1 import admin_pb2, worker_pb2_grpc
+from worker_host.host import LockedAllocator, WorkerSpec, start_grpc, wait_idle
+
+log = logging.getLogger(__name__)
+SERVICE = "tandem.v1.DecodeWorker"
+
+
+class DecodeWorker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.role not in ("decode", "colocated"):
+            raise ValueError(f"role: a DecodeWorker is 'decode' or 'colocated', got {spec.role!r}")
+        self.spec = spec
+        self.loop: EngineLoop | None = None
+        self.receiver: KVReceiver | None = None
+        self.service: DecodeService | None = None
+        self._server = None
+        self.address = ""
+
+    def start(self) -> str:
+        """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
+        spec = self.spec
+        self.loop = EngineLoop(Engine(spec.engine))
+        self.loop.start()
+        role = admin_pb2.WORKER_ROLE_DECODE if spec.role == "decode" else admin_pb2.WORKER_ROLE_COLOCATED
+        self.service = DecodeService(spec.worker_id, self.loop, None, role)
+        if spec.role == "decode":
+            engine = self.loop.engine
+            self.receiver = KVReceiver(
+                engine.layout,
+                engine.runner.kv_cache,
+                LockedAllocator(self.loop),
+                spec.transfer,
+                on_result=self.service.on_transfer_result,
+            )
+            self.service.receiver = self.receiver
+        self._server, port, _ = start_grpc(
+            spec, lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, s), [SERVICE]
+        )
+        self.address = f"{spec.host}:{port}"
+        self.service.address = self.address
+        log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role, self.address)
+        return self.address
+
+    def drain(self) -> bool:
+        """Refuse new requests and wait for running ones (True when all finished in time)."""
+        if self.service is None or self.loop is None:
+            return True
+        self.service.draining.set()
+        return wait_idle(self.loop, self.spec.drain_timeout_s)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(5.0)
+            self._server = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None

@@ -1,0 +1,125 @@
+"""The prefill worker's gRPC service: compute the prompt, stream the first token at once, ship the KV.
+
+One Prefill call:
+    add the prompt to the engine (batched with other prompts, chunked under the token budget)
+    -> first token sampled: yield FirstToken now (time to first token does not wait for the transfer)
+    -> hand the blocks to the KV sender (non-blocking; it frees them on ack, abort or deadline)
+    -> yield TransferDone, or fail the call with the transfer's reason
+
+Block ownership: engine (prompt running) -> this call (first token sampled, blocks detached) -> KV sender
+(send started) -> free. The `finally` releases whatever this call still owns, however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from kv_transfer import FirstToken, KVSender, SendHandle
+from model_runtime.engine import InvalidRequest, StepOutput
+from model_runtime.engine_loop import EngineLoop
+from model_runtime.request import SamplingError
+from model_runtime.scheduler import RequestRejected
+from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
+from worker_host.convert import logprob_proto, sampling_from_proto
+from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(
+        self, worker_id: str, loop: EngineLoop, sender: KVSender, prefill_timeout_s: float = 600.0
+    ) -> None:
+        self.worker_id = worker_id
+        self.loop = loop
+        self.sender = sender
+        self.prefill_timeout_s = prefill_timeout_s
+        self.address = ""
+        self.draining = threading.Event()
+
+    def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> Iterator:
+        rid = request.request_id
+        if self.draining.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is draining")
+        prompt = list(request.prompt_token_ids)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except SamplingError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs: queue.Queue[StepOutput] = queue.Queue()
+        self.loop.subscribe(rid, outputs.put)
+        held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
+        try:
+            try:
+                self.loop.call(lambda e: e.add_request(rid, prompt, sampling))
+            except (InvalidRequest, RequestRejected, SamplingError) as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            out = wait_for(
+                outputs, context, self.loop, time.monotonic() + self.prefill_timeout_s, "the prompt"
+            )
+            held = out.kv_block_ids
+            yield worker_pb2.PrefillEvent(first_token=self._first_token(out))
+            if out.finish_reason is not None or not request.HasField("target"):
+                return
+            handle = self.sender.send(request.target, held, out.num_prompt_tokens, _kv_first_token(out))
+            held = ()  # the sender owns them now and frees them through on_release
+            yield from self._await_transfer(handle, context)
+        except CallEnded:
+            return
+        finally:
+            self.loop.unsubscribe(rid)
+            self.loop.call(lambda e: e.abort(rid))
+            if held:
+                self.loop.call(lambda e: e.release_blocks(held))
+
+    def _first_token(self, out: StepOutput) -> worker_pb2.FirstToken:
+        token = out.token_ids[0]
+        msg = worker_pb2.FirstToken(token_id=token, finished=out.finish_reason is not None)
+        if out.logprobs:
+            msg.logprob.CopyFrom(logprob_proto(token, out.logprobs[0]))
+        return msg
+
+    def _await_transfer(self, handle: SendHandle, context: grpc.ServicerContext) -> Iterator:
+        while not handle.done():
+            if not context.is_active():
+                handle.abort("the prefill call was cancelled")
+                raise CallEnded()
+            try:
+                handle.result(timeout=POLL_S)
+            except TimeoutError:
+                continue
+        result = handle.result()
+        if not result.ok:
+            reason = result.failure.name if result.failure else "UNKNOWN"
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {reason}: {result.message}")
+        yield worker_pb2.PrefillEvent(
+            transfer_done=worker_pb2.TransferDone(num_bytes=result.num_bytes, seconds=result.seconds)
+        )
+
+    def Status(self, request, context) -> admin_pb2.WorkerInfo:
+        leases = self.sender.stats().active_transfers
+        return self.loop.call(
+            lambda e: worker_info(
+                e,
+                self.loop,
+                worker_id=self.worker_id,
+                role=admin_pb2.WORKER_ROLE_PREFILL,
+                address=self.address,
+                draining=self.draining.is_set(),
+                active_leases=leases,
+            )
+        )
+
+
+def _kv_first_token(out: StepOutput) -> FirstToken:
+    token = out.token_ids[0]
+    if not out.logprobs:
+        return FirstToken(token)
+    chosen, top = out.logprobs[0]
+    return FirstToken(token, chosen, tuple(top))

@@ -1,0 +1,63 @@
+"""PrefillWorker: one prefill worker process: engine (prefill only) + loop + KV sender + gRPC service."""
+
+from __future__ import annotations
+
+import logging
+
+from kv_transfer import KVSender, SendResult
+from model_runtime.engine import Engine
+from model_runtime.engine_loop import EngineLoop
+from prefill_worker.service import PrefillService
+from tandem_api.tandem.v1 import worker_pb2_grpc
+from worker_host.host import WorkerSpec, start_grpc, wait_idle
+
+log = logging.getLogger(__name__)
+SERVICE = "tandem.v1.PrefillWorker"
+
+
+class PrefillWorker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.role != "prefill":
+            raise ValueError(f"role: a PrefillWorker is 'prefill', got {spec.role!r}")
+        self.spec = spec
+        self.loop: EngineLoop | None = None
+        self.sender: KVSender | None = None
+        self.service: PrefillService | None = None
+        self._server = None
+        self.address = ""
+
+    def start(self) -> str:
+        spec = self.spec
+        loop = self.loop = EngineLoop(Engine(spec.engine, prefill_only=True))
+        loop.start()
+
+        def release(result: SendResult) -> None:  # the sender no longer reads these blocks
+            loop.call(lambda e: e.release_blocks(result.src_block_ids))
+
+        engine = loop.engine
+        self.sender = KVSender(engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release)
+        self.service = PrefillService(spec.worker_id, loop, self.sender)
+        self._server, port, _ = start_grpc(
+            spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]
+        )
+        self.address = f"{spec.host}:{port}"
+        self.service.address = self.address
+        log.info("prefill worker %s serving on %s", spec.worker_id, self.address)
+        return self.address
+
+    def drain(self) -> bool:
+        if self.service is None or self.loop is None:
+            return True
+        self.service.draining.set()
+        return wait_idle(self.loop, self.spec.drain_timeout_s)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(5.0)
+            self._server = None
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None

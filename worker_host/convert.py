@@ -1,0 +1,36 @@
+"""Protobuf <-> engine types for the worker services (both roles)."""
+
+from __future__ import annotations
+
+from model_runtime.request import SamplingParams
+from model_runtime.sampler import TokenLogprobs
+from tandem_api.tandem.v1 import generate_pb2, worker_pb2
+
+FINISH_REASONS = {
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+    "abort": generate_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(msg: worker_pb2.EngineSampling) -> SamplingParams:
+    """Raises SamplingError naming the parameter when a value is out of range."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def logprob_proto(token_id: int, lp: TokenLogprobs) -> generate_pb2.TokenLogprob:
+    chosen, top = lp
+    return generate_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=chosen,
+        top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top],
+    )

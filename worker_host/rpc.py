@@ -1,0 +1,69 @@
+"""Helpers the worker services share: bounded waits inside a gRPC handler, and the Status reply."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import TypeVar
+
+import grpc
+
+from model_runtime.engine import Engine
+from model_runtime.engine_loop import EngineLoop
+from tandem_api.tandem.v1 import admin_pb2
+
+T = TypeVar("T")
+POLL_S = 0.1  # how often a waiting handler re-checks that its call is still alive
+
+
+class CallEnded(Exception):
+    """The RPC was cancelled or its deadline passed while the handler waited: stop quietly, clean up."""
+
+
+def wait_for(
+    q: queue.Queue[T], context: grpc.ServicerContext, loop: EngineLoop, deadline: float, what: str
+) -> T:
+    """The next item of `q`, never waiting past the call's life, the engine's life or `deadline`."""
+    while True:
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            if not context.is_active():
+                raise CallEnded() from None
+            if not loop.alive:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine loop stopped")
+            if time.monotonic() > deadline:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out waiting for {what}")
+
+
+def worker_info(
+    engine: Engine,
+    loop: EngineLoop,
+    *,
+    worker_id: str,
+    role: admin_pb2.WorkerRole,
+    address: str,
+    draining: bool,
+    active_leases: int,
+) -> admin_pb2.WorkerInfo:
+    """Call under the loop's lock (loop.call) so the counters are consistent."""
+    if draining:
+        state = admin_pb2.WORKER_STATE_DRAINING
+    else:
+        state = admin_pb2.WORKER_STATE_READY if loop.alive else admin_pb2.WORKER_STATE_DEAD
+    sched = engine.scheduler
+    return admin_pb2.WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        address=address,
+        state=state,
+        kv_blocks_used=engine.pool.num_used,
+        kv_blocks_total=engine.pool.usable,
+        running_requests=sched.num_running,
+        waiting_requests=sched.num_waiting,
+        active_leases=active_leases,
+        queued_prefill_tokens=engine.queued_prompt_tokens(),
+        model=engine.config.model,
+        layout_fingerprint=engine.layout.fingerprint(),
+        last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
+    )
