@@ -244,6 +244,9 @@ def dataclass_from_dict(klass: Any, data: object, where: str) -> Any:
     try:
         return klass(**data)
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        # Field errors read "section.field: message"; re-root them at `where` ("decode.engine.cache.field").
+        name, sep, message = str(exc).partition(": ")
+        field_name = name.rpartition(".")[2]
+        raise ConfigError(f"{where}.{field_name}: {message}" if sep else f"{where}: {exc}") from None
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from None

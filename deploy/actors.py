@@ -1,0 +1,59 @@
+"""The Ray actor that hosts one worker (prefill, decode or colocated) in its own process.
+
+Ray owns the process (placement on a GPU, death detection); request traffic never goes through Ray: the router
+talks to the worker's gRPC address that start() returns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from worker_host.host import WorkerSpec
+
+GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class WorkerProcess:
+    """Plain class; the controller wraps it with ray.remote(...) so this module imports without Ray."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        os.environ.update(GPU_SAFE_ENV)
+        self.spec = spec
+        self.worker: object | None = None
+        self.pid = os.getpid()
+
+    def start(self) -> str:
+        import torch
+
+        if self.spec.engine.device.resolved_device() == "cpu":
+            # Ray gives each actor a CPU share; more intra-op threads than that only thrash on small hosts.
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        if self.spec.role == "prefill":
+            from prefill_worker.worker import PrefillWorker
+
+            self.worker = PrefillWorker(self.spec)
+            return self.worker.start()
+        from decode_worker.worker import DecodeWorker
+
+        self.worker = DecodeWorker(self.spec)
+        return self.worker.start()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine loop last went round (inf when it died): a hung step shows here."""
+        loop = getattr(self.worker, "loop", None)
+        if loop is None or not loop.alive:
+            return float("inf")
+        return time.monotonic() - loop.last_beat
+
+    def process_id(self) -> int:
+        return self.pid
+
+    def drain(self) -> bool:
+        drain = getattr(self.worker, "drain", None)
+        return bool(drain()) if drain is not None else True
+
+    def stop(self) -> None:
+        stop = getattr(self.worker, "stop", None)
+        if stop is not None:
+            stop()

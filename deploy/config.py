@@ -1,0 +1,190 @@
+"""The deployment config: one YAML file -> frozen, validated dataclasses. Errors name the key path.
+
+model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shape>, or the embedded default)
+mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
+router:   {host, port, metrics_port, max_queue, max_inflight, request_timeout_s, default_max_tokens}
+prefill:  {replicas, num_gpus, engine: {cache: {...}, scheduler: {...}, device: {...}}}
+decode:   {replicas, num_gpus, engine: {...}}
+colocated:{replicas, num_gpus, engine: {...}}   # mode: colocated
+transfer: {kind: tcp | nccl | cuda_ipc, ...}     # kv_transfer.TransferConfig
+ray:      {address: null | auto | ray://..., namespace}
+controller: {health_interval_s, heartbeat_timeout_s, restart_limit, drain_timeout_s}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kv_transfer import TransferConfig
+from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9464  # 0 disables the metrics endpoint
+    max_queue: int = 256
+    max_inflight: int = 256
+    request_timeout_s: float = 600.0
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"router.{name}: must be in [0, 65535], got {getattr(self, name)}")
+        for name in ("max_queue", "max_inflight", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"router.{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"router.request_timeout_s: must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """One pool of identical workers."""
+
+    replicas: int = 1
+    num_gpus: float = 0.0  # per worker; 0 on CPU
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Ray custom resources each worker needs, e.g. {tandem_prefill: 1} to pin the pool to the KubeRay worker
+    # group that advertises that resource.
+    ray_resources: dict[str, float] = field(default_factory=dict)
+
+    def validate(self, where: str) -> None:
+        for key, value in self.ray_resources.items():
+            if not isinstance(key, str) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{where}.ray_resources.{key}: must map a name to a positive number")
+        if not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError(f"{where}.replicas: must be an integer >= 0, got {self.replicas!r}")
+        if not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
+            raise ConfigError(f"{where}.num_gpus: must be >= 0, got {self.num_gpus!r}")
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    address: str | None = None  # None: start a local Ray; "auto" or an address: join that cluster
+    namespace: str = "tandem"
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    health_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0  # a worker whose engine loop has not beaten for this long is replaced
+    restart_limit: int = 10  # restarts per worker slot before the controller gives up on it
+    drain_timeout_s: float = 30.0
+    # Standalone routers (Kubernetes) to push membership to, as host:port; a name that resolves to several
+    # addresses (a headless Service) reaches every router pod. Empty: only the in-process router of `serve`.
+    routers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval_s", "heartbeat_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"controller.{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    model: str = "smollm2-135m-instruct"
+    mode: str = "disaggregated"
+    router: RouterSettings = field(default_factory=RouterSettings)
+    prefill: PoolSettings = field(default_factory=PoolSettings)
+    decode: PoolSettings = field(default_factory=PoolSettings)
+    colocated: PoolSettings = field(default_factory=lambda: PoolSettings(replicas=0))
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    ray: RaySettings = field(default_factory=RaySettings)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("prefill", "decode", "colocated"):
+            getattr(self, name).validate(name)
+        if self.mode == "disaggregated" and (self.prefill.replicas < 1 or self.decode.replicas < 1):
+            raise ConfigError(
+                "prefill.replicas / decode.replicas: disaggregated mode needs at least one of each"
+            )
+        if self.mode == "colocated" and self.colocated.replicas < 1:
+            raise ConfigError("colocated.replicas: colocated mode needs at least one worker")
+
+    def pools(self) -> dict[str, PoolSettings]:
+        """role -> pool, for the roles this mode runs."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+TOP_KEYS = {"model", "mode", "router", "prefill", "decode", "colocated", "transfer", "ray", "controller"}
+
+
+def parse_config(data: Any, source: str = "config") -> DeployConfig:
+    """A parsed YAML mapping -> DeployConfig; raises ConfigError naming the key path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(sorted(TOP_KEYS))}")
+    model = data.get("model", DeployConfig.model)
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"model: must be a non-empty string, got {model!r}")
+    kwargs: dict[str, Any] = {"model": model, "mode": data.get("mode", DeployConfig.mode)}
+    kwargs["router"] = dataclass_from_dict(RouterSettings, data.get("router") or {}, "router")
+    kwargs["transfer"] = dataclass_from_dict(TransferConfig, data.get("transfer") or {}, "transfer")
+    kwargs["ray"] = dataclass_from_dict(RaySettings, data.get("ray") or {}, "ray")
+    controller = dict(data.get("controller") or {})
+    if "routers" in controller:
+        routers = controller["routers"]
+        if not isinstance(routers, list) or not all(isinstance(r, str) and ":" in r for r in routers):
+            raise ConfigError("controller.routers: must be a list of host:port strings")
+        controller["routers"] = tuple(routers)
+    kwargs["controller"] = dataclass_from_dict(ControllerSettings, controller, "controller")
+    defaults = {"prefill": 1, "decode": 1, "colocated": 0}
+    for role, replicas in defaults.items():
+        kwargs[role] = _pool(data.get(role) or {}, role, model, replicas)
+    return DeployConfig(**kwargs)
+
+
+def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSettings:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - {"replicas", "num_gpus", "engine", "ray_resources"})
+    if unknown:
+        raise ConfigError(
+            f"{where}.{unknown[0]}: unknown key; allowed: engine, num_gpus, ray_resources, replicas"
+        )
+    resources = data.get("ray_resources") or {}
+    if not isinstance(resources, dict):
+        raise ConfigError(f"{where}.ray_resources: must be a mapping of resource name to amount")
+    engine_data = dict(data.get("engine") or {})
+    if "model" in engine_data:
+        raise ConfigError(f"{where}.engine.model: set the model once, at the top level")
+    engine = EngineConfig.from_dict({**engine_data, "model": model}, f"{where}.engine")
+    return PoolSettings(
+        replicas=data.get("replicas", default_replicas),
+        num_gpus=data.get("num_gpus", 0.0),
+        engine=engine,
+        ray_resources=dict(resources),
+    )
+
+
+def load_config(path: str | Path | None) -> DeployConfig:
+    if path is None:
+        return DeployConfig()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p))

@@ -1,0 +1,201 @@
+"""The controller: starts the worker pools on Ray, watches them, replaces dead or hung workers, and tells the
+router who is alive. It is the only owner of worker membership.
+
+    slot = (role, index); each slot holds at most one live actor. Every health_interval_s:
+        actor dead (Ray says so)         -> replace it (new actor, new address)
+        engine loop silent too long      -> kill and replace it (a hung step)
+    Membership changes are pushed to the router as a whole set with an increasing generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.actors import WorkerProcess
+from deploy.config import DeployConfig
+from worker_host.host import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[list["Member"], int], None]
+
+
+@dataclass(frozen=True)
+class Member:
+    worker_id: str
+    role: str
+    address: str
+
+
+@dataclass
+class Slot:
+    role: str
+    index: int
+    spec: WorkerSpec
+    num_gpus: float
+    resources: dict[str, float]
+    actor: Any = None
+    address: str = ""
+    restarts: int = 0
+    given_up: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+
+class Controller:
+    def __init__(self, config: DeployConfig, publish: Publish) -> None:
+        self.config = config
+        self._publish = publish
+        self._generation = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.slots: list[Slot] = []
+        self._actor_class: Any = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        """Connect to Ray, start every pool and wait until each worker serves (or raise)."""
+        import ray
+
+        if not ray.is_initialized():
+            address = self.config.ray.address
+            ray.init(
+                address=address,
+                namespace=self.config.ray.namespace,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+        self._actor_class = ray.remote(WorkerProcess)
+        for role, pool in self.config.pools().items():
+            for i in range(pool.replicas):
+                spec = WorkerSpec(
+                    worker_id=f"{role}-{i}",
+                    role=role,
+                    engine=pool.engine,
+                    transfer=self.config.transfer,
+                    drain_timeout_s=self.config.controller.drain_timeout_s,
+                )
+                self.slots.append(Slot(role, i, spec, pool.num_gpus, dict(pool.ray_resources)))
+        pending = {slot.worker_id: self._launch(slot) for slot in self.slots}
+        for slot in self.slots:
+            slot.address = ray.get(pending[slot.worker_id])
+            progress(f"{slot.worker_id} ready on {slot.address}")
+        self._announce()
+        self._thread = threading.Thread(target=self._watch, name="controller", daemon=True)
+        self._thread.start()
+
+    def _launch(self, slot: Slot) -> Any:
+        """Create the slot's actor and ask it to start; returns the ObjectRef of its address."""
+        options: dict[str, Any] = {
+            "num_gpus": slot.num_gpus,
+            "name": f"tandem-{slot.worker_id}-{slot.restarts}",
+            "max_restarts": 0,
+            "max_concurrency": 4,
+            "resources": slot.resources,
+        }
+        if slot.num_gpus == 0:
+            options["num_cpus"] = 0  # CPU workers share the host; torch threads are set per worker
+        slot.actor = self._actor_class.options(**options).remote(slot.spec)
+        return slot.actor.start.remote()
+
+    def stop(self, drain: bool = True) -> None:
+        """Drain the workers (if asked), stop them and leave no actor behind. Safe to call twice."""
+        import ray
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        actors = [s.actor for s in self.slots if s.actor is not None]
+        if drain and actors:
+            self._quiet_get([a.drain.remote() for a in actors], self.config.controller.drain_timeout_s + 5)
+        if actors:
+            self._quiet_get([a.stop.remote() for a in actors], 15)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        for slot in self.slots:
+            slot.actor = None
+
+    @staticmethod
+    def _quiet_get(refs: list, timeout: float) -> None:
+        import ray
+
+        try:
+            ray.get(refs, timeout=timeout)
+        except Exception as exc:  # a worker already gone cannot drain; stopping continues regardless
+            log.warning("while stopping workers: %s", exc)
+
+    # --- membership ------------------------------------------------------------------------------------
+    def members(self) -> list[Member]:
+        return [
+            Member(s.worker_id, s.role, s.address) for s in self.slots if s.actor is not None and s.address
+        ]
+
+    def _announce(self) -> None:
+        with self._lock:
+            self._generation += 1
+            members, generation = self.members(), self._generation
+        self._publish(members, generation)
+
+    # --- health ----------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        interval = self.config.controller.health_interval_s
+        while not self._stop.wait(interval):
+            changed = False
+            for slot in self.slots:
+                if self._stop.is_set():
+                    return
+                if slot.actor is not None and not self._healthy(slot):
+                    changed |= self._replace(slot)
+            if changed:
+                self._announce()
+
+    def _healthy(self, slot: Slot) -> bool:
+        import ray
+
+        try:
+            age = ray.get(
+                slot.actor.heartbeat_age.remote(), timeout=max(2.0, self.config.controller.health_interval_s)
+            )
+        except Exception as exc:
+            log.warning("worker %s failed its health check: %s", slot.worker_id, type(exc).__name__)
+            return False
+        if age > self.config.controller.heartbeat_timeout_s:
+            log.warning("worker %s: engine loop silent for %.1fs", slot.worker_id, age)
+            return False
+        return True
+
+    def _replace(self, slot: Slot) -> bool:
+        """Kill the slot's actor and start a new one. Its address leaves membership at once."""
+        import ray
+
+        old = slot.actor
+        slot.actor, slot.address = None, ""
+        self._announce()  # stop routing to it before the (slow) restart
+        ray.kill(old, no_restart=True)
+        if slot.restarts >= self.config.controller.restart_limit:
+            slot.given_up = True
+            log.error("worker %s: restart limit (%d) reached; leaving it down", slot.worker_id, slot.restarts)
+            return True
+        slot.restarts += 1
+        try:
+            slot.address = ray.get(self._launch(slot), timeout=600)
+            log.warning("worker %s restarted (%d) on %s", slot.worker_id, slot.restarts, slot.address)
+        except Exception as exc:
+            log.error("worker %s failed to restart: %s", slot.worker_id, exc)
+            slot.actor = None
+        return True
+
+    # --- introspection (tests, tandem status) ----------------------------------------------------------
+    def worker_pid(self, worker_id: str) -> int:
+        import ray
+
+        slot = next(s for s in self.slots if s.worker_id == worker_id)
+        return int(ray.get(slot.actor.process_id.remote(), timeout=10))

@@ -1,0 +1,106 @@
+"""`tandem serve [--config FILE]`: a whole Tandem cluster from one command.
+
+Starts (or joins) Ray, the router on router.host:router.port, the worker pools through the controller, prints
+the address once the service is healthy, and on Ctrl-C / SIGTERM drains and stops everything it started,
+Ray included. `python -m deploy.job` is the same on an existing cluster (`ray job submit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from deploy.config import DeployConfig, load_config
+from deploy.controller import Controller, Member
+from model_runtime.config import ConfigError
+
+log = logging.getLogger("tandem.serve")
+
+
+def build_parser(prog: str = "tandem serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Run a Tandem cluster: router + worker pools on Ray."
+    )
+    parser.add_argument(
+        "--config", help="deployment YAML (default: the embedded model, 1 prefill + 1 decode)"
+    )
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    parser.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, join_cluster: bool = False) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+    address = args.ray_address or ("auto" if join_cluster else None)
+    if address is not None:
+        from dataclasses import replace
+
+        config = replace(config, ray=replace(config.ray, address=address))
+    return asyncio.run(serve(config))
+
+
+def _say(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+async def serve(config: DeployConfig) -> int:
+    from router.server import RouterServer
+
+    from deploy.wiring import endpoints, router_config
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    router = RouterServer(router_config(config))
+    address = await router.start()
+    _say(f"router listening on {address}; starting workers for {config.model} ({config.mode})")
+
+    def publish(members: list[Member], generation: int) -> None:
+        loop.call_soon_threadsafe(router.set_workers, endpoints(members), generation)
+
+    controller = Controller(config, publish)
+    started = loop.run_in_executor(None, controller.start, _say)
+    code = 0
+    try:
+        done, _ = await asyncio.wait(
+            {started, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if started in done:
+            started.result()
+            print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
+            await stop.wait()
+        _say("stopping: draining in-flight requests")
+    except Exception as exc:
+        log.exception("start-up failed")
+        print(f"tandem serve: start-up failed: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        await _shutdown(router, controller, config)
+    return code
+
+
+async def _shutdown(router, controller: Controller, config: DeployConfig) -> None:
+    import ray
+
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(Exception):
+        await router.drain(config.controller.drain_timeout_s)
+    await loop.run_in_executor(None, controller.stop, True)
+    await router.stop(2.0)
+    if config.ray.address is None and ray.is_initialized():
+        ray.shutdown()
+    _say("stopped")
