@@ -88,6 +88,7 @@ class Engine:
         self.sampler = Sampler(self.device, seed=config.device.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._trackers: dict[str, OutputTracker] = {}
+        self.requests_total = 0  # requests accepted (add_request / add_prefilled) since start
         self.last_step_ran = False  # false when the last step() found nothing runnable (callers may back off)
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
@@ -121,6 +122,7 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(request)
         self._trackers[request_id] = self._tracker(request)
+        self.requests_total += 1
         return request
 
     def _tracker(self, request: Request) -> OutputTracker:
@@ -167,6 +169,7 @@ class Engine:
             )
         request.status = RequestStatus.WAITING_FOR_KV
         self.scheduler.add_running(request)
+        self.requests_total += 1
         self._trackers[request_id] = tracker
         return None
 

@@ -65,5 +65,6 @@ def worker_info(
         queued_prefill_tokens=engine.queued_prompt_tokens(),
         model=engine.config.model,
         layout_fingerprint=engine.layout.fingerprint(),
+        requests_total=engine.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
     )
