@@ -34,8 +34,10 @@ typecheck: install
 pytest: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not gpu" tests
 
+# A local cluster (Ray, router on 127.0.0.1:50051, 1 prefill + 1 decode worker) with the embedded model.
+CONFIG ?= deploy/configs/local.yaml
 serve: install
-	$(BIN)/tandem generate --offline --chat --max-tokens 64 "Explain in two sentences why the sky is blue."
+	$(BIN)/tandem serve --config $(CONFIG)
 
 # Stubs are committed; a unit test regenerates them into a temp dir and fails when they differ.
 protos: install

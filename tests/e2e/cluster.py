@@ -1,0 +1,115 @@
+"""A real Tandem cluster for end-to-end tests: `tandem serve` as a subprocess (Ray, router, workers), on loopback.
+
+    with ServeProcess(tmp_path, prefill=2, decode=2) as cluster:
+        Client(cluster.address) ...
+
+Stopping sends SIGTERM and waits for a clean exit; `exit_code` and `health_seen` (the router's health answers
+observed while the workers were still starting) are kept for assertions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY_LINE = "Tandem is serving"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_section(num_blocks: int) -> dict:
+    return {
+        "cache": {"block_size": 16, "num_blocks": num_blocks},
+        "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
+        "device": {"device": "cpu"},
+    }
+
+
+class ServeProcess:
+    def __init__(self, tmp_path: Path, *, prefill: int = 1, decode: int = 1, colocated: int = 0,
+                 num_blocks: int = 256, model: str = "smollm2-135m-instruct", extra: dict | None = None,
+                 start_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        mode = "colocated" if colocated else "disaggregated"
+        config: dict = {
+            "model": model,
+            "mode": mode,
+            "router": {"host": "127.0.0.1", "port": self.port, "metrics_port": 0},
+            "controller": {"health_interval_s": 0.5, "drain_timeout_s": 20},
+        }
+        for role, replicas in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
+            if replicas:
+                config[role] = {"replicas": replicas, "num_gpus": 0, "engine": engine_section(num_blocks)}
+        for key, value in (extra or {}).items():
+            config[key] = value
+        self.config_path = tmp_path / "tandem.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.health_seen: list[int] = []
+        self.exit_code: int | None = None
+        self._ready = threading.Event()
+
+    def __enter__(self) -> ServeProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem_client.cli", "serve", "--config", str(self.config_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._ready.is_set():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n" + "".join(self.lines[-40:]))
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("tandem serve did not become ready:\n" + "".join(self.lines[-40:]))
+            self._probe_health()
+            time.sleep(0.2)
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if READY_LINE in line:
+                self._ready.set()
+
+    def _probe_health(self) -> None:
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                  timeout=0.5)
+                self.health_seen.append(reply.status)
+        except grpc.RpcError:
+            pass
+
+    def stop(self, timeout_s: float = 90.0) -> int:
+        if self.proc is None or self.exit_code is not None:
+            return self.exit_code or 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.exit_code = self.proc.wait(10)
+            raise
+        return self.exit_code
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,174 @@
+"""The disaggregated service end to end: real Ray, real gRPC on 127.0.0.1, the tcp KV transport, the embedded model.
+
+One cluster (2 prefill + 2 decode workers) serves every test in this module; the offline engine in this process
+is the reference it must match token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.llm import LLM
+from model_runtime.request import PromptInput, SamplingParams
+from tandem_client import AsyncClient, Client
+from tandem_client.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from tests.e2e.cluster import ServeProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+WORDS = ("river light seven quiet engine paper orbit maple signal harbor copper violet thunder garden "
+         "silver lantern meadow falcon pebble canyon").split()
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 60))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ServeProcess(tmp_path_factory.mktemp("serve"), prefill=2, decode=2) as serve:
+        yield serve
+    assert serve.exit_code == 0, "".join(serve.lines[-30:])
+
+
+@pytest.fixture(scope="module")
+def offline():
+    torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
+    config = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512),
+                          scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
+                          device=DeviceConfig(device="cpu"))
+    return LLM(config=config)
+
+
+async def _generate_all(address: str, texts: list[str], **sampling) -> list:
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*(client.generate(t, **sampling) for t in texts))
+
+
+def assert_all_idle(address: str, timeout_s: float = 15.0) -> None:
+    """Every worker reports zero used KV blocks and zero leases (the router polls them)."""
+    deadline = time.monotonic() + timeout_s
+    with Client(address) as client:
+        while True:
+            workers = client.status().workers
+            busy = [(w.worker_id, w.kv_blocks_used, w.active_leases) for w in workers
+                    if w.kv_blocks_used or w.active_leases]
+            if not busy and workers:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers still hold KV after {timeout_s}s: {busy}")
+            time.sleep(0.3)
+
+
+def test_health_was_not_serving_until_workers_were_ready(cluster):
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in cluster.health_seen
+    with grpc.insecure_channel(cluster.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_greedy_outputs_equal_the_offline_engine(cluster, offline):
+    texts = prompts(16, seed=1)
+    served = asyncio.run(_generate_all(cluster.address, texts, temperature=0, max_tokens=12))
+    expected = offline.generate([PromptInput(text=t) for t in texts], SamplingParams(temperature=0, max_tokens=12))
+    for text, got, want in zip(texts, served, expected):
+        assert got.prompt_token_ids == want.prompt_token_ids, text
+        assert got.token_ids == want.token_ids, f"{text!r}: service {got.token_ids} offline {want.token_ids}"
+        assert got.text == want.text
+        assert got.finish_reason == want.finish_reason
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.token_ids)
+
+
+def test_seeded_sampling_equals_the_offline_engine(cluster, offline):
+    texts = prompts(6, seed=2)
+    params = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "max_tokens": 10}
+    served = asyncio.run(_generate_all_seeded(cluster.address, texts, params))
+    expected = offline.generate([PromptInput(text=t) for t in texts],
+                                [SamplingParams(seed=100 + i, **params) for i in range(len(texts))])
+    assert [s.token_ids for s in served] == [e.token_ids for e in expected]
+
+
+async def _generate_all_seeded(address: str, texts: list[str], params: dict) -> list:
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*(client.generate(t, seed=100 + i, **params) for i, t in enumerate(texts)))
+
+
+def test_streamed_deltas_join_to_the_final_text(cluster):
+    with Client(cluster.address) as client:
+        stream = client.stream("Write a short poem about the sea.", temperature=0, max_tokens=24)
+        deltas = list(stream)
+        result = stream.result
+    pieces = [d.text for d in deltas if hasattr(d, "text") and d is not result]
+    assert result is not None and result.text
+    assert "".join(pieces) == result.text
+    assert sum(len(d.token_ids) for d in deltas if d is not result) == len(result.token_ids)
+    assert result.timings.time_to_first_token_seconds > 0
+
+
+def test_every_worker_serves_traffic(cluster):
+    asyncio.run(_generate_all(cluster.address, prompts(12, seed=3), temperature=0, max_tokens=2))
+    with Client(cluster.address) as client:
+        workers = client.status().workers
+    assert len(workers) == 4
+    idle = [w.worker_id for w in workers if w.requests_total == 0]
+    assert not idle, f"workers that served nothing: {idle}"
+
+
+def test_cancel_mid_stream_releases_everything(cluster):
+    with Client(cluster.address) as client:
+        stream = client.stream("Count from one to one thousand:", temperature=0, max_tokens=400, ignore_eos=True)
+        seen = 0
+        for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        stream.close()
+    assert seen == 3
+    assert_all_idle(cluster.address)
+
+
+def test_client_deadline_is_deadline_exceeded_and_releases_everything(cluster):
+    with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):
+        client.generate("Tell me a very long story.", temperature=0, max_tokens=2000, ignore_eos=True, timeout=1.5)
+    assert_all_idle(cluster.address)
+
+
+def test_async_cancel_is_cancelled(cluster):
+    async def run() -> None:
+        async with AsyncClient(cluster.address) as client:
+            task = asyncio.ensure_future(client.generate("Say many things.", max_tokens=500, ignore_eos=True))
+            await asyncio.sleep(1.0)
+            task.cancel()
+            with pytest.raises((asyncio.CancelledError, Cancelled)):
+                await task
+
+    asyncio.run(run())
+    assert_all_idle(cluster.address)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -1.0}, "sampling.temperature"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"token_ids": [1, 10**9]}, "input.token_ids"),
+        ({"max_tokens": 0}, "sampling.max_tokens"),
+    ],
+)
+def test_invalid_input_names_the_field_and_service_keeps_serving(cluster, kwargs, field):
+    prompt = None if "token_ids" in kwargs else "hello"
+    with Client(cluster.address) as client:
+        with pytest.raises(InvalidArgument) as info:
+            client.generate(prompt, **kwargs)
+        assert field in info.value.details
+        assert client.generate("hello", temperature=0, max_tokens=2).token_ids
