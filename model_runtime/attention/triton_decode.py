@@ -31,41 +31,25 @@ DEFAULT_TILE_N = 64
 
 
 @triton.jit
+def _load_tokens(cache_ptr, block, in_page, kv_head, d, mask, stride_n, stride_b, stride_h):
+    """[TILE_N, BLOCK_D] rows of one KV head, token i at page block[i], offset in_page[i]."""
+    ptrs = (
+        cache_ptr + block[:, None] * stride_n + in_page[:, None] * stride_b + kv_head * stride_h + d[None, :]
+    )
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+# fmt: off
+@triton.jit
 def _decode_segment_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_kn,
-    stride_kb,
-    stride_kh,
-    stride_vn,
-    stride_vb,
-    stride_vh,
-    stride_bt,
-    stride_ps,
-    stride_ph,
-    stride_pg,
-    stride_ls,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_bt,
+    stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # fmt: on
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg = tl.program_id(2)
@@ -75,12 +59,8 @@ def _decode_segment_kernel(
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    out_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
 
     # Segments are whole tiles so only the last tile of the context is partial.
     per_seg = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), TILE_N) * TILE_N
@@ -90,58 +70,33 @@ def _decode_segment_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    offs_n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t0 in range(start, end, TILE_N):
-        tok = t0 + offs_n
+        tok = t0 + tl.arange(0, TILE_N)
         tok_ok = tok < end
         block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        in_page = tok % PAGE
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + block[:, None] * stride_kn
-            + in_page[:, None] * stride_kb
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * stride_vn
-            + in_page[:, None] * stride_vb
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]  # all zeros for an empty segment or a padded sequence
-    out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SEGMENTS == 1:
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(
-            part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + seg * stride_pg + d[None, :],
-            o,
-            mask=out_mask,
-        )
+        part_ptrs = part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + seg * stride_pg + d[None, :]
+        tl.store(part_ptrs, o, mask=out_mask)
         tl.store(part_lse_ptr + seq * stride_ls + heads * stride_lh + seg, lse, mask=row_ok)
 
 
