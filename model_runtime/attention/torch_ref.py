@@ -1,6 +1,7 @@
 """Reference paged attention in plain torch: gather the pages, then scaled_dot_product_attention.
 
-Correct on any device and the oracle the Triton kernels are tested against; not fast (a loop over sequences).
+`paged_attention_ref` is the oracle the Triton kernels are tested against (a plain loop over sequences).
+`TorchAttention` serves CPU engines: the same math, with decode-only steps batched into one call.
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ def paged_attention_ref(
     return out
 
 
+def batched_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Every sequence has one query: gather all pages at once and run one SDPA.
+
+    The query heads that share a KV head become the query-length axis, so no K/V is repeated:
+        q [B, Hkv, group, D]  x  k [B, Hkv, W*bs, D]   with keys past seq_len masked out.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    tables = meta.block_tables.long()
+    width = tables.shape[1] * k_cache.shape[1]
+    k = k_cache[tables].reshape(b, width, hkv, d).transpose(1, 2).to(q.dtype)
+    v = v_cache[tables].reshape(b, width, hkv, d).transpose(1, 2).to(q.dtype)
+    mask = torch.arange(width, device=q.device)[None, :] < meta.seq_lens[:, None]
+    qg = q.view(b, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(b, hq, d)
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
@@ -56,4 +77,6 @@ class TorchAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only and q.shape[0] == meta.num_seqs:
+            return batched_decode(q, k_cache, v_cache, meta, scale)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
