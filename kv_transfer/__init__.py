@@ -5,7 +5,7 @@ router; results arrive through `poll()` or `on_result`. Prefill side: `KVSender.
 `SendHandle` (non-blocking), blocks released through `on_release`. Transports: tcp, nccl, cuda_ipc
 (`TransferConfig.kind`). Module map: config, contracts (leases, results, reasons), frames (wire), pairing,
 leases (ownership), receiver + receive_session, sender + send_handle + send_session, transport (seam), tcp,
-nccl, cuda_ipc, stats.
+nccl, cuda_ipc, cuda_events (GPU waits), stats.
 """
 
 from kv_transfer.config import TRANSPORT_KINDS, TransferConfig

@@ -142,6 +142,7 @@ class IpcReceiverTransport(ReceiverTransport):
         self._strides = byte_strides(layout)
         self._stream = torch.cuda.Stream(self._device)
         self._lock = threading.Lock()
+        self._setup_lock = threading.Lock()
         self._mappings: dict[bytes, _Mapping] = {}
         self._retired: list[_Mapping] = []
 
@@ -155,15 +156,19 @@ class IpcReceiverTransport(ReceiverTransport):
         if setup.WhichOneof("kind") != "cuda_ipc":
             raise TransferFailed(FailureReason.TRANSPORT_MISMATCH, "expected a cuda_ipc pair setup")
         export = setup.cuda_ipc
-        with self._lock:
-            current = self._mappings.get(peer_id)
-        if current is None or (current.handle, current.offset) != (bytes(export.mem_handle), export.offset):
-            mapping = self._open(export)
+        with self._setup_lock:  # one handle is opened once per process (a second open of it fails)
             with self._lock:
-                old = self._mappings.get(peer_id)
-                self._mappings[peer_id] = mapping
-                if old is not None:  # a copy may still use it: close it with the receiver, not now
-                    self._retired.append(old)
+                current = self._mappings.get(peer_id)
+            if current is None or (current.handle, current.offset) != (
+                bytes(export.mem_handle),
+                export.offset,
+            ):
+                mapping = self._open(export)
+                with self._lock:
+                    old = self._mappings.get(peer_id)
+                    self._mappings[peer_id] = mapping
+                    if old is not None:  # a copy may still use it: close it with the receiver, not now
+                        self._retired.append(old)
         conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck()), watch)
 
     def _open(self, export: kv_pb2.KVIpcExport) -> _Mapping:
@@ -199,7 +204,13 @@ class IpcReceiverTransport(ReceiverTransport):
         except ValueError as exc:  # never read outside the sender's cache
             raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
         bind_device(self._device)
-        self._enqueue_copies(job, mapping)
+        try:
+            self._enqueue_copies(job, mapping)
+        except Exception as exc:
+            self._stream.synchronize()  # copies already enqueued finish before the blocks may be freed
+            raise TransferFailed(
+                FailureReason.TRANSPORT_ERROR, f"CUDA copy: {type(exc).__name__}: {exc}"
+            ) from None
         copied = torch.cuda.Event()
         copied.record(self._stream)
         try:

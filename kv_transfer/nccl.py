@@ -66,8 +66,11 @@ def _new_comm(uid: bytes, rank: int) -> Any:
         return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in uid), rank)
 
 
-def init_comm(uid: bytes, rank: int, device: torch.device, timeout_s: float) -> Any:
-    """ncclCommInitRank blocks until the peer joins and cannot be interrupted: run it in a helper thread."""
+def init_comm(
+    uid: bytes, rank: int, device: torch.device, timeout_s: float, watch: Watch | None = None
+) -> Any:
+    """ncclCommInitRank blocks until the peer joins and cannot be interrupted: run it in a helper thread,
+    waiting at most timeout_s and only while `watch` (the transfer's deadline and aborts) allows."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast can take a shared host's GPUs out of service
     outcome: dict[str, Any] = {}
 
@@ -80,7 +83,11 @@ def init_comm(uid: bytes, rank: int, device: torch.device, timeout_s: float) -> 
 
     helper = threading.Thread(target=work, name="kv-nccl-init", daemon=True)
     helper.start()
-    helper.join(timeout_s)
+    end = time.monotonic() + timeout_s
+    while helper.is_alive() and time.monotonic() < end:
+        helper.join(0.05)
+        if watch is not None and helper.is_alive():
+            watch.check()  # abandons the helper: a late init only leaks a communicator nobody uses
     if helper.is_alive():
         raise TransferFailed(
             FailureReason.PAIR_SETUP_FAILED,
@@ -140,6 +147,12 @@ class _Pairs:
             pair.abort()
 
 
+def _as_failure(exc: Exception) -> TransferFailed:
+    if isinstance(exc, TransferFailed):
+        return exc
+    return TransferFailed(FailureReason.TRANSPORT_ERROR, f"NCCL: {type(exc).__name__}: {exc}")
+
+
 def _live_pair(pairs: _Pairs, peer_id: bytes) -> _Pair:
     pair = pairs.get(peer_id)
     if pair is None:
@@ -171,7 +184,7 @@ class NcclSenderTransport(SenderTransport):
             setup = kv_pb2.KVPairSetup(nccl=kv_pb2.KVNcclSetup(unique_id=uid))
             conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
             expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
-            comm = init_comm(uid, SENDER_RANK, self._device, self._config.pair_setup_timeout_s)
+            comm = init_comm(uid, SENDER_RANK, self._device, self._config.pair_setup_timeout_s, watch)
             self._pairs.put(peer_id, _Pair(comm, torch.cuda.Stream(self._device)))
 
     def send_part(self, job: PartJob) -> None:
@@ -180,21 +193,25 @@ class NcclSenderTransport(SenderTransport):
         with pair.lock:
             job.conn.send_frame(part_frame(job), job.watch)
             expect(job.conn.read_frame(job.watch), "part_ready", FailureReason.RECEIVER_ABORTED)
-            with torch.cuda.stream(pair.stream):
-                if job.ready is not None:
-                    pair.stream.wait_event(job.ready)
-                ids = block_index(job.block_ids, self._device)
-                staging = torch.index_select(self._cache[job.layer_begin : job.layer_end], 2, ids)
-                pair.comm.send(
-                    staging.data_ptr(), job.num_bytes, nccl.NCCL_UINT8, RECEIVER_RANK, pair.stream.cuda_stream
-                )
-                sent = torch.cuda.Event()
-                sent.record(pair.stream)
-            try:
+            try:  # the receiver posted its receive: any failure from here leaves the communicator unusable
+                with torch.cuda.stream(pair.stream):
+                    if job.ready is not None:
+                        pair.stream.wait_event(job.ready)
+                    ids = block_index(job.block_ids, self._device)
+                    staging = torch.index_select(self._cache[job.layer_begin : job.layer_end], 2, ids)
+                    pair.comm.send(
+                        staging.data_ptr(),
+                        job.num_bytes,
+                        nccl.NCCL_UINT8,
+                        RECEIVER_RANK,
+                        pair.stream.cuda_stream,
+                    )
+                    sent = torch.cuda.Event()
+                    sent.record(pair.stream)
                 wait_event(sent, job.watch, job.conn, FailureReason.RECEIVER_ABORTED)
-            except TransferFailed:
-                self._pairs.drop(job.peer_id, pair)  # a half-done send leaves the communicator unusable
-                raise
+            except Exception as exc:
+                self._pairs.drop(job.peer_id, pair)
+                raise _as_failure(exc) from None
 
     def close(self) -> None:
         self._pairs.close()
@@ -223,7 +240,7 @@ class NcclReceiverTransport(ReceiverTransport):
             self._pairs.drop(peer_id, old)
         conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck()), watch)
         comm = init_comm(
-            bytes(setup.nccl.unique_id), RECEIVER_RANK, self._device, self._config.pair_setup_timeout_s
+            bytes(setup.nccl.unique_id), RECEIVER_RANK, self._device, self._config.pair_setup_timeout_s, watch
         )
         self._pairs.put(peer_id, _Pair(comm, torch.cuda.Stream(self._device)))
 
@@ -234,18 +251,18 @@ class NcclReceiverTransport(ReceiverTransport):
         shape = self._layout.staging_shape(len(job.block_ids), (job.layer_begin, job.layer_end))
         with pair.lock, torch.cuda.stream(pair.stream):
             staging = torch.empty(shape, dtype=self._cache.dtype, device=self._device)
-            pair.comm.recv(
-                staging.data_ptr(), job.num_bytes, nccl.NCCL_UINT8, SENDER_RANK, pair.stream.cuda_stream
-            )
-            received = torch.cuda.Event()
-            received.record(pair.stream)
-            try:  # from here on a failure leaves a receive posted: the communicator must go
+            try:  # from here on a failure may leave a receive posted: the communicator must go
+                pair.comm.recv(
+                    staging.data_ptr(), job.num_bytes, nccl.NCCL_UINT8, SENDER_RANK, pair.stream.cuda_stream
+                )
+                received = torch.cuda.Event()
+                received.record(pair.stream)
                 job.conn.send_frame(kv_pb2.KVFrame(part_ready=kv_pb2.KVPartReady()), job.watch)
                 wait_event(received, job.watch, job.conn, FailureReason.SENDER_ABORTED)
-            except TransferFailed:
+            except Exception as exc:
                 self._quarantine.append(staging)  # the aborted receive may still touch it: never reuse
                 self._pairs.drop(job.peer_id, pair)
-                raise
+                raise _as_failure(exc) from None
             ids = block_index(job.block_ids, self._device)
             self._cache[job.layer_begin : job.layer_end].index_copy_(2, ids, staging)
             scattered = torch.cuda.Event()

@@ -300,6 +300,28 @@ def test_receiver_abort_at_each_phase_frees_both_sides(peer, phase):
     assert alloc.all_free
 
 
+def test_sender_abort_before_begin_never_touches_the_receiver():
+    """A send still queued behind another is aborted: it never connects; the lease stays the decode side's."""
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 11)
+    gate, released = threading.Event(), []
+    with KVReceiver(layout, cache, alloc, config()) as receiver:
+        first, second = receiver.reserve("first", 11), receiver.reserve("second", 11)
+        with KVSender(layout, make_cache(layout, 11), config(max_inflight_sends=1), on_release=released.append,
+                      chunk_hook=lambda *_: gate.wait(10)) as sender:  # fmt: skip
+            busy = sender.send(receiver.target(first), [1, 2, 3], 11, FIRST)
+            queued = sender.send(receiver.target(second), [4, 5, 6], 11, FIRST)
+            queued.abort("cancelled while queued")
+            gate.set()
+            assert busy.result(10).ok
+            aborted = queued.result(10)
+        assert aborted.failure is FailureReason.SENDER_ABORTED and aborted in released
+        assert receiver.stats().active_leases == 1  # "second" was never claimed: still reserved
+        assert receiver.abort("second")
+        outcomes = {r.request_id: r.failure for r in wait_results(receiver, 2)}
+        assert outcomes == {"first": None, "second": FailureReason.RECEIVER_ABORTED}
+
+
 # --- handles: forged, reused, expired; lease expiry; layout mismatch ---------------------------------------
 def test_forged_reused_and_expired_handles_fail_closed(peer):
     layout = make_layout("float32")
@@ -420,7 +442,7 @@ def raw_claim(receiver: KVReceiver, layout: KVLayout, lease, num_bytes: int | No
     return conn
 
 
-def test_stalled_sender_expiry_frees_only_after_the_read_is_torn_down():
+def test_stalled_sender_lease_expiry_frees_blocks_and_no_stale_write_lands():
     layout = make_layout("float32")
     cache, alloc = make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 8)
     with KVReceiver(layout, cache, alloc, config()) as receiver:

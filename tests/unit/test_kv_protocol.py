@@ -105,7 +105,7 @@ def test_frame_payload_garbage_and_empty_body_are_protocol_errors():
 
 
 def test_failure_enum_mirrors_proto_names_and_values():
-    names = kv_pb2.KVFailure.keys()  # noqa: SIM118 (an enum wrapper, not a dict)
+    names = kv_pb2.KVFailure.keys()
     proto_names = {n.removeprefix("KV_FAILURE_") for n in names} - {"UNSPECIFIED"}
     assert proto_names == {r.name for r in FailureReason}
     for reason in FailureReason:

@@ -1,0 +1,399 @@
+"""KV handoff benchmark: Llama-3-8B KV layout between two processes on two GPUs.
+
+For each transport (nccl, cuda_ipc, and tcp up to 2k tokens) and prompt length (128 ... 32k tokens) it times the
+whole handoff as the service runs it: the decode process reserves blocks, hands the KVTarget to the prefill
+process (a pipe stands in for the router hop), the prefill process sends its blocks, the decode process is told
+they landed. Next to it, in the same run and on the same cards, the raw baselines for one contiguous buffer of
+the same size: CuPy NCCL send/recv, torch.distributed NCCL send/recv, and a CUDA IPC peer copy.
+
+Self-checking: after each size the decode side's landed blocks and the prefill side's source blocks are compared
+by checksum (random bf16 data, scattered block ids on both sides); a mismatch aborts the run.
+
+Usage: python bench/kv_transfer.py [--quick] [--transports nccl,cuda_ipc,tcp] [--tokens 128,512,...]; prints
+a table and writes bench/results/kv_transfer_<gpu-name>.json (medians over --reps after --warmup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+
+# NVLink multicast can take a shared host's GPUs out of service: keep it off in every process (inherited).
+os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig  # noqa: E402
+from model_runtime.kv_layout import KVLayout  # noqa: E402
+from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
+
+TOKENS = (128, 512, 2048, 8192, 32768)
+TCP_MAX_TOKENS = 2048  # tcp stages GPU blocks through host memory: a reference point, not a GPU transport
+SPARE_BLOCKS = 64
+METHOD = ("handoff: decode-side wall time reserve -> landed (includes the KVTarget pipe hop); send->ack: "
+          "prefill-side SendResult.seconds; raw: one contiguous buffer, send timed after the peer posted its "
+          "receive (cupy, torch) or a one-sided pull (ipc); medians after warmup")  # fmt: skip
+
+
+def llama3_8b_layout(max_tokens: int) -> KVLayout:
+    """32 layers, 8 KV heads, head dim 128, bf16, block size 16: 128 KiB of KV per token."""
+    blocks = -(-max_tokens // 16) + SPARE_BLOCKS
+    return KVLayout(
+        num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=blocks, dtype="bfloat16"
+    )
+
+
+def transfer_config(kind: str) -> TransferConfig:
+    limits = dict(
+        transfer_timeout_s=300.0, lease_ttl_s=300.0, connect_timeout_s=30.0, pair_setup_timeout_s=120.0
+    )
+    return TransferConfig(kind=kind, poll_interval_s=0.005, **limits)
+
+
+def kv_checksum(cache: torch.Tensor, ids: list[int]) -> str:
+    """Position-weighted sums of each (layer, K|V, block) of cache[:, :, ids], in ids order, on the GPU."""
+    index = torch.tensor(ids, device=cache.device)
+    weights = torch.arange(cache[0, 0, 0].numel(), device=cache.device) % 251 + 1
+    sums = []
+    for layer in range(cache.shape[0]):
+        blocks = cache[layer].index_select(1, index).reshape(2, len(ids), -1)
+        sums.append((blocks.view(torch.int16).to(torch.int64) * weights).sum(-1))
+    return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
+
+
+class FreeList:
+    """The decode side's block pool: scattered ids, thread-safe."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.ids = list(range(1, num_blocks))
+        random.Random(0).shuffle(self.ids)
+        self.lock = threading.Lock()
+
+    def allocate(self, n: int) -> list[int] | None:
+        with self.lock:
+            out, self.ids = self.ids[:n], self.ids[n:]
+            return out if len(out) == n else None
+
+    def free(self, ids) -> None:
+        with self.lock:
+            self.ids.extend(ids)
+
+
+# --- the decode process (receiver) ----------------------------------------------------------------------
+class Landing:
+    """on_result target: the receiver's thread reports, the benchmark loop waits."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.result = None
+
+    def put(self, result) -> None:
+        self.result = result
+        self.event.set()
+
+
+def decode_handoffs(
+    receiver: KVReceiver, landing: Landing, alloc: FreeList, cache: torch.Tensor, peer, tokens: int, runs: int
+) -> tuple[list[float], str]:
+    """Reserve -> KVTarget to the prefill process -> landed, `runs` times; the landed blocks' checksum."""
+    times, ids = [], []
+    for _ in range(runs):
+        landing.event.clear()
+        start = time.perf_counter()
+        lease = receiver.reserve(f"bench-{tokens}", tokens)
+        peer.send(receiver.target(lease).SerializeToString())
+        if not landing.event.wait(300) or not landing.result.ok:
+            raise RuntimeError(f"handoff failed: {landing.result}")
+        times.append(time.perf_counter() - start)
+        ids = list(lease.block_ids)
+        alloc.free(ids)  # the blocks are ours after landing; hand them back for the next rep
+    peer.send(b"")
+    return times, kv_checksum(cache, ids)
+
+
+def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    layout = llama3_8b_layout(max_tokens)
+    cache = torch.zeros(layout.cache_shape, dtype=torch.bfloat16, device=device)
+    landing, alloc = Landing(), FreeList(layout.num_blocks)
+    receiver, state = None, {}
+    while (cmd := ctl.recv()) is not None:
+        if cmd[0] == "handoff":
+            _, kind, tokens, runs = cmd
+            if receiver is None or receiver.config.kind != kind:
+                if receiver is not None:
+                    receiver.close()
+                receiver = KVReceiver(layout, cache, alloc, transfer_config(kind), on_result=landing.put)
+            ctl.send(decode_handoffs(receiver, landing, alloc, cache, peer, tokens, runs))
+        else:
+            ctl.send(raw_times(cmd, 1, peer, device, state))
+
+
+# --- the prefill process (sender) ------------------------------------------------------------------------
+def prefill_handoffs(sender: KVSender, cache: torch.Tensor, peer, tokens: int) -> tuple[list[float], str]:
+    """Serve KVTargets from the decode process until it says stop; the source blocks' checksum."""
+    n = -(-tokens // 16)
+    ids = random.Random(tokens).sample(range(1, cache.shape[2]), n)
+    times = []
+    while target := peer.recv():
+        result = sender.send(kv_pb2.KVTarget.FromString(target), ids, tokens, FirstToken(1, -0.1)).result(300)
+        if not result.ok:
+            raise RuntimeError(f"send failed: {result.failure} {result.message}")
+        times.append(result.seconds)
+    return times, kv_checksum(cache, ids)
+
+
+def prefill_main(ctl, peer, device_index: int, max_tokens: int) -> None:
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    layout = llama3_8b_layout(max_tokens)
+    gen = torch.Generator(device=device).manual_seed(1)
+    cache = torch.randn(layout.cache_shape, generator=gen, device=device).to(torch.bfloat16)  # never all-zero
+    torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
+    sender, state = None, {}
+    while (cmd := ctl.recv()) is not None:
+        if cmd[0] == "handoff":
+            _, kind, tokens, _ = cmd
+            if sender is None or sender.config.kind != kind:
+                if sender is not None:
+                    sender.close()
+                sender = KVSender(layout, cache, transfer_config(kind))
+            ctl.send(prefill_handoffs(sender, cache, peer, tokens))
+        else:
+            ctl.send(raw_times(cmd, 0, peer, device, state))
+
+
+# --- raw baselines: one contiguous buffer, rank 0 = prefill side, rank 1 = decode side ---------------------
+def raw_times(cmd, rank: int, peer, device: torch.device, state: dict) -> list[float]:
+    _, kind, nbytes, runs, port = cmd
+    if kind == "ipc":
+        return ipc_pull(nbytes, runs, peer, device, state) if rank == 1 else ipc_export(nbytes, peer, device)
+    setup_comm(kind, rank, peer, device, state, port)
+    return nccl_p2p(kind, rank, nbytes, runs, peer, device, state)
+
+
+def setup_comm(kind: str, rank: int, peer, device: torch.device, state: dict, port: int) -> None:
+    """Once per run: a CuPy 2-rank communicator, or a torch.distributed NCCL group, between the two GPUs."""
+    if kind in state:
+        return
+    if kind == "cupy":
+        from cupy.cuda import nccl
+
+        from kv_transfer.nccl import _new_comm, _uid_bytes
+
+        if rank == 0:
+            uid = _uid_bytes(nccl.get_unique_id())
+            peer.send(uid)
+        else:
+            uid = peer.recv()
+        state["nccl"], state["cupy"] = nccl, _new_comm(uid, rank)
+    else:
+        torch.distributed.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device
+        )
+        state["torch"] = True
+
+
+def nccl_p2p(
+    kind: str, rank: int, nbytes: int, runs: int, peer, device: torch.device, state: dict
+) -> list[float]:
+    """Send timed on the sender after the receiver posted its receive (so no wait for the peer is counted)."""
+    if rank == 0:
+        buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    else:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(runs):
+        if rank == 1:
+            if kind == "cupy":
+                state["cupy"].recv(buf.data_ptr(), nbytes, state["nccl"].NCCL_UINT8, 0, stream)
+            else:
+                work = torch.distributed.irecv(buf, src=0)
+            peer.send(b"posted")
+            if kind == "torch":
+                work.wait()
+            torch.cuda.synchronize(device)
+            continue
+        assert peer.recv() == b"posted"
+        start = time.perf_counter()
+        if kind == "cupy":
+            state["cupy"].send(buf.data_ptr(), nbytes, state["nccl"].NCCL_UINT8, 1, stream)
+        else:
+            torch.distributed.send(buf, dst=1)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def ipc_export(nbytes: int, peer, device: torch.device) -> list[float]:
+    from cupy.cuda import runtime
+
+    from kv_transfer.cuda_ipc import allocation_range
+
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)
+    base, _ = allocation_range(buf.data_ptr())
+    peer.send((bytes(runtime.ipcGetMemHandle(base)), buf.data_ptr() - base))
+    assert peer.recv() == b"done"  # keep `buf` alive while the decode side pulls
+    return []
+
+
+def ipc_pull(nbytes: int, runs: int, peer, device: torch.device, state: dict) -> list[float]:
+    """One-sided copy of the peer's buffer into ours, on our stream (what cuda_ipc does, minus the blocks)."""
+    from cupy.cuda import runtime
+
+    handle, offset = peer.recv()
+    if state.get("ipc_handle") != handle:
+        if "ipc_base" in state:
+            runtime.ipcCloseMemHandle(state["ipc_base"])
+        state["ipc_handle"], state["ipc_base"] = handle, int(runtime.ipcOpenMemHandle(handle))
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        runtime.memcpyAsync(
+            buf.data_ptr(), state["ipc_base"] + offset, nbytes, runtime.memcpyDefault, stream.cuda_stream
+        )
+        stream.synchronize()
+        times.append(time.perf_counter() - start)
+    peer.send(b"done")
+    return times
+
+
+# --- orchestration ---------------------------------------------------------------------------------------
+def median_rate(times: list[float], warmup: int, nbytes: int) -> tuple[float, float]:
+    med = statistics.median(times[warmup:])
+    return med, nbytes / med / 1e9
+
+
+def run(args) -> dict:
+    ctx = mp.get_context("spawn")
+    (ctl_d, ctl_d_child), (ctl_p, ctl_p_child) = ctx.Pipe(), ctx.Pipe()
+    peer_d, peer_p = ctx.Pipe()
+    gpus, top = torch.cuda.device_count(), max(args.tokens)
+    procs = [ctx.Process(target=decode_main, args=(ctl_d_child, peer_d, 1 if gpus > 1 else 0, top)),
+             ctx.Process(target=prefill_main, args=(ctl_p_child, peer_p, 0, top))]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    layout = llama3_8b_layout(top)
+    try:
+        rows = [
+            row for kind in args.transports for row in run_handoffs(args, kind, layout, ctl_d, ctl_p, gpus)
+        ]
+        raw = run_raw(args, layout, ctl_d, ctl_p, gpus)
+    finally:
+        for ctl in (ctl_d, ctl_p):
+            ctl.send(None)
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    return dict(rows=rows, raw=raw)
+
+
+def run_handoffs(args, kind: str, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:
+    if kind == "nccl" and gpus < 2:
+        print("skipping nccl: needs two GPUs")
+        return []
+    rows = []
+    for tokens in [t for t in args.tokens if kind != "tcp" or t <= TCP_MAX_TOKENS]:
+        runs = args.warmup + (args.reps if kind != "tcp" else max(3, args.reps // 4))
+        for ctl in (ctl_d, ctl_p):
+            ctl.send(("handoff", kind, tokens, runs))
+        (d_times, d_sum), (p_times, p_sum) = ctl_d.recv(), ctl_p.recv()
+        if d_sum != p_sum:
+            raise SystemExit(f"CHECKSUM MISMATCH: {kind} at {tokens} tokens")
+        nbytes = layout.bytes_per_block * -(-tokens // 16)
+        handoff, handoff_gbps = median_rate(d_times, args.warmup, nbytes)
+        send, send_gbps = median_rate(p_times, args.warmup, nbytes)
+        rows.append(dict(transport=kind, tokens=tokens, bytes=nbytes, handoff_s=handoff, handoff_gbps=handoff_gbps,
+                         send_to_ack_s=send, send_to_ack_gbps=send_gbps, checksum_ok=True))  # fmt: skip
+        print(
+            f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s",
+            flush=True,
+        )
+    return rows
+
+
+def run_raw(args, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:
+    kinds = ["ipc"] + (["cupy", "torch"] if gpus > 1 else [])
+    port = random.Random().randint(20000, 40000)
+    out = []
+    for tokens in args.tokens:
+        nbytes = layout.bytes_per_block * -(-tokens // 16)
+        row = dict(tokens=tokens, bytes=nbytes)
+        for kind in kinds:
+            cmd = ("raw", kind, nbytes, args.warmup + args.reps, port)
+            ctl_d.send(cmd)
+            ctl_p.send(cmd)
+            d_times, p_times = ctl_d.recv(), ctl_p.recv()
+            row[f"{kind}_s"], row[f"{kind}_gbps"] = median_rate(d_times or p_times, args.warmup, nbytes)
+        out.append(row)
+    return out
+
+
+def print_table(result: dict) -> None:
+    raw = {r["tokens"]: r for r in result["raw"]}
+    print(
+        f"\n{'transport':9s} {'tokens':>6s} {'MiB':>7s} | {'handoff ms':>10s} {'GB/s':>6s} | {'send->ack ms':>12s} "
+        f"{'GB/s':>6s} | raw GB/s: {'cupy':>6s} {'torch':>6s} {'ipc':>6s}"
+    )
+    for r in result["rows"]:
+        b = raw.get(r["tokens"], {})
+        rates = " ".join(f"{b.get(f'{k}_gbps', float('nan')):6.1f}" for k in ("cupy", "torch", "ipc"))
+        print(
+            f"{r['transport']:9s} {r['tokens']:6d} {r['bytes'] / 2**20:7.1f} | {r['handoff_s'] * 1e3:10.2f} "
+            f"{r['handoff_gbps']:6.1f} | {r['send_to_ack_s'] * 1e3:12.2f} {r['send_to_ack_gbps']:6.1f} |           "
+            f"{rates}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", default="nccl,cuda_ipc,tcp")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="128 and 2048 tokens, 5 reps: a smoke run")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    args.transports = args.transports.split(",")
+    args.tokens = [128, 2048] if args.quick else [int(t) for t in args.tokens.split(",")]
+    args.reps = 5 if args.quick else args.reps
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA GPUs")
+    gpu = torch.cuda.get_device_name(0)
+    started = time.time()
+    result = run(args)
+    print_table(result)
+    from cupy.cuda import nccl
+
+    meta = dict(gpu=gpu, gpus=torch.cuda.device_count(), torch=torch.__version__, cupy_nccl=nccl.get_version(),
+                torch_nccl=".".join(map(str, torch.cuda.nccl.version())), warmup=args.warmup, reps=args.reps,
+                layout="llama-3-8b: 32 layers, 8 kv heads, head dim 128, bf16, block 16",
+                seconds=round(time.time() - started, 1), method=METHOD)  # fmt: skip
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = pathlib.Path(args.out or ROOT / "bench" / "results" / f"kv_transfer_{slug}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, **result), indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
