@@ -1,0 +1,24 @@
+"""Tandem's router: the gRPC front door (validation, tokenization, placement, streaming).
+
+Module map: config (RouterConfig), server (RouterServer: the grpc.aio server and its services), servicers
+(Generation, Admin, RouterControl), validation (GenerateRequest -> ValidatedRequest), placement (which worker
+gets a request; pure), pool (membership, channels, Status polling), dispatch (one request's life on the
+workers), streams (worker calls as typed streams), responses (tokens -> Deltas and Final, stop rules),
+admission (bounded queue), metrics (counting hooks), model (the served model's tokenizer and limits).
+
+The router reaches workers only over gRPC and never imports torch, Ray or the worker packages.
+"""
+
+from router.config import RouterConfig, RouterConfigError
+from router.metrics import RequestRecord, RouterMetrics
+from router.model import ServedModel
+from router.server import RouterServer
+
+__all__ = [
+    "RequestRecord",
+    "RouterConfig",
+    "RouterConfigError",
+    "RouterMetrics",
+    "RouterServer",
+    "ServedModel",
+]

@@ -1,0 +1,89 @@
+"""`RouterConfig`: everything the router needs to know, validated once at start-up."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from model_runtime.weights import EMBEDDED_MODEL
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts' ids plus logprobs pass gRPC's 4 MiB default
+
+
+class RouterConfigError(ValueError):
+    """A router setting is out of range; the message starts with the field's name."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router. Times are seconds; counts are requests unless the name says tokens.
+
+    host, port: where the public gRPC server listens (port 0: any free port, see RouterServer.start).
+    model: the model spec (model_runtime.weights.resolve_model); the router loads only its tokenizer and config.
+    max_model_len: prompt plus output tokens per request; None: the model's context. Workers must use the same.
+    max_prompt_tokens: longest prompt accepted; None: max_model_len - 1 (room for one output token).
+    default_max_tokens: max_tokens for requests that set none (clamped to what the context leaves).
+    max_inflight: requests placed on workers at once; max_queue: accepted requests waiting for a slot.
+      A request arriving when max_inflight + max_queue are taken gets RESOURCE_EXHAUSTED at once.
+    request_timeout_s: deadline of a request whose client set none.
+    poll_interval_s, poll_timeout_s: how often each worker's Status is polled, and how long one poll may take.
+    dead_after_failed_polls: a worker that fails this many polls in a row is DEAD (skipped) until one succeeds.
+    lease_ttl_s: how long a decode worker's reservation waits for the prefill worker's KV.
+    worker_rpc_timeout_s: longest wait for a worker's control answer (the decode reservation).
+    max_message_bytes: gRPC send/receive limit on the public server and on the worker channels.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    model: str = EMBEDDED_MODEL
+    max_model_len: int | None = None
+    max_prompt_tokens: int | None = None
+    default_max_tokens: int = 256
+    max_inflight: int = 256
+    max_queue: int = 256
+    request_timeout_s: float = 600.0
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 1.0
+    dead_after_failed_polls: int = 3
+    lease_ttl_s: float = 30.0
+    worker_rpc_timeout_s: float = 10.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
+        _check(_is_int(self.port) and 0 <= self.port <= 65535, "port", "must be an integer in [0, 65535]")
+        _check(isinstance(self.model, str) and bool(self.model.strip()), "model", "must be a model spec")
+        for name in ("max_model_len", "max_prompt_tokens"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 1), name, "must be None or an integer >= 1")
+        for name in ("default_max_tokens", "max_inflight", "dead_after_failed_polls", "max_message_bytes"):
+            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        _check(_is_int(self.max_queue) and self.max_queue >= 0, "max_queue", "must be an integer >= 0")
+        for name in (
+            "request_timeout_s",
+            "poll_interval_s",
+            "poll_timeout_s",
+            "lease_ttl_s",
+            "worker_rpc_timeout_s",
+        ):
+            value = getattr(self, name)
+            _check(_is_number(value) and value > 0, name, "must be a finite number of seconds > 0")
+        _check(self.lease_ttl_s * 1000 < 2**32, "lease_ttl_s", "must fit in uint32 milliseconds")
+
+    @property
+    def bind_address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def _check(ok: bool, field: str, problem: str) -> None:
+    if not ok:
+        raise RouterConfigError(f"{field}: {problem}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

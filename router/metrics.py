@@ -1,0 +1,51 @@
+"""`RouterMetrics`: the router's counting hooks in one place.
+
+The router calls these methods and nothing else; this base class keeps plain in-process counters (tests read
+them). The observability work subclasses it to back the same hooks with prometheus-client.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """How one accepted request ended. `outcome` is a finish reason ("stop", "length", "abort") for a stream
+    that got its Final message, else the lower-case gRPC status name ("deadline_exceeded", ...)."""
+
+    outcome: str
+    prompt_tokens: int
+    completion_tokens: int
+    e2e_seconds: float
+    queue_seconds: float | None = None
+    ttft_seconds: float | None = None
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()
+        self.worker_failures: Counter[str] = Counter()
+        self.retries: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def request_done(self, record: RequestRecord) -> None:
+        """Once per request that passed validation and admission."""
+        self.outcomes[record.outcome] += 1
+        self.prompt_tokens += record.prompt_tokens
+        self.completion_tokens += record.completion_tokens
+
+    def request_rejected(self, code: str) -> None:
+        """A request refused before it reached a worker (bad input, unknown model, router full)."""
+        self.rejections[code] += 1
+
+    def worker_failed(self, worker_id: str, code: str) -> None:
+        """A worker call or poll failed (the worker, not the request, is at fault)."""
+        self.worker_failures[f"{worker_id}:{code}"] += 1
+
+    def request_retried(self, reason: str) -> None:
+        """A request moved to another worker ("no_room", "worker_failed")."""
+        self.retries[reason] += 1

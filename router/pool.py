@@ -1,0 +1,286 @@
+"""The router's view of its workers: membership, one gRPC channel each, and a background Status poller.
+
+Membership comes from outside (the controller through RouterControl.SetWorkers, or `RouterServer.set_workers`
+in-process); this module never invents workers. Each worker's state as placement sees it:
+
+    never answered a poll            STARTING  (skipped)
+    answered                         what it reported (only READY takes requests)
+    failed `dead_after` polls in a row   DEAD  (skipped until a poll succeeds again)
+    a request's call found it unreachable    suspect: skipped until its next successful poll
+
+Loads are the last poll corrected by `Charge`s: the router's own placements since that poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from router.errors import invalid
+from router.metrics import RouterMetrics
+from router.placement import Role, WorkerLoad
+from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_ROLES = {
+    admin_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
+    admin_pb2.WORKER_ROLE_DECODE: Role.DECODE,
+    admin_pb2.WORKER_ROLE_COLOCATED: Role.COLOCATED,
+}
+ROLE_TO_PROTO = {role: proto for proto, role in _ROLES.items()}
+_RETIRED_CLOSE_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    worker_id: str
+    role: Role
+    address: str
+
+
+def endpoints_from_proto(workers: Sequence[worker_pb2.WorkerEndpoint]) -> list[Endpoint]:
+    """Checked endpoints; a bad entry raises INVALID_ARGUMENT naming it ("workers[2].address: ...")."""
+    seen: set[str] = set()
+    result = []
+    for i, w in enumerate(workers):
+        if not w.worker_id:
+            raise invalid(f"workers[{i}].worker_id", "must not be empty")
+        if w.worker_id in seen:
+            raise invalid(f"workers[{i}].worker_id", f"{w.worker_id!r} appears twice")
+        if w.role not in _ROLES:
+            raise invalid(f"workers[{i}].role", "must be PREFILL, DECODE or COLOCATED")
+        host, _, port = w.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise invalid(f"workers[{i}].address", f"must be host:port, got {w.address!r}")
+        seen.add(w.worker_id)
+        result.append(Endpoint(w.worker_id, _ROLES[w.role], w.address))
+    return result
+
+
+@dataclass
+class Charge:
+    """Load the router put on a worker since `created_at` (monotonic). Dropped when the request no longer holds
+    it (`release`) or when a poll that started later has reported the worker's own numbers."""
+
+    running: int = 0
+    kv_blocks: int = 0
+    prefill_tokens: int = 0
+    created_at: float = 0.0
+    released: bool = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class WorkerHandle:
+    """One member: its endpoint, channel and stub, and what the last polls said."""
+
+    def __init__(self, endpoint: Endpoint, channel_options: list[tuple[str, int]]) -> None:
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(endpoint.address, options=channel_options)
+        # Decode and colocated workers serve DecodeWorker (Decode + Status), prefill workers PrefillWorker.
+        self.stub: Any = (
+            worker_pb2_grpc.PrefillWorkerStub(self.channel)
+            if endpoint.role is Role.PREFILL
+            else worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        )
+        self.info: admin_pb2.WorkerInfo | None = None
+        self.added_at = time.monotonic()
+        self.last_ok: float | None = None
+        self.failed_polls = 0
+        self.suspect = False
+        self.active_calls = 0
+        self.charges: list[Charge] = []
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
+
+    def state(self, dead_after: int) -> int:
+        if self.failed_polls >= dead_after:
+            return admin_pb2.WORKER_STATE_DEAD
+        if self.info is None:
+            return admin_pb2.WORKER_STATE_STARTING
+        return int(self.info.state)
+
+    def load(self, dead_after: int) -> WorkerLoad:
+        info = self.info or admin_pb2.WorkerInfo()
+        self.charges = [c for c in self.charges if not c.released]
+        ready = self.state(dead_after) == admin_pb2.WORKER_STATE_READY and not self.suspect
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role=self.endpoint.role,
+            ready=ready,
+            free_kv_blocks=max(0, info.kv_blocks_total - info.kv_blocks_used),
+            running_requests=info.running_requests,
+            queued_prefill_tokens=info.queued_prefill_tokens,
+            layout_fingerprint=info.layout_fingerprint,
+        ).charged(
+            running=sum(c.running for c in self.charges),
+            kv_blocks=sum(c.kv_blocks for c in self.charges),
+            prefill_tokens=sum(c.prefill_tokens for c in self.charges),
+        )
+
+    def poll_succeeded(self, info: admin_pb2.WorkerInfo, started_at: float) -> None:
+        self.info = info
+        self.last_ok = time.monotonic()
+        self.failed_polls = 0
+        self.suspect = False
+        # The worker's numbers now include every placement made before this poll was sent.
+        self.charges = [c for c in self.charges if not c.released and c.created_at >= started_at]
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[WorkerHandle]:
+        """Held around a call so a worker removed from the membership keeps its channel until the call ends."""
+        self.active_calls += 1
+        try:
+            yield self
+        finally:
+            self.active_calls -= 1
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        *,
+        poll_interval_s: float,
+        poll_timeout_s: float,
+        dead_after_failed_polls: int,
+        max_message_bytes: int,
+        metrics: RouterMetrics,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._interval = poll_interval_s
+        self._poll_timeout = poll_timeout_s
+        self.dead_after = dead_after_failed_polls
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._metrics = metrics
+        self._on_change = on_change
+        self._workers: dict[str, WorkerHandle] = {}
+        self._wake = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._closers: set[asyncio.Task[None]] = set()
+
+    # --- membership ----------------------------------------------------------------------------------
+    def replace(self, endpoints: Sequence[Endpoint]) -> None:
+        """Make `endpoints` the membership. Unchanged members keep their channel and poll history."""
+        current = self._workers
+        self._workers, retired = {}, []
+        for ep in endpoints:
+            old = current.pop(ep.worker_id, None)
+            if old is not None and old.endpoint == ep:
+                self._workers[ep.worker_id] = old
+                continue
+            if old is not None:  # same id, new address or role: a new worker as far as we know
+                retired.append(old)
+            self._workers[ep.worker_id] = WorkerHandle(ep, self._options)
+        for handle in [*retired, *current.values()]:
+            task = asyncio.create_task(self._close_when_idle(handle))
+            self._closers.add(task)
+            task.add_done_callback(self._closers.discard)
+        log.info("membership: %s", ", ".join(f"{e.worker_id}({e.role.value})" for e in endpoints) or "empty")
+        self._wake.set()  # poll the new members now rather than at the next tick
+        self._on_change()
+
+    async def _close_when_idle(self, handle: WorkerHandle) -> None:
+        while handle.active_calls:
+            await asyncio.sleep(_RETIRED_CLOSE_CHECK_S)
+        await handle.channel.close()
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self._workers.get(worker_id)
+
+    def handles(self) -> list[WorkerHandle]:
+        return list(self._workers.values())
+
+    def loads(self) -> list[WorkerLoad]:
+        return [h.load(self.dead_after) for h in self._workers.values()]
+
+    def status(self) -> list[admin_pb2.WorkerInfo]:
+        """Every member as last polled, identity from the membership, state and heartbeat age from the router."""
+        now = time.monotonic()
+        result = []
+        for handle in self._workers.values():
+            info = admin_pb2.WorkerInfo()
+            if handle.info is not None:
+                info.CopyFrom(handle.info)
+            info.worker_id = handle.worker_id
+            info.role = ROLE_TO_PROTO[handle.endpoint.role]
+            info.address = handle.endpoint.address
+            info.state = handle.state(self.dead_after)  # type: ignore[assignment]
+            info.last_heartbeat_age_seconds = now - (handle.last_ok or handle.added_at)
+            result.append(info)
+        return result
+
+    def charge(self, worker_id: str, running: int = 0, kv_blocks: int = 0, prefill_tokens: int = 0) -> Charge:
+        charge = Charge(running, kv_blocks, prefill_tokens, created_at=time.monotonic())
+        handle = self._workers.get(worker_id)
+        if handle is not None:
+            handle.charges.append(charge)
+        return charge
+
+    def report_unreachable(self, worker_id: str) -> None:
+        """A request's call could not reach the worker: stop placing on it until a poll succeeds."""
+        handle = self._workers.get(worker_id)
+        if handle is not None and not handle.suspect:
+            handle.suspect = True
+            self._wake.set()
+            self._on_change()
+
+    # --- polling -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_forever(), name="router-worker-poller")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        for task in list(self._closers):
+            task.cancel()
+        for handle in self._workers.values():
+            await handle.channel.close()
+        self._workers = {}
+
+    async def _poll_forever(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.poll_once()
+            self._on_change()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(h) for h in self.handles()))
+
+    async def _poll(self, handle: WorkerHandle) -> None:
+        started = time.monotonic()
+        try:
+            info = await handle.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self._poll_timeout)
+        except grpc.RpcError as exc:
+            handle.failed_polls += 1
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
+            self._metrics.worker_failed(handle.worker_id, f"poll_{code.name.lower()}")
+            if handle.failed_polls == self.dead_after:
+                log.warning(
+                    "worker %s is DEAD: %d polls failed (last: %s)",
+                    handle.worker_id,
+                    handle.failed_polls,
+                    code.name,
+                )
+            return
+        handle.poll_succeeded(info, started)

@@ -1,0 +1,216 @@
+"""`RouterServer`: one grpc.aio server with Generation, Admin, RouterControl, health and reflection.
+
+    server = RouterServer(RouterConfig(port=0))
+    address = await server.start()             # "127.0.0.1:41234"
+    server.set_workers([WorkerEndpoint(worker_id="d0", role=WORKER_ROLE_DECODE, address="..."), ...])
+    ...
+    await server.stop(grace=5)
+
+Health ("" and "tandem.v1.Generation") is SERVING exactly while placement could place a request: a READY
+prefill/decode pair with matching KV layouts, or a READY colocated worker (router.placement.can_serve).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from router.admission import Admission
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.model import ServedModel
+from router.placement import can_serve
+from router.pool import Endpoint, WorkerPool, endpoints_from_proto
+from router.servicers import AdminService, GenerationService, RouterControlService
+from tandem_api.tandem.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+ROUTER_CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RouterControl"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_SET_WORKERS_TIMEOUT_S = 10.0
+
+
+class RouterServer:
+    """The router. `model` may be passed preloaded (tests, or a launcher that already has it); otherwise
+    start() loads config.model's tokenizer. `metrics` receives the router's counting hooks."""
+
+    def __init__(
+        self, config: RouterConfig, *, model: ServedModel | None = None, metrics: RouterMetrics | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self._model = model
+        self._pool = WorkerPool(
+            poll_interval_s=config.poll_interval_s,
+            poll_timeout_s=config.poll_timeout_s,
+            dead_after_failed_polls=config.dead_after_failed_polls,
+            max_message_bytes=config.max_message_bytes,
+            metrics=self.metrics,
+            on_change=self._mark_health_dirty,
+        )
+        self._admission = Admission(config.max_inflight, config.max_queue)
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
+        self._health = health_aio.HealthServicer()
+        self._health_dirty = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+        self._serving: bool | None = None
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._generation: int | None = None
+        self._pending: tuple[list[Endpoint], int | None] | None = None
+        self._address = ""
+
+    @property
+    def address(self) -> str:
+        """host:port the server is bound to ("" before start)."""
+        return self._address
+
+    @property
+    def model(self) -> ServedModel | None:
+        return self._model
+
+    async def start(self) -> str:
+        """Load the tokenizer (unless given), bind, start serving and polling; returns the bound host:port."""
+        if self._server is not None:
+            return self._address
+        model = self._model
+        if model is None:
+            model = await asyncio.to_thread(ServedModel.load, self.config.model, self.config.max_model_len)
+            self._model = model
+        server = self._grpc_server(model)
+        port = server.add_insecure_port(self.config.bind_address)
+        if port == 0:
+            raise OSError(f"cannot bind the router to {self.config.bind_address}")
+        await self._set_health(False)  # the health servicer starts out SERVING; no worker is known yet
+        await server.start()
+        self._server = server
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        host = self.config.host
+        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._health_task = asyncio.create_task(self._sync_health(), name="router-health")
+        self._pool.start()
+        if self._pending is not None:
+            self._pool.replace(self._pending[0])
+            self._pending = None
+        log.info("router serving %s on %s", model.id, self._address)
+        return self._address
+
+    def _grpc_server(self, model: ServedModel) -> grpc.aio.Server:
+        cfg = self.config
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ]
+        )
+        dispatcher = Dispatcher(self._pool, cfg, self.metrics)
+        generation = GenerationService(cfg, model, self._admission, dispatcher, self.metrics, self._executor)
+        generate_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self._pool, self._admission), server)
+        worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        services = (GENERATION_SERVICE, ADMIN_SERVICE, ROUTER_CONTROL_SERVICE, HEALTH_SERVICE)
+        reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
+        return server
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Report NOT_SERVING, let in-flight calls finish for up to `grace` seconds, then cancel the rest
+        (which cancels their worker calls), stop polling and close the worker channels. Safe to call twice."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        await self._health.enter_graceful_shutdown()
+        await server.stop(grace)
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._pool is not None:
+            await self._pool.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # --- membership ----------------------------------------------------------------------------------
+    def set_workers(
+        self, workers: Sequence[worker_pb2.WorkerEndpoint], generation: int | None = None
+    ) -> bool:
+        """Replace the membership (the in-process twin of RouterControl.SetWorkers). Callable from any thread,
+        before or after start(). Returns False when `generation` is older than the one applied last (ignored);
+        None always applies. A bad entry raises ValueError naming it ("workers[1].address: ...")."""
+        try:
+            endpoints = endpoints_from_proto(workers)
+        except RouterError as exc:
+            raise ValueError(exc.details) from None
+        if self._loop is None:  # not started: start() applies it
+            if _older(generation, self._generation):
+                return False
+            self._generation = generation if generation is not None else self._generation
+            self._pending = (endpoints, generation)
+            return True
+        if threading.get_ident() == self._loop_thread:
+            return self._apply(endpoints, generation)
+        future = asyncio.run_coroutine_threadsafe(self._apply_async(endpoints, generation), self._loop)
+        return future.result(_SET_WORKERS_TIMEOUT_S)
+
+    async def _apply_async(self, endpoints: Sequence[Endpoint], generation: int | None) -> bool:
+        return self._apply(endpoints, generation)
+
+    def _apply(self, endpoints: Sequence[Endpoint], generation: int | None) -> bool:
+        """On the event loop only: the pool's channels belong to it."""
+        if _older(generation, self._generation):
+            log.info("ignoring worker set generation %s (have %s)", generation, self._generation)
+            return False
+        if generation is not None:
+            self._generation = generation
+        self._pool.replace(endpoints)
+        return True
+
+    # --- health --------------------------------------------------------------------------------------
+    def _mark_health_dirty(self) -> None:
+        self._health_dirty.set()
+
+    async def _sync_health(self) -> None:
+        """One task applies health changes, in order (two concurrent set() calls could land out of order)."""
+        while True:
+            await self._health_dirty.wait()
+            self._health_dirty.clear()
+            await self._set_health(can_serve(self._pool.loads()))
+
+    async def _set_health(self, serving: bool) -> None:
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", GENERATION_SERVICE):
+            await self._health.set(service, status)
+        log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+
+
+def _older(generation: int | None, current: int | None) -> bool:
+    return generation is not None and current is not None and generation < current

@@ -1,0 +1,207 @@
+"""GenerateRequest (protobuf) -> `ValidatedRequest`: every field checked, the prompt tokenized, defaults resolved.
+
+Three steps, so the server can run the middle one (tokenization, the only slow one) off the event loop:
+
+    parsed = parse_request(message, model, config)      # fields, sampling, model, request id
+    ids = encode_prompt(parsed, model.tokenizer)        # text / chat -> token ids
+    request = check_lengths(parsed, ids, model, config) # prompt and max_tokens against the context
+
+Each failure is a RouterError: INVALID_ARGUMENT whose details start with the field path (for example
+"sampling.temperature: must be ..."), or NOT_FOUND for an unknown model (as generate.proto documents).
+
+Length policy (as vLLM): a prompt must leave room for at least one output token, and an explicit max_tokens
+larger than what the context leaves is rejected, not clamped, so a client never silently gets less than it
+asked for. When max_tokens is unset the default is clamped to what the context leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from model_runtime.request import SamplingError, SamplingParams
+from model_runtime.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+from router.config import RouterConfig
+from router.errors import RouterError, invalid
+from router.model import ServedModel
+from tandem_api.tandem.v1 import generate_pb2, worker_pb2
+
+MAX_REQUEST_ID_CHARS = 128
+# Roles a chat message may take. The template pastes the role into the prompt, so a free-form role could smuggle
+# the template's own markers in; these are the roles the supported templates know.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request whose fields are valid; the prompt is not tokenized yet. Exactly one of text, messages and
+    token_ids is set. sampling.max_tokens is the client's value, or the default when `max_tokens_given` is
+    false (check_lengths clamps it then)."""
+
+    request_id: str
+    sampling: SamplingParams
+    max_tokens_given: bool
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    @property
+    def input_field(self) -> str:
+        return "input.text" if self.text is not None else "input.chat" if self.messages else "input.token_ids"
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """What dispatch works with: every value resolved, nothing left to defaults."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+def validate_request(
+    message: generate_pb2.GenerateRequest, model: ServedModel, config: RouterConfig
+) -> ValidatedRequest:
+    """All three steps in the calling thread (the server runs encode_prompt in an executor instead)."""
+    parsed = parse_request(message, model, config)
+    return check_lengths(parsed, encode_prompt(parsed, model.tokenizer), model, config)
+
+
+def parse_request(
+    message: generate_pb2.GenerateRequest, model: ServedModel, config: RouterConfig
+) -> ParsedRequest:
+    _check_model(message, model)
+    request_id = _request_id(message)
+    sampling, given = _sampling(message.sampling, model, config)
+    kind = message.WhichOneof("input")
+    if kind is None:
+        raise invalid("input", "one of text, token_ids, chat is required")
+    if kind == "text":
+        if not message.text:
+            raise invalid("input.text", "must not be empty")
+        return ParsedRequest(request_id, sampling, given, text=message.text)
+    if kind == "token_ids":
+        return ParsedRequest(request_id, sampling, given, token_ids=_token_ids(message.token_ids, model))
+    return ParsedRequest(request_id, sampling, given, messages=_messages(message.chat))
+
+
+def encode_prompt(parsed: ParsedRequest, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the prompt. Plain text gets the tokenizer's special tokens (BOS); a chat's template writes
+    its own."""
+    if parsed.token_ids is not None:
+        return list(parsed.token_ids)
+    if parsed.text is not None:
+        return tokenizer.encode(parsed.text)
+    try:
+        return tokenizer.encode_chat(parsed.messages or ())
+    except ChatTemplateError as exc:
+        raise invalid("input.chat", str(exc)) from None
+
+
+def check_lengths(
+    parsed: ParsedRequest, prompt_ids: list[int], model: ServedModel, config: RouterConfig
+) -> ValidatedRequest:
+    n, context = len(prompt_ids), model.max_model_len
+    if n == 0:
+        raise invalid(parsed.input_field, "tokenizes to no tokens")
+    if n >= context:
+        raise invalid(
+            "input", f"{n} tokens leave no room for output in the model's context of {context} tokens"
+        )
+    if config.max_prompt_tokens is not None and n > config.max_prompt_tokens:
+        raise invalid("input", f"{n} tokens exceed the router's limit of {config.max_prompt_tokens}")
+    room = context - n
+    sampling = parsed.sampling
+    if not parsed.max_tokens_given:
+        sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
+    elif sampling.max_tokens > room:
+        raise invalid(
+            "sampling.max_tokens",
+            f"{sampling.max_tokens} plus the prompt's {n} tokens exceed the model's context of {context} "
+            f"tokens; at most {room}",
+        )
+    return ValidatedRequest(parsed.request_id, tuple(prompt_ids), sampling)
+
+
+def engine_sampling(sampling: SamplingParams) -> worker_pb2.EngineSampling:
+    """The resolved sampling parameters as the workers receive them (stop strings stay in the router)."""
+    message = worker_pb2.EngineSampling(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+    if sampling.seed is not None:
+        message.seed = sampling.seed
+    if sampling.logprobs is not None:
+        message.logprobs = sampling.logprobs
+    return message
+
+
+def _check_model(message: generate_pb2.GenerateRequest, model: ServedModel) -> None:
+    if message.HasField("model") and message.model and message.model != model.id:
+        raise RouterError(
+            grpc.StatusCode.NOT_FOUND, f"model: unknown model {message.model!r}; serving {model.id!r}"
+        )
+
+
+def _request_id(message: generate_pb2.GenerateRequest) -> str:
+    if not message.HasField("request_id"):
+        return uuid.uuid4().hex
+    rid = message.request_id
+    if not 1 <= len(rid) <= MAX_REQUEST_ID_CHARS:
+        raise invalid("request_id", f"must be 1..{MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
+    if not rid.isprintable():
+        raise invalid("request_id", "must not contain control characters")
+    return rid
+
+
+def _sampling(
+    message: generate_pb2.SamplingParams, model: ServedModel, config: RouterConfig
+) -> tuple[SamplingParams, bool]:
+    """SamplingParams validates the ranges; its errors name the parameter, so they get the "sampling." prefix."""
+    given = message.HasField("max_tokens")
+    try:
+        params = SamplingParams(
+            temperature=message.temperature if message.HasField("temperature") else DEFAULT_TEMPERATURE,
+            top_p=message.top_p if message.HasField("top_p") else 1.0,
+            top_k=message.top_k if message.HasField("top_k") else 0,
+            seed=message.seed if message.HasField("seed") else None,
+            max_tokens=message.max_tokens if given else config.default_max_tokens,
+            stop=tuple(message.stop),
+            stop_token_ids=tuple(message.stop_token_ids),
+            ignore_eos=message.ignore_eos,
+            logprobs=message.logprobs if message.HasField("logprobs") else None,
+        )
+        params.check_vocab(model.vocab_size)
+    except SamplingError as exc:
+        # SamplingError messages start with the parameter's name: "temperature: must be ...".
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}") from None
+    return params, given
+
+
+def _token_ids(message: generate_pb2.TokenIds, model: ServedModel) -> tuple[int, ...]:
+    ids = tuple(message.ids)
+    if not ids:
+        raise invalid("input.token_ids", "must hold at least one token id")
+    bad = next((t for t in ids if t >= model.vocab_size), None)
+    if bad is not None:
+        raise invalid("input.token_ids", f"{bad} is outside the vocabulary [0, {model.vocab_size})")
+    return ids
+
+
+def _messages(message: generate_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
+    if not message.messages:
+        raise invalid("input.chat.messages", "must hold at least one message")
+    for i, m in enumerate(message.messages):
+        if m.role not in CHAT_ROLES:
+            raise invalid(
+                f"input.chat.messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}"
+            )
+    return tuple(ChatMessage(m.role, m.content) for m in message.messages)

@@ -1,0 +1,281 @@
+"""Routing through the real RouterServer to fake workers that follow worker.proto (see test_router_fakes.py):
+the disaggregated and colocated paths, stop rules, retries, admission, deadlines and cancellation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from router.model import ServedModel
+from tandem_client import (
+    Aborted,
+    ChatMessage,
+    DeadlineExceeded,
+    FinishReason,
+    GenerationDelta,
+    ResourceExhausted,
+    Unavailable,
+)
+from tests.e2e.test_router_fakes import (
+    FakeColocated,
+    FakeDecode,
+    FakePrefill,
+    LoopThread,
+    RouterHarness,
+    Script,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+PROMPT = "Tell me about foxes."
+REPLY = " The quick brown fox jumps over the lazy dog."
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def model() -> ServedModel:
+    return ServedModel.load("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def make(loop: LoopThread, model: ServedModel) -> Iterator:
+    harnesses: list[RouterHarness] = []
+
+    def build(reply: str = REPLY, batch: int = 2, step_s: float = 0.0, **config: object) -> RouterHarness:
+        script = Script(
+            model.tokenizer.encode(reply, False) + [EOS], batch=batch, step_s=step_s, num_cached_tokens=3
+        )
+        harness = RouterHarness(loop, model, script, **config)
+        harnesses.append(harness)
+        return harness
+
+    yield build
+    for harness in harnesses:
+        harness.close()
+
+
+def _pair(
+    harness: RouterHarness, decode_mode: str = "ok", prefill_mode: str = "ok"
+) -> tuple[FakeDecode, FakePrefill]:
+    return harness.add(FakeDecode, "d0", mode=decode_mode), harness.add(FakePrefill, "p0", mode=prefill_mode)
+
+
+def test_disaggregated_stream_relays_first_token_then_decode_batches(make, model: ServedModel) -> None:
+    harness = make(lease_ttl_s=7.0)
+    decode, prefill = _pair(harness)
+    harness.start()
+    with harness.client() as client:
+        events = list(client.stream(PROMPT, max_tokens=64, temperature=0, logprobs=2, request_id="req-1"))
+    *deltas, result = events
+    tokens = harness.script.tokens
+    assert all(isinstance(d, GenerationDelta) for d in deltas)
+    assert deltas[0].token_ids == (tokens[0],)  # the prefill worker's first token, alone, at once
+    assert [t for d in deltas for t in d.token_ids] == tokens == list(result.token_ids)
+    assert result.text == "".join(d.text for d in deltas) == REPLY
+    assert (result.finish_reason, result.stop_reason) == (FinishReason.STOP, EOS)
+    assert result.request_id == "req-1" and list(result.prompt_token_ids) == model.tokenizer.encode(PROMPT)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
+        len(result.prompt_token_ids),
+        len(tokens),
+    )
+    assert result.usage.cached_prompt_tokens == 3
+    assert len(result.logprobs) == len(tokens) and all(len(lp.top) == 2 for lp in result.logprobs)
+    t = result.timings
+    assert 0 <= t.queue_seconds <= t.time_to_first_token_seconds <= t.e2e_seconds
+    (d_req,), (p_req,) = decode.requests, prefill.requests
+    assert not d_req.local_prefill and d_req.lease_ttl_ms == 7000 and d_req.sampling.max_tokens == 64
+    assert d_req.sampling.temperature == 0 and d_req.sampling.logprobs == 2
+    assert p_req.request_id == d_req.request_id == p_req.target.request_id and d_req.request_id.startswith(
+        "req-1"
+    )
+    assert list(p_req.prompt_token_ids) == list(d_req.prompt_token_ids) == list(result.prompt_token_ids)
+    wait_until(lambda: harness.router.metrics.outcomes["stop"] == 1, what="the outcome recorded")
+
+
+def test_deltas_never_split_a_character(make) -> None:
+    reply = " Café 世界 🙂 ok"
+    harness = make(reply=reply, batch=1)
+    _pair(harness)
+    harness.start()
+    with harness.client() as client:
+        *deltas, result = list(client.stream("Say it", max_tokens=64))
+    assert result.text == reply and "".join(d.text for d in deltas) == reply
+    assert not any("\ufffd" in d.text for d in deltas)
+    assert any(d.token_ids and not d.text for d in deltas)  # some bytes were held back until complete
+
+
+def test_stop_string_cuts_the_text_and_cancels_the_decode_call(make) -> None:
+    harness = make(batch=1, step_s=0.02)
+    decode, _ = _pair(harness)
+    harness.start()
+    with harness.client() as client:
+        *deltas, result = list(client.stream(PROMPT, max_tokens=64, stop=[" fox"]))
+    assert result.text == " The quick brown" == "".join(d.text for d in deltas)
+    assert (result.finish_reason, result.stop_reason) == (FinishReason.STOP, " fox")
+    wait_until(
+        lambda: decode.cancelled == [decode.requests[0].request_id], what="the decode call to be cancelled"
+    )
+
+
+def test_first_token_that_finishes_cancels_the_reservation(make) -> None:
+    harness = make()
+    decode, _ = _pair(harness)
+    harness.start()
+    with harness.client() as client:
+        result = client.generate(PROMPT, max_tokens=1)
+    assert (result.token_ids, result.finish_reason) == ((harness.script.tokens[0],), FinishReason.LENGTH)
+    assert result.text == " The"
+    wait_until(lambda: len(decode.cancelled) == 1, what="the decode reservation to be cancelled")
+
+
+def test_colocated_worker_computes_the_prompt_itself(make, model: ServedModel) -> None:
+    harness = make()
+    worker = harness.add(FakeColocated, "c0")
+    harness.start()
+    with harness.client() as client:
+        result = client.generate(messages=[ChatMessage("user", PROMPT)], max_tokens=64)
+    assert result.text == REPLY and result.finish_reason == FinishReason.STOP
+    assert list(result.prompt_token_ids) == model.tokenizer.encode_chat([ChatMessage("user", PROMPT)])
+    assert result.usage.cached_prompt_tokens == 3  # from the worker's DecodeFinished
+    (request,) = worker.requests
+    assert request.local_prefill and worker.cancelled == []
+
+
+def test_two_plus_two_workers_all_serve_traffic(make) -> None:
+    harness = make()
+    workers = [
+        harness.add(kind, f"{kind.__name__}{i}") for kind in (FakeDecode, FakePrefill) for i in range(2)
+    ]
+    harness.start()
+    with harness.client() as client:
+        for _ in range(8):
+            assert client.generate(PROMPT, max_tokens=64).text == REPLY
+    assert all(w.requests for w in workers), [len(w.requests) for w in workers]
+
+
+def test_no_room_moves_to_the_next_decode_worker(make) -> None:
+    harness = make()
+    full = harness.add(FakeDecode, "d-full", mode="no_room", free_blocks=500)  # looks best, refuses
+    roomy = harness.add(FakeDecode, "d-roomy", free_blocks=50)
+    harness.add(FakePrefill, "p0")
+    harness.start()
+    with harness.client() as client:
+        assert client.generate(PROMPT, max_tokens=64).text == REPLY
+    assert len(full.requests) == 1 and len(roomy.requests) == 1
+    assert harness.router.metrics.retries["no_room"] == 1
+
+
+def test_no_room_anywhere_waits_with_backoff_until_the_deadline(make) -> None:
+    harness = make()
+    full, _ = _pair(harness, decode_mode="no_room")
+    harness.start()
+    with harness.client() as client, pytest.raises(DeadlineExceeded):
+        client.generate(PROMPT, timeout=0.6)
+    assert 3 <= len(full.requests) <= 30  # retried, with growing pauses in between
+
+
+def test_worker_failing_before_any_token_is_retried_once_elsewhere(make) -> None:
+    harness = make()
+    broken = harness.add(FakeDecode, "d-broken", mode="down", free_blocks=500)
+    healthy = harness.add(FakeDecode, "d-ok")
+    harness.add(FakePrefill, "p0")
+    harness.start()
+    with harness.client() as client:
+        assert client.generate(PROMPT, max_tokens=64).text == REPLY
+    assert len(broken.requests) == 1 and len(healthy.requests) == 1
+    assert harness.router.metrics.retries["worker_failed"] == 1
+
+
+def test_second_failure_gives_unavailable(make) -> None:
+    harness = make()
+    harness.add(FakeDecode, "d0", mode="down")
+    harness.add(FakeDecode, "d1", mode="down")
+    harness.add(FakePrefill, "p0")
+    harness.start()
+    with harness.client() as client, pytest.raises(Unavailable, match="the retry failed too"):
+        client.generate(PROMPT)
+
+
+def test_worker_failing_after_tokens_were_sent_aborts_the_stream(make) -> None:
+    harness = make(batch=2)
+    _pair(harness, decode_mode="fail_after")
+    harness.start()
+    seen: list[int] = []
+    with (
+        harness.client() as client,
+        pytest.raises(Aborted, match=r"decode worker d0 failed: UNAVAILABLE.*after 3 tokens"),
+    ):
+        for event in client.stream(PROMPT, max_tokens=64):
+            seen += event.token_ids  # type: ignore[union-attr]
+    assert seen == harness.script.tokens[:3]  # first token + one batch, then the failure
+
+
+def test_router_full_refuses_at_once_with_resource_exhausted(make) -> None:
+    harness = make(max_inflight=1, max_queue=1, worker_rpc_timeout_s=60.0)
+    decode, _ = _pair(harness, decode_mode="hang")
+    harness.start()
+    with harness.client() as client:
+        running = client.stream(PROMPT)
+        wait_until(lambda: harness.status().router.in_flight_requests == 1, what="one request in flight")
+        waiting = client.stream(PROMPT)
+        wait_until(lambda: harness.status().router.queued_requests == 1, what="one request queued")
+        with pytest.raises(ResourceExhausted, match="router is full: 1 requests running, 1 waiting"):
+            client.generate(PROMPT, timeout=5)
+        running.close()
+        waiting.close()
+        wait_until(lambda: len(decode.cancelled) >= 1, what="the hanging decode call to be cancelled")
+        wait_until(
+            lambda: harness.status().router.in_flight_requests + harness.status().router.queued_requests == 0,
+            what="admission to drain",
+        )
+    assert harness.router.metrics.rejections["resource_exhausted"] == 1
+
+
+def test_client_deadline_cancels_both_worker_calls(make) -> None:
+    harness = make()
+    decode, prefill = _pair(harness, prefill_mode="hang")
+    harness.start()
+    with harness.client() as client, pytest.raises(DeadlineExceeded):
+        client.generate(PROMPT, timeout=0.5)
+    wait_until(
+        lambda: len(decode.cancelled) == 1 and len(prefill.cancelled) == 1, what="both calls cancelled"
+    )
+    assert prefill.requests[0].request_id in prefill.cancelled
+
+
+def test_router_default_deadline_applies_when_the_client_sets_none(make) -> None:
+    harness = make(request_timeout_s=0.5)
+    decode, prefill = _pair(harness, prefill_mode="hang")
+    harness.start()
+    with harness.client(timeout=None) as client, pytest.raises(DeadlineExceeded) as info:
+        client.generate(PROMPT)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline passed before the first token" in info.value.details
+    wait_until(
+        lambda: len(decode.cancelled) == 1 and len(prefill.cancelled) == 1, what="both calls cancelled"
+    )
+    wait_until(lambda: harness.router.metrics.outcomes["deadline_exceeded"] == 1, what="the outcome recorded")
+
+
+def test_client_cancel_after_the_first_token_cancels_both_worker_calls(make) -> None:
+    harness = make()
+    decode, prefill = _pair(harness, prefill_mode="hold")  # first token sent, KV never shipped
+    harness.start()
+    with harness.client() as client:
+        stream = client.stream(PROMPT)
+        first = next(stream)
+        assert first.token_ids == (harness.script.tokens[0],)  # type: ignore[union-attr]
+        stream.close()
+    wait_until(
+        lambda: len(decode.cancelled) == 1 and len(prefill.cancelled) == 1, what="both calls cancelled"
+    )
+    wait_until(lambda: harness.router.metrics.outcomes["cancelled"] == 1, what="the outcome recorded")
