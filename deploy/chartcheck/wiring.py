@@ -1,0 +1,173 @@
+"""How the parts find each other: the rendered Tandem config loads with deploy.config and asks Ray for exactly
+what the worker groups offer; the controller targets this RayCluster and reads the config where it is mounted; the
+routers listen, probe and get pushed to on the ports the config names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from deploy.chartcheck.objects import container_ports, group_custom_resources, worker_groups
+from deploy.chartcheck.render import Manifest, Rendering
+from deploy.config import DeployConfig, parse_config
+
+CONFIG_DIR = "/etc/tandem"
+CONFIG_KEY = "tandem.yaml"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+
+
+def config_map(r: Rendering) -> Manifest:
+    maps = [cm for cm in r.objects("ConfigMap") if CONFIG_KEY in (cm.get("data") or {})]
+    if len(maps) != 1:
+        raise LookupError(f"{r.label}: expected one ConfigMap with {CONFIG_KEY}, found {len(maps)}")
+    return maps[0]
+
+
+def rendered_config(r: Rendering) -> DeployConfig:
+    """The Tandem config exactly as the pods will load it (raises deploy's ConfigError when it does not load)."""
+    return parse_config(
+        yaml.safe_load(config_map(r)["data"][CONFIG_KEY]), f"{r.label} ConfigMap {CONFIG_KEY}"
+    )
+
+
+def check_config(r: Rendering) -> list[str]:
+    """Pools match the worker groups: each pool requests its group's custom resource, and the groups offer exactly
+    the units and at least the GPUs that the pool's workers need."""
+    config = rendered_config(r)
+    found = (
+        []
+        if config.mode == r.values["mode"]
+        else [f"config mode {config.mode}, values say {r.values['mode']}"]
+    )
+    groups = worker_groups(r)
+    for role, pool in config.pools().items():
+        group = groups.get(role)
+        if group is None:
+            found.append(f"config pool {role} has no RayCluster worker group")
+            continue
+        resource = f"tandem_{role}"
+        if pool.ray_resources != {resource: 1}:
+            found.append(f"config {role}.ray_resources is {pool.ray_resources}, want {{{resource}: 1}}")
+            continue
+        offered = group_custom_resources(group).get(resource, 0) * group["replicas"]
+        if offered != pool.replicas:
+            found.append(
+                f"{role}: {pool.replicas} workers need {pool.replicas} {resource}, the group offers {offered}"
+            )
+        gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]
+        if pool.num_gpus * pool.replicas > gpus + 1e-9:
+            found.append(f"{role}: workers need {pool.num_gpus * pool.replicas} GPUs, the group has {gpus}")
+        if pool.num_gpus == 0 and config.transfer.kind != "tcp":
+            found.append(f"{role}: CPU workers with transfer.kind {config.transfer.kind} (needs GPUs)")
+    return found + _router_config_problems(r, config)
+
+
+def _router_config_problems(r: Rendering, config: DeployConfig) -> list[str]:
+    found = []
+    if config.router.host != "0.0.0.0":
+        found.append(f"config router.host is {config.router.host}; pods must listen on 0.0.0.0")
+    headless = [s for s in r.objects("Service") if s["spec"].get("clusterIP") == "None"]
+    want = [
+        f"{s['metadata']['name']}.{r.namespace}.svc:{p['port']}" for s in headless for p in s["spec"]["ports"]
+    ]
+    if list(config.controller.routers) != want or len(want) != 1:
+        found.append(
+            f"config controller.routers is {list(config.controller.routers)}, want the headless Service {want}"
+        )
+    if headless and not headless[0]["spec"].get("publishNotReadyAddresses"):
+        found.append("headless router Service must publish not-ready pods (the controller makes them ready)")
+    router = _router_container(r)
+    ports = {p["name"]: p["containerPort"] for p in router.get("ports", [])}
+    if ports.get("grpc") != config.router.port or ports.get("metrics") != config.router.metrics_port:
+        found.append(
+            f"router ports {ports} differ from config port {config.router.port} / {config.router.metrics_port}"
+        )
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if (router.get(probe) or {}).get("grpc", {}).get("port") != config.router.port:
+            found.append(f"router {probe} must be a gRPC health probe on port {config.router.port}")
+    return found
+
+
+def _router_container(r: Rendering) -> dict[str, Any]:
+    deployments = [d for d in r.objects("Deployment") if d["metadata"]["name"].endswith("-router")]
+    if len(deployments) != 1:
+        raise LookupError(f"{r.label}: expected one router Deployment, found {len(deployments)}")
+    container: dict[str, Any] = deployments[0]["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def mounts_config(template: Manifest, container: dict[str, Any], config_map_name: str) -> bool:
+    """Does this container see the config ConfigMap at CONFIG_DIR?"""
+    volumes = {
+        v["name"]: v["configMap"]["name"] for v in template["spec"].get("volumes") or [] if "configMap" in v
+    }
+    return any(
+        m["mountPath"] == CONFIG_DIR and volumes.get(m["name"]) == config_map_name
+        for m in container.get("volumeMounts") or []
+    )
+
+
+def check_controller(r: Rendering) -> list[str]:
+    """The RayJob runs deploy.job against this release's RayCluster, on a head that has the config mounted."""
+    job, cluster = r.one("RayJob")["spec"], r.one("RayCluster")
+    found = []
+    if job.get("clusterSelector") != {"ray.io/cluster": cluster["metadata"]["name"]}:
+        found.append(
+            f"RayJob clusterSelector {job.get('clusterSelector')} does not name RayCluster {cluster['metadata']['name']}"
+        )
+    if job.get("entrypoint") != f"python -m deploy.job --config {CONFIG_PATH}":
+        found.append(f"RayJob entrypoint {job.get('entrypoint')!r} is not deploy.job with {CONFIG_PATH}")
+    if job.get("shutdownAfterJobFinishes") is not False or job.get("backoffLimit", 0) != 0:
+        found.append("RayJob on an existing cluster needs shutdownAfterJobFinishes false and no backoffLimit")
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    name = config_map(r)["metadata"]["name"]
+    if not mounts_config(head, head["spec"]["containers"][0], name):
+        found.append(f"Ray head does not mount ConfigMap {name} at {CONFIG_DIR} (the controller runs there)")
+    router = next(d for d in r.objects("Deployment") if d["metadata"]["name"].endswith("-router"))["spec"][
+        "template"
+    ]
+    if not mounts_config(router, _router_container(r), name):
+        found.append(f"router does not mount ConfigMap {name} at {CONFIG_DIR}")
+    if CONFIG_PATH not in _router_container(r).get("command", []):
+        found.append(f"router command does not read {CONFIG_PATH}")
+    return found
+
+
+def check_test_hook(r: Rendering) -> list[str]:
+    """`helm test` has a Pod that checks the router Service's gRPC health."""
+    tests = [h for h in r.hooks if h["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    if len(tests) != 1 or tests[0]["kind"] != "Pod":
+        return [f"expected one helm.sh/hook: test Pod, found {len(tests)}"]
+    env = {e["name"]: e.get("value") for e in tests[0]["spec"]["containers"][0].get("env", [])}
+    service = next(s for s in r.objects("Service") if s["metadata"]["name"].endswith("-router"))
+    want = f"{service['metadata']['name']}:{next(p['port'] for p in service['spec']['ports'] if p['name'] == 'grpc')}"
+    return (
+        []
+        if env.get("TANDEM_ROUTER") == want
+        else [f"test Pod targets {env.get('TANDEM_ROUTER')}, want {want}"]
+    )
+
+
+def check_ray_ports(r: Rendering) -> list[str]:
+    """KubeRay's well-known ports on the head, `metrics` on every Ray pod (the PodMonitor scrapes it)."""
+    cluster = r.one("RayCluster")["spec"]
+    names, _ = container_ports(cluster["headGroupSpec"]["template"])
+    found = [
+        f"Ray head has no {p} port"
+        for p in ("gcs-server", "dashboard", "client", "metrics")
+        if p not in names
+    ]
+    for group in cluster.get("workerGroupSpecs", []):
+        if "metrics" not in container_ports(group["template"])[0]:
+            found.append(f"worker group {group['groupName']} has no metrics port")
+    return found
+
+
+WIRING_CHECKS: tuple[Callable[[Rendering], list[str]], ...] = (
+    check_config,
+    check_controller,
+    check_test_hook,
+    check_ray_ports,
+)

@@ -1,0 +1,49 @@
+{{/*
+The Tandem deploy config (deploy/config.py) built from the values as a dict, then written with toYaml: no
+hand-assembled YAML, so quoting and nesting are always valid. Keys are the config's snake_case names.
+*/}}
+{{- define "tandem.engineConfig" -}}
+{{- $engine := dict -}}
+{{- range $section, $fields := . -}}
+{{- $out := dict -}}
+{{- range $key, $value := $fields -}}
+{{- $_ := set $out (snakecase $key) $value -}}
+{{- end -}}
+{{- $_ := set $engine $section $out -}}
+{{- end -}}
+{{- toJson $engine -}}
+{{- end -}}
+
+{{- define "tandem.poolConfig" -}}
+{{- $pool := index .ctx.Values .role -}}
+{{- $gpus := int $pool.gpusPerWorker -}}
+{{- $perPod := int (include "tandem.enginesPerPod" $pool) -}}
+{{- $resource := include "tandem.roleResource" .role -}}
+{{- $config := dict "replicas" (mul (int $pool.replicas) $perPod) "num_gpus" (min $gpus 1) -}}
+{{- $_ := set $config "ray_resources" (dict $resource 1) -}}
+{{- $_ := set $config "engine" (include "tandem.engineConfig" ($pool.engine | default dict) | fromJson) -}}
+{{- toJson $config -}}
+{{- end -}}
+
+{{- define "tandem.config" -}}
+{{- $v := .Values -}}
+{{- $router := dict "host" "0.0.0.0" "port" (int $v.router.grpcPort) "metrics_port" (int $v.router.metricsPort) -}}
+{{- $_ := set $router "max_queue" (int $v.router.maxQueue) -}}
+{{- $_ := set $router "max_inflight" (int $v.router.maxInflight) -}}
+{{- $_ := set $router "request_timeout_s" $v.router.requestTimeoutSeconds -}}
+{{- $_ := set $router "default_max_tokens" (int $v.router.defaultMaxTokens) -}}
+{{- $transfer := dict "kind" $v.transfer.kind "transfer_timeout_s" $v.transfer.transferTimeoutSeconds -}}
+{{- $_ := set $transfer "pair_setup_timeout_s" $v.transfer.pairSetupTimeoutSeconds -}}
+{{- $routers := list (printf "%s.%s.svc:%d" (include "tandem.routerHeadlessName" .) .Release.Namespace (int $v.router.grpcPort)) -}}
+{{- $controller := dict "routers" $routers "restart_limit" (int $v.controller.restartLimit) -}}
+{{- $_ := set $controller "health_interval_s" $v.controller.healthIntervalSeconds -}}
+{{- $_ := set $controller "heartbeat_timeout_s" $v.controller.heartbeatTimeoutSeconds -}}
+{{- $_ := set $controller "drain_timeout_s" $v.controller.drainTimeoutSeconds -}}
+{{- $config := dict "model" $v.model "mode" $v.mode "router" $router "transfer" $transfer -}}
+{{- $_ := set $config "controller" $controller -}}
+{{- $_ := set $config "ray" (dict "address" "auto" "namespace" "tandem") -}}
+{{- range $role := include "tandem.roles" . | fromJsonArray -}}
+{{- $_ := set $config $role (include "tandem.poolConfig" (dict "ctx" $ "role" $role) | fromJson) -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}

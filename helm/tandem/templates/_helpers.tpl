@@ -1,0 +1,137 @@
+{{/* Names. Kubernetes names are DNS labels: 63 characters at most, so every name is cut and trimmed. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* 40 characters for the prefix leave room for KubeRay's suffixes (<cluster>-head-svc, <group> pod names). */}}
+{{- define "tandem.rayClusterName" -}}{{ include "tandem.fullname" . }}{{- end -}}
+{{- define "tandem.configMapName" -}}{{ include "tandem.fullname" . }}-config{{- end -}}
+{{- define "tandem.routerName" -}}{{ include "tandem.fullname" . }}-router{{- end -}}
+{{- define "tandem.routerHeadlessName" -}}{{ include "tandem.fullname" . }}-router-headless{{- end -}}
+
+{{- define "tandem.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+Labels. Call with (dict "ctx" $ "component" "router"). Selector labels are the stable subset (name, instance,
+component); the full set adds the version and chart, which change on upgrade and so must stay out of selectors.
+*/}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ default .ctx.Chart.AppVersion .ctx.Values.image.tag | trunc 63 | quote }}
+app.kubernetes.io/part-of: tandem
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: {{ include "tandem.chart" .ctx }}
+{{- end -}}
+
+{{/* The worker pools this mode runs, as a JSON list: the RayCluster's worker groups and the config's pools. */}}
+{{- define "tandem.roles" -}}
+{{- if eq .Values.mode "colocated" -}}
+["colocated"]
+{{- else -}}
+["prefill", "decode"]
+{{- end -}}
+{{- end -}}
+
+{{/* Ray custom resource that pins a role's workers to its worker group. */}}
+{{- define "tandem.roleResource" -}}tandem_{{ . }}{{- end -}}
+
+{{/*
+Engines per pod of a pool: one per GPU, or one CPU engine when the pool has no GPUs. The config's pool replicas
+and the group's custom resource amount both derive from it, so the controller asks for exactly what the pods offer.
+*/}}
+{{- define "tandem.enginesPerPod" -}}{{ max 1 (int .gpusPerWorker) }}{{- end -}}
+
+{{/*
+Volumes and mounts. Call with (dict "ctx" $ "config" true|false): the config is mounted where it is read (router,
+Ray head: the controller runs there); the model volume, when set, everywhere the model is loaded.
+*/}}
+{{- define "tandem.volumes" -}}
+{{- if .config }}
+- name: tandem-config
+  configMap:
+    name: {{ include "tandem.configMapName" .ctx }}
+{{- end }}
+{{- if .ctx.Values.modelVolume.claimName }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .ctx.Values.modelVolume.claimName }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.volumeMounts" -}}
+{{- if .config }}
+- name: tandem-config
+  mountPath: /etc/tandem
+  readOnly: true
+{{- end }}
+{{- if .ctx.Values.modelVolume.claimName }}
+- name: models
+  mountPath: {{ .ctx.Values.modelVolume.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Pods run as the image's unprivileged user (uid 1000, see deploy/Dockerfile). */}}
+{{- define "tandem.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+{{- end -}}
+
+{{- define "tandem.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{/* Always present (possibly []) so that templates need no conditional around it. */}}
+{{- define "tandem.imagePullSecrets" -}}
+imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
+{{- end -}}
+
+{{/* Fail early on combinations the schema cannot express. */}}
+{{- define "tandem.validate" -}}
+{{- range $role := include "tandem.roles" . | fromJsonArray }}
+{{- $pool := index $.Values $role }}
+{{- if lt (int $pool.replicas) 1 }}
+{{- fail (printf "%s.replicas: mode %s needs at least one %s pod" $role $.Values.mode $role) }}
+{{- end }}
+{{- if and (eq (int $pool.gpusPerWorker) 0) (ne $.Values.transfer.kind "tcp") }}
+{{- fail (printf "transfer.kind: %s needs GPUs, but %s.gpusPerWorker is 0; use tcp for CPU pools" $.Values.transfer.kind $role) }}
+{{- end }}
+{{- end }}
+{{- if eq .Values.mode "disaggregated" }}
+{{- $p := dig "engine" "cache" "blockSize" 16 .Values.prefill }}
+{{- $d := dig "engine" "cache" "blockSize" 16 .Values.decode }}
+{{- if ne (int $p) (int $d) }}
+{{- fail (printf "decode.engine.cache.blockSize: must equal prefill.engine.cache.blockSize (%d), got %d" (int $p) (int $d)) }}
+{{- end }}
+{{- end }}
+{{- end -}}

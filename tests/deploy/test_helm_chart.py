@@ -1,0 +1,209 @@
+"""The Helm chart rendered by the real Helm engine: lint, schemas, invariants, the Tandem config it carries, and
+the values schema rejecting bad input. CPU only, offline."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from functools import cache
+from pathlib import Path
+
+import helm_python
+import pytest
+import yaml
+
+from deploy.chartcheck import CHART_DIR, check_all, lint, load_values_file, render, validate_rendering
+from deploy.chartcheck.render import Rendering
+from deploy.chartcheck.wiring import rendered_config
+from model_runtime.config import CacheConfig, DeviceConfig, SchedulerConfig
+
+pytestmark = pytest.mark.unit
+
+CI_VALUES = sorted((CHART_DIR / "ci").glob("*.yaml"))
+VALUE_SETS = ["defaults", *(p.name for p in CI_VALUES)]
+
+
+def values_for(name: str) -> dict:
+    return {} if name == "defaults" else load_values_file(CHART_DIR / "ci" / name)
+
+
+@cache
+def rendered(name: str) -> Rendering:
+    return render(values_for(name), label=name)
+
+
+def test_chart_metadata_and_layout() -> None:
+    meta = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    semver = re.compile(r"^\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$")
+    assert meta["apiVersion"] == "v2" and meta["type"] == "application"
+    assert semver.match(meta["version"]) and semver.match(meta["appVersion"])
+    assert meta["name"] == CHART_DIR.name
+    # The KubeRay operator is a prerequisite, never vendored: no CRDs and no subcharts in the chart.
+    assert not (CHART_DIR / "crds").exists() and not meta.get("dependencies")
+    assert (CHART_DIR / "templates" / "NOTES.txt").is_file()
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_lint_strict(name: str) -> None:
+    assert lint(values_for(name)) == []
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_object_validates_against_its_schema(name: str) -> None:
+    assert validate_rendering(rendered(name)) == []
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_invariants_hold(name: str) -> None:
+    assert check_all(rendered(name)) == []
+
+
+def test_default_rendering_has_every_part() -> None:
+    r = rendered("defaults")
+    kinds = sorted(m["kind"] for m in r.manifests)
+    assert kinds == ["ConfigMap", "Deployment", "RayCluster", "RayJob", "Service", "Service"]
+    assert [h["kind"] for h in r.hooks] == ["Pod"]
+    assert "helm test demo" in r.notes and "WARNING" not in r.notes
+
+
+def test_monitoring_values_add_monitors_and_dashboard() -> None:
+    r = rendered("monitoring-values.yaml")
+    assert len(r.objects("ServiceMonitor")) == len(r.objects("PodMonitor")) == 1
+    for monitor in r.objects("ServiceMonitor") + r.objects("PodMonitor"):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    dashboards = [c for c in r.objects("ConfigMap") if "grafana_dashboard" in c["metadata"]["labels"]]
+    assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards[0]["data"]["tandem.json"] == (CHART_DIR / "dashboards" / "tandem.json").read_text()
+    assert "TLS is not wired" in r.notes  # tls.routerSecretName is set there
+
+
+def test_multi_gpu_values_map_onto_groups_and_pools() -> None:
+    r = rendered("multi-gpu-values.yaml")
+    groups = {g["groupName"]: g for g in r.one("RayCluster")["spec"]["workerGroupSpecs"]}
+    prefill = groups["prefill"]["template"]["spec"]["containers"][0]
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert groups["prefill"]["rayStartParams"] == {"num-gpus": "4", "resources": '"{\\"tandem_prefill\\":4}"'}
+    assert groups["decode"]["rayStartParams"]["num-gpus"] == "8"
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in prefill["volumeMounts"]
+    config = rendered_config(r)
+    # One engine per GPU: 2 pods x 4 GPUs of prefill, 1 pod x 8 GPUs of decode.
+    assert (config.prefill.replicas, config.prefill.num_gpus) == (8, 1)
+    assert (config.decode.replicas, config.decode.num_gpus) == (8, 1)
+    assert config.prefill.ray_resources == {"tandem_prefill": 1}
+    assert (
+        config.decode.engine.cache.block_size == 32
+        and config.decode.engine.cache.enable_prefix_caching is False
+    )
+    assert config.prefill.engine.scheduler.max_model_len == 8192
+    assert config.prefill.engine.device.attention_backend == "triton"
+    assert config.model == "/models/Meta-Llama-3.1-8B-Instruct"
+    assert (config.router.port, config.router.metrics_port, config.router.request_timeout_s) == (
+        8443,
+        9000,
+        120.5,
+    )
+    assert config.controller.routers == ("demo-tandem-router-headless.llm.svc:8443",)
+    assert config.transfer.kind == "nccl" and config.transfer.transfer_timeout_s == 60
+
+
+def test_cpu_values_have_no_gpus_and_use_tcp() -> None:
+    r = rendered("cpu-values.yaml")
+    for group in r.one("RayCluster")["spec"]["workerGroupSpecs"]:
+        assert "nvidia.com/gpu" not in group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert group["rayStartParams"]["num-gpus"] == "0"
+    config = rendered_config(r)
+    assert config.transfer.kind == "tcp"
+    assert (config.decode.replicas, config.decode.num_gpus) == (2, 0)
+    assert config.decode.engine.cache.cpu_cache_bytes == 268435456  # a large int survives Helm's float values
+
+
+def test_colocated_values_run_one_pool() -> None:
+    r = rendered("colocated-values.yaml")
+    groups = [g["groupName"] for g in r.one("RayCluster")["spec"]["workerGroupSpecs"]]
+    assert groups == ["colocated"]
+    config = rendered_config(r)
+    assert config.mode == "colocated" and list(config.pools()) == ["colocated"]
+    assert (config.colocated.replicas, config.colocated.ray_resources) == (4, {"tandem_colocated": 1})
+
+
+def test_default_config_equals_the_gpu_disaggregated_example() -> None:
+    """The chart's defaults carry the same engine settings as deploy/configs/gpu-disaggregated.yaml."""
+    example = yaml.safe_load(Path("deploy/configs/gpu-disaggregated.yaml").read_text())
+    config = rendered_config(rendered("defaults"))
+    for role in ("prefill", "decode"):
+        engine = getattr(config, role).engine
+        for section, settings in example[role]["engine"].items():
+            for key, value in settings.items():
+                assert getattr(getattr(engine, section), key) == value, f"{role}.engine.{section}.{key}"
+    assert config.transfer.kind == example["transfer"]["kind"]
+
+
+BAD_VALUES = [
+    ({"prefill": {"replicas": "two"}}, "/prefill/replicas"),
+    ({"decode": {"replicas": -1}}, "/decode/replicas"),
+    ({"prefill": {"gpus": 2}}, "'gpus'"),
+    ({"routr": {"replicas": 1}}, "'routr'"),
+    ({"mode": "split"}, "/mode"),
+    ({"router": {"grpcPort": 70000}}, "/router/grpcPort"),
+    ({"transfer": {"kind": "rdma"}}, "/transfer/kind"),
+    ({"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "'nvidia.com/gpu'"),
+    ({"prefill": {"engine": {"cache": {"blockSize": 12}}}}, "/prefill/engine/cache/blockSize"),
+    ({"prefill": {"engine": {"cache": {"block_size": 16}}}}, "'block_size'"),
+    ({"metrics": {"podMonitor": {"enabled": "yes"}}}, "/metrics/podMonitor/enabled"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_VALUES)
+def test_schema_rejects_bad_values(values: dict, where: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        render(values)
+    assert where in str(err.value)
+    assert any(where in finding for finding in lint(values))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"mode": "colocated", "colocated": {"replicas": 0}}, "colocated.replicas: mode colocated needs"),
+        ({"prefill": {"gpusPerWorker": 0}}, "transfer.kind: nccl needs GPUs"),
+        ({"decode": {"engine": {"cache": {"blockSize": 32}}}}, "decode.engine.cache.blockSize: must equal"),
+    ],
+)
+def test_templates_refuse_inconsistent_values(values: dict, message: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+def test_values_schema_engine_keys_are_the_engine_config_fields() -> None:
+    """values.schema.json lists the engine keys in camelCase; each must be a field of the engine dataclasses
+    (the template snake_cases them), and every field must be settable."""
+    import json
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    sections = schema["definitions"]["engine"]["properties"]
+    for section, klass in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("device", DeviceConfig)):
+        snake = {re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower() for key in sections[section]["properties"]}
+        assert snake == {f.name for f in fields(klass)}, section
+
+
+def test_every_value_is_documented() -> None:
+    """Each key in values.yaml has a comment right above it, or sits inside a value documented as a whole
+    (`# --` above it, as helm-docs reads it)."""
+    undocumented = []
+    documented_blocks: list[int] = []  # indents of open `# --` blocks
+    previous = ""
+    for number, line in enumerate((CHART_DIR / "values.yaml").read_text().splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or stripped.startswith("- "):
+            previous = stripped or previous
+            continue
+        indent = len(line) - len(line.lstrip())
+        documented_blocks = [i for i in documented_blocks if i < indent]
+        if not previous.startswith("#") and not documented_blocks:
+            undocumented.append(f"values.yaml:{number}: {stripped}")
+        if previous.startswith("# --"):
+            documented_blocks.append(indent)
+        previous = stripped
+    assert undocumented == []
