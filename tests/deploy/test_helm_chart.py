@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 from functools import cache
-from pathlib import Path
 
 import helm_python
 import pytest
@@ -129,7 +128,9 @@ def test_colocated_values_run_one_pool() -> None:
 
 def test_default_config_equals_the_gpu_disaggregated_example() -> None:
     """The chart's defaults carry the same engine settings as deploy/configs/gpu-disaggregated.yaml."""
-    example = yaml.safe_load(Path("deploy/configs/gpu-disaggregated.yaml").read_text())
+    example = yaml.safe_load(
+        (CHART_DIR.parents[1] / "deploy" / "configs" / "gpu-disaggregated.yaml").read_text()
+    )
     config = rendered_config(rendered("defaults"))
     for role in ("prefill", "decode"):
         engine = getattr(config, role).engine
