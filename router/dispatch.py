@@ -10,7 +10,7 @@ Colocated: one Decode(local_prefill=True) call whose first batch starts with the
 
 Recovery: "no room" (RESOURCE_EXHAUSTED) moves to the next decode worker, then waits with backoff until the
 deadline. A worker failing before the client saw a token is retried once on other workers; after tokens were
-sent the client gets ABORTED (generate.proto). `_worker_input` is where a resume (re-prefill prompt + the
+sent the client gets ABORTED (generate.proto). `_Attempt.worker_input` is where a resume (re-prefill prompt + the
 tokens sent so far, with output_offset) would go. Every exit path cancels the worker calls it opened.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -31,24 +31,22 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.placement import Placement, place
 from router.pool import Charge, WorkerHandle, WorkerPool
+from router.relay import Relay, Write
 from router.responses import ResponseBuilder
-from router.streams import StreamItem, StreamMerger, WorkerCallError, WorkerStream
+from router.streams import StreamMerger, WorkerCallError, WorkerStream
 from router.validation import ValidatedRequest, engine_sampling
-from tandem_api.tandem.v1 import generate_pb2, worker_pb2
+from tandem_api.tandem.v1 import worker_pb2
 
-Write = Callable[[generate_pb2.GenerateResponse], Awaitable[None]]
+log = logging.getLogger(__name__)
 
 _BACKOFF_FIRST_S = 0.02
 _BACKOFF_MAX_S = 0.5
-# After the router's rules end a colocated request on a token the worker also stops on, wait this long for the
-# worker's DecodeFinished (it carries the prefix-cache count) before cancelling the call instead.
-_FINISH_GRACE_S = 0.2
 _DEADLINE_SLACK_S = 0.05
 
 
 @dataclass
 class _Attempt:
-    """One try at running the request on one placement, and how far its streams have come."""
+    """One try at running the request on one placement."""
 
     id: str  # the request id the workers see: unique per attempt, since a KV lease is bound to it
     request: ValidatedRequest
@@ -56,12 +54,6 @@ class _Attempt:
     deadline: float  # loop time
     write: Write
     decode_charge: Charge
-    prefill_charge: Charge | None = None
-    prefill: WorkerStream | None = None  # None: colocated
-    first_token_seen: bool = False
-    decode_tokens_seen: bool = False
-    transfer_done: bool = False
-    held: list[Any] = field(default_factory=list)  # decode events that overtook the prefill's first token
 
     def time_left(self) -> float:
         return max(0.001, self.deadline - asyncio.get_running_loop().time())
@@ -110,6 +102,7 @@ class Dispatcher:
         self, exc: WorkerCallError, out: ResponseBuilder, failed: dict[str, WorkerCallError], full: set[str]
     ) -> None:
         """Record a failed attempt, or raise the client's error when the request cannot go on."""
+        log.info("request %s: %s", out.request.request_id, exc)
         if exc.no_room and not out.token_ids:
             full.add(exc.worker_id)
             self._metrics.request_retried("no_room")
@@ -167,13 +160,12 @@ class Dispatcher:
     async def _run_colocated(self, handle: WorkerHandle, attempt: _Attempt) -> None:
         decode = self._open_decode(handle, attempt, local_prefill=True)
         attempt.out.clock.started = time.monotonic()
-        attempt.first_token_seen = True  # the decode worker's first batch starts with it
         merger = StreamMerger()
         try:
             merger.add(decode)
-            await self._relay(merger, decode, attempt)
-            if not attempt.out.stopped_by_string and not decode.ended:
-                await self._await_decode_finished(merger, attempt.out)
+            relay = Relay(attempt.out, attempt.write, decode)
+            await relay.run(merger)
+            await relay.await_decode_finished(merger)
             await attempt.write(attempt.out.final())
         finally:
             merger.close()
@@ -183,26 +175,27 @@ class Dispatcher:
         self, decode_handle: WorkerHandle, prefill_handle: WorkerHandle, attempt: _Attempt
     ) -> None:
         decode = self._open_decode(decode_handle, attempt, local_prefill=False)
+        prefill: WorkerStream | None = None
+        prefill_charge = None
         merger = StreamMerger()
         try:
             target = await self._reserved(decode)
             attempt.decode_charge.kv_blocks = target.num_blocks
             attempt.out.clock.started = time.monotonic()
-            attempt.prefill = self._open_prefill(prefill_handle, attempt, target)
-            attempt.prefill_charge = self._pool.charge(
-                prefill_handle.worker_id, prefill_tokens=len(attempt.request.prompt_token_ids)
-            )
-            merger.add(attempt.prefill)
+            prefill = self._open_prefill(prefill_handle, attempt, target)
+            prompt_tokens = len(attempt.request.prompt_token_ids)
+            prefill_charge = self._pool.charge(prefill_handle.worker_id, prefill_tokens=prompt_tokens)
+            merger.add(prefill)
             merger.add(decode)
-            await self._relay(merger, decode, attempt)
+            await Relay(attempt.out, attempt.write, decode, prefill, prefill_charge).run(merger)
             await attempt.write(attempt.out.final())
         finally:
             merger.close()
             decode.cancel()
-            if attempt.prefill is not None:
-                attempt.prefill.cancel()
-            if attempt.prefill_charge is not None:
-                attempt.prefill_charge.release()
+            if prefill is not None:
+                prefill.cancel()
+            if prefill_charge is not None:
+                prefill_charge.release()
 
     # --- worker calls ---------------------------------------------------------------------------------
     def _open_decode(self, handle: WorkerHandle, attempt: _Attempt, local_prefill: bool) -> WorkerStream:
@@ -244,93 +237,6 @@ class Dispatcher:
             what = "closed the stream" if event is None else f"sent {event.WhichOneof('kind')}"
             raise decode.error(grpc.StatusCode.INTERNAL, f"{what} instead of reserving KV blocks")
         return event.reserved
-
-    # --- relaying -------------------------------------------------------------------------------------
-    async def _relay(self, merger: StreamMerger, decode: WorkerStream, attempt: _Attempt) -> None:
-        """Read both streams until the request is finished; raises WorkerCallError when a stream fails."""
-        while not attempt.out.finished:
-            item = await merger.get()
-            if item.error is not None:
-                self._stream_failed(item, attempt)
-            elif item.source is decode:
-                await self._on_decode(item, attempt)
-            else:
-                await self._on_prefill(item, attempt)
-
-    def _stream_failed(self, item: StreamItem, attempt: _Attempt) -> None:
-        if item.source is attempt.prefill and (attempt.transfer_done or attempt.decode_tokens_seen):
-            return  # the KV has landed: the decode stream carries the request from here
-        raise item.error  # type: ignore[misc]
-
-    async def _on_prefill(self, item: StreamItem, attempt: _Attempt) -> None:
-        message = item.message
-        if message is None:
-            if not attempt.first_token_seen:
-                raise item.source.error(grpc.StatusCode.INTERNAL, "closed the stream without a first token")
-            return
-        if message.WhichOneof("kind") == "transfer_done":
-            attempt.transfer_done = True
-            return
-        first = message.first_token
-        if attempt.prefill_charge is not None:
-            attempt.prefill_charge.release()  # the prompt is computed: no longer queued on that worker
-        attempt.first_token_seen = True
-        out = attempt.out
-        out.cached_prompt_tokens = first.num_cached_tokens
-        logprobs = [first.logprob] if first.HasField("logprob") else []
-        await attempt.write(out.add([first.token_id], logprobs))
-        if first.finished and not out.finished:  # the worker's rules ended it; ours did not (see end())
-            one = out.request.sampling.max_tokens == 1
-            reason = generate_pb2.FINISH_REASON_LENGTH if one else generate_pb2.FINISH_REASON_STOP
-            await self._write_if(attempt, out.end(reason, None if one else first.token_id))
-        for event in attempt.held:
-            if out.finished:
-                break
-            await self._on_decode_event(event, attempt)
-        attempt.held = []
-
-    async def _on_decode(self, item: StreamItem, attempt: _Attempt) -> None:
-        message = item.message
-        if message is None:
-            raise item.source.error(grpc.StatusCode.INTERNAL, "closed the stream before the request finished")
-        if message.WhichOneof("kind") == "tokens":
-            attempt.decode_tokens_seen = True
-        if not attempt.first_token_seen:
-            attempt.held.append(message)  # the two streams are not ordered with each other
-            return
-        await self._on_decode_event(message, attempt)
-
-    async def _on_decode_event(self, message: Any, attempt: _Attempt) -> None:
-        kind = message.WhichOneof("kind")
-        out = attempt.out
-        if kind == "tokens":
-            batch = message.tokens
-            await attempt.write(out.add(batch.token_ids, batch.logprobs))
-        elif kind == "finished":
-            done = message.finished
-            if attempt.prefill is None:
-                out.cached_prompt_tokens = done.num_cached_tokens
-            stop = done.stop_token_id if done.HasField("stop_token_id") else None
-            await self._write_if(attempt, out.end(done.finish_reason, stop))
-        else:
-            raise RuntimeError(f"unexpected decode event {kind!r} after the reservation")
-
-    async def _write_if(self, attempt: _Attempt, response: generate_pb2.GenerateResponse | None) -> None:
-        if response is not None:
-            await attempt.write(response)
-
-    async def _await_decode_finished(self, merger: StreamMerger, out: ResponseBuilder) -> None:
-        """The router ended a colocated request on a token rule the worker shares: its DecodeFinished follows
-        at once and carries the prefix-cache count. A short, bounded wait; the call is cancelled after it."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_FINISH_GRACE_S):
-                while True:
-                    item = await merger.get()
-                    if item.error is not None or item.message is None:
-                        return
-                    if item.message.WhichOneof("kind") == "finished":
-                        out.cached_prompt_tokens = item.message.finished.num_cached_tokens
-                        return
 
 
 def _passed(deadline: float) -> bool:

@@ -177,6 +177,7 @@ class WorkerPool:
     def replace(self, endpoints: Sequence[Endpoint]) -> None:
         """Make `endpoints` the membership. Unchanged members keep their channel and poll history."""
         current = self._workers
+        before = set(current)
         self._workers, retired = {}, []
         for ep in endpoints:
             old = current.pop(ep.worker_id, None)
@@ -190,9 +191,11 @@ class WorkerPool:
             task = asyncio.create_task(self._close_when_idle(handle))
             self._closers.add(task)
             task.add_done_callback(self._closers.discard)
-        log.info("membership: %s", ", ".join(f"{e.worker_id}({e.role.value})" for e in endpoints) or "empty")
-        self._wake.set()  # poll the new members now rather than at the next tick
-        self._on_change()
+        if retired or current or set(self._workers) != before:  # the controller resends unchanged sets
+            names = ", ".join(f"{e.worker_id}({e.role.value})" for e in endpoints)
+            log.info("membership: %s", names or "empty")
+            self._wake.set()  # poll the new members now rather than at the next tick
+            self._on_change()
 
     async def _close_when_idle(self, handle: WorkerHandle) -> None:
         while handle.active_calls:

@@ -91,6 +91,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except RouterError as exc:
             outcome = exc.code.name.lower()
             await context.abort(exc.code, exc.details)
+        except Exception as exc:  # a router bug: say so instead of gRPC's bare UNKNOWN
+            log.exception("request %s failed inside the router", parsed.request_id)
+            outcome = grpc.StatusCode.INTERNAL.name.lower()
+            await context.abort(grpc.StatusCode.INTERNAL, f"router error: {type(exc).__name__}: {exc}")
         finally:
             if out is None and outcome == "invalid_argument":
                 self._metrics.request_rejected(outcome)  # the prompt itself was refused (length, template)

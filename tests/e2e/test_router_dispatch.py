@@ -113,6 +113,30 @@ def test_deltas_never_split_a_character(make) -> None:
     assert any(d.token_ids and not d.text for d in deltas)  # some bytes were held back until complete
 
 
+def test_decode_tokens_that_overtake_the_first_token_wait_for_it(make) -> None:
+    harness = make(batch=1)
+    _pair(harness, prefill_mode="late")
+    harness.start()
+    with harness.client() as client:
+        *deltas, result = list(client.stream(PROMPT, max_tokens=64))
+    assert deltas[0].token_ids == (harness.script.tokens[0],)
+    assert list(result.token_ids) == harness.script.tokens and result.text == REPLY
+
+
+def test_prefill_failure_cancels_the_reservation_and_retries_on_another_prefill(make) -> None:
+    harness = make()
+    decode = harness.add(FakeDecode, "d0")
+    down = harness.add(FakePrefill, "p-down", mode="down")
+    harness.add(FakePrefill, "p-ok", mode="ok")
+    harness.start()
+    with harness.client() as client:
+        results = [client.generate(PROMPT, max_tokens=64) for _ in range(4)]  # p-down is met on the way
+    assert all(r.text == REPLY for r in results) and down.requests
+    failed = {r.request_id for r in down.requests}
+    wait_until(lambda: failed <= set(decode.cancelled), what="the failed attempts' reservations cancelled")
+    assert len(decode.requests) == len(results) + len(failed)  # each failure cost one extra reservation
+
+
 def test_stop_string_cuts_the_text_and_cancels_the_decode_call(make) -> None:
     harness = make(batch=1, step_s=0.02)
     decode, _ = _pair(harness)

@@ -215,7 +215,8 @@ class FakeColocated(FakeDecode):
 
 
 class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
-    """mode: ok | down (UNAVAILABLE) | hang (no first token) | hold (first token, then never ships the KV)."""
+    """mode: ok | down (UNAVAILABLE) | hang (no first token) | hold (first token, then never ships the KV) |
+    late (ships the KV first and sends the first token 0.2 s later, so decode tokens overtake it)."""
 
     role = admin_pb2.WORKER_ROLE_PREFILL
 
@@ -240,6 +241,9 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
         if self.mode == "hang":
             await asyncio.sleep(FOREVER_S)
         tokens, reason, _ = planned(self.script, request.sampling, self.eos)
+        if self.mode == "late":
+            self.landings.event(request.target.request_id).set()
+            await asyncio.sleep(0.2)
         finished = len(tokens) == 1 and (
             reason == generate_pb2.FINISH_REASON_STOP or request.sampling.max_tokens == 1
         )

@@ -1,0 +1,149 @@
+"""Relaying one attempt: the worker streams' events in, the client's Delta messages out.
+
+    prefill stream   FirstToken ........................ TransferDone   (EOF)
+    decode stream            (reserved, read earlier)  TokenBatch ... DecodeFinished   (EOF)
+
+The two streams are not ordered with each other: a decode event that overtakes the prefill's first token is
+held until that token has been sent, so the client always sees tokens in order. A failed stream raises
+WorkerCallError, except a prefill stream failing once the KV has landed (the decode stream carries on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from router.pool import Charge
+from router.responses import ResponseBuilder
+from router.streams import StreamItem, StreamMerger, WorkerStream
+from tandem_api.tandem.v1 import generate_pb2
+
+Write = Callable[[generate_pb2.GenerateResponse], Awaitable[None]]
+
+_FINISH_REASONS = (
+    generate_pb2.FINISH_REASON_STOP,
+    generate_pb2.FINISH_REASON_LENGTH,
+    generate_pb2.FINISH_REASON_ABORT,
+)
+# After the router's rules end a colocated request on a token the worker also stops on, wait this long for the
+# worker's DecodeFinished (it carries the prefix-cache count) before the call is cancelled instead.
+FINISH_GRACE_S = 0.2
+
+
+class Relay:
+    def __init__(
+        self,
+        out: ResponseBuilder,
+        write: Write,
+        decode: WorkerStream,
+        prefill: WorkerStream | None = None,
+        prefill_charge: Charge | None = None,
+    ) -> None:
+        self.out = out
+        self._write = write
+        self._decode = decode
+        self._prefill = (
+            prefill  # None: colocated, the decode worker's first batch starts with the first token
+        )
+        self._prefill_charge = prefill_charge
+        self._first_token_seen = prefill is None
+        self._decode_tokens_seen = False
+        self._decode_finished_seen = False
+        self._transfer_done = False
+        self._held: list[Any] = []  # decode events that overtook the prefill's first token
+
+    async def run(self, merger: StreamMerger) -> None:
+        """Relay until the request is finished (by the router's rules or a worker's)."""
+        while not self.out.finished:
+            item = await merger.get()
+            if item.error is not None:
+                if item.source is self._prefill and (self._transfer_done or self._decode_tokens_seen):
+                    continue  # the KV has landed: the decode stream carries the request from here
+                raise item.error
+            if item.source is self._decode:
+                await self._on_decode(item)
+            else:
+                await self._on_prefill(item)
+
+    async def _on_prefill(self, item: StreamItem) -> None:
+        message: Any = item.message
+        kind = None if message is None else message.WhichOneof("kind")
+        if kind == "transfer_done":
+            self._transfer_done = True
+        elif kind == "first_token" and not self._first_token_seen:
+            await self._on_first_token(message.first_token)
+        elif kind is not None or not self._first_token_seen:
+            what = "closed the stream" if kind is None else f"sent an unexpected {kind!r}"
+            raise item.source.error(
+                grpc.StatusCode.INTERNAL, f"{what} (protocol: FirstToken, then TransferDone)"
+            )
+
+    async def _on_first_token(self, first: Any) -> None:
+        if self._prefill_charge is not None:
+            self._prefill_charge.release()  # the prompt is computed: no longer queued on that worker
+        self._first_token_seen = True
+        out = self.out
+        out.cached_prompt_tokens = first.num_cached_tokens
+        await self._write(out.add([first.token_id], [first.logprob] if first.HasField("logprob") else []))
+        if first.finished and not out.finished:  # the worker's rules ended it, ours did not (see end())
+            one = out.request.sampling.max_tokens == 1
+            reason = generate_pb2.FINISH_REASON_LENGTH if one else generate_pb2.FINISH_REASON_STOP
+            await self._write_if(out.end(reason, None if one else first.token_id))
+        held, self._held = self._held, []
+        for message in held:
+            if out.finished:
+                break
+            await self._on_decode_event(message)
+
+    async def _on_decode(self, item: StreamItem) -> None:
+        message = item.message
+        if message is None:
+            if self._decode_finished_seen:
+                return  # its DecodeFinished is held until the first token arrives
+            raise self._decode.error(
+                grpc.StatusCode.INTERNAL, "closed the stream before the request finished"
+            )
+        kind = message.WhichOneof("kind")
+        self._decode_tokens_seen |= kind == "tokens"
+        self._decode_finished_seen |= kind == "finished"
+        if not self._first_token_seen:
+            self._held.append(message)
+            return
+        await self._on_decode_event(message)
+
+    async def _on_decode_event(self, message: Any) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "tokens":
+            await self._write(self.out.add(message.tokens.token_ids, message.tokens.logprobs))
+            return
+        done = message.finished
+        if kind != "finished" or done.finish_reason not in _FINISH_REASONS:
+            problem = f"finish reason {done.finish_reason}" if kind == "finished" else f"event {kind!r}"
+            raise self._decode.error(grpc.StatusCode.INTERNAL, f"sent an unexpected {problem}")
+        if self._prefill is None:
+            self.out.cached_prompt_tokens = done.num_cached_tokens
+        stop = done.stop_token_id if done.HasField("stop_token_id") else None
+        await self._write_if(self.out.end(done.finish_reason, stop))
+
+    async def _write_if(self, response: generate_pb2.GenerateResponse | None) -> None:
+        if response is not None:
+            await self._write(response)
+
+    async def await_decode_finished(self, merger: StreamMerger) -> None:
+        """The router ended a colocated request on a token rule the worker shares: its DecodeFinished follows
+        at once and carries the prefix-cache count. A short, bounded wait; the call is cancelled after it."""
+        if self.out.stopped_by_string or self._decode.ended:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FINISH_GRACE_S):
+                while True:
+                    item = await merger.get()
+                    if item.error is not None or item.message is None:
+                        return
+                    if item.message.WhichOneof("kind") == "finished":
+                        self.out.cached_prompt_tokens = item.message.finished.num_cached_tokens
+                        return
