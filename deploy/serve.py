@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from deploy.config import DeployConfig, load_config
-from deploy.controller import Controller, Member
+from deploy.controller import Controller
 from model_runtime.config import ConfigError
 
 log = logging.getLogger("tandem.serve")
@@ -62,17 +62,19 @@ async def serve(config: DeployConfig) -> int:
     from deploy.wiring import endpoints, router_config
 
     loop = asyncio.get_running_loop()
+    router = RouterServer(router_config(config))
+    address = await router.start()
+    controller = Controller(config, lambda members, generation: router.set_workers(endpoints(members), generation))
+    try:
+        controller.connect()
+    except Exception as exc:
+        await router.stop(0)
+        print(f"tandem serve: cannot start Ray: {exc}", file=sys.stderr)
+        return 1
+    _say(f"router listening on {address}; starting workers for {config.model} ({config.mode})")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    router = RouterServer(router_config(config))
-    address = await router.start()
-    _say(f"router listening on {address}; starting workers for {config.model} ({config.mode})")
-
-    def publish(members: list[Member], generation: int) -> None:
-        loop.call_soon_threadsafe(router.set_workers, endpoints(members), generation)
-
-    controller = Controller(config, publish)
     started = loop.run_in_executor(None, controller.start, _say)
     code = 0
     try:

@@ -1,0 +1,30 @@
+"""Deploy config -> router config, and controller membership -> router endpoints."""
+
+from __future__ import annotations
+
+from deploy.config import DeployConfig
+from deploy.controller import Member
+from router.config import RouterConfig
+from tandem_api.tandem.v1 import admin_pb2, worker_pb2
+
+ROLES = {
+    "prefill": admin_pb2.WORKER_ROLE_PREFILL,
+    "decode": admin_pb2.WORKER_ROLE_DECODE,
+    "colocated": admin_pb2.WORKER_ROLE_COLOCATED,
+}
+
+
+def router_config(config: DeployConfig) -> RouterConfig:
+    """The router must agree with the workers on the context length: take the smallest any pool allows."""
+    lens = [p.engine.scheduler.max_model_len for p in config.pools().values() if p.engine.scheduler.max_model_len]
+    r = config.router
+    return RouterConfig(
+        host=r.host, port=r.port, model=config.model, max_model_len=min(lens) if lens else None,
+        default_max_tokens=r.default_max_tokens, max_inflight=r.max_inflight, max_queue=r.max_queue,
+        request_timeout_s=r.request_timeout_s, lease_ttl_s=config.transfer.lease_ttl_s,
+    )
+
+
+def endpoints(members: list[Member]) -> list[worker_pb2.WorkerEndpoint]:
+    return [worker_pb2.WorkerEndpoint(worker_id=m.worker_id, role=ROLES[m.role], address=m.address)
+            for m in members]
