@@ -46,7 +46,7 @@ class DecodeWorker:
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, s), [SERVICE]
         )
-        self.address = f"{spec.host}:{port}"
+        self.address = f"{spec.public_host}:{port}"
         self.service.address = self.address
         log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role, self.address)
         return self.address

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 from worker_host.host import WorkerSpec
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def advertise_node_ip(spec: WorkerSpec) -> WorkerSpec:
+    """On a multi-node cluster workers listen on every interface and tell peers this node's IP."""
+    import ray
+
+    node_ip = ray.util.get_node_ip_address()
+    transfer = replace(spec.transfer, host=spec.host, advertise_host=node_ip)
+    return replace(spec, advertise_host=node_ip, transfer=transfer)
 
 
 class WorkerProcess:
@@ -26,6 +36,8 @@ class WorkerProcess:
     def start(self) -> str:
         import torch
 
+        if self.spec.host in ("0.0.0.0", "::"):
+            self.spec = advertise_node_ip(self.spec)
         if self.spec.engine.device.resolved_device() == "cpu":
             # Ray gives each actor a CPU share; more intra-op threads than that only thrash on small hosts.
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

@@ -21,7 +21,7 @@ from worker_host.host import WorkerSpec
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[list["Member"], int], None]
+Publish = Callable[[list["Member"], int], object]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,10 @@ class Controller:
         import ray
 
         if not ray.is_initialized():
+            # A local cluster stays on loopback; a joined one is whatever the cluster says.
+            node_ip = "127.0.0.1" if self.config.ray.address is None else None
             ray.init(
+                _node_ip_address=node_ip,
                 address=self.config.ray.address,
                 namespace=self.config.ray.namespace,
                 include_dashboard=False,
@@ -82,7 +85,9 @@ class Controller:
         self._actor_class = ray.remote(WorkerProcess)
         for role, pool in self.config.pools().items():
             for i in range(pool.replicas):
+                host = "127.0.0.1" if self.config.ray.address is None else "0.0.0.0"
                 spec = WorkerSpec(
+                    host=host,
                     worker_id=f"{role}-{i}",
                     role=role,
                     engine=pool.engine,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -57,30 +56,41 @@ def _say(message: str) -> None:
 
 
 async def serve(config: DeployConfig) -> int:
-    from router.server import RouterServer
-
+    """Run until SIGINT/SIGTERM. With controller.routers set (Kubernetes), membership goes to those standalone
+    routers over gRPC; otherwise a router runs in this process."""
+    from deploy.publish import RouterPublisher
     from deploy.wiring import endpoints, router_config
 
     loop = asyncio.get_running_loop()
-    router = RouterServer(router_config(config))
-    address = await router.start()
-    controller = Controller(config, lambda members, generation: router.set_workers(endpoints(members), generation))
+    router = None
+    publisher: RouterPublisher | None = None
+    if config.controller.routers:
+        publisher = RouterPublisher(config.controller.routers, config.controller.health_interval_s)
+        controller = Controller(config, publisher.publish)
+        address = ", ".join(config.controller.routers)
+    else:
+        from router.server import RouterServer
+
+        router = RouterServer(router_config(config))
+        address = await router.start()
+        in_process = router
+        controller = Controller(config, lambda members, gen: in_process.set_workers(endpoints(members), gen))
     try:
         controller.connect()
     except Exception as exc:
-        await router.stop(0)
+        await _shutdown(router, publisher, controller, config)
         print(f"tandem serve: cannot start Ray: {exc}", file=sys.stderr)
         return 1
-    _say(f"router listening on {address}; starting workers for {config.model} ({config.mode})")
+    _say(f"router(s) {address}; starting workers for {config.model} ({config.mode})")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = loop.run_in_executor(None, controller.start, _say)
     code = 0
     try:
-        done, _ = await asyncio.wait(
-            {started, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-        )
+        stopped: asyncio.Future = asyncio.ensure_future(stop.wait())
+        pending: list[asyncio.Future] = [started, stopped]
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             started.result()
             print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
@@ -91,18 +101,24 @@ async def serve(config: DeployConfig) -> int:
         print(f"tandem serve: start-up failed: {exc}", file=sys.stderr)
         code = 1
     finally:
-        await _shutdown(router, controller, config)
+        await _shutdown(router, publisher, controller, config)
     return code
 
 
-async def _shutdown(router, controller: Controller, config: DeployConfig) -> None:
+async def _shutdown(router, publisher, controller: Controller, config: DeployConfig) -> None:
+    """Stop admission, drain and stop the workers, stop the router, and stop Ray if we started it."""
     import ray
 
     loop = asyncio.get_running_loop()
-    with contextlib.suppress(Exception):
-        await router.drain(config.controller.drain_timeout_s)
+    if router is not None:
+        drain = getattr(router, "drain", None)
+        if drain is not None:
+            await drain(config.controller.drain_timeout_s)
     await loop.run_in_executor(None, controller.stop, True)
-    await router.stop(2.0)
+    if publisher is not None:
+        publisher.close()
+    if router is not None:
+        await router.stop(2.0)
     if config.ray.address is None and ray.is_initialized():
         ray.shutdown()
     _say("stopped")

@@ -16,15 +16,25 @@ ROLES = {
 
 def router_config(config: DeployConfig) -> RouterConfig:
     """The router must agree with the workers on the context length: take the smallest any pool allows."""
-    lens = [p.engine.scheduler.max_model_len for p in config.pools().values() if p.engine.scheduler.max_model_len]
+    lens = [
+        p.engine.scheduler.max_model_len for p in config.pools().values() if p.engine.scheduler.max_model_len
+    ]
     r = config.router
     return RouterConfig(
-        host=r.host, port=r.port, model=config.model, max_model_len=min(lens) if lens else None,
-        default_max_tokens=r.default_max_tokens, max_inflight=r.max_inflight, max_queue=r.max_queue,
-        request_timeout_s=r.request_timeout_s, lease_ttl_s=config.transfer.lease_ttl_s,
+        host=r.host,
+        port=r.port,
+        model=config.model,
+        max_model_len=min(lens) if lens else None,
+        default_max_tokens=r.default_max_tokens,
+        max_inflight=r.max_inflight,
+        max_queue=r.max_queue,
+        request_timeout_s=r.request_timeout_s,
+        lease_ttl_s=config.transfer.lease_ttl_s,
     )
 
 
 def endpoints(members: list[Member]) -> list[worker_pb2.WorkerEndpoint]:
-    return [worker_pb2.WorkerEndpoint(worker_id=m.worker_id, role=ROLES[m.role], address=m.address)
-            for m in members]
+    return [
+        worker_pb2.WorkerEndpoint(worker_id=m.worker_id, role=ROLES[m.role], address=m.address)
+        for m in members
+    ]

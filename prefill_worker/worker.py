@@ -40,7 +40,7 @@ class PrefillWorker:
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]
         )
-        self.address = f"{spec.host}:{port}"
+        self.address = f"{spec.public_host}:{port}"
         self.service.address = self.address
         log.info("prefill worker %s serving on %s", spec.worker_id, self.address)
         return self.address

@@ -34,10 +34,15 @@ class WorkerSpec:
     role: str  # "prefill" | "decode" | "colocated"
     engine: EngineConfig
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the gRPC server binds; "0.0.0.0" on a multi-node cluster
     port: int = 0
+    advertise_host: str = ""  # the address peers dial when host is a wildcard (the node's IP)
     max_concurrent_rpcs: int = 1024
     drain_timeout_s: float = 30.0
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
 
 
 class LockedAllocator:

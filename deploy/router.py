@@ -1,0 +1,51 @@
+"""A standalone router (Kubernetes Deployment): `python -m deploy.router --config /etc/tandem/tandem.yaml`.
+
+It reads the same deployment config as the controller, serves the public API on router.host:router.port and
+learns the workers from the controller's RouterControl.SetWorkers pushes. SIGTERM stops it gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from deploy.config import load_config
+from deploy.wiring import router_config
+from model_runtime.config import ConfigError
+
+
+async def run(config_path: str | None) -> int:
+    from router.server import RouterServer
+
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
+    router = RouterServer(router_config(config))
+    address = await router.start()
+    print(f"Tandem router serving {config.model} on {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await router.stop(config.controller.drain_timeout_s)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.router", description=__doc__)
+    parser.add_argument("--config", help="deployment YAML (the same file the controller uses)")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    return asyncio.run(run(args.config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
