@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = RouterConfig(**{name: getattr(args, name) for name in _FLAGS})
     except RouterConfigError as exc:
-        print(f"router: error: {exc}")
+        print(f"router: error: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve(config))
     return 0

@@ -165,7 +165,7 @@ class Dispatcher:
             merger.add(decode)
             relay = Relay(attempt.out, attempt.write, decode)
             await relay.run(merger)
-            await relay.await_decode_finished(merger)
+            await relay.await_streams_end(merger)
             await attempt.write(attempt.out.final())
         finally:
             merger.close()
@@ -187,7 +187,9 @@ class Dispatcher:
             prefill_charge = self._pool.charge(prefill_handle.worker_id, prefill_tokens=prompt_tokens)
             merger.add(prefill)
             merger.add(decode)
-            await Relay(attempt.out, attempt.write, decode, prefill, prefill_charge).run(merger)
+            relay = Relay(attempt.out, attempt.write, decode, prefill, prefill_charge)
+            await relay.run(merger)
+            await relay.await_streams_end(merger)
             await attempt.write(attempt.out.final())
         finally:
             merger.close()

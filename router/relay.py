@@ -29,8 +29,7 @@ _FINISH_REASONS = (
     generate_pb2.FINISH_REASON_LENGTH,
     generate_pb2.FINISH_REASON_ABORT,
 )
-# After the router's rules end a colocated request on a token the worker also stops on, wait this long for the
-# worker's DecodeFinished (it carries the prefix-cache count) before the call is cancelled instead.
+# How long a finished request waits for worker streams that are ending anyway (Relay.await_streams_end).
 FINISH_GRACE_S = 0.2
 
 
@@ -46,14 +45,14 @@ class Relay:
         self.out = out
         self._write = write
         self._decode = decode
-        self._prefill = (
-            prefill  # None: colocated, the decode worker's first batch starts with the first token
-        )
+        # prefill None: colocated, the decode worker's first batch starts with the first token.
+        self._prefill = prefill
         self._prefill_charge = prefill_charge
         self._first_token_seen = prefill is None
         self._decode_tokens_seen = False
         self._decode_finished_seen = False
         self._transfer_done = False
+        self._first_token_finished = False
         self._held: list[Any] = []  # decode events that overtook the prefill's first token
 
     async def run(self, merger: StreamMerger) -> None:
@@ -86,6 +85,7 @@ class Relay:
         if self._prefill_charge is not None:
             self._prefill_charge.release()  # the prompt is computed: no longer queued on that worker
         self._first_token_seen = True
+        self._first_token_finished = first.finished
         out = self.out
         out.cached_prompt_tokens = first.num_cached_tokens
         await self._write(out.add([first.token_id], [first.logprob] if first.HasField("logprob") else []))
@@ -133,17 +133,30 @@ class Relay:
         if response is not None:
             await self._write(response)
 
-    async def await_decode_finished(self, merger: StreamMerger) -> None:
-        """The router ended a colocated request on a token rule the worker shares: its DecodeFinished follows
-        at once and carries the prefix-cache count. A short, bounded wait; the call is cancelled after it."""
-        if self.out.stopped_by_string or self._decode.ended:
-            return
+    async def await_streams_end(self, merger: StreamMerger) -> None:
+        """Once the request is finished, let worker streams that are ending anyway end on their own (a cancel
+        reaching a worker that is wrapping up makes it log an abort for nothing); the caller cancels whatever is
+        still open after this short, bounded wait. A colocated worker's DecodeFinished also brings the
+        prefix-cache count when the router's rules ended the request first."""
+        pending = {s for s in self._ending_streams() if not s.ended}
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(FINISH_GRACE_S):
-                while True:
+                while pending:
                     item = await merger.get()
                     if item.error is not None or item.message is None:
-                        return
-                    if item.message.WhichOneof("kind") == "finished":
+                        pending.discard(item.source)
+                    elif self._prefill is None and item.message.WhichOneof("kind") == "finished":
                         self.out.cached_prompt_tokens = item.message.finished.num_cached_tokens
-                        return
+
+    def _ending_streams(self) -> list[WorkerStream]:
+        """The streams that end by themselves now: none after a stop string (workers do not know it); the
+        decode stream once it generated (it stops on the same token rules); the prefill stream once it shipped
+        the KV or said its first token was the last."""
+        if self.out.stopped_by_string:
+            return []
+        streams = []
+        if self._prefill is None or self._decode_tokens_seen:
+            streams.append(self._decode)
+        if self._prefill is not None and (self._transfer_done or self._first_token_finished):
+            streams.append(self._prefill)
+        return streams

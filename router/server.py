@@ -104,16 +104,16 @@ class RouterServer:
         if port == 0:
             raise OSError(f"cannot bind the router to {self.config.bind_address}")
         await self._set_health(False)  # the health servicer starts out SERVING; no worker is known yet
-        await server.start()
-        self._server = server
         self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
-        host = self.config.host
-        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._health_task = asyncio.create_task(self._sync_health(), name="router-health")
-        self._pool.start()
-        if self._pending is not None:
+        if self._pending is not None:  # before serving, so a SetWorkers call cannot be overtaken by it
             self._pool.replace(self._pending[0])
             self._pending = None
+        self._pool.start()
+        self._health_task = asyncio.create_task(self._sync_health(), name="router-health")
+        await server.start()
+        self._server = server
+        host = self.config.host
+        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("router serving %s on %s", model.id, self._address)
         return self._address
 
@@ -145,10 +145,8 @@ class RouterServer:
         await server.stop(grace)
         if self._health_task is not None:
             self._health_task.cancel()
-        if self._pool is not None:
-            await self._pool.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        await self._pool.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

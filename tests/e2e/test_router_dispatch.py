@@ -99,6 +99,7 @@ def test_disaggregated_stream_relays_first_token_then_decode_batches(make, model
     )
     assert list(p_req.prompt_token_ids) == list(d_req.prompt_token_ids) == list(result.prompt_token_ids)
     wait_until(lambda: harness.router.metrics.outcomes["stop"] == 1, what="the outcome recorded")
+    assert decode.cancelled == prefill.cancelled == []  # both streams ended on their own
 
 
 def test_deltas_never_split_a_character(make) -> None:
@@ -152,13 +153,14 @@ def test_stop_string_cuts_the_text_and_cancels_the_decode_call(make) -> None:
 
 def test_first_token_that_finishes_cancels_the_reservation(make) -> None:
     harness = make()
-    decode, _ = _pair(harness)
+    decode, prefill = _pair(harness)
     harness.start()
     with harness.client() as client:
         result = client.generate(PROMPT, max_tokens=1)
     assert (result.token_ids, result.finish_reason) == ((harness.script.tokens[0],), FinishReason.LENGTH)
     assert result.text == " The"
     wait_until(lambda: len(decode.cancelled) == 1, what="the decode reservation to be cancelled")
+    assert prefill.cancelled == []  # it shipped nothing and ended on its own
 
 
 def test_colocated_worker_computes_the_prompt_itself(make, model: ServedModel) -> None:
@@ -230,7 +232,9 @@ def test_second_failure_gives_unavailable(make) -> None:
 
 
 def test_worker_failing_after_tokens_were_sent_aborts_the_stream(make) -> None:
-    harness = make(batch=2)
+    # step_s: the decode stream must not overtake the prefill's first token (then no token was sent yet and the
+    # router rightly treats the failure as retryable).
+    harness = make(batch=2, step_s=0.05)
     _pair(harness, decode_mode="fail_after")
     harness.start()
     seen: list[int] = []

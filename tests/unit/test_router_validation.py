@@ -208,3 +208,12 @@ def test_router_server_import_leaves_torch_out() -> None:
         [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr or "router.server imported torch or ray"
+
+
+def test_router_command_line_maps_flags_onto_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.__main__ import build_parser, main
+
+    args = build_parser().parse_args(["--port", "0", "--max-queue", "3", "--request-timeout-s", "1.5"])
+    assert (args.port, args.max_queue, args.request_timeout_s, args.max_model_len) == (0, 3, 1.5, None)
+    assert main(["--max-queue", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "router: error: max_queue: must be an integer >= 0"
