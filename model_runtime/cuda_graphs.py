@@ -13,7 +13,7 @@ b >= n; rows n..b-1 are padding that touches nothing:
     padding  0      0         -1    0        null blocks (0)      slot -1: the store kernel skips the row
                                                                    seq_len 0: the decode kernel writes zeros
 
-Static device buffers (their addresses are frozen into every graph; graph b reads rows [:b] of each):
+Static device buffers (StaticDecodeInputs; their addresses are frozen into every graph, graph b reads rows [:b]):
 
     vectors       int64 [3, max_batch]                  row 0 token ids, row 1 positions, row 2 slots
     seq_lens      int32 [max_batch]
@@ -111,7 +111,94 @@ def graph_memory_estimate(model: ModelConfig, max_num_seqs: int, dtype_bytes: in
     return 2 * max_batch * per_token + 64 * 2**20
 
 
-# --- capture and replay (device side) --------------------------------------------------------------------
+# --- static buffers (any device) -------------------------------------------------------------------------
+class StaticDecodeInputs:
+    """The fixed-address buffers every decode graph reads and writes, and the staging that fills them.
+
+    Device-agnostic (on CPU the staging is plain memory and the copies are synchronous), so the padded
+    static-buffer path can be checked against the eager one without a GPU.
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.max_batch = max_batch
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        b, dev = max_batch, device
+        self.vectors = torch.zeros(3, b, dtype=torch.int64, device=dev)  # ids, positions, slots
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=dev)
+        # Staging reused every step (pinned on CUDA, so the copies are asynchronous); `_staged` marks when
+        # the last step's copies have read it.
+        pin = dev.type == "cuda"
+        self._host_vectors = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)
+        self._host_seq_lens = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(b * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._staged = torch.cuda.Event() if pin else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row padding: a forward over these buffers writes no KV and reads none."""
+        self.vectors.zero_()
+        self.vectors[2].fill_(PAD_SLOT)
+        self.seq_lens.fill_(PAD_SEQ_LEN)
+        self.block_tables.fill_(NULL_BLOCK)
+
+    def input_ids(self, size: int) -> torch.Tensor:
+        return self.vectors[0, :size]
+
+    def positions(self, size: int) -> torch.Tensor:
+        return self.vectors[1, :size]
+
+    def meta(self, size: int) -> AttentionMetadata:
+        # The host lists only give the shape (num_seqs == size, max_query_len == 1 selects the decode path);
+        # their values are never read on that path.
+        return AttentionMetadata(
+            slot_mapping=self.vectors[2, :size],
+            query_start_loc=self.query_start[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            query_lens_host=[1] * size,
+            seq_lens_host=[PAD_SEQ_LEN] * size,
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
+        )
+
+    def stage(self, padded: DecodeRows) -> None:
+        """Host rows -> staging -> the static buffers: three non-blocking copies on the current stream."""
+        size, width = padded.block_tables.shape
+        if size > self.max_batch or width > self.max_blocks_per_seq:
+            raise ValueError(
+                f"StaticDecodeInputs.stage: {size} rows x {width} blocks exceed the buffers' "
+                f"{self.max_batch} x {self.max_blocks_per_seq}"
+            )
+        if self._staged is not None:
+            self._staged.synchronize()
+        vectors = self._host_vectors.numpy()
+        vectors[0, :size] = padded.token_ids
+        vectors[1, :size] = padded.positions
+        vectors[2, :size] = padded.slots
+        self._host_seq_lens.numpy()[:size] = padded.seq_lens
+        host_tables = self._host_tables[: size * width].view(size, width)
+        host_tables.numpy()[:] = padded.block_tables
+        # Whole vectors (a few KiB): entries past `size` are stale, and graph `size` never reads them.
+        self.vectors.copy_(self._host_vectors, non_blocking=True)
+        self.seq_lens.copy_(self._host_seq_lens, non_blocking=True)
+        self.block_tables[:size, :width].copy_(host_tables, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+
+
+# --- capture and replay (CUDA) ---------------------------------------------------------------------------
 class DecodeGraphs:
     """Decode CUDA graphs of `model` over `kv_cache`, one per bucket; call `capture()` once, then `run()`.
 
@@ -135,21 +222,12 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.sizes = graph_batch_sizes(max_num_seqs, limit)
         self.max_batch = self.sizes[-1]
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.device = kv_cache.device
-        dev, b = self.device, self.max_batch
-        self._vectors = torch.zeros(3, b, dtype=torch.int64, device=dev)
-        self._seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-        self._tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self._query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self._hidden = torch.zeros(b, hidden_size, dtype=kv_cache.dtype, device=dev)
-        # Pinned staging, reused every step; `_staged` marks when the last step's copies have left it.
-        self._host_vectors = torch.zeros(3, b, dtype=torch.int64, pin_memory=True)
-        self._host_seq_lens = torch.zeros(b, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.zeros(b * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
-        self._staged = torch.cuda.Event()
+        block_size = kv_cache.shape[3]  # [L, 2, N, B, H, D]
+        self.static = StaticDecodeInputs(
+            self.max_batch, max_blocks_per_seq, block_size, hidden_size, kv_cache.dtype, self.device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._metas: dict[int, AttentionMetadata] = {}
         self.pool_bytes = 0  # what capture added to the allocator's reserved memory
         self.num_replays = 0
 
@@ -160,18 +238,16 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool; a warm-up run before each capture does the
         Triton JIT and cuBLAS set-up outside the captured region."""
-        self._reset_static()
+        self.static.reset()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         for size in reversed(self.sizes):
-            meta = self._meta(size)
-            self._forward(size, meta)  # warm-up; all rows are padding, so the cache is not touched
+            self._forward(size)  # warm-up; all rows are padding, so the cache is not touched
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward(size, meta)
+                self._forward(size)
             self._graphs[size] = graph
-            self._metas[size] = meta
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         log.info(
@@ -182,30 +258,9 @@ class DecodeGraphs:
             self.pool_bytes / 2**20,
         )
 
-    def _forward(self, size: int, meta: AttentionMetadata) -> None:
-        ids, positions = self._vectors[0, :size], self._vectors[1, :size]
-        self._hidden[:size] = self.model(ids, positions, self.kv_cache, meta)
-
-    def _reset_static(self) -> None:
-        """Every row padding: warm-up and capture then write no KV and read none."""
-        self._vectors.zero_()
-        self._vectors[2].fill_(PAD_SLOT)
-        self._seq_lens.fill_(PAD_SEQ_LEN)
-        self._tables.fill_(NULL_BLOCK)
-
-    def _meta(self, size: int) -> AttentionMetadata:
-        # The host lists only give the shape (num_seqs == size, max_query_len == 1 selects the decode path);
-        # their values are never read on that path.
-        return AttentionMetadata(
-            slot_mapping=self._vectors[2, :size],
-            query_start_loc=self._query_start[: size + 1],
-            seq_lens=self._seq_lens[:size],
-            block_tables=self._tables[:size],
-            query_lens_host=[1] * size,
-            seq_lens_host=[PAD_SEQ_LEN] * size,
-            max_query_len=1,
-            max_seq_len=self.max_blocks_per_seq * self.kv_cache.shape[3],
-        )
+    def _forward(self, size: int) -> None:
+        st = self.static
+        st.hidden[:size] = self.model(st.input_ids(size), st.positions(size), self.kv_cache, st.meta(size))
 
     def run(self, rows: DecodeRows) -> torch.Tensor:
         """Replay the bucket for `rows`; returns the live rows' final hidden states [n, hidden_size].
@@ -217,30 +272,7 @@ class DecodeGraphs:
         size = bucket_for(n, self.sizes)
         if size is None or size not in self._graphs:
             raise ValueError(f"DecodeGraphs.run: no graph for {n} sequences (captured: {self.sizes})")
-        width = rows.block_tables.shape[1]
-        if width > self.max_blocks_per_seq:
-            raise ValueError(
-                f"DecodeGraphs.run: a block table of {width} blocks exceeds max_blocks_per_seq "
-                f"({self.max_blocks_per_seq})"
-            )
-        self._stage(pad_decode_rows(rows, size))
+        self.static.stage(pad_decode_rows(rows, size))
         self._graphs[size].replay()
         self.num_replays += 1
-        return self._hidden[:n]
-
-    def _stage(self, padded: DecodeRows) -> None:
-        """Host rows -> pinned staging -> static buffers, three non-blocking copies on the current stream."""
-        size, width = padded.block_tables.shape
-        self._staged.synchronize()  # the previous step's copies have read the staging buffers
-        vectors = self._host_vectors.numpy()
-        vectors[0, :size] = padded.token_ids
-        vectors[1, :size] = padded.positions
-        vectors[2, :size] = padded.slots
-        self._host_seq_lens.numpy()[:size] = padded.seq_lens
-        host_tables = self._host_tables[: size * width].view(size, width)
-        host_tables.numpy()[:] = padded.block_tables
-        # Whole vectors (a few KiB): rows past `size` are stale, and graph `size` never reads them.
-        self._vectors.copy_(self._host_vectors, non_blocking=True)
-        self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
-        self._tables[:size, :width].copy_(host_tables, non_blocking=True)
-        self._staged.record()
+        return self.static.hidden[:n]

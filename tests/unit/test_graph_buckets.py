@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model_runtime.attention.torch_ref import TorchAttention
 from model_runtime.cuda_graphs import (
     PAD_SLOT,
     DecodeRows,
+    StaticDecodeInputs,
     bucket_for,
     graph_batch_sizes,
     graph_memory_estimate,
     pad_decode_rows,
 )
 from model_runtime.kv_layout import NULL_BLOCK, KVLayout
-from model_runtime.model_runner import HostBlockTables, build_host_batch, chunk_tokens
+from model_runtime.model_runner import HostBlockTables, ModelRunner, build_host_batch, chunk_tokens
 from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
+from model_runtime.weights.dummy import dummy_weights
 from model_runtime.weights.shapes import dummy_shape
 
 pytestmark = pytest.mark.unit
@@ -203,3 +207,59 @@ def test_cached_tables_equal_fresh_ones(ops: list[tuple[int, str]]) -> None:
         for row, r in zip(got, step):
             assert row[: len(r.block_ids)].tolist() == r.block_ids
             assert (row[len(r.block_ids) :] == NULL_BLOCK).all()
+
+
+# --- the static-buffer path, on CPU ---------------------------------------------------------------------
+def _decode_step(batch: int, seed: int, num_blocks: int, block_size: int) -> SchedulerOutput:
+    """`batch` decode chunks with random contexts over distinct random blocks."""
+    rng = np.random.default_rng(seed)
+    free = (rng.permutation(num_blocks - 1) + 1).tolist()
+    chunks = []
+    for i in range(batch):
+        context = int(rng.integers(1, 60))
+        blocks = [free.pop() for _ in range(-(-(context + 1) // block_size))]
+        req = _request(f"s{seed}-{i}", context, 1, context, blocks)
+        chunks.append(ScheduledChunk(req, 1, sample=True))
+    return SchedulerOutput(tuple(chunks))
+
+
+def test_static_buffers_give_the_eager_result_on_cpu() -> None:
+    """What a decode graph records (a forward over padded static buffers) equals the eager step: same logits
+    for the live rows, same KV written, nothing written by the padding rows. Steps shrink so that stale
+    rows from the previous, larger step sit past the live ones."""
+    config = dummy_shape("tiny-llama")
+    block_size, num_blocks = 8, 64
+    layout = KVLayout(
+        config.num_layers, config.num_kv_heads, config.head_dim, block_size, num_blocks, "float32"
+    )
+    weights = dummy_weights(config, torch.float32, "cpu", seed=1)
+    runner = ModelRunner(config, weights, layout, "cpu", TorchAttention(), max_model_len=128)
+    assert runner.graphs is None  # no CUDA graphs on CPU
+    runner.kv_cache.normal_(generator=torch.Generator().manual_seed(0))
+    static = StaticDecodeInputs(
+        8, runner.max_blocks_per_seq, block_size, config.hidden_size, torch.float32, torch.device("cpu")
+    )
+    for seed, (batch, size) in enumerate([(7, 8), (3, 4), (1, 1)]):
+        out = _decode_step(batch, seed, num_blocks, block_size)
+        before = runner.kv_cache.clone()
+        eager = runner.execute(out)
+        eager_cache = runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        rows = build_host_batch(out, block_size).decode_rows()
+        static.stage(pad_decode_rows(rows, size))
+        with torch.inference_mode():
+            hidden = runner.model(
+                static.input_ids(size), static.positions(size), runner.kv_cache, static.meta(size)
+            )
+            logits = runner.model.compute_logits(hidden[:batch])
+        torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runner.kv_cache, eager_cache, atol=1e-6, rtol=1e-6)
+        live = {layout.slot(c.request.block_ids, c.request.num_computed_tokens) for c in out.chunks}
+        assert _changed_slots(runner.kv_cache, before) == live, "padding rows wrote KV"
+
+
+def _changed_slots(cache: torch.Tensor, before: torch.Tensor) -> set[int]:
+    num_layers, _, num_blocks, block_size = cache.shape[:4]
+    flat = (num_layers, 2, num_blocks * block_size, -1)
+    changed = (cache.view(flat) != before.view(flat)).any(dim=-1).any(dim=1).any(dim=0)
+    return set(changed.nonzero().flatten().tolist())
