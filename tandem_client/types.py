@@ -194,6 +194,9 @@ class WorkerInfo:
     waiting_requests: int
     active_leases: int
     last_heartbeat_age_seconds: float
+    queued_prefill_tokens: int = 0
+    model: str = ""
+    requests_total: int = 0  # requests the worker accepted since it started
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,9 @@ def _worker(message: admin_pb2.WorkerInfo) -> WorkerInfo:
         waiting_requests=message.waiting_requests,
         active_leases=message.active_leases,
         last_heartbeat_age_seconds=message.last_heartbeat_age_seconds,
+        queued_prefill_tokens=message.queued_prefill_tokens,
+        model=message.model,
+        requests_total=message.requests_total,
     )
 
 

@@ -40,9 +40,18 @@ def engine_section(num_blocks: int) -> dict:
 
 
 class ServeProcess:
-    def __init__(self, tmp_path: Path, *, prefill: int = 1, decode: int = 1, colocated: int = 0,
-                 num_blocks: int = 256, model: str = "smollm2-135m-instruct", extra: dict | None = None,
-                 start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        prefill: int = 1,
+        decode: int = 1,
+        colocated: int = 0,
+        num_blocks: int = 256,
+        model: str = "smollm2-135m-instruct",
+        extra: dict | None = None,
+        start_timeout_s: float = 300.0,
+    ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         mode = "colocated" if colocated else "disaggregated"
@@ -70,12 +79,19 @@ class ServeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem_client.cli", "serve", "--config", str(self.config_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         while not self._ready.is_set():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n" + "".join(self.lines[-40:]))
+                raise RuntimeError(
+                    f"tandem serve exited with {self.proc.returncode}:\n" + "".join(self.lines[-40:])
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("tandem serve did not become ready:\n" + "".join(self.lines[-40:]))
@@ -93,8 +109,9 @@ class ServeProcess:
     def _probe_health(self) -> None:
         try:
             with grpc.insecure_channel(self.address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                  timeout=0.5)
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=0.5
+                )
                 self.health_seen.append(reply.status)
         except grpc.RpcError:
             pass

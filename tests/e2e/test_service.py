@@ -24,8 +24,7 @@ from tests.e2e.cluster import ServeProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-WORDS = ("river light seven quiet engine paper orbit maple signal harbor copper violet thunder garden "
-         "silver lantern meadow falcon pebble canyon").split()
+WORDS = ["river", "light", "seven", "quiet", "engine", "paper", "orbit", "maple", "signal", "harbor", "copper", "violet", "thunder", "garden", "silver", "lantern", "meadow", "falcon", "pebble", "canyon"]
 
 
 def prompts(n: int, seed: int) -> list[str]:
@@ -43,9 +42,11 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline():
     torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
-    config = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512),
-                          scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-                          device=DeviceConfig(device="cpu"))
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
+        device=DeviceConfig(device="cpu"),
+    )
     return LLM(config=config)
 
 
@@ -60,8 +61,11 @@ def assert_all_idle(address: str, timeout_s: float = 15.0) -> None:
     with Client(address) as client:
         while True:
             workers = client.status().workers
-            busy = [(w.worker_id, w.kv_blocks_used, w.active_leases) for w in workers
-                    if w.kv_blocks_used or w.active_leases]
+            busy = [
+                (w.worker_id, w.kv_blocks_used, w.active_leases)
+                for w in workers
+                if w.kv_blocks_used or w.active_leases
+            ]
             if not busy and workers:
                 return
             if time.monotonic() > deadline:
@@ -72,17 +76,23 @@ def assert_all_idle(address: str, timeout_s: float = 15.0) -> None:
 def test_health_was_not_serving_until_workers_were_ready(cluster):
     assert health_pb2.HealthCheckResponse.NOT_SERVING in cluster.health_seen
     with grpc.insecure_channel(cluster.address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_greedy_outputs_equal_the_offline_engine(cluster, offline):
     texts = prompts(16, seed=1)
     served = asyncio.run(_generate_all(cluster.address, texts, temperature=0, max_tokens=12))
-    expected = offline.generate([PromptInput(text=t) for t in texts], SamplingParams(temperature=0, max_tokens=12))
+    expected = offline.generate(
+        [PromptInput(text=t) for t in texts], SamplingParams(temperature=0, max_tokens=12)
+    )
     for text, got, want in zip(texts, served, expected):
-        assert got.prompt_token_ids == want.prompt_token_ids, text
-        assert got.token_ids == want.token_ids, f"{text!r}: service {got.token_ids} offline {want.token_ids}"
+        assert list(got.prompt_token_ids) == want.prompt_token_ids, text
+        assert list(got.token_ids) == want.token_ids, (
+            f"{text!r}: service {got.token_ids} offline {want.token_ids}"
+        )
         assert got.text == want.text
         assert got.finish_reason == want.finish_reason
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
@@ -93,19 +103,23 @@ def test_seeded_sampling_equals_the_offline_engine(cluster, offline):
     texts = prompts(6, seed=2)
     params = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "max_tokens": 10}
     served = asyncio.run(_generate_all_seeded(cluster.address, texts, params))
-    expected = offline.generate([PromptInput(text=t) for t in texts],
-                                [SamplingParams(seed=100 + i, **params) for i in range(len(texts))])
-    assert [s.token_ids for s in served] == [e.token_ids for e in expected]
+    expected = offline.generate(
+        [PromptInput(text=t) for t in texts],
+        [SamplingParams(seed=100 + i, **params) for i in range(len(texts))],
+    )
+    assert [list(s.token_ids) for s in served] == [e.token_ids for e in expected]
 
 
 async def _generate_all_seeded(address: str, texts: list[str], params: dict) -> list:
     async with AsyncClient(address) as client:
-        return await asyncio.gather(*(client.generate(t, seed=100 + i, **params) for i, t in enumerate(texts)))
+        return await asyncio.gather(
+            *(client.generate(t, seed=100 + i, **params) for i, t in enumerate(texts))
+        )
 
 
 def test_streamed_deltas_join_to_the_final_text(cluster):
     with Client(cluster.address) as client:
-        stream = client.stream("Write a short poem about the sea.", temperature=0, max_tokens=24)
+        stream = client.stream("Once upon a time, by the sea,", temperature=0, max_tokens=24, ignore_eos=True)
         deltas = list(stream)
         result = stream.result
     pieces = [d.text for d in deltas if hasattr(d, "text") and d is not result]
@@ -126,7 +140,9 @@ def test_every_worker_serves_traffic(cluster):
 
 def test_cancel_mid_stream_releases_everything(cluster):
     with Client(cluster.address) as client:
-        stream = client.stream("Count from one to one thousand:", temperature=0, max_tokens=400, ignore_eos=True)
+        stream = client.stream(
+            "Count from one to one thousand:", temperature=0, max_tokens=400, ignore_eos=True
+        )
         seen = 0
         for _ in stream:
             seen += 1
@@ -139,7 +155,9 @@ def test_cancel_mid_stream_releases_everything(cluster):
 
 def test_client_deadline_is_deadline_exceeded_and_releases_everything(cluster):
     with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):
-        client.generate("Tell me a very long story.", temperature=0, max_tokens=2000, ignore_eos=True, timeout=1.5)
+        client.generate(
+            "Tell me a very long story.", temperature=0, max_tokens=2000, ignore_eos=True, timeout=1.5
+        )
     assert_all_idle(cluster.address)
 
 
@@ -172,3 +190,30 @@ def test_invalid_input_names_the_field_and_service_keeps_serving(cluster, kwargs
             client.generate(prompt, **kwargs)
         assert field in info.value.details
         assert client.generate("hello", temperature=0, max_tokens=2).token_ids
+
+
+def test_a_generic_client_finds_and_calls_the_api_through_reflection(cluster, offline):
+    """No generated stubs: the service, its messages and the call all come from server reflection."""
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "tandem.v1.Generation" in list(database.get_services())
+        pool = descriptor_pool.DescriptorPool(database)
+        method = pool.FindServiceByName("tandem.v1.Generation").FindMethodByName("Generate")
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        request = request_class(text="The capital of France is")
+        request.sampling.temperature = 0
+        request.sampling.max_tokens = 8
+        call = channel.unary_stream(
+            "/tandem.v1.Generation/Generate",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
+        tokens = [t for r in call(request, timeout=60) if r.HasField("delta") for t in r.delta.token_ids]
+    want = offline.generate(
+        [PromptInput(text="The capital of France is")], SamplingParams(temperature=0, max_tokens=8)
+    )
+    assert tokens == want[0].token_ids
