@@ -224,8 +224,9 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.device = kv_cache.device
         block_size = kv_cache.shape[3]  # [L, 2, N, B, H, D]
+        hidden_dtype = next(model.parameters()).dtype  # the model's, which the cache's may not be
         self.static = StaticDecodeInputs(
-            self.max_batch, max_blocks_per_seq, block_size, hidden_size, kv_cache.dtype, self.device
+            self.max_batch, max_blocks_per_seq, block_size, hidden_size, hidden_dtype, self.device
         )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool_bytes = 0  # what capture added to the allocator's reserved memory
