@@ -34,8 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_runtime.attention.triton_backend import TritonAttention
+from model_runtime.host_batch import build_host_batch
 from model_runtime.kv_layout import KVLayout
-from model_runtime.model_runner import ModelRunner, build_host_batch
+from model_runtime.model_runner import ModelRunner
 from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from model_runtime.sampler import Sampler, SamplingTensors
 from model_runtime.weights import load_model_config, load_weights, resolve_model

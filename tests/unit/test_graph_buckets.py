@@ -18,8 +18,9 @@ from model_runtime.cuda_graphs import (
     graph_memory_estimate,
     pad_decode_rows,
 )
+from model_runtime.host_batch import HostBlockTables, build_host_batch, chunk_tokens
 from model_runtime.kv_layout import NULL_BLOCK, KVLayout
-from model_runtime.model_runner import HostBlockTables, ModelRunner, build_host_batch, chunk_tokens
+from model_runtime.model_runner import ModelRunner
 from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from model_runtime.weights.dummy import dummy_weights
 from model_runtime.weights.shapes import dummy_shape

@@ -1,0 +1,199 @@
+"""One step's inputs on the host: a SchedulerOutput flattened into numpy arrays, before any device work.
+
+The model runner builds a HostBatch every step, then either pads it into the decode CUDA graphs' static buffers
+or packs it into two copies for an eager forward. Everything here is plain Python and numpy (tested on CPU).
+Cost is per request, not per token: token ids are sliced, never concatenated whole; positions and slots are
+vectorized; block tables are cached across steps (HostBlockTables), so a decode step converts no block ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from model_runtime.cuda_graphs import DecodeRows
+from model_runtime.kv_layout import NULL_BLOCK
+from model_runtime.request import Request, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """One step on the host. T tokens of B sequences; S of the sequences sample."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    query_start: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, W] int32, W = blocks of the longest sequence, padded with the null block
+    logits_indices: np.ndarray  # [S] int64: the last token row of each sampling chunk
+    query_lens: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def decode_only(self) -> bool:
+        return max(self.query_lens) == 1
+
+    @property
+    def samples_every_row(self) -> bool:
+        return int(self.logits_indices.shape[0]) == self.num_tokens
+
+    def decode_rows(self) -> DecodeRows:
+        if not self.decode_only:
+            raise ValueError("HostBatch.decode_rows: the step has a chunk of more than one token")
+        return DecodeRows(self.token_ids, self.positions, self.slots, self.seq_lens, self.block_tables)
+
+
+def chunk_tokens(request: Request, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output, without building the whole concatenation (a decode step reads
+    one token; `Request.all_token_ids` would copy the whole sequence)."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return output[start - p : end - p]
+    return prompt[start:] + output[: end - p]
+
+
+class HostBlockTables:
+    """Block tables of recent requests kept on the host across steps, so a step converts only the block ids
+    appended since the last one (for a decode step, usually none) instead of every id of every sequence.
+
+    Relies on `Request.block_ids` changing only by in-place `extend`: the scheduler replaces the list
+    (preemption, admission) rather than editing it, and a replaced or shortened list rebuilds the row.
+    Rows of requests absent from a step are recycled when the store runs out of rows.
+    """
+
+    def __init__(self, max_blocks: int, rows: int) -> None:
+        self._store = np.zeros((max(1, rows), max(1, max_blocks)), dtype=np.int32)
+        self._rows: dict[str, _TableRow] = {}
+        self._free = list(range(self._store.shape[0]))
+        self._step = 0
+
+    def gather(self, requests: list[Request], width: int) -> np.ndarray:
+        """[len(requests), width] block table (a copy), rows in request order, padded with the null block."""
+        self._step += 1
+        rows = [self._sync(r) for r in requests]
+        return self._store[rows, :width]
+
+    def _sync(self, request: Request) -> int:
+        ids = request.block_ids
+        entry = self._rows.get(request.request_id)
+        if entry is None or not entry.mirrors(ids, self._store):
+            entry = self._assign(request.request_id, ids)
+        if len(ids) > entry.synced:
+            if len(ids) > self._store.shape[1]:
+                self._store = np.pad(self._store, ((0, 0), (0, len(ids) - self._store.shape[1])))
+            self._store[entry.row, entry.synced : len(ids)] = ids[entry.synced :]
+            entry.synced = len(ids)
+        entry.step = self._step
+        return entry.row
+
+    def _assign(self, request_id: str, ids: list[int]) -> _TableRow:
+        old = self._rows.pop(request_id, None)
+        row = old.row if old is not None else self._take_row()
+        self._store[row] = NULL_BLOCK
+        entry = _TableRow(row, ids, 0, self._step)
+        self._rows[request_id] = entry
+        return entry
+
+    def _take_row(self) -> int:
+        if not self._free:
+            stale = [rid for rid, e in self._rows.items() if e.step < self._step]
+            for rid in stale:
+                self._free.append(self._rows.pop(rid).row)
+        if not self._free:  # more live sequences than rows: grow
+            n = self._store.shape[0]
+            self._store = np.pad(self._store, ((0, n), (0, 0)))
+            self._free.extend(range(n, 2 * n))
+        return self._free.pop()
+
+
+@dataclass
+class _TableRow:
+    row: int
+    source: list[int]  # the request's block_ids list object this row mirrors
+    synced: int  # how many of its ids are in the row
+    step: int  # the last step that used it
+
+    def mirrors(self, ids: list[int], store: np.ndarray) -> bool:
+        # The last synced id is compared too: a cheap guard against an in-place edit of the list.
+        if self.source is not ids or len(ids) < self.synced:
+            return False
+        return self.synced == 0 or int(store[self.row, self.synced - 1]) == ids[self.synced - 1]
+
+
+def build_host_batch(
+    out: SchedulerOutput, block_size: int, tables: HostBlockTables | None = None
+) -> HostBatch:
+    """Flatten a SchedulerOutput into arrays. One Python pass over the chunks; per-token work is numpy.
+
+    Token t of chunk i sits at position start_i + (t - query_start[i]), and its slot is
+    table[i, pos // block_size] * block_size + pos % block_size (KVLayout's slot rule, vectorized).
+    `tables` (optional) caches block tables across steps; without it they are converted afresh.
+    """
+    if out.is_empty:
+        raise ValueError("build_host_batch: the step has no chunks")
+    tokens: list[int] = []
+    starts: list[int] = []
+    query_lens: list[int] = []
+    needs: list[int] = []
+    sample: list[bool] = []
+    for chunk in out.chunks:
+        req, start = chunk.request, chunk.request.num_computed_tokens
+        end = start + chunk.num_tokens
+        need = -(-end // block_size)
+        if len(req.block_ids) < need:
+            raise ValueError(
+                f"request {req.request_id!r}: {len(req.block_ids)} blocks cannot hold positions up to {end}"
+            )
+        tokens.extend(chunk_tokens(req, start, end))
+        starts.append(start)
+        query_lens.append(chunk.num_tokens)
+        needs.append(need)
+        sample.append(chunk.sample)
+    # Blocks past the longest context are never read: the table is only that wide.
+    requests = [c.request for c in out.chunks]
+    if tables is not None:
+        table = tables.gather(requests, max(needs))
+    else:
+        table = _block_table([r.block_ids[:n] for r, n in zip(requests, needs)])
+    qlens = np.array(query_lens, dtype=np.int64)
+    query_start = np.zeros(len(qlens) + 1, dtype=np.int64)
+    np.cumsum(qlens, out=query_start[1:])
+    seq_lens = np.array(starts, dtype=np.int64) + qlens
+    rows = np.repeat(np.arange(len(qlens)), qlens)
+    positions = np.arange(query_start[-1], dtype=np.int64) + (np.array(starts) - query_start[:-1])[rows]
+    slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return HostBatch(
+        token_ids=np.array(tokens, dtype=np.int64),
+        positions=positions,
+        slots=slots,
+        query_start=query_start.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=table,
+        logits_indices=query_start[1:][np.array(sample, dtype=bool)] - 1,
+        query_lens=query_lens,
+        seq_lens_list=seq_lens.tolist(),
+    )
+
+
+def _block_table(tables: list[list[int]]) -> np.ndarray:
+    """Ragged block lists -> [B, W] int32 padded with the null block (row-major fill of a mask)."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = max(1, int(lens.max()))
+    table = np.full((len(tables), width), NULL_BLOCK, dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    table[np.arange(width)[None, :] < lens[:, None]] = flat
+    return table
