@@ -21,6 +21,7 @@ import torch
 from model_runtime.attention.select import make_attention_backend
 from model_runtime.block_pool import BlockPool
 from model_runtime.config import EngineConfig, ModelConfig
+from model_runtime.cuda_graphs import graph_memory_estimate
 from model_runtime.detokenizer import IncrementalDetokenizer
 from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
@@ -77,12 +78,24 @@ class Engine:
         activations = activation_estimate(
             mc, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, probe.element_bytes
         )
+        if self.device != "cpu" and not config.device.enforce_eager:
+            # The decode CUDA graphs' private pool, allocated after the cache (eager steps cannot reuse it).
+            activations += graph_memory_estimate(mc, config.scheduler.max_num_seqs, probe.element_bytes)
         num_blocks = plan_num_blocks(mc, config.cache, probe.bytes_per_block, self.device, activations)
         self.layout = KVLayout(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, num_blocks, kv_dtype
         )
         backend = make_attention_backend(config.device.attention_backend, self.device)
-        self.runner = ModelRunner(mc, weights, self.layout, self.device, backend, self.max_model_len)
+        self.runner = ModelRunner(
+            mc,
+            weights,
+            self.layout,
+            self.device,
+            backend,
+            self.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            enforce_eager=config.device.enforce_eager,
+        )
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)
         self.sampler = Sampler(self.device, seed=config.device.seed)
