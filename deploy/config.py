@@ -2,7 +2,8 @@
 
 model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shape>, or the embedded default)
 mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
-router:   {host, port, metrics_port, max_queue, max_inflight, request_timeout_s, default_max_tokens}
+router:   {host, port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
+           default_max_tokens}
 prefill:  {replicas, num_gpus, engine: {cache: {...}, scheduler: {...}, device: {...}}}
 decode:   {replicas, num_gpus, engine: {...}}
 colocated:{replicas, num_gpus, engine: {...}}   # mode: colocated
@@ -34,8 +35,18 @@ class RouterSettings:
     max_inflight: int = 256
     request_timeout_s: float = 600.0
     default_max_tokens: int = 256
+    # Prometheus file_sd list (.json) that `tandem serve` rewrites with the router's and every live worker's
+    # /metrics address on each membership change; "" writes none (deploy/metrics.py).
+    metrics_file_sd: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metrics_file_sd, str) or (
+            self.metrics_file_sd and not self.metrics_file_sd.endswith(".json")
+        ):
+            raise ConfigError(
+                f"router.metrics_file_sd: must be a path ending in .json (Prometheus reads file_sd by "
+                f"extension) or empty, got {self.metrics_file_sd!r}"
+            )
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router.{name}: must be in [0, 65535], got {getattr(self, name)}")

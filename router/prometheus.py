@@ -1,0 +1,190 @@
+"""`PrometheusRouterMetrics`: the router's counting hooks (router.metrics) backed by prometheus-client.
+
+    metrics = PrometheusRouterMetrics(model="smollm2-135m-instruct")
+    server = RouterServer(config, metrics=metrics)     # RouterServer calls track_admission() itself
+    prometheus_client.start_http_server(9464, registry=metrics.registry)
+
+Every metric is in one private registry (tests and several routers in one process do not collide). Labels are
+bounded: model, status (a gRPC status name or "ok"), finish_reason, reason, worker, code; never a request id.
+
+Inter-token latency: the hooks see a request once, when it ends, so each request adds its decode time
+(end - first token) spread evenly over its completion_tokens - 1 gaps. Count and sum are exact; quantiles are
+those of per-request mean gaps, not of single gaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.metrics import RequestRecord, RouterMetrics
+
+# 1 ms .. 10 min: a TTFT can be milliseconds, a long generation minutes.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+FINISH_REASONS = ("stop", "length", "abort")
+OK = "ok"
+
+
+class AdmissionState(Protocol):
+    """What the running/waiting gauges read (router.admission.Admission)."""
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+def status_label(outcome: str) -> str:
+    """RequestRecord.outcome -> the `status` label: "ok" for a stream that ended with its Final message,
+    else the gRPC status name ("INVALID_ARGUMENT", "DEADLINE_EXCEEDED", ...)."""
+    return OK if outcome in FINISH_REASONS else outcome.upper()
+
+
+class PrometheusRouterMetrics(RouterMetrics):
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._admission: AdmissionState | None = None
+        self._define_request_metrics()
+        self._define_latency_metrics()
+        self.registry.register(_AdmissionCollector(self))
+        self._requests.labels(model, OK)  # present (at 0) from the start, so rate() sees the first request
+
+    def _define_request_metrics(self) -> None:
+        r = self.registry
+        self._requests = Counter(
+            "tandem_requests_total",
+            'Requests by final gRPC status ("ok": the stream ended with its Final message)',
+            ["model", "status"],
+            registry=r,
+        )
+        self._success = Counter(
+            "tandem_request_success_total",
+            "Requests that ended with a Final message, by finish reason",
+            ["model", "finish_reason"],
+            registry=r,
+        )
+        self._prompt_tokens = Counter(
+            "tandem_prompt_tokens_total",
+            "Prompt tokens of requests that reached a worker",
+            ["model"],
+            registry=r,
+        )
+        self._generation_tokens = Counter(
+            "tandem_generation_tokens_total", "Output tokens sent to clients", ["model"], registry=r
+        )
+        self._retries = Counter(
+            "tandem_request_retries_total",
+            'Requests moved to another worker ("no_room", "worker_failed")',
+            ["model", "reason"],
+            registry=r,
+        )
+        self._worker_failures = Counter(
+            "tandem_worker_failures_total",
+            "Failed worker calls and status polls, as the router saw them",
+            ["model", "worker", "code"],
+            registry=r,
+        )
+
+    def _define_latency_metrics(self) -> None:
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self._ttft = histogram("tandem_time_to_first_token_seconds", "Arrival to first output token")
+        self._itl = histogram(
+            "tandem_inter_token_latency_seconds",
+            "Time between output tokens (each request's decode time spread evenly over its gaps)",
+        )
+        self._e2e = histogram("tandem_e2e_request_latency_seconds", "Arrival to end of the request")
+        self._queue = histogram(
+            "tandem_request_queue_seconds", "Arrival to the first worker call (admission and KV reservation)"
+        )
+
+    def track_admission(self, admission: AdmissionState) -> None:
+        """Read tandem_requests_running/waiting from this admission bound at scrape time."""
+        self._admission = admission
+
+    def admission_counts(self) -> tuple[int, int]:
+        """(running, waiting) now; (0, 0) before track_admission."""
+        a = self._admission
+        return (0, 0) if a is None else (a.in_flight, a.queued)
+
+    # --- RouterMetrics hooks ---------------------------------------------------------------------------
+    def request_done(self, record: RequestRecord) -> None:
+        super().request_done(record)
+        m = self.model
+        self._requests.labels(m, status_label(record.outcome)).inc()
+        if record.outcome in FINISH_REASONS:
+            self._success.labels(m, record.outcome).inc()
+        self._prompt_tokens.labels(m).inc(record.prompt_tokens)
+        self._generation_tokens.labels(m).inc(record.completion_tokens)
+        self._e2e.labels(m).observe(record.e2e_seconds)
+        if record.queue_seconds is not None:
+            self._queue.labels(m).observe(record.queue_seconds)
+        if record.ttft_seconds is not None:
+            self._ttft.labels(m).observe(record.ttft_seconds)
+            self._observe_gaps(record)
+
+    def _observe_gaps(self, record: RequestRecord) -> None:
+        gaps = record.completion_tokens - 1
+        if gaps < 1 or record.ttft_seconds is None:
+            return
+        mean = max(0.0, record.e2e_seconds - record.ttft_seconds) / gaps
+        child = self._itl.labels(self.model)
+        for _ in range(gaps):
+            child.observe(mean)
+
+    def request_rejected(self, code: str) -> None:
+        super().request_rejected(code)
+        self._requests.labels(self.model, code.upper()).inc()
+
+    def worker_failed(self, worker_id: str, code: str) -> None:
+        super().worker_failed(worker_id, code)
+        self._worker_failures.labels(self.model, worker_id, code.upper()).inc()
+
+    def request_retried(self, reason: str) -> None:
+        super().request_retried(reason)
+        self._retries.labels(self.model, reason).inc()
+
+
+class _AdmissionCollector(Collector):
+    """The admission counters, read when Prometheus scrapes (plain ints written by the event loop)."""
+
+    def __init__(self, metrics: PrometheusRouterMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        running, waiting = self._metrics.admission_counts()
+        model = self._metrics.model
+        for name, doc, value in (
+            ("tandem_requests_running", "Requests placed on workers now", running),
+            ("tandem_requests_waiting", "Accepted requests waiting for a slot", waiting),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            family.add_metric([model], value)
+            yield family
