@@ -61,6 +61,10 @@ class WorkerProcess:
     def process_id(self) -> int:
         return self.pid
 
+    def metrics_address(self) -> str:
+        """host:port of the worker's Prometheus /metrics ("" before start or when it serves none)."""
+        return str(getattr(self.worker, "metrics_address", ""))
+
     def drain(self) -> bool:
         drain = getattr(self.worker, "drain", None)
         return bool(drain()) if drain is not None else True

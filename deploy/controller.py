@@ -29,6 +29,7 @@ class Member:
     worker_id: str
     role: str
     address: str
+    metrics_address: str = ""  # host:port of the worker's /metrics ("" when it serves none)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Slot:
     resources: dict[str, float]
     actor: Any = None
     address: str = ""
+    metrics_address: str = ""
     restarts: int = 0
     given_up: bool = False
 
@@ -98,6 +100,7 @@ class Controller:
         pending = {slot.worker_id: self._launch(slot) for slot in self.slots}
         for slot in self.slots:
             slot.address = ray.get(pending[slot.worker_id])
+            slot.metrics_address = self._metrics_address(slot)
             progress(f"{slot.worker_id} ready on {slot.address}")
         self._announce()
         self._thread = threading.Thread(target=self._watch, name="controller", daemon=True)
@@ -146,7 +149,9 @@ class Controller:
     # --- membership ------------------------------------------------------------------------------------
     def members(self) -> list[Member]:
         return [
-            Member(s.worker_id, s.role, s.address) for s in self.slots if s.actor is not None and s.address
+            Member(s.worker_id, s.role, s.address, s.metrics_address)
+            for s in self.slots
+            if s.actor is not None and s.address
         ]
 
     def _announce(self) -> None:
@@ -188,7 +193,7 @@ class Controller:
         import ray
 
         old = slot.actor
-        slot.actor, slot.address = None, ""
+        slot.actor, slot.address, slot.metrics_address = None, "", ""
         self._announce()  # stop routing to it before the (slow) restart
         ray.kill(old, no_restart=True)
         if slot.restarts >= self.config.controller.restart_limit:
@@ -198,11 +203,22 @@ class Controller:
         slot.restarts += 1
         try:
             slot.address = ray.get(self._launch(slot), timeout=600)
+            slot.metrics_address = self._metrics_address(slot)
             log.warning("worker %s restarted (%d) on %s", slot.worker_id, slot.restarts, slot.address)
         except Exception as exc:
             log.error("worker %s failed to restart: %s", slot.worker_id, exc)
             slot.actor = None
         return True
+
+    def _metrics_address(self, slot: Slot) -> str:
+        """The started worker's /metrics host:port; "" when it cannot say (metrics never block serving)."""
+        import ray
+
+        try:
+            return str(ray.get(slot.actor.metrics_address.remote(), timeout=10))
+        except Exception as exc:
+            log.warning("worker %s did not report its metrics address: %s", slot.worker_id, exc)
+            return ""
 
     # --- introspection (tests, tandem status) ----------------------------------------------------------
     def worker_pid(self, worker_id: str) -> int:
