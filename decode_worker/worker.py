@@ -10,6 +10,7 @@ from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2_grpc
 from worker_host.host import LockedAllocator, WorkerSpec, start_grpc, wait_idle
+from worker_host.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.DecodeWorker"
@@ -25,6 +26,8 @@ class DecodeWorker:
         self.service: DecodeService | None = None
         self._server = None
         self.address = ""
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
 
     def start(self) -> str:
         """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
@@ -48,6 +51,10 @@ class DecodeWorker:
         )
         self.address = f"{spec.public_host}:{port}"
         self.service.address = self.address
+        self.metrics = WorkerMetrics(
+            spec, self.loop, self.receiver.stats if self.receiver is not None else None
+        )
+        self.metrics_address = self.metrics.start()
         log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role, self.address)
         return self.address
 
@@ -59,6 +66,9 @@ class DecodeWorker:
         return wait_idle(self.loop, self.spec.drain_timeout_s)
 
     def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self._server is not None:
             self._server.stop(grace=1.0).wait(5.0)
             self._server = None

@@ -10,6 +10,7 @@ from model_runtime.engine_loop import EngineLoop
 from prefill_worker.service import PrefillService
 from tandem_api.tandem.v1 import worker_pb2_grpc
 from worker_host.host import WorkerSpec, start_grpc, wait_idle
+from worker_host.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.PrefillWorker"
@@ -25,6 +26,8 @@ class PrefillWorker:
         self.service: PrefillService | None = None
         self._server = None
         self.address = ""
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
 
     def start(self) -> str:
         spec = self.spec
@@ -42,6 +45,8 @@ class PrefillWorker:
         )
         self.address = f"{spec.public_host}:{port}"
         self.service.address = self.address
+        self.metrics = WorkerMetrics(spec, self.loop, self.sender.stats)
+        self.metrics_address = self.metrics.start()
         log.info("prefill worker %s serving on %s", spec.worker_id, self.address)
         return self.address
 
@@ -52,6 +57,9 @@ class PrefillWorker:
         return wait_idle(self.loop, self.spec.drain_timeout_s)
 
     def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self._server is not None:
             self._server.stop(grace=1.0).wait(5.0)
             self._server = None

@@ -1,0 +1,211 @@
+"""A worker's Prometheus metrics: its own /metrics endpoint on an ephemeral port, one registry per worker.
+
+    metrics = WorkerMetrics(spec, loop, transfer_stats=receiver.stats)   # or sender.stats, or None
+    address = metrics.start()          # "127.0.0.1:40123" (the node's IP when spec.host is a wildcard)
+    ...
+    metrics.stop()                     # safe twice
+
+Engine gauges (KV blocks, requests) and the KV transfer counters are read when Prometheus scrapes: the engine
+part under the loop's lock (loop.call), so one scrape sees one consistent engine state; transfer stats are
+kv_transfer's own locked snapshot. Step duration, batch size and prefill tokens are recorded as steps run, by
+wrapping the engine's step() and its scheduler's schedule() (model_runtime knows nothing of Prometheus).
+Every series carries model, role and worker labels.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kv_transfer import FailureReason, TransferStats
+from model_runtime.engine import Engine, StepOutput
+from model_runtime.engine_loop import EngineLoop
+from model_runtime.request import SchedulerOutput
+from worker_host.host import WorkerSpec
+
+LABELS = ["model", "role", "worker"]
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """One consistent reading of the engine, taken under the loop's lock."""
+
+    used_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    requests_total: int
+
+    @staticmethod
+    def read(engine: Engine) -> EngineGauges:
+        return EngineGauges(
+            used_blocks=engine.pool.num_used,
+            total_blocks=engine.pool.usable,
+            running=engine.scheduler.num_running,
+            waiting=engine.scheduler.num_waiting,
+            requests_total=engine.requests_total,
+        )
+
+
+def metrics_bind_host(spec: WorkerSpec) -> str:
+    """Every interface when the worker's gRPC server takes every interface (multi-node), else loopback."""
+    return "0.0.0.0" if spec.host in WILDCARD_HOSTS else "127.0.0.1"
+
+
+def prefill_tokens(out: SchedulerOutput) -> int:
+    """Prompt tokens this step computes (a decode chunk, or a request whose prompt arrived as KV, adds 0)."""
+    total = 0
+    for chunk in out.chunks:
+        left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
+        total += max(0, min(chunk.num_tokens, left))
+    return total
+
+
+class StepRecorder:
+    """Times each engine step that ran and records its batch. install() must run under the loop's lock."""
+
+    def __init__(self, registry: CollectorRegistry, labels: list[str]) -> None:
+        self._duration = Histogram(
+            "tandem_step_duration_seconds",
+            "Engine step wall time (schedule, model, sample) of steps that ran",
+            LABELS,
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        ).labels(*labels)
+        self._batch = Histogram(
+            "tandem_batch_size",
+            "Sequences in one engine step",
+            LABELS,
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        ).labels(*labels)
+        self._prefill = Counter(
+            "tandem_prefill_tokens_total", "Prompt tokens computed by this worker", LABELS, registry=registry
+        ).labels(*labels)
+        self._scheduled: SchedulerOutput | None = None
+
+    def install(self, engine: Engine) -> None:
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def recorded_schedule() -> SchedulerOutput:
+            out = schedule()
+            self._scheduled = out
+            self._prefill.inc(prefill_tokens(out))  # before the step advances num_computed_tokens
+            return out
+
+        def timed_step() -> list[StepOutput]:
+            self._scheduled = None
+            start = time.perf_counter()
+            outputs = step()
+            out = self._scheduled
+            if out is not None and not out.is_empty:
+                self._duration.observe(time.perf_counter() - start)
+                self._batch.observe(len(out.chunks))
+            return outputs
+
+        engine.scheduler.schedule = recorded_schedule  # type: ignore[method-assign]
+        engine.step = timed_step  # type: ignore[method-assign]
+
+
+class WorkerCollector(Collector):
+    """Engine gauges, liveness and KV transfer stats, read at scrape time."""
+
+    def __init__(
+        self, loop: EngineLoop, labels: list[str], transfer_stats: Callable[[], TransferStats] | None
+    ) -> None:
+        self._loop = loop
+        self._labels = labels
+        self._transfer_stats = transfer_stats
+        self._receiver = labels[1] != "prefill"  # decode: the receiver side (leases); prefill: the sender
+
+    def collect(self) -> Iterable[Metric]:
+        yield self._gauge("tandem_worker_up", "1 while the worker's engine loop runs", int(self._loop.alive))
+        g = self._loop.call(EngineGauges.read)
+        yield self._gauge("tandem_kv_cache_used_blocks", "KV blocks in use (ref count > 0)", g.used_blocks)
+        yield self._gauge("tandem_kv_cache_total_blocks", "Usable KV blocks", g.total_blocks)
+        usage = g.used_blocks / g.total_blocks if g.total_blocks else 0.0
+        yield self._gauge("tandem_kv_cache_usage_ratio", "Used / usable KV blocks (0-1)", usage)
+        yield self._gauge("tandem_engine_requests_running", "Requests the engine is running", g.running)
+        yield self._gauge("tandem_engine_requests_waiting", "Requests queued in the engine", g.waiting)
+        yield self._counter("tandem_engine_requests_total", "Requests the engine accepted", g.requests_total)
+        if self._transfer_stats is not None:
+            yield from self._transfer(self._transfer_stats())
+
+    def _transfer(self, stats: TransferStats) -> Iterable[Metric]:
+        seconds = HistogramMetricFamily(
+            "tandem_kv_transfer_seconds", "Duration of KV transfers that completed", labels=LABELS
+        )
+        buckets = [(floatToGoString(bound), float(count)) for bound, count in stats.seconds_buckets]
+        seconds.add_metric(self._labels, buckets, stats.seconds_sum)
+        yield seconds
+        yield self._counter(
+            "tandem_kv_transfer_bytes_total", "KV bytes moved by completed transfers", stats.bytes_ok
+        )
+        failures = CounterMetricFamily(
+            "tandem_kv_transfer_failures_total", "Failed KV transfers by reason", labels=[*LABELS, "reason"]
+        )
+        for reason in FailureReason:  # every reason at 0 from the start, so rate() sees the first failure
+            failures.add_metric([*self._labels, reason.name.lower()], stats.failures.get(reason, 0))
+        yield failures
+        if self._receiver:
+            yield self._gauge(
+                "tandem_kv_leases_active", "KV leases reserved, not yet landed", stats.active_leases
+            )
+        else:
+            yield self._gauge("tandem_kv_transfers_active", "KV sends in progress", stats.active_transfers)
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+
+class WorkerMetrics:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        loop: EngineLoop,
+        transfer_stats: Callable[[], TransferStats] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.registry = CollectorRegistry()
+        labels = [spec.engine.model, spec.role, spec.worker_id]
+        self._steps = StepRecorder(self.registry, labels)
+        self.registry.register(WorkerCollector(loop, labels, transfer_stats))
+        loop.call(self._steps.install)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.address = ""
+
+    def start(self) -> str:
+        """Serve /metrics on an ephemeral port; returns the host:port Prometheus should scrape."""
+        if self._server is None:
+            server, self._thread = start_http_server(0, metrics_bind_host(self.spec), self.registry)
+            self._server = server
+            self.address = f"{self.spec.public_host}:{server.server_port}"
+        return self.address
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
