@@ -32,6 +32,7 @@ from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.placement import can_serve
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
+from router.prometheus import PrometheusRouterMetrics
 from router.servicers import AdminService, GenerationService, RouterControlService
 from tandem_api.tandem.v1 import (
     admin_pb2,
@@ -70,6 +71,8 @@ class RouterServer:
             on_change=self._mark_health_dirty,
         )
         self._admission = Admission(config.max_inflight, config.max_queue)
+        if isinstance(self.metrics, PrometheusRouterMetrics):  # running/waiting gauges read admission
+            self.metrics.track_admission(self._admission)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
         self._health = health_aio.HealthServicer()
         self._health_dirty = asyncio.Event()
