@@ -11,6 +11,9 @@ from kv_transfer import KVReceiver  # noqa: E402
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(36, exit=False)  # where the receiver's threads are stuck, if they are
     kind = sys.argv[1] if len(sys.argv) > 1 else "nccl"
     conn, proc = t.spawn(t._sender_peer, kind, "cuda:1")
     cache, alloc = t.make_cache(99, "cuda:0"), t.FreeList(16)
