@@ -252,12 +252,16 @@ class NcclReceiverTransport(ReceiverTransport):
         with pair.lock, torch.cuda.stream(pair.stream):
             staging = torch.empty(shape, dtype=self._cache.dtype, device=self._device)
             try:  # from here on a failure may leave a receive posted: the communicator must go
+                # PartReady goes out before the receive is posted: the first send/recv on a pair sets up the
+                # p2p connection inside the call, and ncclRecv then blocks until the peer's ncclSend arrives
+                # (seen on NCCL 2.28). The sender posts its send only after PartReady, so the reverse order
+                # deadlocks until both deadlines fire.
+                job.conn.send_frame(kv_pb2.KVFrame(part_ready=kv_pb2.KVPartReady()), job.watch)
                 pair.comm.recv(
                     staging.data_ptr(), job.num_bytes, nccl.NCCL_UINT8, SENDER_RANK, pair.stream.cuda_stream
                 )
                 received = torch.cuda.Event()
                 received.record(pair.stream)
-                job.conn.send_frame(kv_pb2.KVFrame(part_ready=kv_pb2.KVPartReady()), job.watch)
                 wait_event(received, job.watch, job.conn, FailureReason.SENDER_ABORTED)
             except Exception as exc:
                 self._quarantine.append(staging)  # the aborted receive may still touch it: never reuse
