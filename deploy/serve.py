@@ -3,6 +3,8 @@
 Starts (or joins) Ray, the router on router.host:router.port, the worker pools through the controller, prints
 the address once the service is healthy, and on Ctrl-C / SIGTERM drains and stops everything it started,
 Ray included. `python -m deploy.job` is the same on an existing cluster (`ray job submit`).
+Prometheus: the router's /metrics on router.host:router.metrics_port, each worker's on its own port, all of
+them listed in router.metrics_file_sd when set (deploy/metrics.py).
 """
 
 from __future__ import annotations
@@ -58,27 +60,38 @@ def _say(message: str) -> None:
 async def serve(config: DeployConfig) -> int:
     """Run until SIGINT/SIGTERM. With controller.routers set (Kubernetes), membership goes to those standalone
     routers over gRPC; otherwise a router runs in this process."""
+    from deploy.metrics import ServeMetrics
     from deploy.publish import RouterPublisher
     from deploy.wiring import endpoints, router_config
 
     loop = asyncio.get_running_loop()
     router = None
     publisher: RouterPublisher | None = None
+    metrics = ServeMetrics(config, in_process_router=not config.controller.routers)
+    try:  # the router's /metrics and the Prometheus target list (router.metrics_port, router.metrics_file_sd)
+        metrics.start()
+    except OSError as exc:
+        metrics.close()
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
     if config.controller.routers:
         publisher = RouterPublisher(config.controller.routers, config.controller.health_interval_s)
-        controller = Controller(config, publisher.publish)
+        controller = Controller(config, metrics.wrap(publisher.publish))
         address = ", ".join(config.controller.routers)
     else:
         from router.server import RouterServer
 
-        router = RouterServer(router_config(config))
+        router = RouterServer(router_config(config), metrics=metrics.router_metrics)
         address = await router.start()
         in_process = router
-        controller = Controller(config, lambda members, gen: in_process.set_workers(endpoints(members), gen))
+        controller = Controller(
+            config, metrics.wrap(lambda members, gen: in_process.set_workers(endpoints(members), gen))
+        )
     try:
         controller.connect()
     except Exception as exc:
         await _shutdown(router, publisher, controller, config)
+        metrics.close()
         print(f"tandem serve: cannot start Ray: {exc}", file=sys.stderr)
         return 1
     _say(f"router(s) {address}; starting workers for {config.model} ({config.mode})")
@@ -102,6 +115,7 @@ async def serve(config: DeployConfig) -> int:
         code = 1
     finally:
         await _shutdown(router, publisher, controller, config)
+        metrics.close()
     return code
 
 

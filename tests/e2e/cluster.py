@@ -51,6 +51,8 @@ class ServeProcess:
         model: str = "smollm2-135m-instruct",
         extra: dict | None = None,
         start_timeout_s: float = 300.0,
+        metrics_port: int = 0,
+        metrics_file_sd: Path | None = None,
     ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -58,12 +60,14 @@ class ServeProcess:
         config: dict = {
             "model": model,
             "mode": mode,
-            "router": {"host": "127.0.0.1", "port": self.port, "metrics_port": 0},
+            "router": {"host": "127.0.0.1", "port": self.port, "metrics_port": metrics_port},
             "controller": {"health_interval_s": 0.5, "drain_timeout_s": 20},
         }
         for role, replicas in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
             if replicas:
                 config[role] = {"replicas": replicas, "num_gpus": 0, "engine": engine_section(num_blocks)}
+        if metrics_file_sd is not None:
+            config["router"]["metrics_file_sd"] = str(metrics_file_sd)
         for key, value in (extra or {}).items():
             config[key] = value
         self.config_path = tmp_path / "tandem.yaml"
