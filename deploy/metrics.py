@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from deploy.config import DeployConfig
 from deploy.controller import Member, Publish
@@ -45,6 +45,7 @@ class MetricsHTTPServer:
     """prometheus_client's /metrics server over one registry, on host:port (port 0: any free port)."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+        disable_created_metrics()  # process-wide: `_created` samples would double the series Prometheus stores
         try:
             server, thread = start_http_server(port, host, registry)
         except OSError as exc:

@@ -73,7 +73,17 @@ class PrometheusRouterMetrics(RouterMetrics):
         self._define_request_metrics()
         self._define_latency_metrics()
         self.registry.register(_AdmissionCollector(self))
-        self._requests.labels(model, OK)  # present (at 0) from the start, so rate() sees the first request
+        # Present (at 0) from the start, so rate() and the dashboard see the first request.
+        self._requests.labels(model, OK)
+        for metric in (
+            self._prompt_tokens,
+            self._generation_tokens,
+            self._ttft,
+            self._itl,
+            self._e2e,
+            self._queue,
+        ):
+            metric.labels(model)
 
     def _define_request_metrics(self) -> None:
         r = self.registry
