@@ -214,7 +214,9 @@ class IpcReceiverTransport(ReceiverTransport):
         copied = torch.cuda.Event()
         copied.record(self._stream)
         try:
-            wait_event(copied, job.watch, job.conn, FailureReason.SENDER_ABORTED)
+            # A local copy always finishes; the sender pipelines its Done frame behind the part, so reading the
+            # connection here would mistake Done for an abort (seen in the H200 bench).
+            wait_event(copied, job.watch, None, FailureReason.SENDER_ABORTED)
         except TransferFailed:
             copied.synchronize()  # local copies always finish; the contract: no write pending on return
             raise

@@ -66,6 +66,20 @@ def _new_comm(uid: bytes, rank: int) -> Any:
         return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in uid), rank)
 
 
+def _connect(comm: Any, rank: int, device: torch.device) -> None:
+    """One 1-byte send/recv right after init: NCCL sets up a pair's p2p connection inside the first
+    ncclSend/ncclRecv, which then blocks until the peer's matching call. Doing it here, in the abandonable init
+    thread, keeps every later receive asynchronous so transfer deadlines can fire."""
+    nccl = _nccl()
+    stream = torch.cuda.Stream(device)
+    probe = torch.zeros(1, dtype=torch.uint8, device=device)
+    if rank == SENDER_RANK:
+        comm.send(probe.data_ptr(), 1, nccl.NCCL_UINT8, RECEIVER_RANK, stream.cuda_stream)
+    else:
+        comm.recv(probe.data_ptr(), 1, nccl.NCCL_UINT8, SENDER_RANK, stream.cuda_stream)
+    stream.synchronize()
+
+
 def init_comm(
     uid: bytes, rank: int, device: torch.device, timeout_s: float, watch: Watch | None = None
 ) -> Any:
@@ -77,7 +91,9 @@ def init_comm(
     def work() -> None:
         try:
             bind_device(device)
-            outcome["comm"] = _new_comm(uid, rank)
+            comm = _new_comm(uid, rank)
+            _connect(comm, rank, device)
+            outcome["comm"] = comm
         except Exception as exc:
             outcome["error"] = exc
 
