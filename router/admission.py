@@ -23,9 +23,26 @@ class Admission:
         self.queued = 0
         self.in_flight = 0
         self._slots = asyncio.Semaphore(max_inflight)
+        self._closed_reason: str | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._closed_reason is None
+
+    @property
+    def accepted(self) -> int:
+        """Requests holding a ticket (queued or in flight)."""
+        return self.queued + self.in_flight
+
+    def close(self, reason: str) -> None:
+        """Refuse every later request with UNAVAILABLE `reason` (a draining router); tickets already given
+        out keep their places."""
+        self._closed_reason = reason
 
     def enter(self) -> Ticket:
-        """Accept one request as queued, or raise RESOURCE_EXHAUSTED when the router is full."""
+        """Accept one request as queued, or raise UNAVAILABLE when closed, RESOURCE_EXHAUSTED when full."""
+        if self._closed_reason is not None:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, self._closed_reason)
         if self.queued + self.in_flight >= self.max_inflight + self.max_queue:
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

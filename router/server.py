@@ -33,12 +33,11 @@ from router.model import ServedModel
 from router.placement import can_serve
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
 from router.prometheus import PrometheusRouterMetrics
-from router.servicers import AdminService, GenerationService, RouterControlService
+from router.servicers import AdminService, GenerationService, RouterControlService, add_generation_service
 from tandem_api.tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,
     generate_pb2,
-    generate_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
@@ -50,6 +49,7 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 ROUTER_CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RouterControl"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _SET_WORKERS_TIMEOUT_S = 10.0
+_DRAIN_POLL_S = 0.05
 
 
 class RouterServer:
@@ -78,6 +78,7 @@ class RouterServer:
         self._health_dirty = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
+        self._draining = False  # once set, health stays NOT_SERVING whatever the membership says
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -130,7 +131,7 @@ class RouterServer:
         )
         dispatcher = Dispatcher(self._pool, cfg, self.metrics)
         generation = GenerationService(cfg, model, self._admission, dispatcher, self.metrics, self._executor)
-        generate_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+        add_generation_service(generation, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self._pool, self._admission), server)
         worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -150,6 +151,24 @@ class RouterServer:
             self._health_task.cancel()
         await self._pool.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting (new requests get UNAVAILABLE "draining"), report NOT_SERVING, and wait up to
+        `timeout_s` for every accepted request to end. True when all ended in time; the server keeps running
+        (stop() follows and cancels whatever is left)."""
+        self._draining = True
+        self._admission.close("router is draining (shutting down); retry on another router")
+        await self._set_health(False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._admission.accepted > 0:
+            if loop.time() >= deadline:
+                log.warning(
+                    "drain: %d requests still running after %.1fs", self._admission.accepted, timeout_s
+                )
+                return False
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return True
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -202,6 +221,7 @@ class RouterServer:
             await self._set_health(can_serve(self._pool.loads()))
 
     async def _set_health(self, serving: bool) -> None:
+        serving = serving and not self._draining
         if serving == self._serving:
             return
         self._serving = serving

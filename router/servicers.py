@@ -11,9 +11,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from router.admission import Admission, Ticket
 from router.config import RouterConfig
@@ -40,6 +42,40 @@ log = logging.getLogger(__name__)
 INLINE_TOKENIZE_CHARS = 2048
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Generate's request bytes that do not parse as a GenerateRequest (for example a string field holding
+    invalid UTF-8). gRPC's own deserializer would answer INTERNAL; this lets Generate answer INVALID_ARGUMENT."""
+
+    problem: str
+
+
+def decode_generate_request(data: bytes) -> generate_pb2.GenerateRequest | UndecodableRequest:
+    try:
+        return generate_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return UndecodableRequest(str(exc))
+
+
+def add_generation_service(service: GenerationService, server: Any) -> None:
+    """generate_pb2_grpc.add_GenerationServicer_to_server, with Generate's lenient deserializer."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            request_deserializer=decode_generate_request,
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=generate_pb2.ListModelsRequest.FromString,
+            response_serializer=generate_pb2.ListModelsResponse.SerializeToString,
+        ),
+    }
+    name = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(
         self,
@@ -57,7 +93,17 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._metrics = metrics
         self._executor = executor
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: Any) -> None:
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest | UndecodableRequest, context: Any
+    ) -> None:
+        if isinstance(request, UndecodableRequest):
+            self._metrics.request_rejected(grpc.StatusCode.INVALID_ARGUMENT.name.lower())
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not a valid tandem.v1.GenerateRequest ({request.problem}); "
+                "string fields (text, chat content, stop, request_id, model) must be UTF-8",
+            )
+            return
         clock = RequestClock(arrival=time.monotonic())
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None else self._config.request_timeout_s
