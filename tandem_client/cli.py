@@ -1,4 +1,4 @@
-"""The `tandem` command line: generate (against a server or offline), status, serve.
+"""The `tandem` command line: generate (against a server or offline), status, serve, bench (tandem_client.bench).
 
 Exit codes: 0 success, 1 runtime failure (server unreachable, deadline, engine error), 2 bad input (flags,
 JSONL lines, rejected requests). Expected errors print one line on stderr, never a traceback.
@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tandem_client.bench.cli import add_bench_parser
 from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
 from tandem_client.client import Client
 from tandem_client.errors import InvalidArgument, TandemError
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_status(commands)
     _add_serve(commands)
+    add_bench_parser(commands)
     return parser
 
 

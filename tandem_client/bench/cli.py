@@ -1,0 +1,151 @@
+"""`tandem bench`: flags -> BenchSettings -> run_benchmark -> a summary on stdout, JSON and PNG files.
+
+The `tandem` command line (tandem_client.cli) registers this subcommand with add_bench_parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from tandem_client.bench.report import BenchReport, BenchSettings, format_summary
+from tandem_client.bench.stats import SLO, parse_slo
+from tandem_client.bench.workload import BenchConfigError, parse_dist
+from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
+
+DEFAULT_NUM_REQUESTS = 100
+DEFAULT_DRAIN_S = 30.0
+
+
+def _number(text: str) -> float:
+    """argparse type for numbers; ranges are checked by BenchSettings, whose messages name the flag."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "bench",
+        help="load-test a running router: latency percentiles, throughput, goodput under SLOs",
+        description="Send synthetic (or traced) requests to a router and measure TTFT, TPOT, ITL and e2e "
+        "latency. Prompts are random token ids; every request sets ignore_eos and max_tokens, so output "
+        "lengths are exact. DIST is N, uniform:LOW:HIGH or normal:MEAN:STDDEV (token counts).",
+    )
+    p.add_argument(
+        "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
+    )
+    pace = p.add_mutually_exclusive_group(required=True)
+    pace.add_argument(
+        "--rate", type=_number, metavar="R", help="open loop: R requests/s on average (inf: all at once)"
+    )
+    pace.add_argument("--concurrency", type=_integer, metavar="C", help="closed loop: C requests in flight")
+    p.add_argument(
+        "--burstiness",
+        type=_number,
+        default=1.0,
+        metavar="B",
+        help="gamma shape of inter-arrival times: 1 (default) is Poisson, < 1 burstier, > 1 more regular",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=_integer,
+        metavar="N",
+        help=f"requests to send (default: the trace's length, else {DEFAULT_NUM_REQUESTS})",
+    )
+    p.add_argument("--duration", type=_number, metavar="S", help="stop sending after S seconds")
+    p.add_argument(
+        "--drain",
+        type=_number,
+        default=DEFAULT_DRAIN_S,
+        metavar="S",
+        help=f"with --duration: wait S more seconds, then cancel what still runs (default {DEFAULT_DRAIN_S:g})",
+    )
+    p.add_argument("--input-len", default="256", metavar="DIST", help="prompt tokens (default 256)")
+    p.add_argument("--output-len", default="128", metavar="DIST", help="output tokens (default 128)")
+    p.add_argument(
+        "--trace",
+        metavar="FILE.jsonl",
+        help='lengths per request instead of DISTs: {"input_len": N, "output_len": M} or '
+        '{"prompt_token_ids": [...], "output_len": M} per line',
+    )
+    p.add_argument("--seed", type=_integer, default=0, metavar="S", help="seed for prompts and arrivals")
+    p.add_argument(
+        "--slo", metavar="ttft=S,tpot=S,e2e=S", help="goodput targets in seconds, e.g. ttft=0.5,tpot=0.05"
+    )
+    p.add_argument("--json", metavar="OUT.json", help="write the full report (config, commit, per request)")
+    p.add_argument("--plot-dir", metavar="DIR", help="write latency CDF plots (PNG; needs matplotlib)")
+    p.add_argument("--timeout", type=_number, metavar="S", help="gRPC deadline per request in seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(handler=cmd_bench)
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    if args.rate is not None and math.isnan(args.rate):
+        raise BenchConfigError("--rate: must be > 0, got nan")
+    num_requests = args.num_requests
+    if num_requests is None:
+        num_requests = None if args.trace else DEFAULT_NUM_REQUESTS
+    if num_requests is None:
+        from tandem_client.bench.workload import read_trace
+
+        num_requests = len(read_trace(args.trace))
+    return BenchSettings(
+        server=resolve_address(args.server),
+        num_requests=num_requests,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        burstiness=args.burstiness,
+        input_len=parse_dist(args.input_len, "--input-len"),
+        output_len=parse_dist(args.output_len, "--output-len"),
+        trace=args.trace,
+        seed=args.seed,
+        duration_s=args.duration,
+        drain_s=args.drain,
+        timeout_s=args.timeout,
+        slo=parse_slo(args.slo) if args.slo else SLO(),
+    )
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    """Atomically (temp file + rename), so a reader never sees half a report."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(report.to_json() + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tandem_client.bench.runner import run_benchmark
+
+    settings = settings_from_args(args)
+    report = run_benchmark(settings, progress=not args.no_progress)
+    print(format_summary(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"tandem: wrote the report to {args.json}", file=sys.stderr)
+    if args.plot_dir:
+        from tandem_client.bench.plots import plot_latency_cdfs
+
+        written = plot_latency_cdfs({report.model: report}, Path(args.plot_dir) / "latency_cdf.png")
+        if written is not None:
+            print(f"tandem: wrote {written}", file=sys.stderr)
+    return 0

@@ -1,0 +1,226 @@
+"""The benchmark report: counts, latency summaries, throughput and goodput, as a frozen dataclass and as JSON.
+
+Counts always reconcile: sent = succeeded + failed + cancelled; build_report refuses records that do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem_client.bench.loadgen import Outcome, RequestRecord, RunResult
+from tandem_client.bench.stats import (
+    SLO,
+    Goodput,
+    RequestMetrics,
+    Summary,
+    goodput,
+    request_metrics,
+    summarize,
+)
+from tandem_client.bench.workload import BenchConfigError, LengthDist
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What was run, recorded next to the results so a number can be traced to its configuration."""
+
+    server: str
+    num_requests: int
+    rate: float | None  # requests/s (open loop); None in closed loop; inf means all at once
+    concurrency: int | None  # closed loop
+    burstiness: float
+    input_len: LengthDist  # ignored with a trace
+    output_len: LengthDist
+    trace: str | None  # JSONL path
+    seed: int
+    duration_s: float | None
+    drain_s: float
+    timeout_s: float | None
+    slo: SLO
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise BenchConfigError("give exactly one of --rate and --concurrency")
+        if self.rate is not None and not self.rate > 0:
+            raise BenchConfigError(f"--rate: must be > 0, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise BenchConfigError(f"--concurrency: must be >= 1, got {self.concurrency}")
+        if self.num_requests < 1:
+            raise BenchConfigError(f"--num-requests: must be >= 1, got {self.num_requests}")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
+            raise BenchConfigError(f"--burstiness: must be a finite number > 0, got {self.burstiness}")
+        for flag, value in (("--duration", self.duration_s), ("--timeout", self.timeout_s)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise BenchConfigError(f"{flag}: must be a finite number of seconds > 0, got {value}")
+        if not (self.drain_s >= 0 and math.isfinite(self.drain_s)):
+            raise BenchConfigError(f"--drain: must be a finite number of seconds >= 0, got {self.drain_s}")
+
+
+@dataclass(frozen=True)
+class Counts:
+    sent: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    failed_by_code: dict[str, int]  # gRPC status name -> requests
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One request in the JSON, so distributions can be re-plotted or re-cut without rerunning."""
+
+    index: int
+    outcome: str
+    error_code: str | None
+    input_len: int
+    output_tokens: int
+    sent_at: float
+    ttft: float | None
+    tpot: float | None
+    e2e: float
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    settings: BenchSettings
+    model: str  # the served model's id (ListModels)
+    counts: Counts
+    duration_s: float
+    request_throughput: float  # succeeded requests / s
+    output_token_throughput: float  # output tokens of succeeded requests / s
+    input_token_throughput: float  # prompt tokens of succeeded requests / s
+    ttft: Summary
+    tpot: Summary
+    itl: Summary
+    e2e: Summary
+    goodput: Goodput | None  # None without --slo
+    commit: str | None
+    host: str
+    finished_at: str  # UTC, ISO 8601
+    requests: tuple[RequestRow, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(_jsonable(dataclasses.asdict(self)), indent=2)
+
+
+def _jsonable(value: object) -> object:
+    """inf/nan are not JSON: write them as strings (an infinite --rate means "all at once")."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def count_outcomes(records: Sequence[RequestRecord]) -> Counts:
+    by_outcome = Counter(r.outcome for r in records)
+    codes = Counter(r.error_code or "UNKNOWN" for r in records if r.outcome is Outcome.FAILED)
+    counts = Counts(
+        sent=len(records),
+        succeeded=by_outcome[Outcome.SUCCEEDED],
+        failed=by_outcome[Outcome.FAILED],
+        cancelled=by_outcome[Outcome.CANCELLED],
+        failed_by_code=dict(sorted(codes.items())),
+    )
+    if counts.sent != counts.succeeded + counts.failed + counts.cancelled or counts.failed != sum(
+        codes.values()
+    ):
+        raise RuntimeError(f"bench counts do not reconcile: {counts}")
+    return counts
+
+
+def git_commit(repo: Path | None = None) -> str | None:
+    """HEAD of the checkout this code runs from, with "-dirty" when tracked files changed; None outside git."""
+    where = repo or Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head
+
+
+def _row(record: RequestRecord, metrics: RequestMetrics) -> RequestRow:
+    return RequestRow(
+        index=record.index,
+        outcome=record.outcome.value,
+        error_code=record.error_code,
+        input_len=record.input_len,
+        output_tokens=metrics.output_tokens,
+        sent_at=record.sent_at,
+        ttft=metrics.ttft,
+        tpot=metrics.tpot,
+        e2e=metrics.e2e,
+    )
+
+
+def build_report(
+    settings: BenchSettings, model: str, run: RunResult, commit: str | None = None
+) -> BenchReport:
+    """Latency statistics cover succeeded requests only; goodput's share counts every request sent."""
+    counts = count_outcomes(run.records)
+    metrics = [request_metrics(r.timeline) for r in run.records]
+    ok = [(r, m) for r, m in zip(run.records, metrics, strict=True) if r.outcome is Outcome.SUCCEEDED]
+    ok_metrics = [m for _, m in ok]
+    seconds = run.duration_s
+    per_s = (lambda n: n / seconds) if seconds > 0 else (lambda n: 0.0)
+    return BenchReport(
+        settings=settings,
+        model=model,
+        counts=counts,
+        duration_s=seconds,
+        request_throughput=per_s(len(ok)),
+        output_token_throughput=per_s(sum(m.output_tokens for m in ok_metrics)),
+        input_token_throughput=per_s(sum(r.input_len for r, _ in ok)),
+        ttft=summarize([m.ttft for m in ok_metrics if m.ttft is not None]),
+        tpot=summarize([m.tpot for m in ok_metrics if m.tpot is not None]),
+        itl=summarize([itl for m in ok_metrics for itl in m.itls]),
+        e2e=summarize([m.e2e for m in ok_metrics]),
+        goodput=None if settings.slo.is_empty() else goodput(settings.slo, ok_metrics, counts.sent, seconds),
+        commit=commit,
+        host=platform.node(),
+        finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        requests=tuple(_row(r, m) for r, m in zip(run.records, metrics, strict=True)),
+    )
+
+
+def format_summary(report: BenchReport) -> str:
+    """The human-readable table printed after a run."""
+    c = report.counts
+    lines = [
+        f"requests: sent {c.sent}, succeeded {c.succeeded}, failed {c.failed}"
+        + (f" {c.failed_by_code}" if c.failed_by_code else "")
+        + f", cancelled {c.cancelled}  in {report.duration_s:.2f} s",
+        f"throughput: {report.request_throughput:.2f} req/s, {report.output_token_throughput:.1f} output tok/s",
+        f"{'(ms)':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s: Summary = getattr(report, name)
+        cells = [s.mean, s.p50, s.p90, s.p99]
+        lines.append(f"{name:<6}" + "".join(f"{'-' if v is None else f'{v * 1e3:.1f}':>10}" for v in cells))
+    if report.goodput is not None:
+        g = report.goodput
+        lines.append(
+            f"goodput ({g.slo.describe()}): {g.met}/{g.sent} = {g.share:.1%} of requests, {g.requests_per_s:.2f} req/s"
+        )
+    return "\n".join(lines)
