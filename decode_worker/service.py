@@ -91,7 +91,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self._landed[rid] = landed
         try:
             if request.local_prefill:
-                self.loop.call(lambda e: e.add_request(rid, prompt, sampling))
+                offset = request.output_offset
+                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset))
             else:
                 finished = yield from self._receive_kv(request, prompt, sampling, landed, context)
                 if finished is not None:
@@ -128,8 +129,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         ft = result.first_token
         assert ft is not None
         first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
+        blocks, offset = result.lease.block_ids, request.output_offset
         done = self.loop.call(
-            lambda e: e.add_prefilled(rid, prompt, sampling, result.lease.block_ids, ft.token_id, first_lp)
+            lambda e: e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset)
         )
         return finished_event(done).finished if done is not None else None
 

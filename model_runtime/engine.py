@@ -128,11 +128,25 @@ class Engine:
             )
         sampling.check_vocab(vocab)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        output_offset: int = 0,
+    ) -> Request:
+        """`output_offset`: see Request.output_offset (a resumed request; 0 for a new one)."""
         self.validate(prompt_token_ids, sampling)
+        _check_offset(output_offset)
         if request_id in self._trackers:
             raise InvalidRequest(f"request_id: {request_id!r} is already running")
-        request = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            eos_token_ids=self.eos_token_ids,
+            output_offset=output_offset,
+        )
         self.scheduler.add(request)
         self._trackers[request_id] = self._tracker(request)
         self.requests_total += 1
@@ -152,11 +166,14 @@ class Engine:
         block_ids: tuple[int, ...],
         first_token: int,
         first_logprob: TokenLogprobs | None = None,
+        output_offset: int = 0,
     ) -> StepOutput | None:
         """Decode worker: admit a request whose prompt KV landed in `block_ids` (allocated from this pool and
         now owned by the engine) with the token prefill sampled. Returns a finished StepOutput when that token
-        already ends the request (its blocks are freed), else None: later tokens come from step()."""
+        already ends the request (its blocks are freed), else None: later tokens come from step().
+        `output_offset`: the output index prefill sampled `first_token` at (see Request.output_offset)."""
         self.validate(prompt_token_ids, sampling)
+        _check_offset(output_offset)
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -164,6 +181,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             block_ids=list(block_ids),
             num_computed_tokens=len(prompt_token_ids),
+            output_offset=output_offset,
         )
         request.output_token_ids.append(first_token)
         if first_logprob is not None:
@@ -219,7 +237,7 @@ class Engine:
             return [], []
         tensors = SamplingTensors.from_params(
             [r.sampling for r in requests],
-            [r.num_output_tokens for r in requests],
+            [r.output_offset + r.num_output_tokens for r in requests],
             self.model_config.vocab_size,
             logits.device,
         )
@@ -267,3 +285,8 @@ class Engine:
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens not yet computed, over every request the scheduler holds (placement signal)."""
         return self.scheduler.uncomputed_prompt_tokens()
+
+
+def _check_offset(output_offset: int) -> None:
+    if not isinstance(output_offset, int) or isinstance(output_offset, bool) or output_offset < 0:
+        raise InvalidRequest(f"output_offset: must be an integer >= 0, got {output_offset!r}")

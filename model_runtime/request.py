@@ -122,6 +122,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Output index of this request's first output token: non-zero when it resumes a request that another
+    # worker was generating (the prompt then holds the tokens already sent). Seeded sampling draws output
+    # token t with derive_step_seed(seed, output_offset + t), so a resumed stream continues the same draws.
+    output_offset: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

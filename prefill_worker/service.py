@@ -57,7 +57,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
         try:
             try:
-                self.loop.call(lambda e: e.add_request(rid, prompt, sampling))
+                offset = request.output_offset
+                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset))
             except (InvalidRequest, RequestRejected, SamplingError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             out = wait_for(

@@ -30,6 +30,9 @@ class RouterConfig:
     dead_after_failed_polls: a worker that fails this many polls in a row is DEAD (skipped) until one succeeds.
     lease_ttl_s: how long a decode worker's reservation waits for the prefill worker's KV.
     worker_rpc_timeout_s: longest wait for a worker's control answer (the decode reservation).
+    worker_retries: how many times one request is moved to other workers after a worker failed it (before its
+      first token: a fresh start; after: a resume that re-prefills prompt + the tokens sent). Past it the
+      client gets UNAVAILABLE.
     max_message_bytes: gRPC send/receive limit on the public server and on the worker channels.
     """
 
@@ -47,6 +50,7 @@ class RouterConfig:
     dead_after_failed_polls: int = 3
     lease_ttl_s: float = 30.0
     worker_rpc_timeout_s: float = 10.0
+    worker_retries: int = 2
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
@@ -58,7 +62,8 @@ class RouterConfig:
             _check(value is None or (_is_int(value) and value >= 1), name, "must be None or an integer >= 1")
         for name in ("default_max_tokens", "max_inflight", "dead_after_failed_polls", "max_message_bytes"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
-        _check(_is_int(self.max_queue) and self.max_queue >= 0, "max_queue", "must be an integer >= 0")
+        for name in ("max_queue", "worker_retries"):
+            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         for name in (
             "request_timeout_s",
             "poll_interval_s",

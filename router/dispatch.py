@@ -9,9 +9,11 @@ Disaggregated (a prefill/decode pair):
 Colocated: one Decode(local_prefill=True) call whose first batch starts with the first token.
 
 Recovery: "no room" (RESOURCE_EXHAUSTED) moves to the next decode worker, then waits with backoff until the
-deadline. A worker failing before the client saw a token is retried once on other workers; after tokens were
-sent the client gets ABORTED (generate.proto). `_Attempt.worker_input` is where a resume (re-prefill prompt + the
-tokens sent so far, with output_offset) would go. Every exit path cancels the worker calls it opened.
+deadline. A worker failing the request moves it to other workers, up to `worker_retries` times: before the
+first token it starts afresh; after, it resumes (`_Attempt.worker_input`): the new pair re-prefills prompt + the
+tokens the client already has and samples from output index len(sent) on (seeded sampling draws by output index,
+so the stream continues exactly), so the client sees no gap and no duplicate. Past the budget: UNAVAILABLE.
+Every exit path cancels the worker calls it opened.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,7 +31,7 @@ import grpc
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.metrics import RouterMetrics
-from router.placement import Placement, place
+from router.placement import Placement, Role, place
 from router.pool import Charge, WorkerHandle, WorkerPool
 from router.relay import Relay, Write
 from router.responses import ResponseBuilder
@@ -54,14 +56,52 @@ class _Attempt:
     deadline: float  # loop time
     write: Write
     decode_charge: Charge
+    sent: int = 0  # tokens the client had when this attempt began (> 0: a resume)
 
     def time_left(self) -> float:
         return max(0.001, self.deadline - asyncio.get_running_loop().time())
 
     def worker_input(self) -> tuple[list[int], int]:
-        """(prompt ids, output_offset) for the workers. A resume would send prompt + out.token_ids with
-        output_offset len(out.token_ids) (and max_tokens reduced by as much); today attempts start fresh."""
-        return list(self.request.prompt_token_ids), 0
+        """(prompt ids, output_offset) for the workers: a resume sends prompt + the tokens already sent and
+        asks for output index `sent` next."""
+        return [*self.request.prompt_token_ids, *self.out.token_ids[: self.sent]], self.sent
+
+    def sampling(self) -> worker_pb2.EngineSampling:
+        message = engine_sampling(self.request.sampling)
+        message.max_tokens -= self.sent  # the tokens already sent count against the request's max_tokens
+        return message
+
+
+@dataclass
+class _Failures:
+    """The worker failures of one request so far, and the workers of the attempts they ended."""
+
+    budget: int  # retries allowed (RouterConfig.worker_retries)
+    errors: list[WorkerCallError] = field(default_factory=list)
+    avoid: dict[str, Role] = field(default_factory=dict)
+    first_at: float | None = None  # loop time of the first failure
+
+    def add(self, exc: WorkerCallError, placement: Placement) -> None:
+        # Both workers of the failed pair: which one was at fault is not always knowable (a stalled transfer
+        # fails the prefill stream when the decode worker stopped); placement falls back as needed.
+        self.errors.append(exc)
+        self.avoid[placement.decode] = Role.DECODE
+        if placement.prefill is not None:
+            self.avoid[placement.prefill] = Role.PREFILL
+        if self.first_at is None:
+            self.first_at = asyncio.get_running_loop().time()
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self.errors) > self.budget
+
+    def summary(self, sent: int) -> str:
+        first, last = self.errors[0], self.errors[-1]
+        text = str(first)
+        if len(self.errors) > 1:
+            text += f"; the retry failed too ({len(self.errors) - 1} retries): {last}"
+        text += f"; gave up after {len(self.errors)} attempts (router worker_retries={self.budget})"
+        return text + (f", {sent} tokens had been sent" if sent else "")
 
 
 class Dispatcher:
@@ -77,14 +117,14 @@ class Dispatcher:
     ) -> None:
         """Stream the request's Deltas and its Final through `write`; raise RouterError on failure.
         The caller bounds the whole call by `deadline` (loop time); worker calls get the time that is left."""
-        failed: dict[str, WorkerCallError] = {}  # never retried on for this request
+        failures = _Failures(self._config.worker_retries)
         full: set[str] = set()  # no room: skipped until the next backoff round
         delay = _BACKOFF_FIRST_S
         while True:
-            placement = place(self._pool.loads(), failed.keys() | full, next(self._turns))
+            placement = self._place(failures.avoid, full)
             if placement is None:
-                if not full:
-                    raise _no_worker(failed)
+                if not full and not self._may_wait_for_recovery(failures):
+                    raise _no_worker(failures.errors)
                 await asyncio.sleep(delay)
                 delay, full = min(2 * delay, _BACKOFF_MAX_S), set()
                 continue
@@ -96,14 +136,39 @@ class Dispatcher:
                     raise RouterError(
                         exc.code, f"the deadline passed while {exc.worker} had the request"
                     ) from None
-                self._note_failure(exc, out, failed, full)
+                self._note_failure(exc, placement, out, failures, full)
+
+    def _place(self, avoid: dict[str, Role], full: set[str]) -> Placement | None:
+        """Placement that prefers workers this request has not failed on: first neither worker of a failed
+        pair, then keeping its prefill worker (a decode fault), then its decode worker (a prefill fault), then
+        any. Workers that are really gone are not READY (suspect or DEAD) and never placed on."""
+        loads, turn = self._pool.loads(), next(self._turns)
+        decodes = {w for w, role in avoid.items() if role is not Role.PREFILL}
+        prefills = avoid.keys() - decodes
+        for exclude in (decodes | prefills, decodes, prefills, set()):
+            placement = place(loads, exclude | full, turn)
+            if placement is not None:
+                return placement
+        return None
+
+    def _may_wait_for_recovery(self, failures: _Failures) -> bool:
+        """After a failure no pair may be READY for a moment (the failed worker is suspect until its next poll,
+        the controller is replacing a dead one): wait up to worker_rpc_timeout_s from the first failure."""
+        if failures.first_at is None:
+            return False
+        return asyncio.get_running_loop().time() < failures.first_at + self._config.worker_rpc_timeout_s
 
     def _note_failure(
-        self, exc: WorkerCallError, out: ResponseBuilder, failed: dict[str, WorkerCallError], full: set[str]
+        self,
+        exc: WorkerCallError,
+        placement: Placement,
+        out: ResponseBuilder,
+        failures: _Failures,
+        full: set[str],
     ) -> None:
         """Record a failed attempt, or raise the client's error when the request cannot go on."""
         log.info("request %s: %s", out.request.request_id, exc)
-        if exc.no_room and not out.token_ids:
+        if exc.no_room:
             full.add(exc.worker_id)
             self._metrics.request_retried("no_room")
             return
@@ -112,16 +177,14 @@ class Dispatcher:
         self._metrics.worker_failed(exc.worker_id, exc.code.name.lower())
         if exc.unreachable:
             self._pool.report_unreachable(exc.worker_id)
+        failures.add(exc, placement)
+        if failures.exhausted:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, failures.summary(len(out.token_ids)))
         if out.token_ids:
-            raise RouterError(
-                grpc.StatusCode.ABORTED,
-                f"{exc} after {len(out.token_ids)} tokens were sent; the request cannot be resumed",
+            log.warning(
+                "request %s: resuming after %d tokens: %s", out.request.request_id, len(out.token_ids), exc
             )
-        if failed:
-            first = next(iter(failed.values()))
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{first}; the retry failed too: {exc}")
-        failed[exc.worker_id] = exc
-        self._metrics.request_retried("worker_failed")
+        self._metrics.request_retried("resumed" if out.token_ids else "worker_failed")
 
     async def _attempt(
         self,
@@ -140,6 +203,7 @@ class Dispatcher:
             deadline=deadline,
             write=write,
             decode_charge=self._pool.charge(decode.worker_id, running=1),
+            sent=len(out.token_ids),
         )
         with contextlib.ExitStack() as stack:
             stack.callback(attempt.decode_charge.release)
@@ -183,7 +247,7 @@ class Dispatcher:
             attempt.decode_charge.kv_blocks = target.num_blocks
             attempt.out.clock.started = time.monotonic()
             prefill = self._open_prefill(prefill_handle, attempt, target)
-            prompt_tokens = len(attempt.request.prompt_token_ids)
+            prompt_tokens = len(attempt.worker_input()[0])
             prefill_charge = self._pool.charge(prefill_handle.worker_id, prefill_tokens=prompt_tokens)
             merger.add(prefill)
             merger.add(decode)
@@ -205,7 +269,7 @@ class Dispatcher:
         message = worker_pb2.DecodeRequest(
             request_id=attempt.id,
             prompt_token_ids=prompt,
-            sampling=engine_sampling(attempt.request.sampling),
+            sampling=attempt.sampling(),
             local_prefill=local_prefill,
             lease_ttl_ms=int(self._config.lease_ttl_s * 1000),
             output_offset=offset,
@@ -219,7 +283,7 @@ class Dispatcher:
         message = worker_pb2.PrefillRequest(
             request_id=attempt.id,
             prompt_token_ids=prompt,
-            sampling=engine_sampling(attempt.request.sampling),
+            sampling=attempt.sampling(),
             target=target,
             output_offset=offset,
         )
@@ -247,9 +311,9 @@ def _passed(deadline: float) -> bool:
     return asyncio.get_running_loop().time() >= deadline - _DEADLINE_SLACK_S
 
 
-def _no_worker(failed: dict[str, WorkerCallError]) -> RouterError:
+def _no_worker(failed: list[WorkerCallError]) -> RouterError:
     reason = "no worker can take the request now (it needs a READY prefill and decode worker, or a READY "
     reason += "colocated worker)"
     if failed:
-        reason += f"; {next(iter(failed.values()))}"
+        reason += f"; {failed[-1]}"
     return RouterError(grpc.StatusCode.UNAVAILABLE, reason)

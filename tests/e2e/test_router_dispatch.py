@@ -10,7 +10,6 @@ import pytest
 
 from router.model import ServedModel
 from tandem_client import (
-    Aborted,
     ChatMessage,
     DeadlineExceeded,
     FinishReason,
@@ -231,16 +230,16 @@ def test_second_failure_gives_unavailable(make) -> None:
         client.generate(PROMPT)
 
 
-def test_worker_failing_after_tokens_were_sent_aborts_the_stream(make) -> None:
-    # step_s: the decode stream must not overtake the prefill's first token (then no token was sent yet and the
-    # router rightly treats the failure as retryable).
-    harness = make(batch=2, step_s=0.05)
+def test_worker_failing_after_tokens_were_sent_past_the_retry_budget_is_unavailable(make) -> None:
+    # step_s: the decode stream must not overtake the prefill's first token (then no token was sent yet).
+    # worker_retries=0: no resume (tests/e2e/test_faults.py covers resuming on real workers).
+    harness = make(batch=2, step_s=0.05, worker_retries=0)
     _pair(harness, decode_mode="fail_after")
     harness.start()
     seen: list[int] = []
     with (
         harness.client() as client,
-        pytest.raises(Aborted, match=r"decode worker d0 failed: UNAVAILABLE.*after 3 tokens"),
+        pytest.raises(Unavailable, match=r"decode worker d0 failed: UNAVAILABLE.*3 tokens had been sent"),
     ):
         for event in client.stream(PROMPT, max_tokens=64):
             seen += event.token_ids  # type: ignore[union-attr]

@@ -53,7 +53,8 @@ class GenerationServicer:
         """Streams Delta messages as tokens are produced, then exactly one Final message, then closes with OK.
         Errors are gRPC statuses: INVALID_ARGUMENT (the details name the field), RESOURCE_EXHAUSTED (no capacity or
         a message too large), UNAVAILABLE (no worker; safe to retry only before the first Delta),
-        DEADLINE_EXCEEDED, CANCELLED, ABORTED (a worker died after tokens were sent), NOT_FOUND (unknown model).
+        DEADLINE_EXCEEDED, CANCELLED, NOT_FOUND (unknown model). A worker failing mid-stream is recovered by
+        resuming on another worker (no gap, no duplicate); past the router's retry budget: UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
