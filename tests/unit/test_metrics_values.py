@@ -54,6 +54,9 @@ def test_a_finished_request_counts_once_with_its_tokens_and_latencies() -> None:
     # 5 tokens -> 4 gaps sharing the 2 s between the first token and the end
     assert value(r, "tandem_inter_token_latency_seconds_count") == 4
     assert value(r, "tandem_inter_token_latency_seconds_sum") == pytest.approx(2.0)
+    assert value(r, "tandem_inter_token_latency_seconds_bucket", le="0.25") == 0  # each gap: 0.5 s
+    assert value(r, "tandem_inter_token_latency_seconds_bucket", le="0.5") == 4
+    assert value(r, "tandem_inter_token_latency_seconds_bucket", le="+Inf") == 4
     assert m.outcomes["length"] == 1 and m.completion_tokens == 5  # the base class's counters still count
 
 
