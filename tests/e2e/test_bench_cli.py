@@ -1,0 +1,141 @@
+"""`tandem bench` end to end: a real CPU service (`tandem serve`, 1 prefill + 1 decode, the embedded model) and
+the bench command as a subprocess. Loads are tiny: the point is that runs complete, counts reconcile and the
+JSON holds what the flags asked for, not the numbers themselves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem_client import Client
+from tests.e2e.cluster import ServeProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ServeProcess(tmp_path_factory.mktemp("bench-serve"), prefill=1, decode=1) as serve:
+        yield serve
+    assert serve.exit_code == 0, "".join(serve.lines[-30:])
+
+
+def run_bench(address: str, out: Path, *flags: str, timeout_s: float = 120.0) -> tuple[dict, str]:
+    """Run `tandem bench`; returns (the JSON report, stdout)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem_client.cli",
+        "bench",
+        "--server",
+        address,
+        "--json",
+        str(out),
+        *flags,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def assert_reconciled(counts: dict) -> None:
+    assert counts["sent"] == counts["succeeded"] + counts["failed"] + counts["cancelled"]
+    assert counts["failed"] == sum(counts["failed_by_code"].values())
+
+
+def wait_idle(address: str, timeout_s: float = 20.0) -> None:
+    """Cancelled requests must release their KV blocks on every worker."""
+    deadline = time.monotonic() + timeout_s
+    with Client(address) as client:
+        while True:
+            busy = [(w.worker_id, w.kv_blocks_used) for w in client.status().workers if w.kv_blocks_used]
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers still hold KV blocks after the bench: {busy}")
+            time.sleep(0.3)
+
+
+def test_small_bounded_run_completes_with_exact_lengths(cluster, tmp_path):
+    report, stdout = run_bench(
+        cluster.address, tmp_path / "run.json",
+        "--rate", "4", "--num-requests", "12", "--input-len", "16", "--output-len", "8",
+        "--seed", "3", "--slo", "ttft=30,tpot=10",
+    )  # fmt: skip
+    counts = report["counts"]
+    assert_reconciled(counts)
+    assert counts["sent"] == counts["succeeded"] == 12, counts
+    rows = report["requests"]
+    assert [r["output_tokens"] for r in rows] == [8] * 12  # ignore_eos + max_tokens: exact lengths
+    assert all(r["input_len"] == 16 for r in rows)
+    assert report["output_token_throughput"] * report["duration_s"] == pytest.approx(12 * 8)
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        s = report[metric]
+        assert 0 <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (metric, s)
+    assert report["itl"]["count"] == 12 * 7  # n - 1 inter-token gaps per request
+    assert report["ttft"]["p99"] <= report["e2e"]["p99"]
+    # generous SLOs: everything meets them on an idle CPU service
+    assert report["goodput"]["met"] == 12 and report["goodput"]["share"] == 1.0
+    assert report["settings"]["rate"] == 4.0 and report["settings"]["seed"] == 3
+    assert report["model"] and "commit" in report
+    assert "goodput (ttft=30.0,tpot=10.0): 12/12" in stdout
+
+
+def test_duration_bound_cancels_what_still_runs(cluster, tmp_path):
+    # 400 output tokens take the CPU service several seconds, so every request sent in the first second is
+    # still running at duration + drain = 1 s and gets cancelled; none is sent after 1 s.
+    report, _ = run_bench(
+        cluster.address, tmp_path / "cut.json",
+        "--rate", "6", "--num-requests", "40", "--input-len", "16", "--output-len", "400",
+        "--duration", "1", "--drain", "0", "--no-progress",
+    )  # fmt: skip
+    counts = report["counts"]
+    assert_reconciled(counts)
+    assert 1 <= counts["sent"] < 40, counts
+    assert counts["cancelled"] >= 1, counts
+    assert all(r["sent_at"] < 1.0 for r in report["requests"])
+    assert report["duration_s"] < 10
+
+
+@pytest.mark.xfail(
+    reason="prefill_worker leaks KV blocks of some requests cancelled around their first token (seen: 1-3 blocks "
+    "held on prefill-0 after test_duration_bound_cancels_what_still_runs); remove this mark once fixed",
+    strict=False,
+)
+def test_cancelled_requests_release_their_kv_blocks(cluster):
+    wait_idle(cluster.address, timeout_s=10.0)
+
+
+def test_closed_loop_trace_run(cluster, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"input_len": 5, "output_len": 3}, {"prompt_token_ids": [1000, 1001, 1002], "output_len": 2}]
+    trace.write_text("\n".join(json.dumps(line) for line in lines * 2) + "\n")
+    report, _ = run_bench(
+        cluster.address,
+        tmp_path / "closed.json",
+        "--concurrency",
+        "2",
+        "--trace",
+        str(trace),
+        "--no-progress",
+    )
+    assert_reconciled(report["counts"])
+    assert report["counts"]["succeeded"] == 4  # --num-requests defaults to the trace's length
+    rows = report["requests"]
+    assert [(r["input_len"], r["output_tokens"]) for r in rows] == [(5, 3), (3, 2), (5, 3), (3, 2)]
+    assert report["settings"]["concurrency"] == 2 and report["settings"]["rate"] is None
+
+
+def test_bad_flag_exits_2_naming_the_flag(cluster):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem_client.cli", "bench", "--server", cluster.address, "--rate", "1",
+         "--input-len", "uniform:9:2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--input-len" in proc.stderr and "Traceback" not in proc.stderr
