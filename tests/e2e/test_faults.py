@@ -1,0 +1,363 @@
+"""Worker faults end to end (issue 9, items 2, 3, 4, 8): real Ray, real gRPC, the tcp KV transport, the embedded
+model. Faults are real signals to the worker processes (found by the port they listen on):
+
+    SIGKILL a decode worker mid-stream   -> the request resumes on the other decode worker, tokens equal offline
+    SIGKILL a prefill worker mid-prompt  -> retried on the other prefill worker; the decode reservation is freed
+    SIGSTOP the decode worker holding the lease -> the transfer deadline fires, the request resumes elsewhere;
+                                           SIGCONT: both sides hold nothing, the service serves
+    SIGSTOP the only prefill worker      -> health NOT_SERVING; SIGCONT -> SERVING
+    SIGSTOP a worker (a hung process)    -> the controller's heartbeat notices within seconds and replaces it
+
+Two clusters: `pairs` (2 prefill + 2 decode, the controller watching every 0.5 s) and `stall` (1 prefill +
+2 decode, the controller's checks far apart so that a stopped worker stays stopped until the test resumes it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.llm import LLM
+from model_runtime.request import PromptInput, SamplingParams
+from tandem_client import Client, Unavailable
+from tandem_client.types import WorkerInfo
+from tests.e2e.cluster import ServeProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+TRANSFER = {"transfer_timeout_s": 3, "lease_ttl_s": 5}
+WORDS = [
+    "the",
+    "river",
+    "carried",
+    "seven",
+    "quiet",
+    "lanterns",
+    "past",
+    "the",
+    "copper",
+    "harbor",
+    "at",
+    "dawn",
+]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def long_prompt(words: int) -> str:
+    """A prompt long enough that its prefill takes seconds on a CPU worker (a window to inject the fault)."""
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+# --- cluster introspection ---------------------------------------------------------------------------------
+def workers(address: str) -> dict[str, WorkerInfo]:
+    with Client(address) as client:
+        return {w.worker_id: w for w in client.status().workers}
+
+
+def wait_until(check: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.2) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def wait_all_ready(address: str, count: int, timeout_s: float = 120.0) -> dict[str, WorkerInfo]:
+    def ready() -> dict[str, WorkerInfo] | None:
+        found = workers(address)
+        ok = len(found) == count and all(w.state.name == "READY" for w in found.values())
+        return found if ok else None
+
+    return wait_until(ready, timeout_s, f"{count} READY workers")  # type: ignore[return-value]
+
+
+def assert_all_idle(address: str, timeout_s: float = 20.0) -> None:
+    """Every worker reports zero used KV blocks and zero leases."""
+
+    def idle() -> bool:
+        found = workers(address).values()
+        return bool(found) and not any(w.kv_blocks_used or w.active_leases for w in found)
+
+    try:
+        wait_until(idle, timeout_s, "idle workers", every_s=0.3)
+    except AssertionError:
+        busy = [(w.worker_id, w.kv_blocks_used, w.active_leases) for w in workers(address).values()]
+        raise AssertionError(f"workers still hold KV blocks or leases after {timeout_s}s: {busy}") from None
+
+
+def health(address: str) -> int:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    except grpc.RpcError:
+        return -1
+    return int(reply.status)
+
+
+def pid_of(worker: WorkerInfo) -> int:
+    """The process listening on the worker's gRPC port: /proc/net/tcp gives the socket's inode, and the process
+    holding that inode is the worker."""
+    port = int(worker.address.rpartition(":")[2])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rpartition(":")[2], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                return int(pid)
+        except OSError:  # gone, or not ours to read
+            continue
+    raise AssertionError(f"no process listens on {worker.address} ({worker.worker_id})")
+
+
+@contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP the process for the block; SIGCONT after it, however the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+class Background:
+    """One streamed generation on a thread: its token batches as they arrive, its result or error."""
+
+    def __init__(self, address: str, prompt: str, **sampling: object) -> None:
+        self.batches: list[list[int]] = []
+        self.result = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(address, prompt, sampling), daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str, prompt: str, sampling: dict) -> None:
+        try:
+            with Client(address) as client:
+                stream = client.stream(prompt, **sampling)
+                for event in stream:
+                    if event is not stream.result:
+                        self.batches.append(list(event.token_ids))  # type: ignore[union-attr]
+                self.result = stream.result
+        except BaseException as exc:  # the test thread reads and asserts it
+            self.error = exc
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(b) for b in list(self.batches))
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise AssertionError(f"the request did not end within {timeout_s}s")
+
+
+def busy_worker(address: str, role: str, before: dict[str, WorkerInfo]) -> WorkerInfo:
+    """The worker of `role` that took the new request (its requests_total grew, or it holds work now)."""
+
+    def find() -> WorkerInfo | None:
+        for w in workers(address).values():
+            if w.role.name != role or w.worker_id not in before:
+                continue
+            took = w.requests_total > before[w.worker_id].requests_total
+            if took or w.active_leases or w.running_requests or w.queued_prefill_tokens:
+                return w
+        return None
+
+    return wait_until(find, 15, f"the {role} worker that took the request", every_s=0.1)  # type: ignore
+
+
+# --- fixtures ----------------------------------------------------------------------------------------------
+def serve(tmp: Path, prefill: int, decode: int, controller: dict) -> ServeProcess:
+    extra = {"transfer": TRANSFER, "controller": {"drain_timeout_s": 10, **controller}}
+    return ServeProcess(tmp, prefill=prefill, decode=decode, num_blocks=192, extra=extra)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=192),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
+        device=DeviceConfig(device="cpu"),
+    )
+    return LLM(config=config)
+
+
+def greedy(offline: LLM, prompt: str, max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return offline.generate([PromptInput(text=prompt)], params)[0].token_ids
+
+
+@pytest.fixture(scope="class")
+def pairs(tmp_path_factory) -> Iterator[ServeProcess]:
+    """2 prefill + 2 decode; the controller checks every 0.5 s and replaces dead or hung workers."""
+    with serve(tmp_path_factory.mktemp("pairs"), 2, 2, {"health_interval_s": 0.5}) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="class")
+def stall(tmp_path_factory) -> Iterator[ServeProcess]:
+    """1 prefill + 2 decode; the controller's checks are 10 minutes apart (a stopped worker stays stopped)."""
+    controller = {"health_interval_s": 600, "restart_limit": 0}
+    with serve(tmp_path_factory.mktemp("stall"), 1, 2, controller) as cluster:
+        yield cluster
+
+
+class TestPairs:
+    """2 prefill + 2 decode workers, one cluster for the class (torn down before the next class starts)."""
+
+    # --- item 2: a decode worker dies mid-stream -----------------------------------------------------------
+    def test_decode_worker_killed_mid_stream_resumes_elsewhere_without_gap_or_duplicate(self, pairs, offline):
+        prompt, max_tokens = "Write a long list of animals and where they live:", 100
+        want = greedy(offline, prompt, max_tokens)
+        before = wait_all_ready(pairs.address, 4)
+        request = Background(pairs.address, prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        victim = busy_worker(pairs.address, "DECODE", before)
+        wait_until(lambda: request.num_tokens >= 8, 30, "the first tokens")
+        os.kill(pid_of(victim), signal.SIGKILL)
+        killed_after = request.num_tokens
+        request.join(120)
+
+        assert request.error is None, request.error
+        assert killed_after < max_tokens, "the request ended before the kill: nothing was tested"
+        streamed = [t for batch in request.batches for t in batch]
+        assert streamed == want, f"killed after {killed_after} tokens: stream {streamed} offline {want}"
+        assert list(request.result.token_ids) == want
+        survivor = next(
+            w for w in before.values() if w.role.name == "DECODE" and w.worker_id != victim.worker_id
+        )
+        resumed = workers(pairs.address)[survivor.worker_id].requests_total
+        assert resumed > survivor.requests_total, "the request did not resume on the other decode worker"
+        after = wait_all_ready(pairs.address, 4)  # the controller replaced the killed worker
+        assert after[victim.worker_id].address != victim.address
+        assert_all_idle(pairs.address)
+
+    # --- item 3: a prefill worker dies before the handoff --------------------------------------------------
+    def test_prefill_worker_killed_mid_prompt_is_retried_and_the_reservation_freed(self, pairs, offline):
+        prompt = long_prompt(700)
+        want = greedy(offline, prompt, 6)
+        before = wait_all_ready(pairs.address, 4)
+        request = Background(pairs.address, prompt, temperature=0, max_tokens=6, ignore_eos=True)
+        victim = busy_worker(pairs.address, "PREFILL", before)
+        os.kill(pid_of(victim), signal.SIGKILL)
+        killed_after = request.num_tokens
+        request.join(120)
+
+        assert request.error is None, request.error
+        assert killed_after == 0, "the prompt was done before the kill: nothing was tested"
+        assert list(request.result.token_ids) == want
+        other = next(
+            w for w in before.values() if w.role.name == "PREFILL" and w.worker_id != victim.worker_id
+        )
+        assert workers(pairs.address)[other.worker_id].requests_total > other.requests_total
+        wait_all_ready(pairs.address, 4)
+        assert_all_idle(pairs.address)  # the decode side's reservation for the failed attempt is released
+
+    # --- item 8: a hung worker is detected by the controller's heartbeat and replaced ----------------------
+    def test_a_hung_worker_is_replaced_within_seconds_while_the_service_serves(self, pairs, offline):
+        before = wait_all_ready(pairs.address, 4)
+        victim = before["decode-1"]
+        pid = pid_of(victim)
+        stopped_at = time.monotonic()
+        with stopped(pid):
+            line = f"worker {victim.worker_id} failed its health check"
+            wait_until(lambda: any(line in x for x in pairs.lines), 10, "the controller to notice the hang")
+            noticed_s = time.monotonic() - stopped_at
+            with Client(pairs.address) as client:  # the other pair serves meanwhile
+                got = client.generate("Name three colors.", temperature=0, max_tokens=4, ignore_eos=True)
+            assert list(got.token_ids) == greedy(offline, "Name three colors.", 4)
+            assert health(pairs.address) == SERVING
+            wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the hung process to be killed")
+        after = wait_all_ready(pairs.address, 4)
+        assert after[victim.worker_id].address != victim.address
+        assert noticed_s < 8, f"the hang was noticed after {noticed_s:.1f}s"
+        assert_all_idle(pairs.address)
+
+
+class TestStall:
+    """1 prefill + 2 decode workers; the controller does not intervene (stopped workers stay stopped)."""
+
+    # --- item 4: a transfer stalls (the receiving decode worker is stopped) --------------------------------
+    def test_stalled_transfer_times_out_frees_both_sides_and_the_request_resumes(self, stall, offline):
+        prompt = long_prompt(600)
+        want = greedy(offline, prompt, 12)
+        before = wait_all_ready(stall.address, 3)
+        request = Background(stall.address, prompt, temperature=0, max_tokens=12, ignore_eos=True)
+        receiver = busy_worker(
+            stall.address, "DECODE", before
+        )  # it reserved the blocks; prefill is computing
+        started = time.monotonic()
+        with stopped(pid_of(receiver)):
+            assert request.num_tokens == 0, "the prompt was done before the stop: nothing was tested"
+            request.join(90)
+            took_s = time.monotonic() - started
+            assert request.error is None, request.error
+            assert list(request.result.token_ids) == want
+            # The prefill side freed its blocks when its transfer deadline fired, while the receiver is still stopped.
+            wait_until(
+                lambda: (
+                    workers(stall.address)["prefill-0"].kv_blocks_used == 0
+                    and workers(stall.address)["prefill-0"].active_leases == 0
+                ),
+                10,
+                "the prefill worker to free its side",
+            )
+        assert took_s < 60, f"the stalled request took {took_s:.0f}s"
+        wait_all_ready(stall.address, 3)
+        assert_all_idle(stall.address)  # the stopped worker freed its lease once it ran again
+        with Client(stall.address) as client:
+            assert client.generate("hello", temperature=0, max_tokens=3).token_ids
+
+    # --- item 8: health is NOT_SERVING while no prefill/decode pair works ----------------------------------
+    def test_health_is_not_serving_while_the_only_prefill_worker_is_stopped(self, stall):
+        wait_all_ready(stall.address, 3)
+        assert health(stall.address) == SERVING
+        with stopped(pid_of(workers(stall.address)["prefill-0"])):
+            wait_until(lambda: health(stall.address) == NOT_SERVING, 15, "NOT_SERVING")
+            with Client(stall.address, retries=0) as client, pytest.raises(Unavailable, match="no worker"):
+                client.generate("hello", max_tokens=2, timeout=10)
+        wait_until(lambda: health(stall.address) == SERVING, 15, "SERVING again")
+        with Client(stall.address) as client:
+            assert client.generate("hello", temperature=0, max_tokens=3).token_ids
+        assert_all_idle(stall.address)
+
+
+# --- the engine side of a resume (no cluster) ---------------------------------------------------------------
+def run_engine(offline: LLM, rid: str, prompt: list[int], sampling: SamplingParams, offset: int) -> list[int]:
+    engine, tokens = offline.engine, []
+    engine.add_request(rid, prompt, sampling, offset)
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+    return tokens
+
+
+def test_a_resumed_seeded_request_continues_the_same_stream(offline):
+    """Re-prefilling prompt + the first k outputs with output_offset k draws what the whole run drew next."""
+    prompt = offline.tokenizer.encode("Tell me a story about a fox.", False)
+    params = {"temperature": 1.0, "top_p": 0.95, "seed": 7}
+    whole = run_engine(offline, "whole", prompt, SamplingParams(max_tokens=12, ignore_eos=True, **params), 0)
+    k = 5
+    rest = SamplingParams(max_tokens=12 - k, ignore_eos=True, **params)
+    assert run_engine(offline, "resumed", prompt + whole[:k], rest, k) == whole[k:]
+    assert run_engine(offline, "from-zero", prompt + whole[:k], rest, 0) != whole[k:]  # the offset matters
