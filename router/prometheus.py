@@ -114,7 +114,7 @@ class PrometheusRouterMetrics(RouterMetrics):
         )
         self._retries = Counter(
             "tandem_request_retries_total",
-            'Requests moved to another worker ("no_room", "worker_failed")',
+            'Requests moved to another worker ("no_room", "worker_failed", "resumed")',
             ["model", "reason"],
             registry=r,
         )
