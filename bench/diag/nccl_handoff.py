@@ -6,8 +6,8 @@ import sys
 import time
 
 sys.path.insert(0, ".")
-import tests.gpu.test_kv_transfer_gpu as t  # noqa: E402
-from kv_transfer import KVReceiver  # noqa: E402
+import tests.gpu.test_kv_transfer_gpu as t
+from kv_transfer import KVReceiver
 
 
 def main() -> None:
