@@ -24,7 +24,28 @@ from tests.e2e.cluster import ServeProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-WORDS = ["river", "light", "seven", "quiet", "engine", "paper", "orbit", "maple", "signal", "harbor", "copper", "violet", "thunder", "garden", "silver", "lantern", "meadow", "falcon", "pebble", "canyon"]
+WORDS = [
+    "river",
+    "light",
+    "seven",
+    "quiet",
+    "engine",
+    "paper",
+    "orbit",
+    "maple",
+    "signal",
+    "harbor",
+    "copper",
+    "violet",
+    "thunder",
+    "garden",
+    "silver",
+    "lantern",
+    "meadow",
+    "falcon",
+    "pebble",
+    "canyon",
+]
 
 
 def prompts(n: int, seed: int) -> list[str]:
