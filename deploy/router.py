@@ -26,8 +26,13 @@ async def run(config_path: str | None) -> int:
     except ConfigError as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
-    router = RouterServer(router_config(config))
+    from deploy.metrics import MetricsHTTPServer
+    from router.prometheus import PrometheusRouterMetrics
+
+    metrics = PrometheusRouterMetrics(config.model) if config.router.metrics_port else None
+    router = RouterServer(router_config(config), metrics=metrics)
     address = await router.start()
+    http = MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry) if metrics else None
     print(f"Tandem router serving {config.model} on {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -35,6 +40,8 @@ async def run(config_path: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await router.stop(config.controller.drain_timeout_s)
+    if http is not None:
+        http.close()
     return 0
 
 
