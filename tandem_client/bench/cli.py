@@ -143,9 +143,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_json(report, args.json)
         print(f"tandem: wrote the report to {args.json}", file=sys.stderr)
     if args.plot_dir:
-        from tandem_client.bench.plots import plot_latency_cdfs
+        from tandem_client.bench.plots import LatencySamples, plot_latency_cdfs
 
-        written = plot_latency_cdfs({report.model: report}, Path(args.plot_dir) / "latency_cdf.png")
+        written = plot_latency_cdfs(
+            {report.model: LatencySamples.from_report(report)},
+            Path(args.plot_dir) / "latency_cdf.png",
+            slo=None if report.settings.slo.is_empty() else report.settings.slo,
+            title=f"tandem bench: {report.settings.server}",
+        )
         if written is not None:
             print(f"tandem: wrote {written}", file=sys.stderr)
     return 0

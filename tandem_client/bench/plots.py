@@ -5,12 +5,33 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from tandem_client.bench.report import BenchReport
+from tandem_client.bench.stats import SLO
 
 CDF_METRICS = (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"), ("e2e", "end-to-end latency (ms)"))
+
+
+@dataclass(frozen=True)
+class LatencySamples:
+    """Per-request latencies (seconds) of the succeeded requests of one run: what a CDF plot needs, small
+    enough to store next to sweep results and re-plot later."""
+
+    ttft: tuple[float, ...]
+    tpot: tuple[float, ...]
+    e2e: tuple[float, ...]
+
+    @classmethod
+    def from_report(cls, report: BenchReport) -> LatencySamples:
+        ok = [row for row in report.requests if row.outcome == "succeeded"]
+        return cls(
+            ttft=tuple(r.ttft for r in ok if r.ttft is not None),
+            tpot=tuple(r.tpot for r in ok if r.tpot is not None),
+            e2e=tuple(r.e2e for r in ok),
+        )
 
 
 def _pyplot() -> ModuleType | None:
@@ -25,26 +46,24 @@ def _pyplot() -> ModuleType | None:
     return plt
 
 
-def plot_latency_cdfs(reports: Mapping[str, BenchReport], path: str | Path, title: str = "") -> Path | None:
-    """One panel per metric (TTFT, TPOT, e2e) with the empirical CDF over succeeded requests, one line per
-    labelled report (e.g. disaggregated vs colocated at the same rate). Returns the file, or None if skipped."""
+def plot_latency_cdfs(
+    series: Mapping[str, LatencySamples], path: str | Path, *, slo: SLO | None = None, title: str = ""
+) -> Path | None:
+    """One panel per metric (TTFT, TPOT, e2e) with the empirical CDF, one line per labelled run (e.g.
+    disaggregated vs colocated at the same rate); dashed lines at the SLO targets. Returns the file, or None
+    when matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
         return None
     fig, axes = plt.subplots(1, len(CDF_METRICS), figsize=(5 * len(CDF_METRICS), 4))
     for ax, (metric, label) in zip(axes, CDF_METRICS, strict=True):
-        for name, report in reports.items():
-            values = sorted(
-                getattr(row, metric) * 1e3
-                for row in report.requests
-                if row.outcome == "succeeded" and getattr(row, metric) is not None
-            )
+        for name, samples in series.items():
+            values = sorted(v * 1e3 for v in getattr(samples, metric))
             if values:
-                ys = [(i + 1) / len(values) for i in range(len(values))]
-                ax.step(values, ys, where="post", label=name)
-        slo = getattr(reports[next(iter(reports))].settings.slo, metric, None) if reports else None
-        if slo is not None:
-            ax.axvline(slo * 1e3, color="grey", linestyle="--", label="SLO")
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=name)
+        target = getattr(slo, metric, None) if slo is not None else None
+        if target is not None:
+            ax.axvline(target * 1e3, color="grey", linestyle="--", label="SLO")
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
@@ -75,6 +94,8 @@ def plot_goodput_vs_rate(
         ax.axhline(threshold, color="grey", linestyle="--", label=f"target {threshold:g}")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel(ylabel)
+    if threshold is not None and threshold <= 100:
+        ax.set_ylim(0, 102)  # shares in percent: show the whole range so the distance to the target reads
     ax.grid(alpha=0.3)
     ax.legend()
     if title:

@@ -1,0 +1,399 @@
+"""Disaggregated (1 prefill + 1 decode) vs colocated (2 replicas) on the same 2 GPUs: which serves more requests
+within latency targets? Llama-3-8B shape, dummy weights, bf16; the deploy configs are
+deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same engine, same kernels).
+
+    python bench/disagg_vs_colocated.py --deployments disagg --workloads prefill-heavy     # one sweep
+    python bench/disagg_vs_colocated.py                                  # everything (long: see --budget-s)
+    python bench/disagg_vs_colocated.py --summarize-only                  # tables + plots from saved results
+
+Each deployment is started once with `tandem serve` (a subprocess, log under bench/results/logs/), warmed up
+(NCCL pairs, CUDA graphs), then every chosen workload's request rates are swept in ascending order with
+`tandem bench`'s load generator (open loop, Poisson arrivals). A point sends for --duration seconds
+(at least --min-requests requests), waits --drain seconds, then cancels what still runs; cancelled and failed
+requests count against the SLOs. A sweep stops after two points below the target share (or one below 50%):
+past saturation the queue only grows. Each point is saved as soon as it is measured, so a run cut short keeps
+what it measured: bench/results/disagg_vs_colocated/<deployment>_<workload>.json.
+
+Workloads: prefill-heavy (input uniform 2048-4096, output 128-256), decode-heavy (input 256, output 512) and
+mixed (each request drawn from one of those two, 50/50, seeded).
+
+SLOs (per request, --slo): TTFT <= 1 s: a chat user sees the answer start within a second, which leaves room
+for a few queued 4k-token prefills on an 8B model. TPOT <= 50 ms (20 tokens/s): faster than anyone reads
+(about 5-8 tokens/s) with margin, so streaming never stalls visibly. A configuration's capacity is the highest
+swept rate at which >= 90% of requests met both, with every lower rate also meeting it.
+
+Summary (summary.json, summary.md, PNGs): per workload, each deployment's capacity and capacity per GPU, the
+ratio, and at equal load (the highest rate both sustained; else the lowest both ran) TTFT p90/p99, TPOT p99,
+ITL p99 and the mean KV transfer time per request (prefill worker's tandem_kv_transfer_seconds, scraped from
+its /metrics before and after the point). The goal checks of issue 6 are evaluated on prefill-heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem_client import Client  # noqa: E402
+from tandem_client.bench import SLO, BenchReport, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
+from tandem_client.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs  # noqa: E402
+from tandem_client.bench.report import git_commit  # noqa: E402
+from tandem_client.bench.sweep import capacity, equal_load  # noqa: E402
+
+OUT_DIR = ROOT / "bench" / "results" / "disagg_vs_colocated"
+LOG_DIR = ROOT / "bench" / "results" / "logs"
+READY_LINE = "Tandem is serving"
+TARGET_SHARE = 0.90
+GPUS = 2  # both deployments use the same two GPUs
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: str
+    output_len: str
+    rates: tuple[float, ...]  # requests/s, swept in order
+    mixed: bool = False  # draw each request from prefill-heavy or decode-heavy (a trace written per run)
+
+
+PREFILL_HEAVY = ("uniform:2048:4096", "uniform:128:256")
+DECODE_HEAVY = ("256", "512")
+WORKLOADS = {
+    "prefill-heavy": Workload(*PREFILL_HEAVY, rates=(0.5, 1, 1.5, 2, 3, 4, 5, 6, 8)),
+    "decode-heavy": Workload(*DECODE_HEAVY, rates=(1, 2, 4, 6, 8, 10, 12, 16, 20)),
+    "mixed": Workload("-", "-", rates=(0.5, 1, 2, 3, 4, 5, 6, 8, 10), mixed=True),
+}
+DEPLOYMENTS = {
+    "disagg": ROOT / "deploy" / "configs" / "bench-disagg.yaml",
+    "colocated": ROOT / "deploy" / "configs" / "bench-colocated.yaml",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`tandem serve` for one deployment config, on free loopback ports, logging to bench/results/logs/."""
+
+    def __init__(self, name: str, config_path: Path, start_timeout_s: float) -> None:
+        self.name, self.start_timeout_s = name, start_timeout_s
+        self.work = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
+        config = yaml.safe_load(config_path.read_text())
+        self.port = free_port()
+        self.file_sd = self.work / "targets.json"
+        config["router"].update(port=self.port, metrics_port=free_port(), metrics_file_sd=str(self.file_sd))
+        self.config = config
+        self.config_path = self.work / "tandem.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"disagg_vs_colocated_{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        cmd = [sys.executable, "-m", "tandem_client.cli", "serve", "--config", str(self.config_path)]
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        while READY_LINE not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log_path.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"tandem serve ({self.name}) did not become ready; log tail:\n{tail}")
+            time.sleep(1.0)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_quiet(self, timeout_s: float = 120.0) -> None:
+        """Between points: the router has nothing in flight, so one point's tail never loads the next."""
+        deadline = time.monotonic() + timeout_s
+        with Client(self.address, timeout=10) as client:
+            while client.status().router.in_flight_requests and time.monotonic() < deadline:
+                time.sleep(0.5)
+
+    def kv_transfer_totals(self) -> tuple[float, float, float] | None:
+        """(seconds sum, transfers, bytes) over the prefill workers' /metrics; None without prefill workers."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
+        targets = [t for g in groups if g["labels"].get("component") == "prefill" for t in g["targets"]]
+        if not targets:
+            return None
+        total = {"tandem_kv_transfer_seconds_sum": 0.0, "tandem_kv_transfer_seconds_count": 0.0,
+                 "tandem_kv_transfer_bytes_total": 0.0}  # fmt: skip
+        for target in targets:
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in total:
+                        total[sample.name] += sample.value
+        return tuple(total.values())  # type: ignore[return-value]
+
+
+def mixed_trace(path: Path, count: int, seed: int) -> None:
+    """count requests, each from prefill-heavy or decode-heavy with probability 1/2 (seeded)."""
+    rng = random.Random(f"mixed-{seed}")
+    dists = [tuple(parse_dist(t, "--workloads") for t in pair) for pair in (PREFILL_HEAVY, DECODE_HEAVY)]
+    lines = []
+    for _ in range(count):
+        n_in, n_out = rng.choice(dists)
+        lines.append(json.dumps({"input_len": n_in.sample(rng), "output_len": n_out.sample(rng)}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def point_seconds(rate: float, args: argparse.Namespace) -> float:
+    """Seconds of arrivals for a point: --duration, stretched so that low rates still send --min-requests."""
+    return max(args.duration, args.min_requests / rate)
+
+
+def bench_point(server: Server, workload: Workload, rate: float, args: argparse.Namespace) -> BenchReport:
+    """Poisson arrivals at `rate` for point_seconds(); the count bound (20% above the expected number) only
+    guards against a long random tail, the time bound decides how many are sent."""
+    seconds = point_seconds(rate, args)
+    count = math.ceil(rate * seconds * 1.2) + 1
+    trace = None
+    if workload.mixed:
+        trace = str(server.work / f"mixed_{rate:g}.jsonl")
+        mixed_trace(Path(trace), count, args.seed)
+    settings = BenchSettings(
+        server=server.address, num_requests=count, rate=rate, concurrency=None, burstiness=1.0,
+        input_len=parse_dist(PREFILL_HEAVY[0] if workload.mixed else workload.input_len, "--input-len"),
+        output_len=parse_dist(PREFILL_HEAVY[1] if workload.mixed else workload.output_len, "--output-len"),
+        trace=trace, seed=args.seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
+    )  # fmt: skip
+    return run_benchmark(settings, progress=True)
+
+
+def point_record(report: BenchReport, kv: dict | None) -> dict:
+    """One sweep point for the results file: the report without per-request rows, plus latency samples."""
+    data = json.loads(report.to_json())
+    data.pop("requests")
+    samples = LatencySamples.from_report(report)
+    data["samples"] = {k: [round(v, 5) for v in vals] for k, vals in asdict(samples).items()}
+    data["kv_transfer"] = kv
+    return data
+
+
+def kv_delta(before: tuple | None, after: tuple | None) -> dict | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    n = after[1] - before[1]
+    return {"transfers": n, "mean_s": (after[0] - before[0]) / n, "mean_bytes": (after[2] - before[2]) / n}
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    names = sorted(set(out.split("\n")) - {""})
+    return ", ".join(names) or "unknown"
+
+
+def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, deadline: float) -> None:
+    workload = WORKLOADS[name]
+    rates = args.rates or workload.rates
+    path = OUT_DIR / f"{deployment}_{name}.json"
+    result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": GPUS,
+              "card": gpu_name(), "commit": git_commit(), "slo": asdict(args.slo), "target_share": TARGET_SHARE,
+              "config": server.config, "points": []}  # fmt: skip
+    misses = 0
+    for rate in rates:
+        if time.monotonic() + point_seconds(rate, args) + args.drain + 30 > deadline:
+            print(f"[{deployment}/{name}] --budget-s reached before rate {rate}; stopping", file=sys.stderr)
+            break
+        server.wait_quiet()
+        before = server.kv_transfer_totals()
+        report = bench_point(server, workload, rate, args)
+        point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
+        result["points"].append(point)
+        path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
+        share = report.goodput.share if report.goodput else 0.0
+        print(f"[{deployment}/{name}] rate {rate:g}/s: {share:.0%} met the SLOs", file=sys.stderr)
+        misses += share < TARGET_SHARE
+        if misses >= 2 or share < 0.5:
+            break
+
+
+def warm_up(server: Server) -> None:
+    """Pair NCCL communicators, fill allocator pools and CUDA graphs before anything is timed."""
+    settings = BenchSettings(
+        server=server.address, num_requests=8, rate=None, concurrency=4, burstiness=1.0,
+        input_len=parse_dist("1024", "warm-up"), output_len=parse_dist("16", "warm-up"), trace=None, seed=99,
+        duration_s=None, drain_s=0.0, timeout_s=600.0, slo=SLO(),
+    )  # fmt: skip
+    report = run_benchmark(settings, progress=False)
+    if report.counts.succeeded != report.counts.sent:
+        raise RuntimeError(f"warm-up requests failed: {report.counts}")
+
+
+def share_points(points: list[dict]) -> list[tuple[float, float]]:
+    return [(p["settings"]["rate"], p["goodput"]["share"]) for p in points]
+
+
+def tails(point: dict) -> dict:
+    return {"ttft_p90": point["ttft"]["p90"], "ttft_p99": point["ttft"]["p99"], "tpot_p99": point["tpot"]["p99"],
+            "itl_p99": point["itl"]["p99"], "slo_share": point["goodput"]["share"],
+            "kv_transfer_mean_s": (point["kv_transfer"] or {}).get("mean_s")}  # fmt: skip
+
+
+def summarize_workload(name: str, runs: dict[str, dict], slo: SLO) -> dict:
+    out: dict = {"workload": name}
+    for dep, run in runs.items():
+        cap = capacity(share_points(run["points"]), TARGET_SHARE)
+        out[dep] = {"capacity_rps": cap, "capacity_rps_per_gpu": cap / run["gpus"], "card": run["card"]}
+    series = {
+        d: [(p["settings"]["rate"], 100 * p["goodput"]["share"]) for p in r["points"]]
+        for d, r in runs.items()
+    }
+    plot_goodput_vs_rate(series, OUT_DIR / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
+    if set(runs) != set(DEPLOYMENTS):
+        return out
+    dis, col = runs["disagg"]["points"], runs["colocated"]["points"]
+    rate = equal_load(share_points(dis), share_points(col), TARGET_SHARE)
+    if rate is None:
+        return out
+    at = {d: next(p for p in runs[d]["points"] if p["settings"]["rate"] == rate) for d in runs}
+    out["equal_load_rps"] = rate
+    out["at_equal_load"] = {d: tails(p) for d, p in at.items()}
+    cap_col = out["colocated"]["capacity_rps"]
+    out["capacity_ratio"] = out["disagg"]["capacity_rps"] / cap_col if cap_col else None
+    itl_dis, itl_col = at["disagg"]["itl"]["p99"], at["colocated"]["itl"]["p99"]
+    out["itl_p99_ratio_colocated_over_disagg"] = itl_col / itl_dis if itl_dis and itl_col else None
+    samples = {d: LatencySamples(**{k: tuple(v) for k, v in p["samples"].items()}) for d, p in at.items()}
+    plot_latency_cdfs(
+        samples, OUT_DIR / f"latency_cdf_{name}.png", slo=slo, title=f"{name} at {rate:g} req/s"
+    )
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| workload | disagg cap. (req/s/GPU) | colocated cap. (req/s/GPU) | ratio | equal load | "
+             "ITL p99 disagg / coloc (ms) | TTFT p99 disagg / coloc (ms) | KV transfer (ms) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    for r in rows:
+        d, c, eq = r.get("disagg", {}), r.get("colocated", {}), r.get("at_equal_load", {})
+        ratio = r.get("capacity_ratio")
+        dt, ct = eq.get("disagg", {}), eq.get("colocated", {})
+        lines.append(
+            f"| {r['workload']} | {d.get('capacity_rps_per_gpu', '-')} | {c.get('capacity_rps_per_gpu', '-')} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r.get('equal_load_rps', '-')} req/s | "
+            f"{ms(dt.get('itl_p99'))} / {ms(ct.get('itl_p99'))} | {ms(dt.get('ttft_p99'))} / "
+            f"{ms(ct.get('ttft_p99'))} | {ms(dt.get('kv_transfer_mean_s'))} |"
+        )
+    return "\n".join(lines)
+
+
+def goal_checks(rows: list[dict]) -> dict:
+    """Issue 6's targets on prefill-heavy: capacity >= 1.5x colocated and p99 ITL >= 2x lower at equal load."""
+    row = next((r for r in rows if r["workload"] == "prefill-heavy"), {})
+    ratio, itl = row.get("capacity_ratio"), row.get("itl_p99_ratio_colocated_over_disagg")
+    return {"goodput_ratio": ratio, "goodput_goal_met": ratio is not None and ratio >= 1.5,
+            "itl_p99_ratio": itl, "itl_goal_met": itl is not None and itl >= 2.0}  # fmt: skip
+
+
+def summarize(slo: SLO) -> None:
+    rows = []
+    for name in WORKLOADS:
+        runs = {
+            d: json.loads(p.read_text()) for d in DEPLOYMENTS if (p := OUT_DIR / f"{d}_{name}.json").exists()
+        }
+        if runs:
+            rows.append(summarize_workload(name, runs, slo))
+    summary = {
+        "slo": asdict(slo),
+        "target_share": TARGET_SHARE,
+        "workloads": rows,
+        "goals": goal_checks(rows),
+    }
+    (OUT_DIR / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = markdown(rows)
+    (OUT_DIR / "summary.md").write_text(table + "\n")
+    print(table)
+    print(json.dumps(summary["goals"]))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--deployments", default="disagg,colocated", help="comma list of: disagg, colocated")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of: {', '.join(WORKLOADS)}")
+    p.add_argument("--rates", help="comma list of req/s overriding every chosen workload's sweep")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point (default 30)")
+    p.add_argument("--drain", type=float, default=30.0, help="seconds to wait after sending (default 30)")
+    p.add_argument("--min-requests", type=int, default=20, help="requests per point at least (default 20)")
+    p.add_argument("--slo", type=parse_slo, default=SLO(ttft=1.0, tpot=0.05), help="default ttft=1,tpot=0.05")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--budget-s", type=float, default=540.0, help="stop starting points after this (default 540)"
+    )
+    p.add_argument("--start-timeout-s", type=float, default=900.0, help="for tandem serve to become ready")
+    p.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and plots")
+    args = p.parse_args(argv)
+    args.rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
+    for flag, names, known in (
+        ("--deployments", args.deployments, DEPLOYMENTS),
+        ("--workloads", args.workloads, WORKLOADS),
+    ):
+        bad = [n for n in names.split(",") if n not in known]
+        if bad:
+            p.error(f"{flag}: unknown {bad[0]!r}; choose from {', '.join(known)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    if not args.summarize_only:
+        deadline = time.monotonic() + args.budget_s
+        for deployment in args.deployments.split(","):
+            with Server(deployment, DEPLOYMENTS[deployment], args.start_timeout_s) as server:
+                warm_up(server)
+                for name in args.workloads.split(","):
+                    sweep(server, deployment, name, args, deadline)
+    summarize(args.slo)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
