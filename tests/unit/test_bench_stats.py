@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import sys
 
 import pytest
 
 from tandem_client.bench.loadgen import Outcome, RequestRecord, RunResult
+from tandem_client.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
 from tandem_client.bench.report import BenchSettings, build_report, count_outcomes
 from tandem_client.bench.stats import (
     SLO,
@@ -20,6 +22,7 @@ from tandem_client.bench.stats import (
     request_metrics,
     summarize,
 )
+from tandem_client.bench.sweep import capacity, equal_load
 from tandem_client.bench.workload import (
     BenchConfigError,
     LengthDist,
@@ -281,3 +284,39 @@ def test_infinite_rate_sends_all_at_once_and_bad_rates_are_rejected():
         arrival_offsets(3, 0.0, 1.0, 0)
     with pytest.raises(BenchConfigError, match="--burstiness"):
         arrival_offsets(3, 1.0, -1.0, 0)
+
+
+# --- sweeps and plots ------------------------------------------------------------------------------------
+
+
+def test_capacity_is_the_last_rate_before_the_first_miss():
+    points = [(4.0, 0.95), (1.0, 1.0), (2.0, 0.92), (8.0, 0.4), (6.0, 0.91), (5.0, 0.85)]
+    assert capacity(points, 0.9) == 4.0  # 5.0 misses; the lucky 6.0 after it does not count
+    assert capacity([(1.0, 0.5)], 0.9) == 0.0
+    assert capacity([(1.0, 0.9)], 0.9) == 1.0  # the target is inclusive
+
+
+def test_equal_load_picks_the_highest_rate_both_sustain():
+    disagg = [(1.0, 1.0), (2.0, 1.0), (3.0, 0.95), (4.0, 0.5)]
+    colocated = [(1.0, 1.0), (2.0, 0.93), (3.0, 0.6)]
+    assert equal_load(disagg, colocated, 0.9) == 2.0
+    assert (
+        equal_load([(1.0, 0.2), (2.0, 0.1)], [(2.0, 0.5), (1.0, 0.3)], 0.9) == 1.0
+    )  # none sustained: lowest
+    assert equal_load([(1.0, 1.0)], [(2.0, 1.0)], 0.9) is None
+
+
+def test_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    samples = LatencySamples(ttft=(0.1, 0.2, 0.4), tpot=(0.01, 0.02), e2e=(1.0, 1.5, 2.0))
+    cdf = plot_latency_cdfs({"a": samples, "b": samples}, tmp_path / "cdf.png", slo=SLO(ttft=0.5))
+    sweep = plot_goodput_vs_rate({"a": [(1.0, 100.0), (2.0, 80.0)]}, tmp_path / "sub" / "goodput.png")
+    for path in (cdf, sweep):
+        assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_are_skipped_with_a_warning_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.warns(UserWarning, match="matplotlib is not installed"):
+        assert plot_goodput_vs_rate({"a": [(1.0, 1.0)]}, tmp_path / "g.png") is None
+    assert not (tmp_path / "g.png").exists()
