@@ -304,6 +304,8 @@ def test_ray_job_submit_serves_and_stops_cleanly(offline_text: subprocess.Popen,
     config = write_config(head.root, router_port)
     submitted = head.ray(
         *("job", "submit", "--address", head.dashboard, "--no-wait", "--working-dir", "."),
+        # Ray SIGKILLs a stopped job's driver after 3 s by default; the drain needs longer (docs/operations.md).
+        *("--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})),
         *("--", "python", "-m", "deploy.job", "--config", str(config)),
         timeout_s=120,
     )
