@@ -4,6 +4,7 @@ JSON holds what the flags asked for, not the numbers themselves."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_small_bounded_run_completes_with_exact_lengths(cluster, tmp_path):
     report, stdout = run_bench(
         cluster.address, tmp_path / "run.json",
         "--rate", "4", "--num-requests", "12", "--input-len", "16", "--output-len", "8",
-        "--seed", "3", "--slo", "ttft=30,tpot=10",
+        "--seed", "3", "--slo", "ttft=30,tpot=10", "--plot-dir", str(tmp_path / "plots"),
     )  # fmt: skip
     counts = report["counts"]
     assert_reconciled(counts)
@@ -84,6 +85,8 @@ def test_small_bounded_run_completes_with_exact_lengths(cluster, tmp_path):
     assert report["settings"]["rate"] == 4.0 and report["settings"]["seed"] == 3
     assert report["model"] and "commit" in report
     assert "goodput (ttft=30.0,tpot=10.0): 12/12" in stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
 
 
 def test_duration_bound_cancels_what_still_runs(cluster, tmp_path):
