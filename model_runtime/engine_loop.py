@@ -2,7 +2,7 @@
 
 Every touch of the engine (adding, aborting, reading counters, the KV allocator of a decode worker) goes through
 `call()`, which holds the loop's lock, so the engine itself stays single-threaded. Subscribers are called on the
-loop thread outside the lock and must not block (put the output on a queue).
+loop thread under the lock and must not block (put the output on a queue).
 
     loop = EngineLoop(engine); loop.start()
     loop.subscribe(rid, queue.put); loop.call(lambda e: e.add_request(rid, ids, params))
@@ -66,21 +66,28 @@ class EngineLoop:
         with self._lock:
             self._subscribers.pop(request_id, None)
 
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Under the lock, so once unsubscribe() returns nothing more reaches that subscriber. An output nobody
+        listens for any more may carry detached KV blocks (prefill_only): they go straight back to the pool."""
+        for output in outputs:
+            subscriber = self._subscribers.get(output.request_id)
+            if subscriber is not None:
+                subscriber(output)
+            elif output.kv_block_ids:
+                self.engine.release_blocks(output.kv_block_ids)
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
                 with self._lock:
                     outputs = self.engine.step() if self.engine.has_unfinished() else None
-                    targets = [(self._subscribers.get(o.request_id), o) for o in outputs or ()]
+                    self._deliver(outputs or [])
                 if outputs is None or not self.engine.last_step_ran:  # idle, or blocked until blocks return
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
                 self.steps += 1
-                for subscriber, output in targets:
-                    if subscriber is not None:
-                        subscriber(output)
         except BaseException as exc:  # the worker reports the loop dead; requests fail instead of hanging
             log.exception("engine loop failed")
             self.failure = exc

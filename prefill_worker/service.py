@@ -76,6 +76,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         finally:
             self.loop.unsubscribe(rid)
             self.loop.call(lambda e: e.abort(rid))
+            # The call may end right after the engine detached the prompt's blocks and queued its output,
+            # before this handler read it: those blocks are ours too.
+            while not outputs.empty():
+                held += outputs.get_nowait().kv_block_ids
             if held:
                 self.loop.call(lambda e: e.release_blocks(held))
 

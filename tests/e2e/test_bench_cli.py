@@ -105,11 +105,6 @@ def test_duration_bound_cancels_what_still_runs(cluster, tmp_path):
     assert report["duration_s"] < 10
 
 
-@pytest.mark.xfail(
-    reason="prefill_worker leaks KV blocks of some requests cancelled around their first token (seen: 1-3 blocks "
-    "held on prefill-0 after test_duration_bound_cancels_what_still_runs); remove this mark once fixed",
-    strict=False,
-)
 def test_cancelled_requests_release_their_kv_blocks(cluster):
     wait_idle(cluster.address, timeout_s=10.0)
 
