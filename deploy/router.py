@@ -32,7 +32,11 @@ async def run(config_path: str | None) -> int:
     metrics = PrometheusRouterMetrics(config.model) if config.router.metrics_port else None
     router = RouterServer(router_config(config), metrics=metrics)
     address = await router.start()
-    http = MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry) if metrics else None
+    http = (
+        MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry)
+        if metrics
+        else None
+    )
     print(f"Tandem router serving {config.model} on {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
