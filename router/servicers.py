@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # Prompts longer than this (characters) are tokenized in the executor so one long prompt does not stall every
 # other stream on the event loop; shorter ones cost less than the thread hop.
 INLINE_TOKENIZE_CHARS = 2048
+# gRPC's own deadline timer and this loop's clock fire a hair apart: a call cancelled this close to its
+# deadline was cancelled by the deadline.
+_DEADLINE_SLACK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except RouterError as exc:
             outcome = exc.code.name.lower()
             await context.abort(exc.code, exc.details)
+        except asyncio.CancelledError:  # gRPC cancelled the call: the client went away or its deadline passed
+            outcome = _cancelled_outcome(out, deadline)
+            raise
         except Exception as exc:  # a router bug: say so instead of gRPC's bare UNKNOWN
             log.exception("request %s failed inside the router", parsed.request_id)
             outcome = grpc.StatusCode.INTERNAL.name.lower()
@@ -180,6 +186,17 @@ def _prompt_chars(parsed: ParsedRequest) -> int:
     if parsed.text is not None:
         return len(parsed.text)
     return sum(len(m.content) for m in parsed.messages or ())
+
+
+def _cancelled_outcome(out: ResponseBuilder | None, deadline: float) -> str:
+    """How a call that gRPC cancelled under the handler ended. A request that had finished counts as finished
+    (a client drops its call once it has read the Final, which can overtake the handler's return); one whose
+    deadline had passed counts as DEADLINE_EXCEEDED (the client's deadline cancels the call here)."""
+    if out is not None and out.finish_reason is not None:
+        return _finish_name(out)
+    if asyncio.get_running_loop().time() >= deadline - _DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED.name.lower()
+    return grpc.StatusCode.CANCELLED.name.lower()
 
 
 def _finish_name(out: ResponseBuilder | None) -> str:
