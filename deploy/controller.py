@@ -4,6 +4,8 @@ router who is alive. It is the only owner of worker membership.
     slot = (role, index); each slot holds at most one live actor. Every health_interval_s:
         actor dead (Ray says so)         -> replace it (new actor, new address)
         engine loop silent too long      -> kill and replace it (a hung step)
+        heartbeat unanswered MISSED_LIMIT checks in a row -> kill and replace it (a hung or stopped process;
+                                            one slow answer on a loaded host is not enough)
     Membership changes are pushed to the router as a whole set with an increasing generation.
 """
 
@@ -20,6 +22,7 @@ from deploy.config import DeployConfig
 from worker_host.host import WorkerSpec
 
 log = logging.getLogger(__name__)
+MISSED_LIMIT = 2  # consecutive unanswered heartbeats that make a live actor count as hung
 
 Publish = Callable[[list["Member"], int], object]
 
@@ -44,6 +47,7 @@ class Slot:
     metrics_address: str = ""
     restarts: int = 0
     given_up: bool = False
+    missed: int = 0  # consecutive heartbeat checks that timed out
 
     @property
     def worker_id(self) -> str:
@@ -180,9 +184,19 @@ class Controller:
             age = ray.get(
                 slot.actor.heartbeat_age.remote(), timeout=max(2.0, self.config.controller.health_interval_s)
             )
-        except Exception as exc:
+        except ray.exceptions.GetTimeoutError:
+            slot.missed += 1
+            if slot.missed < MISSED_LIMIT:
+                log.warning("worker %s did not answer a heartbeat (%d in a row)", slot.worker_id, slot.missed)
+                return True
+            log.warning(
+                "worker %s failed its health check: %d heartbeats unanswered", slot.worker_id, slot.missed
+            )
+            return False
+        except Exception as exc:  # the actor died (RayActorError and kin): no point waiting
             log.warning("worker %s failed its health check: %s", slot.worker_id, type(exc).__name__)
             return False
+        slot.missed = 0
         if age > self.config.controller.heartbeat_timeout_s:
             log.warning("worker %s: engine loop silent for %.1fs", slot.worker_id, age)
             return False
@@ -193,7 +207,7 @@ class Controller:
         import ray
 
         old = slot.actor
-        slot.actor, slot.address, slot.metrics_address = None, "", ""
+        slot.actor, slot.address, slot.metrics_address, slot.missed = None, "", "", 0
         self._announce()  # stop routing to it before the (slow) restart
         ray.kill(old, no_restart=True)
         if slot.restarts >= self.config.controller.restart_limit:
