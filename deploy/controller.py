@@ -12,6 +12,7 @@ router who is alive. It is the only owner of worker membership.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,10 @@ class Controller:
         if not ray.is_initialized():
             # A local cluster stays on loopback; a joined one is whatever the cluster says.
             node_ip = "127.0.0.1" if self.config.ray.address is None else None
+            if node_ip is not None:
+                # Ray 2.60 on Linux swaps a loopback node address for the host's routable one unless this is 0;
+                # a local cluster must keep all of its traffic on 127.0.0.1.
+                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             ray.init(
                 _node_ip_address=node_ip,
                 address=self.config.ray.address,
