@@ -21,6 +21,7 @@ from deploy.controller import Controller
 from model_runtime.config import ConfigError
 
 log = logging.getLogger("tandem.serve")
+_SERVING_WAIT_S = 30.0
 
 
 def build_parser(prog: str = "tandem serve") -> argparse.ArgumentParser:
@@ -106,6 +107,8 @@ async def serve(config: DeployConfig) -> int:
         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             started.result()
+            if router is not None:  # the workers are up; the router knows once its first polls answer
+                await _until_serving(router, _SERVING_WAIT_S)
             print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
             await stop.wait()
         _say("stopping: draining in-flight requests")
@@ -117,6 +120,18 @@ async def serve(config: DeployConfig) -> int:
         await _shutdown(router, publisher, controller, config)
         metrics.close()
     return code
+
+
+async def _until_serving(router, timeout_s: float) -> None:
+    """Wait until the router's health is SERVING, so "Tandem is serving" is never printed while a request
+    would still get UNAVAILABLE; past timeout_s say so and go on (health tells the truth either way)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not router.serving:
+        if loop.time() >= deadline:
+            _say(f"workers started, but the router is not SERVING after {timeout_s:g}s; see tandem status")
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _shutdown(router, publisher, controller: Controller, config: DeployConfig) -> None:

@@ -92,6 +92,11 @@ class RouterServer:
         return self._address
 
     @property
+    def serving(self) -> bool:
+        """True while health says SERVING: a request could be placed now."""
+        return bool(self._serving)
+
+    @property
     def model(self) -> ServedModel | None:
         return self._model
 
