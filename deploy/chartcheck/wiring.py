@@ -84,9 +84,12 @@ def _router_config_problems(r: Rendering, config: DeployConfig) -> list[str]:
         found.append(
             f"router ports {ports} differ from config port {config.router.port} / {config.router.metrics_port}"
         )
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         if (router.get(probe) or {}).get("grpc", {}).get("port") != config.router.port:
             found.append(f"router {probe} must be a gRPC health probe on port {config.router.port}")
+    # Liveness checks only that the router listens: health is NOT_SERVING while no worker pair is ready.
+    if (router.get("livenessProbe") or {}).get("tcpSocket", {}).get("port") != config.router.port:
+        found.append(f"router livenessProbe must be a TCP probe on port {config.router.port}")
     return found
 
 
