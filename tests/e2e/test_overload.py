@@ -167,6 +167,8 @@ def test_ten_times_capacity_is_refused_fast_and_admitted_work_completes(cluster)
         assert slowest < 1.0, f"a refusal took {slowest:.2f}s"
         assert all("router is full" in o.details for o in refused), refused[0].details
     assert after - before < 150, f"serve process RSS grew {before:.0f} -> {after:.0f} MiB"
+    refusals = sorted(o.seconds for r in rounds for o in r if o.code != "OK")
+    print(f"refusals: median {refusals[len(refusals) // 2] * 1000:.0f} ms, max {refusals[-1] * 1000:.0f} ms")
     print(
         f"serve RSS {before:.0f} -> {after:.0f} MiB; served/refused per round:",
         [(sum(o.code == "OK" for o in r), sum(o.code != "OK" for o in r)) for r in rounds],

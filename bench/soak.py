@@ -1,0 +1,236 @@
+"""Soak a running Tandem service: mixed traffic with random cancels and short deadlines for --duration seconds,
+then check that everything returned to baseline and that the counts reconcile.
+
+    python bench/soak.py --server 127.0.0.1:50051 --duration 3600 [--concurrency 16] [--metrics URL]
+        [--pid SERVE_PID] [--json out.json]
+
+Each of `concurrency` closed-loop clients repeats: pick a prompt (1..max_prompt_words words) and max_tokens,
+then either let it finish (deadline 120 s), cancel it after a random delay (cancel_fraction), or give it a short
+deadline (deadline_fraction). At the end: every worker holds zero KV blocks and leases, the router holds no
+request, and (with --metrics, the router's /metrics URL) the router recorded exactly one outcome per request
+sent: sent = ok + failed + cancelled there as here. With --pid the process's RSS is sampled every 5 s.
+Exit code 0 when all checks pass. tests/e2e/test_soak.py runs the same loop for about two minutes in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from tandem_client import AsyncClient, Client
+from tandem_client.errors import TandemError
+
+WORDS = [
+    "river",
+    "light",
+    "seven",
+    "quiet",
+    "engine",
+    "paper",
+    "orbit",
+    "maple",
+    "signal",
+    "harbor",
+    "copper",
+    "violet",
+    "thunder",
+    "garden",
+]
+OK, CANCELLED = "OK", "CANCELLED"
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    address: str
+    duration_s: float
+    concurrency: int = 8
+    cancel_fraction: float = 0.25
+    deadline_fraction: float = 0.1
+    max_prompt_words: int = 120
+    max_tokens: int = 48
+    seed: int = 0
+
+
+@dataclass
+class SoakReport:
+    """Outcomes as the clients saw them: "OK", "CANCELLED" (cancelled by the client), or a gRPC status name."""
+
+    sent: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    tokens: int = 0
+    seconds: float = 0.0
+    rss_mib: list[float] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return self.sent - self.outcomes[OK] - self.outcomes[CANCELLED]
+
+
+async def _one(client: AsyncClient, rng: random.Random, config: SoakConfig, report: SoakReport) -> None:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, config.max_prompt_words)))
+    max_tokens = rng.randint(1, config.max_tokens)
+    roll = rng.random()
+    timeout = rng.uniform(0.2, 1.5) if roll >= 1 - config.deadline_fraction else 120.0
+    task = asyncio.ensure_future(
+        client.generate(prompt, max_tokens=max_tokens, temperature=0.8, ignore_eos=True, timeout=timeout)
+    )
+    report.sent += 1
+    if roll < config.cancel_fraction:
+        await asyncio.wait([task], timeout=rng.uniform(0.0, 1.5))
+        task.cancel()
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        report.outcomes[CANCELLED] += 1
+    except TandemError as exc:
+        report.outcomes[exc.code.name] += 1
+    else:
+        report.outcomes[OK] += 1
+        report.tokens += len(result.token_ids)
+
+
+async def _client_loop(config: SoakConfig, index: int, stop_at: float, report: SoakReport) -> None:
+    rng = random.Random(config.seed * 1000 + index)
+    async with AsyncClient(config.address, retries=0) as client:
+        while time.monotonic() < stop_at:
+            await _one(client, rng, config, report)
+
+
+async def _sample_rss(pid: int, stop_at: float, report: SoakReport) -> None:
+    import psutil
+
+    process = psutil.Process(pid)
+    while time.monotonic() < stop_at:
+        report.rss_mib.append(round(process.memory_info().rss / 2**20, 1))
+        await asyncio.sleep(5.0)
+
+
+async def run_soak(config: SoakConfig, pid: int | None = None) -> SoakReport:
+    """The traffic loop; returns when duration_s has passed and every request in flight has ended."""
+    report = SoakReport()
+    start = time.monotonic()
+    stop_at = start + config.duration_s
+    loops = [_client_loop(config, i, stop_at, report) for i in range(config.concurrency)]
+    if pid is not None:
+        loops.append(_sample_rss(pid, stop_at, report))
+    await asyncio.gather(*loops)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def busy_resources(address: str) -> list[str]:
+    """What still holds KV blocks, leases or requests ([] when the service is back to idle)."""
+    with Client(address) as client:
+        status = client.status(timeout=10)
+    busy = [
+        f"{w.worker_id}: {w.kv_blocks_used} blocks, {w.active_leases} leases, {w.running_requests} running"
+        for w in status.workers
+        if w.kv_blocks_used or w.active_leases or w.running_requests
+    ]
+    if status.router.in_flight_requests or status.router.queued_requests:
+        busy.append(
+            f"router: {status.router.in_flight_requests} in flight, {status.router.queued_requests} queued"
+        )
+    if not status.workers:
+        busy.append("no workers in the membership")
+    return busy
+
+
+def wait_until_idle(address: str, timeout_s: float) -> list[str]:
+    """Poll until idle; returns what was still busy at the end ([] on success)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = busy_resources(address)
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.25)
+
+
+def router_outcomes(metrics_url: str) -> Counter[str]:
+    """tandem_requests_total by status from the router's /metrics ("ok", "CANCELLED", ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        if family.name == "tandem_requests":
+            for sample in family.samples:
+                if sample.name == "tandem_requests_total":
+                    counts[sample.labels["status"]] += int(sample.value)
+    return counts
+
+
+def reconcile(report: SoakReport, before: Counter[str], after: Counter[str]) -> list[str]:
+    """Problems with the counts ([] when they reconcile). The router records exactly one outcome per request.
+    A request the client saw finish (OK) the router counts finished; one the client cancelled or let time out
+    may have finished on the router just before, so the router's "ok" lies between the two."""
+    delta = after - before
+    problems = []
+    if sum(delta.values()) != report.sent:
+        problems.append(
+            f"router recorded {sum(delta.values())} outcomes for {report.sent} requests: {dict(delta)}"
+        )
+    ok_client = report.outcomes[OK]
+    ended_early = report.outcomes[CANCELLED] + report.outcomes["DEADLINE_EXCEEDED"]
+    if not ok_client <= delta["ok"] <= ok_client + ended_early:
+        problems.append(
+            f"router ok {delta['ok']} vs client ok {ok_client} (+{ended_early} cancelled/expired)"
+        )
+    for bad in ("INTERNAL", "UNKNOWN"):
+        if delta[bad] or report.outcomes[bad]:
+            problems.append(f"{bad}: router {delta[bad]}, clients {report.outcomes[bad]}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", default="127.0.0.1:50051")
+    parser.add_argument("--duration", type=float, required=True, help="seconds of traffic")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--cancel-fraction", type=float, default=0.25)
+    parser.add_argument("--deadline-fraction", type=float, default=0.1)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics", help="router /metrics URL, e.g. http://127.0.0.1:9464/metrics")
+    parser.add_argument("--pid", type=int, help="sample this process's RSS (the tandem serve process)")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    config = SoakConfig(
+        args.server,
+        args.duration,
+        args.concurrency,
+        args.cancel_fraction,
+        args.deadline_fraction,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    before = router_outcomes(args.metrics) if args.metrics else Counter()
+    report = asyncio.run(run_soak(config, args.pid))
+    problems = [f"still busy: {b}" for b in wait_until_idle(args.server, 60.0)]
+    if args.metrics:
+        problems += reconcile(report, before, router_outcomes(args.metrics))
+    summary = {**asdict(config), **asdict(report), "failed": report.failed, "problems": problems}
+    text = json.dumps(summary, indent=2, default=dict)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (TandemError, grpc.RpcError, OSError) as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        sys.exit(2)
