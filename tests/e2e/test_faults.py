@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
 from model_runtime.request import PromptInput, SamplingParams
+from tandem_api.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem_client import Client, Unavailable
 from tandem_client.types import WorkerInfo
 from tests.e2e.cluster import ServeProcess
@@ -81,12 +82,25 @@ def wait_until(check: Callable[[], object], timeout_s: float, what: str, every_s
 
 
 def wait_all_ready(address: str, count: int, timeout_s: float = 120.0) -> dict[str, WorkerInfo]:
+    seen: list[str] = []
+
     def ready() -> dict[str, WorkerInfo] | None:
         found = workers(address)
+        seen[:] = [f"{w.worker_id}@{w.address}:{w.state.name}" for w in found.values()]
         ok = len(found) == count and all(w.state.name == "READY" for w in found.values())
         return found if ok else None
 
-    return wait_until(ready, timeout_s, f"{count} READY workers")  # type: ignore[return-value]
+    try:
+        return wait_until(ready, timeout_s, f"{count} READY workers")  # type: ignore[return-value]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen}") from None
+
+
+def prefill_busy(worker: WorkerInfo) -> bool:
+    """Asked of the worker itself (the router's view lags by a poll): is a prompt being computed?"""
+    with grpc.insecure_channel(worker.address) as channel:
+        info = worker_pb2_grpc.PrefillWorkerStub(channel).Status(worker_pb2.WorkerStatusRequest(), timeout=5)
+    return bool(info.queued_prefill_tokens or info.running_requests or info.waiting_requests)
 
 
 def assert_all_idle(address: str, timeout_s: float = 20.0, role: str | None = None) -> None:
@@ -266,12 +280,16 @@ class TestPairs:
 
     # --- item 3: a prefill worker dies before the handoff --------------------------------------------------
     def test_prefill_worker_killed_mid_prompt_is_retried_and_the_reservation_freed(self, pairs, offline):
-        prompt = long_prompt(700)
+        prompt = long_prompt(1200)
         want = greedy(offline, prompt, 6)
         before = wait_all_ready(pairs.address, 4)
+        prefills = [w for w in before.values() if w.role.name == "PREFILL"]
+        pids = {w.worker_id: pid_of(w) for w in prefills}
         request = Background(pairs.address, prompt, temperature=0, max_tokens=6, ignore_eos=True)
-        victim = busy_worker(pairs.address, "PREFILL", before)
-        os.kill(pid_of(victim), signal.SIGKILL)
+        victim = wait_until(
+            lambda: next((w for w in prefills if prefill_busy(w)), None), 30, "a busy prefill worker", 0.02
+        )
+        os.kill(pids[victim.worker_id], signal.SIGKILL)  # type: ignore[union-attr]
         killed_after = request.num_tokens
         request.join(120)
 
