@@ -217,7 +217,7 @@ def test_a_request_larger_than_the_kv_pool_gets_a_clear_status(cluster):
     outcomes = asyncio.run(run())
     huge, smalls = outcomes[0], outcomes[1:]
     print(f"larger than the pool: {huge}")
-    assert huge.code in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"), huge
-    assert huge.seconds < 30, huge
+    assert huge.code == "INVALID_ARGUMENT" and "blocks" in huge.details, huge  # the decode worker's own check
+    assert huge.seconds < 5, huge  # refused, not retried until its deadline
     assert all(o.code == "OK" for o in smalls), smalls
     wait_until_idle(cluster.address)
