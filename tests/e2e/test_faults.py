@@ -140,14 +140,20 @@ def pid_of(worker: WorkerInfo) -> int:
                 fields = line.split()
                 if int(fields[1].rpartition(":")[2], 16) == port and fields[3] == "0A":  # 0A: LISTEN
                     inodes.add(f"socket:[{fields[9]}]")
+    holders = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
-                return int(pid)
+                with open(f"/proc/{pid}/stat") as f:
+                    holders[int(pid)] = int(f.read().rpartition(")")[2].split()[1])  # its parent's pid
         except OSError:  # gone, or not ours to read
             continue
-    raise AssertionError(f"no process listens on {worker.address} ({worker.worker_id})")
+    # A forked child inherits the listening socket: the worker is the holder whose parent holds none.
+    roots = [pid for pid, parent in holders.items() if parent not in holders]
+    if len(roots) != 1:
+        raise AssertionError(f"{worker.worker_id} on {worker.address}: listening processes {holders}")
+    return roots[0]
 
 
 @contextmanager
@@ -371,24 +377,6 @@ class TestStall:
         with Client(stall.address) as client:
             assert client.generate("hello", temperature=0, max_tokens=3).token_ids
         assert_all_idle(stall.address)
-
-    # --- item 3: the prefill worker dies during the handoff (the last test here: no prefill worker is left) --
-    def test_prefill_killed_during_the_handoff_frees_the_decode_reservation(self, stall):
-        before = wait_all_ready(stall.address, 3)
-        request = Background(stall.address, long_prompt(600), temperature=0, max_tokens=12, ignore_eos=True)
-        receiver = busy_worker(stall.address, "DECODE", before)
-        prefill_pid = pid_of(before["prefill-0"])
-        with stopped(
-            pid_of(receiver)
-        ):  # the KV cannot land: after its first token the prefill worker is stuck
-            wait_until(lambda: request.num_tokens >= 1, 60, "the first token")  # mid-handoff now
-            os.kill(prefill_pid, signal.SIGKILL)
-            request.join(60)
-        # No other prefill worker (and restarts are off): a clear error, not a hang.
-        assert isinstance(request.error, Unavailable), request.error
-        assert "no worker can take the request" in str(request.error)
-        assert_all_idle(stall.address, role="DECODE")  # the reservation was released on the decode side
-        wait_until(lambda: health(stall.address) == NOT_SERVING, 15, "NOT_SERVING without a prefill worker")
 
 
 # --- the engine side of a resume (no cluster) ---------------------------------------------------------------
