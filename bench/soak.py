@@ -1,15 +1,16 @@
 """Soak a running Tandem service: mixed traffic with random cancels and short deadlines for --duration seconds,
 then check that everything returned to baseline and that the counts reconcile.
 
-    python bench/soak.py --server 127.0.0.1:50051 --duration 3600 [--concurrency 16] [--metrics URL]
+    python -m bench.soak --server 127.0.0.1:50051 --duration 3600 [--concurrency 16] [--metrics URL]
         [--pid SERVE_PID] [--json out.json]
 
 Each of `concurrency` closed-loop clients repeats: pick a prompt (1..max_prompt_words words) and max_tokens,
 then either let it finish (deadline 120 s), cancel it after a random delay (cancel_fraction), or give it a short
 deadline (deadline_fraction). At the end: every worker holds zero KV blocks and leases, the router holds no
 request, and (with --metrics, the router's /metrics URL) the router recorded exactly one outcome per request
-sent: sent = ok + failed + cancelled there as here. With --pid the process's RSS is sampled every 5 s.
-Exit code 0 when all checks pass. tests/e2e/test_soak.py runs the same loop for about two minutes in CI.
+that reached it (accepted = ok + failed + cancelled), matching what the clients saw (see reconcile()). With
+--pid the process's RSS is sampled every 5 s. Exit code 0 when all checks pass. tests/e2e/test_soak.py runs the
+same loop for 90 s in CI.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ async def _one(client: AsyncClient, rng: random.Random, config: SoakConfig, repo
         report.outcomes[CANCELLED] += 1
     except TandemError as exc:
         report.outcomes[exc.code.name] += 1
+        if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            await asyncio.sleep(0.1)  # back off as a real client would (no worker now, or the router is full)
     else:
         report.outcomes[OK] += 1
         report.tokens += len(result.token_ids)
@@ -172,12 +175,14 @@ def router_outcomes(metrics_url: str) -> Counter[str]:
 
 
 def reconcile(report: SoakReport, before: Counter[str], after: Counter[str]) -> list[str]:
-    """Problems with the counts ([] when they reconcile). The router records exactly one outcome per request.
+    """Problems with the counts ([] when they reconcile). The router records exactly one outcome per request
+    that reached it; only a request the client cancelled at once can miss it (cancelled before it was sent).
     A request the client saw finish (OK) the router counts finished; one the client cancelled or let time out
     may have finished on the router just before, so the router's "ok" lies between the two."""
     delta = after - before
     problems = []
-    if sum(delta.values()) != report.sent:
+    unseen = report.sent - sum(delta.values())
+    if not 0 <= unseen <= report.outcomes[CANCELLED]:
         problems.append(
             f"router recorded {sum(delta.values())} outcomes for {report.sent} requests: {dict(delta)}"
         )

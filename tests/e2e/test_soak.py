@@ -219,3 +219,36 @@ def test_soak_returns_to_baseline_and_counts_reconcile(cluster):
     settled = report.rss_mib[len(report.rss_mib) // 3 :]  # after warm-up
     assert max(settled) - min(settled) < 100, f"serve RSS kept growing: {report.rss_mib}"
     assert psutil.Process(cluster.proc.pid).is_running()
+
+
+@pytest.mark.skipif(not os.environ.get("TANDEM_SOAK_KILL"), reason="set TANDEM_SOAK_KILL=1 (adds ~2 minutes)")
+def test_soak_with_the_decode_worker_killed_recovers_and_reconciles(cluster):
+    """The same soak, with the only decode worker SIGKILLed a third of the way in: requests in its way fail
+    with a clear status (or resume), the controller replaces it, and afterwards everything is back to zero."""
+    import signal
+    import threading
+
+    from tests.e2e.test_faults import pid_of
+
+    assert_idle(cluster.address)
+    with Client(cluster.address) as client:
+        victim = next(w for w in client.status().workers if w.role.value == "decode")
+    before = router_outcomes(cluster.metrics_url)
+    timer = threading.Timer(SOAK_S / 3, lambda: os.kill(pid_of(victim), signal.SIGKILL))
+    timer.start()
+    try:
+        report = asyncio.run(
+            run_soak(SoakConfig(cluster.address, SOAK_S, concurrency=8, max_tokens=40, seed=12))
+        )
+    finally:
+        timer.cancel()
+    assert_idle(cluster.address, 120)
+    after = router_outcomes(cluster.metrics_url)
+    print(f"soak with a kill: {report.sent} requests, {dict(report.outcomes)}; router {dict(after - before)}")
+    with Client(cluster.address) as client:
+        replaced = next(w for w in client.status().workers if w.worker_id == victim.worker_id)
+        assert replaced.address != victim.address, "the killed decode worker was not replaced"
+        assert client.generate("After the kill", max_tokens=4, temperature=0, timeout=60).token_ids
+    allowed = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "ABORTED"}
+    assert set(report.outcomes) <= allowed, report.outcomes
+    assert not reconcile(report, before, after), reconcile(report, before, after)
