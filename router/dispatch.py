@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 _BACKOFF_FIRST_S = 0.02
 _BACKOFF_MAX_S = 0.5
 _DEADLINE_SLACK_S = 0.05
+# A hung or stopped worker keeps its streams open and silent: once its status polls say DEAD, give up on it.
+_WENT_DEAD = "stopped answering status polls (DEAD) while it had the request"
 
 
 @dataclass
@@ -227,6 +229,7 @@ class Dispatcher:
         merger = StreamMerger()
         try:
             merger.add(decode)
+            merger.fail_when(decode, handle.dead, _WENT_DEAD)
             relay = Relay(attempt.out, attempt.write, decode)
             await relay.run(merger)
             await relay.await_streams_end(merger)
@@ -251,6 +254,8 @@ class Dispatcher:
             prefill_charge = self._pool.charge(prefill_handle.worker_id, prefill_tokens=prompt_tokens)
             merger.add(prefill)
             merger.add(decode)
+            merger.fail_when(prefill, prefill_handle.dead, _WENT_DEAD)
+            merger.fail_when(decode, decode_handle.dead, _WENT_DEAD)
             relay = Relay(attempt.out, attempt.write, decode, prefill, prefill_charge)
             await relay.run(merger)
             await relay.await_streams_end(merger)

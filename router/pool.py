@@ -100,6 +100,9 @@ class WorkerHandle:
         self.suspect = False
         self.active_calls = 0
         self.charges: list[Charge] = []
+        # Set while the worker is DEAD (dead_after polls failed in a row): calls in flight on it give up then,
+        # since a hung or stopped process keeps its streams open but silent.
+        self.dead = asyncio.Event()
 
     @property
     def worker_id(self) -> str:
@@ -135,6 +138,7 @@ class WorkerHandle:
         self.last_ok = time.monotonic()
         self.failed_polls = 0
         self.suspect = False
+        self.dead.clear()
         # The worker's numbers now include every placement made before this poll was sent.
         self.charges = [c for c in self.charges if not c.released and c.created_at >= started_at]
 
@@ -279,6 +283,7 @@ class WorkerPool:
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
             self._metrics.worker_failed(handle.worker_id, f"poll_{code.name.lower()}")
             if handle.failed_polls == self.dead_after:
+                handle.dead.set()
                 log.warning(
                     "worker %s is DEAD: %d polls failed (last: %s)",
                     handle.worker_id,

@@ -90,6 +90,17 @@ class StreamMerger:
     def add(self, stream: WorkerStream) -> None:
         self._readers.append(asyncio.create_task(self._pump(stream)))
 
+    def fail_when(self, stream: WorkerStream, event: asyncio.Event, details: str) -> None:
+        """Report `stream` as failed (UNAVAILABLE: details) once `event` is set, unless it ended before."""
+        self._readers.append(asyncio.create_task(self._fail_when(stream, event, details)))
+
+    async def _fail_when(self, stream: WorkerStream, event: asyncio.Event, details: str) -> None:
+        await event.wait()
+        if not stream.ended:
+            self._queue.put_nowait(
+                StreamItem(stream, error=stream.error(grpc.StatusCode.UNAVAILABLE, details))
+            )
+
     async def get(self) -> StreamItem:
         return await self._queue.get()
 

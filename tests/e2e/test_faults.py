@@ -59,9 +59,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def long_prompt(words: int) -> str:
-    """A prompt long enough that its prefill takes seconds on a CPU worker (a window to inject the fault)."""
-    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+def long_prompt(words: int, shift: int = 0) -> str:
+    """A prompt long enough that its prefill takes seconds on a CPU worker (a window to inject the fault).
+    A different `shift` gives a different prompt (no help from the prefix cache)."""
+    return " ".join(WORDS[(i + shift) % len(WORDS)] for i in range(words))
 
 
 # --- cluster introspection ---------------------------------------------------------------------------------
@@ -365,6 +366,25 @@ class TestStall:
         with Client(stall.address) as client:
             assert client.generate("hello", temperature=0, max_tokens=3).token_ids
 
+    # --- item 8: a decode worker that hangs mid-stream (no controller to kill it) -------------------------
+    def test_decode_worker_stopped_mid_stream_is_given_up_when_dead_and_the_request_resumes(
+        self, stall, offline
+    ):
+        prompt, max_tokens = "List the planets of the solar system with one fact each:", 100
+        want = greedy(offline, prompt, max_tokens)
+        before = wait_all_ready(stall.address, 3)
+        request = Background(stall.address, prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        victim = busy_worker(stall.address, "DECODE", before)
+        wait_until(lambda: request.num_tokens >= 5, 30, "the first tokens", every_s=0.02)
+        with stopped(pid_of(victim)):  # its stream stays open and silent: only the router's polls notice
+            stopped_after = request.num_tokens
+            request.join(60)
+        assert request.error is None, request.error
+        assert stopped_after < max_tokens, "the request ended before the stop: nothing was tested"
+        assert [t for batch in request.batches for t in batch] == want
+        wait_all_ready(stall.address, 3)
+        assert_all_idle(stall.address)
+
     # --- item 8: health is NOT_SERVING while no prefill/decode pair works ----------------------------------
     def test_health_is_not_serving_while_the_only_prefill_worker_is_stopped(self, stall):
         wait_all_ready(stall.address, 3)
@@ -377,6 +397,25 @@ class TestStall:
         with Client(stall.address) as client:
             assert client.generate("hello", temperature=0, max_tokens=3).token_ids
         assert_all_idle(stall.address)
+
+    # --- item 3: the prefill worker dies during the handoff (the last test here: no prefill worker is left) --
+    def test_prefill_killed_during_the_handoff_frees_the_decode_reservation(self, stall):
+        before = wait_all_ready(stall.address, 3)
+        prefill_pid = pid_of(before["prefill-0"])
+        request = Background(
+            stall.address, long_prompt(600, 5), temperature=0, max_tokens=12, ignore_eos=True
+        )
+        receiver = busy_worker(stall.address, "DECODE", before)
+        # The receiver stopped, the KV cannot land: once its first token is out the prefill worker is mid-handoff.
+        with stopped(pid_of(receiver)):
+            wait_until(lambda: request.num_tokens >= 1, 60, "the first token", every_s=0.02)
+            os.kill(prefill_pid, signal.SIGKILL)
+            request.join(60)
+        # No other prefill worker (and restarts are off): a clear error in bounded time, not a hang.
+        assert isinstance(request.error, Unavailable), request.error
+        assert "no worker can take the request" in str(request.error)
+        assert_all_idle(stall.address, role="DECODE")  # the reservations were released on the decode side
+        wait_until(lambda: health(stall.address) == NOT_SERVING, 15, "NOT_SERVING without a prefill worker")
 
 
 # --- the engine side of a resume (no cluster) ---------------------------------------------------------------
