@@ -35,7 +35,7 @@ class DecodeWorker:
         self.loop = EngineLoop(Engine(spec.engine))
         self.loop.start()
         role = admin_pb2.WORKER_ROLE_DECODE if spec.role == "decode" else admin_pb2.WORKER_ROLE_COLOCATED
-        self.service = DecodeService(spec.worker_id, self.loop, None, role)
+        self.service = DecodeService(spec.worker_id, self.loop, None, role, spec.kv_wait_timeout_s)
         if spec.role == "decode":
             engine = self.loop.engine
             self.receiver = KVReceiver(

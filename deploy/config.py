@@ -38,8 +38,19 @@ class RouterSettings:
     # Prometheus file_sd list (.json) that `tandem serve` rewrites with the router's and every live worker's
     # /metrics address on each membership change; "" writes none (deploy/metrics.py).
     metrics_file_sd: str = ""
+    # How the router watches workers and waits on them (router/config.py documents each).
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 1.0
+    dead_after_failed_polls: int = 3
+    worker_rpc_timeout_s: float = 10.0
+    worker_retries: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("poll_interval_s", "poll_timeout_s", "worker_rpc_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"router.{name}: must be > 0 seconds, got {getattr(self, name)}")
+        if self.dead_after_failed_polls < 1 or self.worker_retries < 0:
+            raise ConfigError("router.dead_after_failed_polls / router.worker_retries: must be >= 1 / >= 0")
         if not isinstance(self.metrics_file_sd, str) or (
             self.metrics_file_sd and not self.metrics_file_sd.endswith(".json")
         ):
@@ -93,9 +104,19 @@ class ControllerSettings:
     # Standalone routers (Kubernetes) to push membership to, as host:port; a name that resolves to several
     # addresses (a headless Service) reaches every router pod. Empty: only the in-process router of `serve`.
     routers: tuple[str, ...] = ()
+    # Worker-side waits: a prompt's compute on a prefill worker, and a decode worker's wait for the KV beyond
+    # its lease (the lease itself is transfer.lease_ttl_s).
+    prefill_timeout_s: float = 600.0
+    kv_wait_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("health_interval_s", "heartbeat_timeout_s", "drain_timeout_s"):
+        for name in (
+            "health_interval_s",
+            "heartbeat_timeout_s",
+            "drain_timeout_s",
+            "prefill_timeout_s",
+            "kv_wait_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"controller.{name}: must be > 0, got {getattr(self, name)}")
 

@@ -104,6 +104,8 @@ class Controller:
                     engine=pool.engine,
                     transfer=self.config.transfer,
                     drain_timeout_s=self.config.controller.drain_timeout_s,
+                    prefill_timeout_s=self.config.controller.prefill_timeout_s,
+                    kv_wait_timeout_s=self.config.controller.kv_wait_timeout_s,
                 )
                 self.slots.append(Slot(role, i, spec, pool.num_gpus, dict(pool.ray_resources)))
         pending = {slot.worker_id: self._launch(slot) for slot in self.slots}

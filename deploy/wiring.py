@@ -29,6 +29,11 @@ def router_config(config: DeployConfig) -> RouterConfig:
         max_inflight=r.max_inflight,
         max_queue=r.max_queue,
         request_timeout_s=r.request_timeout_s,
+        poll_interval_s=r.poll_interval_s,
+        poll_timeout_s=r.poll_timeout_s,
+        dead_after_failed_polls=r.dead_after_failed_polls,
+        worker_rpc_timeout_s=r.worker_rpc_timeout_s,
+        worker_retries=r.worker_retries,
         lease_ttl_s=config.transfer.lease_ttl_s,
     )
 

@@ -39,7 +39,7 @@ class PrefillWorker:
 
         engine = loop.engine
         self.sender = KVSender(engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release)
-        self.service = PrefillService(spec.worker_id, loop, self.sender)
+        self.service = PrefillService(spec.worker_id, loop, self.sender, spec.prefill_timeout_s)
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]
         )

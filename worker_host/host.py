@@ -39,6 +39,8 @@ class WorkerSpec:
     advertise_host: str = ""  # the address peers dial when host is a wildcard (the node's IP)
     max_concurrent_rpcs: int = 1024
     drain_timeout_s: float = 30.0
+    prefill_timeout_s: float = 600.0  # prefill: longest wait for a prompt's first token
+    kv_wait_timeout_s: float = 60.0  # decode: wait for the KV beyond a lease without a TTL
 
     @property
     def public_host(self) -> str:
