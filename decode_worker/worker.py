@@ -9,25 +9,21 @@ from kv_transfer import KVReceiver
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2_grpc
-from worker_host.host import LockedAllocator, WorkerSpec, start_grpc, wait_idle
+from worker_host.host import LockedAllocator, WorkerSpec, start_grpc
+from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.DecodeWorker"
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerLifecycle):
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.role not in ("decode", "colocated"):
             raise ValueError(f"role: a DecodeWorker is 'decode' or 'colocated', got {spec.role!r}")
-        self.spec = spec
-        self.loop: EngineLoop | None = None
+        super().__init__(spec)
         self.receiver: KVReceiver | None = None
         self.service: DecodeService | None = None
-        self._server = None
-        self.address = ""
-        self.metrics: WorkerMetrics | None = None
-        self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
 
     def start(self) -> str:
         """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
@@ -58,23 +54,11 @@ class DecodeWorker:
         log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role, self.address)
         return self.address
 
-    def drain(self) -> bool:
-        """Refuse new requests and wait for running ones (True when all finished in time)."""
-        if self.service is None or self.loop is None:
-            return True
-        self.service.draining.set()
-        return wait_idle(self.loop, self.spec.drain_timeout_s)
+    def _drainable(self) -> DecodeService | None:
+        return self.service
 
-    def stop(self) -> None:
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
-        if self._server is not None:
-            self._server.stop(grace=1.0).wait(5.0)
-            self._server = None
-        if self.receiver is not None:
-            self.receiver.close()
-            self.receiver = None
-        if self.loop is not None:
-            self.loop.stop()
-            self.loop = None
+    def _transfer(self) -> KVReceiver | None:
+        return self.receiver
+
+    def _forget_transfer(self) -> None:
+        self.receiver = None

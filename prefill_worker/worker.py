@@ -9,25 +9,21 @@ from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from prefill_worker.service import PrefillService
 from tandem_api.tandem.v1 import worker_pb2_grpc
-from worker_host.host import WorkerSpec, start_grpc, wait_idle
+from worker_host.host import WorkerSpec, start_grpc
+from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.PrefillWorker"
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerLifecycle):
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.role != "prefill":
             raise ValueError(f"role: a PrefillWorker is 'prefill', got {spec.role!r}")
-        self.spec = spec
-        self.loop: EngineLoop | None = None
+        super().__init__(spec)
         self.sender: KVSender | None = None
         self.service: PrefillService | None = None
-        self._server = None
-        self.address = ""
-        self.metrics: WorkerMetrics | None = None
-        self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
 
     def start(self) -> str:
         spec = self.spec
@@ -50,22 +46,11 @@ class PrefillWorker:
         log.info("prefill worker %s serving on %s", spec.worker_id, self.address)
         return self.address
 
-    def drain(self) -> bool:
-        if self.service is None or self.loop is None:
-            return True
-        self.service.draining.set()
-        return wait_idle(self.loop, self.spec.drain_timeout_s)
+    def _drainable(self) -> PrefillService | None:
+        return self.service
 
-    def stop(self) -> None:
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
-        if self._server is not None:
-            self._server.stop(grace=1.0).wait(5.0)
-            self._server = None
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-        if self.loop is not None:
-            self.loop.stop()
-            self.loop = None
+    def _transfer(self) -> KVSender | None:
+        return self.sender
+
+    def _forget_transfer(self) -> None:
+        self.sender = None

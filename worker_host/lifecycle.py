@@ -1,0 +1,65 @@
+"""WorkerLifecycle: what both worker roles do the same way once started: drain and stop.
+
+Stop order (safe twice, safe on a half-started worker): metrics endpoint -> gRPC server (cancels open streams,
+whose handlers release their blocks and leases) -> the role's KV transfer object (in-flight transfers fail,
+blocks return only once nothing can still write them) -> the engine loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+from model_runtime.engine_loop import EngineLoop
+from worker_host.host import WorkerSpec, wait_idle
+from worker_host.metrics import WorkerMetrics
+
+
+class Drainable(Protocol):
+    draining: threading.Event
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class WorkerLifecycle:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.loop: EngineLoop | None = None
+        self._server: Any = None
+        self.address = ""
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
+
+    def _drainable(self) -> Drainable | None:
+        raise NotImplementedError
+
+    def _transfer(self) -> Closable | None:
+        raise NotImplementedError
+
+    def _forget_transfer(self) -> None:
+        raise NotImplementedError
+
+    def drain(self) -> bool:
+        """Refuse new requests and wait for running ones (True when all finished in time)."""
+        service = self._drainable()
+        if service is None or self.loop is None:
+            return True
+        service.draining.set()
+        return wait_idle(self.loop, self.spec.drain_timeout_s)
+
+    def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(5.0)
+            self._server = None
+        transfer = self._transfer()
+        if transfer is not None:
+            transfer.close()
+            self._forget_transfer()
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None
