@@ -272,12 +272,22 @@ class WorkerPool:
                 await asyncio.wait_for(self._wake.wait(), self._interval)
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(h) for h in self.handles()))
+        # return_exceptions: one poll's unexpected error must not end the poller (every worker would then stay
+        # as last seen forever, and new members STARTING).
+        handles = self.handles()
+        results = await asyncio.gather(*(self._poll(h) for h in handles), return_exceptions=True)
+        for handle, result in zip(handles, results):
+            if isinstance(result, Exception):
+                log.error("polling worker %s failed unexpectedly: %r", handle.worker_id, result)
 
     async def _poll(self, handle: WorkerHandle) -> None:
         started = time.monotonic()
+        if self._workers.get(handle.worker_id) is not handle:
+            return  # it left the membership since this round began (its channel may be closed already)
         try:
             info = await handle.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self._poll_timeout)
+        except grpc.aio.UsageError:
+            return  # its channel was closed under the call: it left the membership meanwhile
         except grpc.RpcError as exc:
             handle.failed_polls += 1
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
