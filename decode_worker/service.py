@@ -161,11 +161,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Status(self, request, context) -> admin_pb2.WorkerInfo:
         leases = self.receiver.stats().active_leases if self.receiver is not None else 0
-        return self.loop.call(lambda e: self._status(e, leases))
-
-    def _status(self, engine, leases: int) -> admin_pb2.WorkerInfo:
         return worker_info(
-            engine,
             self.loop,
             worker_id=self.worker_id,
             role=self.role,

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from model_runtime.engine import Engine, StepOutput
@@ -23,6 +24,31 @@ from model_runtime.engine import Engine, StepOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Subscriber = Callable[[StepOutput], None]
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """What Status and metrics report, published by the loop after every step and every call(): readers never
+    take the lock, so a long step cannot make a worker look dead to its health checks."""
+
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prompt_tokens: int = 0
+    requests_total: int = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineCounters:
+        sched = engine.scheduler
+        return cls(
+            engine.pool.num_used,
+            engine.pool.usable,
+            sched.num_running,
+            sched.num_waiting,
+            engine.queued_prompt_tokens(),
+            engine.requests_total,
+        )
 
 
 class EngineLoop:
@@ -37,6 +63,7 @@ class EngineLoop:
         self.last_beat = time.monotonic()  # refreshed every iteration: a stale value means a hung step
         self.steps = 0
         self.failure: BaseException | None = None
+        self.counters = EngineCounters.of(engine)
 
     def start(self) -> None:
         self._thread.start()
@@ -55,6 +82,7 @@ class EngineLoop:
         """Run fn(engine) under the loop's lock and wake the loop (fn may have added work)."""
         with self._lock:
             result = fn(self.engine)
+            self.counters = EngineCounters.of(self.engine)
         self._wake.set()
         return result
 
@@ -83,6 +111,7 @@ class EngineLoop:
                 with self._lock:
                     outputs = self.engine.step() if self.engine.has_unfinished() else None
                     self._deliver(outputs or [])
+                    self.counters = EngineCounters.of(self.engine)
                 if outputs is None or not self.engine.last_step_ran:  # idle, or blocked until blocks return
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()

@@ -109,16 +109,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def Status(self, request, context) -> admin_pb2.WorkerInfo:
         leases = self.sender.stats().active_transfers
-        return self.loop.call(
-            lambda e: worker_info(
-                e,
-                self.loop,
-                worker_id=self.worker_id,
-                role=admin_pb2.WORKER_ROLE_PREFILL,
-                address=self.address,
-                draining=self.draining.is_set(),
-                active_leases=leases,
-            )
+        return worker_info(
+            self.loop,
+            worker_id=self.worker_id,
+            role=admin_pb2.WORKER_ROLE_PREFILL,
+            address=self.address,
+            draining=self.draining.is_set(),
+            active_leases=leases,
         )
 
 

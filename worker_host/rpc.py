@@ -8,7 +8,6 @@ from typing import TypeVar
 
 import grpc
 
-from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from tandem_api.tandem.v1 import admin_pb2
 
@@ -37,7 +36,6 @@ def wait_for(
 
 
 def worker_info(
-    engine: Engine,
     loop: EngineLoop,
     *,
     worker_id: str,
@@ -46,25 +44,26 @@ def worker_info(
     draining: bool,
     active_leases: int,
 ) -> admin_pb2.WorkerInfo:
-    """Call under the loop's lock (loop.call) so the counters are consistent."""
+    """Built from the counters the loop published last: answers at once even while a long step runs."""
     if draining:
         state = admin_pb2.WORKER_STATE_DRAINING
     else:
         state = admin_pb2.WORKER_STATE_READY if loop.alive else admin_pb2.WORKER_STATE_DEAD
-    sched = engine.scheduler
+    c = loop.counters
+    engine = loop.engine
     return admin_pb2.WorkerInfo(
         worker_id=worker_id,
         role=role,
         address=address,
         state=state,
-        kv_blocks_used=engine.pool.num_used,
-        kv_blocks_total=engine.pool.usable,
-        running_requests=sched.num_running,
-        waiting_requests=sched.num_waiting,
+        kv_blocks_used=c.kv_blocks_used,
+        kv_blocks_total=c.kv_blocks_total,
+        running_requests=c.running,
+        waiting_requests=c.waiting,
         active_leases=active_leases,
-        queued_prefill_tokens=engine.queued_prompt_tokens(),
+        queued_prefill_tokens=c.queued_prompt_tokens,
         model=engine.config.model,
         layout_fingerprint=engine.layout.fingerprint(),
-        requests_total=engine.requests_total,
+        requests_total=c.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
     )
