@@ -138,6 +138,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def _stream(self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext) -> Iterator:
         while True:
             out = wait_for(outputs, context, self.loop, float("inf"), "tokens")
+            if not context.is_active():  # tokens keep coming while the caller is gone: stop at once
+                raise CallEnded()
             yield worker_pb2.DecodeEvent(tokens=token_batch(out))
             if out.finish_reason is not None:
                 yield finished_event(out)

@@ -134,6 +134,10 @@ class Dispatcher:
                 await self._attempt(placement, request, out, deadline, write)
                 return
             except WorkerCallError as exc:
+                if exc.code == grpc.StatusCode.CANCELLED:
+                    # Only a cancel of ours (the client left, or we stopped) ends a worker call this way:
+                    # resuming would start work nobody waits for.
+                    raise RouterError(exc.code, f"{exc.worker}: the call was cancelled") from None
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and _passed(deadline):
                     raise RouterError(
                         exc.code, f"the deadline passed while {exc.worker} had the request"
@@ -206,6 +210,13 @@ class Dispatcher:
             write=write,
             decode_charge=self._pool.charge(decode.worker_id, running=1),
             sent=len(out.token_ids),
+        )
+        log.info(
+            "attempt %s: decode %s prefill %s, %d tokens sent",
+            attempt.id,
+            placement.decode,
+            placement.prefill,
+            attempt.sent,
         )
         with contextlib.ExitStack() as stack:
             stack.callback(attempt.decode_charge.release)

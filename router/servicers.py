@@ -118,6 +118,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self._metrics.request_rejected(exc.code.name.lower())
             await context.abort(exc.code, exc.details)
             return
+        _cancel_on_client_cancel(context)
         with ticket:
             await self._serve(parsed, ticket, clock, deadline, context)
 
@@ -235,3 +236,15 @@ class RouterControlService(worker_pb2_grpc.RouterControlServicer):
             await context.abort(exc.code, exc.details)
         self._apply(endpoints, request.generation)
         return worker_pb2.SetWorkersReply()
+
+
+def _cancel_on_client_cancel(context: Any) -> None:
+    """Cancel this handler's task the moment the client cancels: grpc.aio would only notice at a later write,
+    and until then the workers keep generating (and holding KV) for nobody."""
+    task = asyncio.current_task()
+
+    def on_done(ctx: Any) -> None:
+        if ctx.cancelled() and task is not None and not task.done():
+            task.cancel()
+
+    context.add_done_callback(on_done)
