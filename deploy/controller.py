@@ -23,6 +23,7 @@ from deploy.config import DeployConfig
 from worker_host.host import WorkerSpec
 
 log = logging.getLogger(__name__)
+RAY_START_ATTEMPTS = 2  # a local Ray node that timed out starting gets one more try
 MISSED_LIMIT = 2  # consecutive unanswered heartbeats that make a live actor count as hung
 
 Publish = Callable[[list["Member"], int], object]
@@ -79,14 +80,22 @@ class Controller:
                 # Ray 2.60 on Linux swaps a loopback node address for the host's routable one unless this is 0;
                 # a local cluster must keep all of its traffic on 127.0.0.1.
                 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            ray.init(
-                _node_ip_address=node_ip,
-                address=self.config.ray.address,
-                namespace=self.config.ray.namespace,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-            )
+            for attempt in range(1, RAY_START_ATTEMPTS + 1):
+                try:
+                    ray.init(
+                        _node_ip_address=node_ip,
+                        address=self.config.ray.address,
+                        namespace=self.config.ray.namespace,
+                        include_dashboard=False,
+                        logging_level=logging.WARNING,
+                        log_to_driver=False,
+                    )
+                    return
+                except Exception as exc:  # a local node that times out starting on a loaded host: retry once
+                    if self.config.ray.address is not None or attempt == RAY_START_ATTEMPTS:
+                        raise
+                    log.warning("Ray did not start (%s); trying again", exc)
+                    ray.shutdown()
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
         """Start every pool and wait until each worker serves (or raise)."""
