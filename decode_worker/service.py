@@ -146,8 +146,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 return
 
     def _cleanup(self, rid: str) -> None:
-        """The one exit path: forget the waiters, release a lease that never landed, abort the request."""
-        self.loop.unsubscribe(rid)
+        """The one exit path: abort the request, forget the waiters, release a lease that never landed."""
+        self.loop.end(rid)
         with self._lock:
             waiter = self._landed.pop(rid, None)
         while waiter is not None and not waiter.empty():  # landed after the handler stopped listening
@@ -156,7 +156,6 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 self._release(late.lease.block_ids)
         if self.receiver is not None:
             self.receiver.abort(rid, "the decode call ended")
-        self.loop.call(lambda e: e.abort(rid))
 
     def _release(self, block_ids: tuple[int, ...]) -> None:
         self.loop.call(lambda e: e.release_blocks(block_ids))

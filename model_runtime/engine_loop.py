@@ -1,8 +1,8 @@
 """EngineLoop: runs an Engine's steps on one thread and hands each request's outputs to its subscriber.
 
 Every touch of the engine (adding, aborting, reading counters, the KV allocator of a decode worker) goes through
-`call()`, which holds the loop's lock, so the engine itself stays single-threaded. Subscribers are called on the
-loop thread under the lock and must not block (put the output on a queue).
+`call()`, which the loop thread runs between two steps, so the engine itself stays single-threaded. Subscribers
+are called on the loop thread and must not block (put the output on a queue).
 
     loop = EngineLoop(engine); loop.start()
     loop.subscribe(rid, queue.put); loop.call(lambda e: e.add_request(rid, ids, params))
@@ -12,6 +12,7 @@ loop thread under the lock and must not block (put the output on a queue).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -51,13 +52,40 @@ class EngineCounters:
         )
 
 
+class _Call:
+    """One call() waiting for the loop thread: the function, then its result or its exception."""
+
+    __slots__ = ("done", "error", "fn", "result")
+
+    def __init__(self, fn: Callable[[Engine], object]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: object = None
+        self.error: BaseException | None = None
+
+    def run(self, engine: Engine) -> None:
+        try:
+            self.result = self.fn(engine)
+        except BaseException as exc:  # handed to the caller, never to the loop
+            self.error = exc
+        finally:
+            self.done.set()
+
+
 class EngineLoop:
+    """The engine's one owner thread. Other threads never take the engine: call() queues a function that the
+    loop thread runs between two steps, so a caller waits at most one step. (A lock that the loop re-takes
+    right after each step starves waiting threads: Python locks are not fair, and the loop thread holds the
+    GIL when it lets go. Aborts then waited tens of seconds on a busy worker.)"""
+
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the engine, while the loop thread runs or when no loop thread runs
+        self._calls: collections.deque[_Call] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._subscribers: dict[str, Subscriber] = {}
+        self._subscribers_lock = threading.Lock()
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_beat = time.monotonic()  # refreshed every iteration: a stale value means a hung step
@@ -79,26 +107,71 @@ class EngineLoop:
         return self._thread.is_alive() and self.failure is None
 
     def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run fn(engine) under the loop's lock and wake the loop (fn may have added work)."""
-        with self._lock:
-            result = fn(self.engine)
-            self.counters = EngineCounters.of(self.engine)
+        """Run fn(engine) on the loop thread between two steps and return its result (or raise its error).
+
+        Without a running loop thread (before start(), after stop() or a failure) fn runs here, under the
+        lock. From the loop thread itself (a subscriber) it runs at once."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            with self._lock:
+                return self._run_now(fn)
+        pending = _Call(fn)
+        self._calls.append(pending)
         self._wake.set()
-        return result
+        while not pending.done.wait(0.5):
+            if not self._thread.is_alive():  # it ended after we queued: run what is left ourselves
+                with self._lock:
+                    self._run_calls()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result  # type: ignore[return-value]
 
     def subscribe(self, request_id: str, subscriber: Subscriber) -> None:
-        with self._lock:
+        with self._subscribers_lock:
             self._subscribers[request_id] = subscriber
 
     def unsubscribe(self, request_id: str) -> None:
-        with self._lock:
+        """Once this returns, nothing more reaches that subscriber (delivery runs on the loop thread too)."""
+        self.call(lambda _engine: self._forget(request_id))
+
+    def end(self, request_id: str) -> None:
+        """A handler's exit, in one pass of the loop: forget its subscriber and abort its request (a no-op for
+        a request the engine no longer has)."""
+
+        def forget_and_abort(engine: Engine) -> None:
+            self._forget(request_id)
+            engine.abort(request_id)
+
+        self.call(forget_and_abort)
+
+    def _forget(self, request_id: str) -> None:
+        with self._subscribers_lock:
             self._subscribers.pop(request_id, None)
 
+    def _run_now(self, fn: Callable[[Engine], T]) -> T:
+        result = fn(self.engine)
+        self.counters = EngineCounters.of(self.engine)
+        return result
+
+    def _run_calls(self) -> bool:
+        """Run every queued call (loop thread, or any thread once the loop is gone). True if any ran."""
+        ran = False
+        while True:
+            try:
+                pending = self._calls.popleft()
+            except IndexError:
+                break
+            pending.run(self.engine)
+            ran = True
+        if ran:
+            self.counters = EngineCounters.of(self.engine)
+        return ran
+
     def _deliver(self, outputs: list[StepOutput]) -> None:
-        """Under the lock, so once unsubscribe() returns nothing more reaches that subscriber. An output nobody
-        listens for any more may carry detached KV blocks (prefill_only): they go straight back to the pool."""
+        """On the loop thread. An output nobody listens for any more may carry detached KV blocks
+        (prefill_only): they go straight back to the pool."""
         for output in outputs:
-            subscriber = self._subscribers.get(output.request_id)
+            with self._subscribers_lock:
+                subscriber = self._subscribers.get(output.request_id)
             if subscriber is not None:
                 subscriber(output)
             elif output.kv_block_ids:
@@ -109,14 +182,19 @@ class EngineLoop:
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
                 with self._lock:
+                    self._run_calls()
                     outputs = self.engine.step() if self.engine.has_unfinished() else None
                     self._deliver(outputs or [])
                     self.counters = EngineCounters.of(self.engine)
                 if outputs is None or not self.engine.last_step_ran:  # idle, or blocked until blocks return
-                    self._wake.wait(self._idle_wait_s)
+                    if not self._calls:
+                        self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
                 self.steps += 1
         except BaseException as exc:  # the worker reports the loop dead; requests fail instead of hanging
             log.exception("engine loop failed")
             self.failure = exc
+        finally:
+            with self._lock:  # nobody is left to run them: callers must not wait forever
+                self._run_calls()

@@ -74,8 +74,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         except CallEnded:
             return
         finally:
-            self.loop.unsubscribe(rid)
-            self.loop.call(lambda e: e.abort(rid))
+            self.loop.end(rid)
             # The call may end right after the engine detached the prompt's blocks and queued its output,
             # before this handler read it: those blocks are ours too.
             while not outputs.empty():

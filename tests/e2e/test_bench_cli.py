@@ -105,11 +105,6 @@ def test_duration_bound_cancels_what_still_runs(cluster, tmp_path):
     assert report["duration_s"] < 10
 
 
-@pytest.mark.xfail(
-    reason="open bug: under load a cancelled stream can keep decoding for tens of seconds before its blocks "
-    "return (cancel propagation router -> decode worker); see docs/operations.md, failure semantics",
-    strict=False,
-)
 def test_cancelled_requests_release_their_kv_blocks(cluster):
     wait_idle(cluster.address, timeout_s=10.0)
 

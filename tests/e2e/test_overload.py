@@ -107,10 +107,6 @@ def long_streams(client: Client, n: int) -> list:
 
 
 # --- 1. deadlines ----------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    reason="timing-sensitive: failed once on the loaded 2-core CI box (passes on a quiet host); see the note",
-    strict=False,
-)
 def test_short_client_deadline_while_workers_are_busy_is_deadline_exceeded(cluster):
     with Client(cluster.address) as client:
         busy = long_streams(client, MAX_INFLIGHT)  # every in-flight slot taken: the next request queues

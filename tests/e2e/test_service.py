@@ -159,11 +159,6 @@ def test_every_worker_serves_traffic(cluster):
     assert not idle, f"workers that served nothing: {idle}"
 
 
-@pytest.mark.xfail(
-    reason="open bug: under load a cancelled stream can keep decoding for tens of seconds before its blocks "
-    "return (cancel propagation router -> decode worker); see docs/operations.md, failure semantics",
-    strict=False,
-)
 def test_cancel_mid_stream_releases_everything(cluster):
     with Client(cluster.address) as client:
         stream = client.stream(
@@ -187,11 +182,6 @@ def test_client_deadline_is_deadline_exceeded_and_releases_everything(cluster):
     assert_all_idle(cluster.address)
 
 
-@pytest.mark.xfail(
-    reason="open bug: under load a cancelled stream can keep decoding for tens of seconds before its blocks "
-    "return (cancel propagation router -> decode worker); see docs/operations.md, failure semantics",
-    strict=False,
-)
 def test_async_cancel_is_cancelled(cluster):
     async def run() -> None:
         async with AsyncClient(cluster.address) as client:

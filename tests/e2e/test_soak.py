@@ -66,11 +66,6 @@ def workers_busy(address: str) -> bool:
 
 
 # --- 5. cancel at every phase ----------------------------------------------------------------------------
-@pytest.mark.xfail(
-    reason="open bug: under load a cancelled busy stream can keep decoding for tens of seconds before its blocks "
-    "return (cancel propagation router -> decode worker); see docs/operations.md, failure semantics",
-    strict=False,
-)
 def test_cancel_while_queued(cluster):
     with Client(cluster.address) as client:
         running = [

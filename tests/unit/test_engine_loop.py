@@ -1,0 +1,138 @@
+"""EngineLoop: calls from other threads reach a busy engine within a step, errors go back to the caller, and
+nothing waits forever when the loop ends."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.engine import Engine, StepOutput
+from model_runtime.engine_loop import EngineLoop
+from model_runtime.request import SamplingParams
+from tests.model.tiny_models import write_tiny_hf
+
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf(tmp_path_factory.mktemp("loop"))
+
+
+def make_loop(model_dir: Path) -> EngineLoop:
+    config = EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        device=DeviceConfig(device="cpu"),
+    )
+    return EngineLoop(Engine(config), idle_wait_s=0.01)
+
+
+@pytest.fixture
+def loop(model_dir: Path) -> Iterator[EngineLoop]:
+    loop = make_loop(model_dir)
+    loop.start()
+    yield loop
+    loop.stop()
+
+
+def start_long_request(loop: EngineLoop, rid: str) -> queue.Queue[StepOutput]:
+    outputs: queue.Queue[StepOutput] = queue.Queue()
+    loop.subscribe(rid, outputs.put)
+    loop.call(lambda e: e.add_request(rid, [5, 6, 7, 8, 9], LONG))
+    outputs.get(timeout=30)  # decoding has begun
+    return outputs
+
+
+def test_an_abort_from_another_thread_lands_within_a_step_of_a_busy_loop(loop: EngineLoop) -> None:
+    """The loop steps back to back; an abort from a handler thread must not starve behind it."""
+    outputs = start_long_request(loop, "busy")
+    for _ in range(3):
+        outputs.get(timeout=30)
+    steps_before = loop.steps
+    done = threading.Event()
+    threading.Thread(target=lambda: (loop.end("busy"), done.set()), daemon=True).start()
+    assert done.wait(30), "end() never returned"
+    # The call ran between two steps: at most the step in flight (and the one it raced with) went by.
+    assert loop.steps - steps_before <= 2
+    assert loop.counters.kv_blocks_used == 0 and loop.counters.running == 0
+    assert not loop.call(lambda e: e.has_unfinished())
+
+
+def test_many_concurrent_callers_are_all_served_while_the_loop_is_busy(loop: EngineLoop) -> None:
+    start_long_request(loop, "busy")
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def caller(i: int) -> None:
+        value = loop.call(lambda e: e.pool.usable + i)
+        with lock:
+            results.append(value - i)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [loop.engine.pool.usable] * 16
+    loop.end("busy")
+
+
+def test_a_call_that_raises_raises_in_the_caller_and_the_loop_goes_on(loop: EngineLoop) -> None:
+    outputs = start_long_request(loop, "busy")
+    with pytest.raises(KeyError, match="no such thing"):
+        loop.call(lambda e: {}["no such thing"])
+    assert loop.alive
+    steps = loop.steps
+    outputs.get(timeout=30)
+    outputs.get(timeout=30)
+    assert loop.steps > steps
+    loop.end("busy")
+
+
+def test_after_unsubscribe_returns_no_output_reaches_the_subscriber(loop: EngineLoop) -> None:
+    outputs = start_long_request(loop, "busy")
+    loop.unsubscribe("busy")
+    while not outputs.empty():
+        outputs.get_nowait()
+    steps = loop.steps
+    while loop.steps < steps + 3:  # the request keeps running; its outputs go nowhere
+        time.sleep(0.01)
+    assert outputs.empty()
+    loop.end("busy")
+
+
+def test_calls_run_inline_without_a_loop_thread(model_dir: Path) -> None:
+    loop = make_loop(model_dir)
+    assert loop.call(lambda e: threading.current_thread()) is threading.current_thread()
+    loop.start()
+    assert loop.call(lambda e: threading.current_thread()) is not threading.current_thread()
+    loop.stop()
+    assert loop.call(lambda e: e.has_unfinished()) is False
+
+
+def test_a_failed_step_leaves_no_caller_waiting(model_dir: Path) -> None:
+    """When a step raises, the loop is reported dead and queued or later calls still return."""
+    loop = make_loop(model_dir)
+    loop.start()
+    try:
+        start_long_request(loop, "doomed")
+
+        def broken_step() -> list[StepOutput]:
+            raise RuntimeError("device lost")
+
+        loop.call(lambda e: setattr(e, "step", broken_step))
+        deadline = time.monotonic() + 30
+        while loop.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not loop.alive and isinstance(loop.failure, RuntimeError)
+        assert loop.call(lambda e: e.abort("doomed")) is True
+    finally:
+        loop.stop()
