@@ -9,7 +9,7 @@ Phases of one disaggregated request, and how each test reaches it:
      max_inflight       prompt; cancel     arrival: TTFT    long prompt is   a few tokens)
      taken)             before a token)    does not wait)   still moving)
 
-TANDEM_ABORT_STORM_N (default 300) and TANDEM_SOAK_S (default 90) size the last two; bench/soak.py runs the
+TANDEM_ABORT_STORM_N (default 1000) and TANDEM_SOAK_S (default 90) size the last two; bench/soak.py runs the
 same traffic loop for as long as one likes.
 """
 
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MAX_INFLIGHT = 6
 LONG_PROMPT = " word" * 2400  # ~0.5-2 s of prefill on a CPU core; its KV is ~110 MB over tcp
-ABORT_STORM_N = int(os.environ.get("TANDEM_ABORT_STORM_N", "300"))
+ABORT_STORM_N = int(os.environ.get("TANDEM_ABORT_STORM_N", "1000"))
 SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "90"))
 
 
@@ -46,7 +46,7 @@ def cluster(tmp_path_factory):
         tmp_path_factory.mktemp("soak"),
         router=router,
         prefill=1,
-        decode=1,
+        decode=2,  # the soak kills one
         num_blocks=512,
         metrics_port=metrics_port,
     )
@@ -199,56 +199,56 @@ def test_abort_storm_leaves_no_block_or_lease(cluster):
 
 
 # --- 10. soak ----------------------------------------------------------------------------------------------
-def test_soak_returns_to_baseline_and_counts_reconcile(cluster):
+def established_connections(pid: int) -> int:
     import psutil
 
-    assert_idle(cluster.address)
-    assert cluster.proc is not None
-    before = router_outcomes(cluster.metrics_url)
-    config = SoakConfig(cluster.address, SOAK_S, concurrency=8, max_tokens=40, seed=11)
-    report = asyncio.run(run_soak(config, pid=cluster.proc.pid))
-    assert_idle(cluster.address, 60)
-    after = router_outcomes(cluster.metrics_url)
-    print(
-        f"soak: {report.sent} requests in {report.seconds:.0f}s, {dict(report.outcomes)}, "
-        f"{report.tokens} tokens, serve RSS MiB {report.rss_mib}; router {dict(after - before)}"
-    )
-    assert report.sent > 50 and report.outcomes["OK"] > 0 and report.outcomes["CANCELLED"] > 0
-    assert set(report.outcomes) <= {"OK", "CANCELLED", "DEADLINE_EXCEEDED"}, report.outcomes
-    assert not reconcile(report, before, after), reconcile(report, before, after)
-    settled = report.rss_mib[len(report.rss_mib) // 3 :]  # after warm-up
-    assert max(settled) - min(settled) < 100, f"serve RSS kept growing: {report.rss_mib}"
-    assert psutil.Process(cluster.proc.pid).is_running()
+    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == "ESTABLISHED")
 
 
-@pytest.mark.skipif(not os.environ.get("TANDEM_SOAK_KILL"), reason="set TANDEM_SOAK_KILL=1 (adds ~2 minutes)")
-def test_soak_with_the_decode_worker_killed_recovers_and_reconciles(cluster):
-    """The same soak, with the only decode worker SIGKILLed a third of the way in: requests in its way fail
-    with a clear status (or resume), the controller replaces it, and afterwards everything is back to zero."""
+def test_soak_with_a_decode_worker_killed_returns_to_baseline_and_counts_reconcile(cluster):
+    """Mixed traffic with random cancels and deadlines; one decode worker is SIGKILLed a third of the way in.
+    Requests in its way resume on the other one or fail with a clear status, the controller replaces it, and
+    afterwards blocks, leases, the router's memory and its open connections are back to baseline and the
+    router's outcome counts equal what the clients saw."""
     import signal
     import threading
+
+    import psutil
 
     from tests.e2e.test_faults import pid_of
 
     assert_idle(cluster.address)
+    assert cluster.proc is not None
     with Client(cluster.address) as client:
         victim = next(w for w in client.status().workers if w.role.value == "decode")
+    connections_before = established_connections(cluster.proc.pid)
     before = router_outcomes(cluster.metrics_url)
     timer = threading.Timer(SOAK_S / 3, lambda: os.kill(pid_of(victim), signal.SIGKILL))
     timer.start()
     try:
-        report = asyncio.run(
-            run_soak(SoakConfig(cluster.address, SOAK_S, concurrency=8, max_tokens=40, seed=12))
-        )
+        config = SoakConfig(cluster.address, SOAK_S, concurrency=8, max_tokens=40, seed=11)
+        report = asyncio.run(run_soak(config, pid=cluster.proc.pid))
     finally:
         timer.cancel()
     assert_idle(cluster.address, 120)
     after = router_outcomes(cluster.metrics_url)
-    print(f"soak with a kill: {report.sent} requests, {dict(report.outcomes)}; router {dict(after - before)}")
+    connections_after = established_connections(cluster.proc.pid)
+    print(
+        f"soak: {report.sent} requests in {report.seconds:.0f}s, {dict(report.outcomes)}, "
+        f"{report.tokens} tokens, serve RSS MiB {report.rss_mib}; router {dict(after - before)}; "
+        f"router TCP connections {connections_before} -> {connections_after}"
+    )
     with Client(cluster.address) as client:
         replaced = next(w for w in client.status().workers if w.worker_id == victim.worker_id)
         assert replaced.address != victim.address, "the killed decode worker was not replaced"
         assert client.generate("After the kill", max_tokens=4, temperature=0, timeout=60).token_ids
-    allowed = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "ABORTED"}
+    assert report.sent > 50 and report.outcomes["OK"] > report.sent // 4, report.outcomes
+    assert report.outcomes["CANCELLED"] > 0, report.outcomes
+    allowed = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE"}
     assert set(report.outcomes) <= allowed, report.outcomes
     assert not reconcile(report, before, after), reconcile(report, before, after)
+    settled = report.rss_mib[len(report.rss_mib) // 3 :]  # after warm-up
+    assert max(settled) - min(settled) < 100, f"serve RSS kept growing: {report.rss_mib}"
+    # One channel per worker and Ray's own: the clients' hundreds of calls and the dead worker leave none.
+    assert connections_after <= connections_before + 2, (connections_before, connections_after)
+    assert psutil.Process(cluster.proc.pid).is_running()
