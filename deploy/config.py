@@ -4,7 +4,8 @@ model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shap
 mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
 router:   {host, port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
            default_max_tokens}
-prefill:  {replicas, num_gpus, engine: {cache: {...}, scheduler: {...}, device: {...}}}
+prefill:  {replicas, num_gpus, ray_resources, metrics_port, metrics_port_count,
+           engine: {cache: {...}, scheduler: {...}, device: {...}}}
 decode:   {replicas, num_gpus, engine: {...}}
 colocated:{replicas, num_gpus, engine: {...}}   # mode: colocated
 transfer: {kind: tcp | nccl | cuda_ipc, ...}     # kv_transfer.TransferConfig
@@ -78,6 +79,12 @@ class PoolSettings:
     # Ray custom resources each worker needs, e.g. {tandem_prefill: 1} to pin the pool to the KubeRay worker
     # group that advertises that resource.
     ray_resources: dict[str, float] = field(default_factory=dict)
+    # Where each worker serves its /metrics. 0: an ephemeral port (several workers of a pool share a node, as
+    # under `tandem serve`; the file_sd list finds them). A fixed port lets a Kubernetes PodMonitor name it: a
+    # worker takes the first free port of metrics_port .. metrics_port + metrics_port_count - 1, so a pod that
+    # runs N workers (one per GPU) sets the count to N and exposes those N ports.
+    metrics_port: int = 0
+    metrics_port_count: int = 1
 
     def validate(self, where: str) -> None:
         for key, value in self.ray_resources.items():
@@ -87,6 +94,25 @@ class PoolSettings:
             raise ConfigError(f"{where}.replicas: must be an integer >= 0, got {self.replicas!r}")
         if not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
             raise ConfigError(f"{where}.num_gpus: must be >= 0, got {self.num_gpus!r}")
+        self._validate_metrics_ports(where)
+
+    def _validate_metrics_ports(self, where: str) -> None:
+        port, count = self.metrics_port, self.metrics_port_count
+        if not _is_int(port) or not 0 <= port <= 65535:
+            raise ConfigError(
+                f"{where}.metrics_port: must be an integer in [0, 65535] (0: an ephemeral port), got {port!r}"
+            )
+        if not _is_int(count) or count < 1:
+            raise ConfigError(f"{where}.metrics_port_count: must be an integer >= 1, got {count!r}")
+        if port and port + count - 1 > 65535:
+            raise ConfigError(
+                f"{where}.metrics_port_count: ports {port}..{port + count - 1} run past 65535; "
+                f"lower {where}.metrics_port or the count"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is no port number
 
 
 @dataclass(frozen=True)
@@ -152,6 +178,7 @@ class DeployConfig:
         return {"prefill": self.prefill, "decode": self.decode}
 
 
+POOL_KEYS = ("engine", "metrics_port", "metrics_port_count", "num_gpus", "ray_resources", "replicas")
 TOP_KEYS = {"model", "mode", "router", "prefill", "decode", "colocated", "transfer", "ray", "controller"}
 
 
@@ -187,11 +214,9 @@ def parse_config(data: Any, source: str = "config") -> DeployConfig:
 def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSettings:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - {"replicas", "num_gpus", "engine", "ray_resources"})
+    unknown = sorted(set(data) - set(POOL_KEYS))
     if unknown:
-        raise ConfigError(
-            f"{where}.{unknown[0]}: unknown key; allowed: engine, num_gpus, ray_resources, replicas"
-        )
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(POOL_KEYS)}")
     resources = data.get("ray_resources") or {}
     if not isinstance(resources, dict):
         raise ConfigError(f"{where}.ray_resources: must be a mapping of resource name to amount")
@@ -204,6 +229,8 @@ def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSetti
         num_gpus=data.get("num_gpus", 0.0),
         engine=engine,
         ray_resources=dict(resources),
+        metrics_port=data.get("metrics_port", 0),
+        metrics_port_count=data.get("metrics_port_count", 1),
     )
 
 

@@ -56,6 +56,24 @@ class Slot:
         return self.spec.worker_id
 
 
+def worker_spec(config: DeployConfig, role: str, index: int) -> WorkerSpec:
+    """The spec of worker `index` of the `role` pool: its pool's engine and metrics ports, the cluster's settings."""
+    pool = config.pools()[role]
+    host = "127.0.0.1" if config.ray.address is None else "0.0.0.0"  # a joined cluster: reachable from peers
+    return WorkerSpec(
+        host=host,
+        worker_id=f"{role}-{index}",
+        role=role,
+        engine=pool.engine,
+        transfer=config.transfer,
+        drain_timeout_s=config.controller.drain_timeout_s,
+        prefill_timeout_s=config.controller.prefill_timeout_s,
+        kv_wait_timeout_s=config.controller.kv_wait_timeout_s,
+        metrics_port=pool.metrics_port,
+        metrics_port_count=pool.metrics_port_count,
+    )
+
+
 class Controller:
     def __init__(self, config: DeployConfig, publish: Publish) -> None:
         self.config = config
@@ -105,17 +123,7 @@ class Controller:
         self._actor_class = ray.remote(WorkerProcess)
         for role, pool in self.config.pools().items():
             for i in range(pool.replicas):
-                host = "127.0.0.1" if self.config.ray.address is None else "0.0.0.0"
-                spec = WorkerSpec(
-                    host=host,
-                    worker_id=f"{role}-{i}",
-                    role=role,
-                    engine=pool.engine,
-                    transfer=self.config.transfer,
-                    drain_timeout_s=self.config.controller.drain_timeout_s,
-                    prefill_timeout_s=self.config.controller.prefill_timeout_s,
-                    kv_wait_timeout_s=self.config.controller.kv_wait_timeout_s,
-                )
+                spec = worker_spec(self.config, role, i)
                 self.slots.append(Slot(role, i, spec, pool.num_gpus, dict(pool.ray_resources)))
         pending = {slot.worker_id: self._launch(slot) for slot in self.slots}
         for slot in self.slots:

@@ -41,6 +41,10 @@ class WorkerSpec:
     drain_timeout_s: float = 30.0
     prefill_timeout_s: float = 600.0  # prefill: longest wait for a prompt's first token
     kv_wait_timeout_s: float = 60.0  # decode: wait for the KV beyond a lease without a TTL
+    # /metrics: 0 is an ephemeral port; otherwise the first free of metrics_port .. + metrics_port_count - 1
+    # (deploy.config.PoolSettings says when to use which).
+    metrics_port: int = 0
+    metrics_port_count: int = 1
 
     @property
     def public_host(self) -> str:

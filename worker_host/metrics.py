@@ -1,7 +1,9 @@
-"""A worker's Prometheus metrics: its own /metrics endpoint on an ephemeral port, one registry per worker.
+"""A worker's Prometheus metrics: its own /metrics endpoint, one registry per worker.
 
     metrics = WorkerMetrics(spec, loop, transfer_stats=receiver.stats)   # or sender.stats, or None
     address = metrics.start()          # "127.0.0.1:40123" (the node's IP when spec.host is a wildcard)
+                                       # spec.metrics_port 0: an ephemeral port; else the first free of
+                                       # metrics_port .. metrics_port + metrics_port_count - 1
     ...
     metrics.stop()                     # safe twice
 
@@ -14,6 +16,7 @@ Every series carries model, role and worker labels.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -62,6 +65,11 @@ class EngineGauges:
             waiting=engine.scheduler.num_waiting,
             requests_total=engine.requests_total,
         )
+
+
+class MetricsPortInUse(OSError):
+    """Every port a worker may serve /metrics on is taken (another worker of the pool on the node, or another
+    process)."""
 
 
 def metrics_bind_host(spec: WorkerSpec) -> str:
@@ -200,12 +208,13 @@ class WorkerMetrics:
         self.address = ""
 
     def start(self) -> str:
-        """Serve /metrics on an ephemeral port; returns the host:port Prometheus should scrape."""
+        """Serve /metrics (spec.metrics_port, or an ephemeral port); returns the host:port Prometheus should
+        scrape. Raises MetricsPortInUse when every allowed fixed port is taken."""
         if self._server is None:
             # This process exports Prometheus text: drop the `_created` samples of every counter and histogram
             # (Prometheus 2 stores each as one more gauge series, doubling the series count for nothing).
             disable_created_metrics()
-            server, self._thread = start_http_server(0, metrics_bind_host(self.spec), self.registry)
+            server, self._thread = serve_metrics(self.spec, self.registry)
             self._server = server
             self.address = f"{self.spec.public_host}:{server.server_port}"
         return self.address
@@ -218,3 +227,43 @@ class WorkerMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def metrics_ports(spec: WorkerSpec) -> range:
+    """The ports this worker may bind, in the order it tries them."""
+    if spec.metrics_port == 0:
+        return range(0, 1)
+    return range(spec.metrics_port, spec.metrics_port + spec.metrics_port_count)
+
+
+def serve_metrics(spec: WorkerSpec, registry: CollectorRegistry) -> tuple[WSGIServer, threading.Thread]:
+    """Bind the first free port of metrics_ports(spec). Safe against the pool's other workers starting at the
+    same time: bind() itself decides who gets a port (the server sets SO_REUSEADDR, which on Linux still refuses
+    a second listener). A replaced worker cannot race its predecessor for the port: Ray frees the slot's
+    resources, and so places the new actor, only once the old process is gone."""
+    host = metrics_bind_host(spec)
+    for port in metrics_ports(spec):
+        try:
+            return start_http_server(port, host, registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or port == 0:
+                raise OSError(
+                    exc.errno,
+                    f"worker {spec.worker_id}: cannot serve /metrics on {host}:{port}: {exc.strerror}",
+                ) from exc
+    raise MetricsPortInUse(errno.EADDRINUSE, _ports_taken_message(spec, host))
+
+
+def _ports_taken_message(spec: WorkerSpec, host: str) -> str:
+    ports = metrics_ports(spec)
+    key = f"{spec.role}.metrics_port"
+    if len(ports) == 1:
+        taken = f"metrics port {ports[0]} on {host} is already in use"
+        more = "run one worker of the pool per node"
+    else:
+        taken = f"metrics ports {ports[0]}-{ports[-1]} on {host} are all in use"
+        more = f"raise {key}_count to the number of workers per node"
+    return (
+        f"worker {spec.worker_id}: {taken} (another worker of the pool on this node, or another process); "
+        f"set {key}: 0 for an ephemeral port, or {more}"
+    )

@@ -59,6 +59,16 @@ def container_ports(template: Manifest) -> tuple[set[str], set[int]]:
     return names, numbers
 
 
+def named_ports(template: Manifest) -> dict[str, int]:
+    """Name -> number of every named container port of a pod template."""
+    return {
+        port["name"]: port["containerPort"]
+        for container in template["spec"].get("containers", [])
+        for port in container.get("ports") or []
+        if "name" in port
+    }
+
+
 def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """Kubernetes LabelSelector semantics: every matchLabels pair and every matchExpression must hold. An empty
     selector is treated as matching nothing here: the chart never means 'select everything'."""

@@ -1,6 +1,7 @@
 """How the parts find each other: the rendered Tandem config loads with deploy.config and asks Ray for exactly
 what the worker groups offer; the controller targets this RayCluster and reads the config where it is mounted; the
-routers listen, probe and get pushed to on the ports the config names."""
+routers listen, probe and get pushed to on the ports the config names; the workers serve /metrics on the ports
+their pods expose and the PodMonitors scrape."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ from typing import Any
 
 import yaml
 
-from deploy.chartcheck.objects import container_ports, group_custom_resources, worker_groups
-from deploy.chartcheck.render import Manifest, Rendering
+from deploy.chartcheck.objects import (
+    container_ports,
+    group_custom_resources,
+    labels_of,
+    named_ports,
+    selector_matches,
+    worker_groups,
+)
+from deploy.chartcheck.render import Manifest, Rendering, object_name
 from deploy.config import DeployConfig, parse_config
 
 CONFIG_DIR = "/etc/tandem"
@@ -168,9 +176,64 @@ def check_ray_ports(r: Rendering) -> list[str]:
     return found
 
 
+def worker_metrics_port_name(index: int) -> str:
+    """The container port of a pod's index-th Tandem worker's /metrics (helm/tandem/templates/_helpers.tpl)."""
+    return f"w{index}-metrics"
+
+
+def check_worker_metrics(r: Rendering) -> list[str]:
+    """Each pool's workers serve /metrics on fixed ports that their pods expose by name (one per engine of a pod,
+    the same numbers as the config's metrics_port range) and, with the PodMonitor on, that a worker PodMonitor
+    scrapes: selecting the pool's pods, never the head, with a `component` (not `role`) target label."""
+    config, groups = rendered_config(r), worker_groups(r)
+    found = []
+    for role, pool in config.pools().items():
+        group = groups.get(role)
+        if group is None:
+            continue  # check_config reports it
+        per_pod = int(group_custom_resources(group).get(f"tandem_{role}", 0))
+        want = {worker_metrics_port_name(i): pool.metrics_port + i for i in range(per_pod)}
+        if pool.metrics_port == 0 or pool.metrics_port_count != per_pod:
+            found.append(
+                f"config {role}.metrics_port {pool.metrics_port} / metrics_port_count "
+                f"{pool.metrics_port_count}: want a fixed port and one port per worker of a pod ({per_pod})"
+            )
+        exposed = {n: p for n, p in named_ports(group["template"]).items() if n.endswith("-metrics")}
+        if exposed != want:
+            found.append(f"{role}: worker metrics container ports {exposed}, want {want} (from the config)")
+        if r.objects("PodMonitor"):
+            found += _worker_monitor_problems(r, role, group, sorted(want))
+    return found
+
+
+def _worker_monitor_problems(r: Rendering, role: str, group: Manifest, ports: list[str]) -> list[str]:
+    head = r.one("RayCluster")["spec"]["headGroupSpec"]["template"]
+    scraping = [
+        m
+        for m in r.objects("PodMonitor")
+        if {e["port"] for e in m["spec"]["podMetricsEndpoints"]} & set(ports)
+        and selector_matches(m["spec"]["selector"], labels_of(group["template"]))
+    ]
+    if len(scraping) != 1:
+        return [f"{role}: {len(scraping)} PodMonitors scrape its worker metrics ports, want 1"]
+    monitor, found = scraping[0], []
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    if sorted(e["port"] for e in endpoints) != ports:
+        found.append(f"{object_name(monitor)}: endpoints {[e['port'] for e in endpoints]}, want {ports}")
+    if selector_matches(monitor["spec"]["selector"], labels_of(head)):
+        found.append(f"{object_name(monitor)}: selects the Ray head, which runs no Tandem worker")
+    found += [
+        f"{object_name(monitor)}: endpoint {e['port']} sets target label role (tandem_* series carry their own)"
+        for e in endpoints
+        if any(rl.get("targetLabel") == "role" for rl in e.get("relabelings") or [])
+    ]
+    return found
+
+
 WIRING_CHECKS: tuple[Callable[[Rendering], list[str]], ...] = (
     check_config,
     check_controller,
     check_test_hook,
     check_ray_ports,
+    check_worker_metrics,
 )

@@ -161,6 +161,44 @@ MUTATIONS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     ),
     (
         "ConfigMap",
+        "-config",
+        lambda d: set_config(d, lambda c: c["decode"].update(metrics_port=9999)),
+        "worker metrics container ports",
+    ),
+    (
+        "ConfigMap",
+        "-config",
+        lambda d: set_config(d, lambda c: c["prefill"].update(metrics_port=0)),
+        "want a fixed port",
+    ),
+    (
+        "RayCluster",
+        "",
+        lambda d: group(d, "decode")["template"]["spec"]["containers"][0]["ports"][1].update(
+            containerPort=9466
+        ),
+        "decode: worker metrics container ports",
+    ),
+    (
+        "PodMonitor",
+        "-decode",
+        lambda d: d["spec"]["podMetricsEndpoints"][0].update(port="w9-metrics"),
+        "0 PodMonitors scrape",
+    ),
+    (
+        "PodMonitor",
+        "-prefill",
+        lambda d: d["spec"]["selector"]["matchLabels"].pop("app.kubernetes.io/component"),
+        "selects the Ray head",
+    ),
+    (
+        "PodMonitor",
+        "-decode",
+        lambda d: d["spec"]["podMetricsEndpoints"][0]["relabelings"][1].update(targetLabel="role"),
+        "sets target label role",
+    ),
+    (
+        "ConfigMap",
         "-dashboard",
         lambda d: d["metadata"]["labels"].update(grafana_dashboard="true"),
         'must be "1"',

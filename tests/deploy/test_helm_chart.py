@@ -67,7 +67,13 @@ def test_default_rendering_has_every_part() -> None:
 
 def test_monitoring_values_add_monitors_and_dashboard() -> None:
     r = rendered("monitoring-values.yaml")
-    assert len(r.objects("ServiceMonitor")) == len(r.objects("PodMonitor")) == 1
+    assert len(r.objects("ServiceMonitor")) == 1
+    # Ray's metrics agent on every Ray pod, and each pool's workers on their own ports.
+    assert sorted(m["metadata"]["name"] for m in r.objects("PodMonitor")) == [
+        "demo-tandem-decode",
+        "demo-tandem-prefill",
+        "demo-tandem-ray",
+    ]
     for monitor in r.objects("ServiceMonitor") + r.objects("PodMonitor"):
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
@@ -140,6 +146,38 @@ def test_default_config_equals_the_gpu_disaggregated_example() -> None:
     assert config.transfer.kind == example["transfer"]["kind"]
 
 
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_worker_pods_expose_and_the_pod_monitor_scrapes_the_config_metrics_ports(name: str) -> None:
+    """The number in the config, the pods' named container ports and the PodMonitor endpoints are one range."""
+    r = render({**values_for(name), "metrics": {"podMonitor": {"enabled": True}}}, label=name)
+    config = rendered_config(r)
+    groups = {g["groupName"]: g for g in r.one("RayCluster")["spec"]["workerGroupSpecs"]}
+    monitors = {m["metadata"]["name"]: m for m in r.objects("PodMonitor")}
+    for role, pool in config.pools().items():
+        per_pod = max(1, r.values[role]["gpusPerWorker"])
+        assert (pool.metrics_port, pool.metrics_port_count) == (9465, per_pod), role
+        ports = groups[role]["template"]["spec"]["containers"][0]["ports"]
+        want = [{"name": f"w{i}-metrics", "containerPort": 9465 + i} for i in range(per_pod)]
+        assert [p for p in ports if p["name"] != "metrics"] == want, role
+        monitor = monitors[f"demo-tandem-{role}"]["spec"]
+        assert [e["port"] for e in monitor["podMetricsEndpoints"]] == [w["name"] for w in want]
+        assert monitor["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
+    head_ports = r.one("RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    assert not [p for p in head_ports if p["name"].endswith("-metrics")]
+    assert check_all(r) == []
+
+
+def test_workers_metrics_port_moves_the_whole_range() -> None:
+    r = render({"workers": {"metricsPort": 20100}, "prefill": {"gpusPerWorker": 2}})
+    config = rendered_config(r)
+    assert (config.prefill.metrics_port, config.prefill.metrics_port_count) == (20100, 2)
+    assert (config.decode.metrics_port, config.decode.metrics_port_count) == (20100, 1)
+    prefill = next(g for g in r.one("RayCluster")["spec"]["workerGroupSpecs"] if g["groupName"] == "prefill")
+    ports = {p["name"]: p["containerPort"] for p in prefill["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"metrics": 8080, "w0-metrics": 20100, "w1-metrics": 20101}
+    assert check_all(r) == []
+
+
 BAD_VALUES = [
     ({"prefill": {"replicas": "two"}}, "/prefill/replicas"),
     ({"decode": {"replicas": -1}}, "/decode/replicas"),
@@ -153,6 +191,9 @@ BAD_VALUES = [
     ({"prefill": {"engine": {"cache": {"block_size": 16}}}}, "'block_size'"),
     ({"metrics": {"podMonitor": {"enabled": "yes"}}}, "/metrics/podMonitor/enabled"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"workers": {"metricsPort": 443}}, "/workers/metricsPort"),  # privileged: the pods run as uid 1000
+    ({"workers": {"metricsPort": 40000}}, "/workers/metricsPort"),  # Linux's ephemeral range
+    ({"workers": {"metricsPorts": 9465}}, "'metricsPorts'"),
 ]
 
 
@@ -170,6 +211,14 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
         ({"mode": "colocated", "colocated": {"replicas": 0}}, "colocated.replicas: mode colocated needs"),
         ({"prefill": {"gpusPerWorker": 0}}, "transfer.kind: nccl needs GPUs"),
         ({"decode": {"engine": {"cache": {"blockSize": 32}}}}, "decode.engine.cache.blockSize: must equal"),
+        (
+            {"workers": {"metricsPort": 8080}},
+            "workers.metricsPort: the prefill pods' worker metrics ports 8080",
+        ),
+        (
+            {"workers": {"metricsPort": 9995}, "decode": {"gpusPerWorker": 8}},
+            "workers.metricsPort: the decode pods' worker metrics ports 9995-10002 overlap",
+        ),
     ],
 )
 def test_templates_refuse_inconsistent_values(values: dict, message: str) -> None:

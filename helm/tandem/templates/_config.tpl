@@ -21,6 +21,9 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $resource := include "tandem.roleResource" .role -}}
 {{- $config := dict "replicas" (mul (int $pool.replicas) $perPod) "num_gpus" (min $gpus 1) -}}
 {{- $_ := set $config "ray_resources" (dict $resource 1) -}}
+{{- /* Each of the pod's engines takes the first free of its group's worker metrics ports (raycluster.yaml). */ -}}
+{{- $_ := set $config "metrics_port" (int .ctx.Values.workers.metricsPort) -}}
+{{- $_ := set $config "metrics_port_count" $perPod -}}
 {{- $_ := set $config "engine" (include "tandem.engineConfig" ($pool.engine | default dict) | fromJson) -}}
 {{- toJson $config -}}
 {{- end -}}

@@ -67,6 +67,12 @@ and the group's custom resource amount both derive from it, so the controller as
 {{- define "tandem.enginesPerPod" -}}{{ max 1 (int .gpusPerWorker) }}{{- end -}}
 
 {{/*
+Container port name of a pod's i-th Tandem worker's /metrics (port workers.metricsPort + i). Port names are at
+most 15 characters and unique in a pod, hence one short name per index: w0-metrics .. w15-metrics.
+*/}}
+{{- define "tandem.workerMetricsPortName" -}}w{{ . }}-metrics{{- end -}}
+
+{{/*
 Volumes and mounts. Call with (dict "ctx" $ "config" true|false): the config is mounted where it is read (router,
 Ray head: the controller runs there); the model volume, when set, everywhere the model is loaded.
 */}}
@@ -122,6 +128,11 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- $pool := index $.Values $role }}
 {{- if lt (int $pool.replicas) 1 }}
 {{- fail (printf "%s.replicas: mode %s needs at least one %s pod" $role $.Values.mode $role) }}
+{{- end }}
+{{- $first := int $.Values.workers.metricsPort }}
+{{- $last := add $first (int (include "tandem.enginesPerPod" $pool)) -1 }}
+{{- if or (and (le $first 8080) (ge $last 8080)) (and (le $first 19999) (ge $last 10002)) }}
+{{- fail (printf "workers.metricsPort: the %s pods' worker metrics ports %d-%d overlap Ray's metrics port 8080 or its worker ports 10002-19999" $role $first $last) }}
 {{- end }}
 {{- if and (eq (int $pool.gpusPerWorker) 0) (ne $.Values.transfer.kind "tcp") }}
 {{- fail (printf "transfer.kind: %s needs GPUs, but %s.gpusPerWorker is 0; use tcp for CPU pools" $.Values.transfer.kind $role) }}
