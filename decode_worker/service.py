@@ -118,8 +118,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         yield worker_pb2.DecodeEvent(reserved=self.receiver.target(lease))
-        deadline = time.monotonic() + (ttl or self.kv_wait_timeout_s) + 5.0
-        result = wait_for(landed, context, self.loop, deadline, "the KV handoff")
+        # The lease is renewed while this call waits (prefill may be queued for a while); kv_wait_timeout_s
+        # bounds the whole wait, and a transfer that began but stalls still ends within one lease TTL.
+        deadline = time.monotonic() + max(ttl or 0.0, self.kv_wait_timeout_s) + 5.0
+        receiver = self.receiver
+        result = wait_for(landed, context, self.loop, deadline, "the KV handoff", lambda: receiver.renew(rid))
         if not result.ok:
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,

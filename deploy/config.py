@@ -130,8 +130,8 @@ class ControllerSettings:
     # Standalone routers (Kubernetes) to push membership to, as host:port; a name that resolves to several
     # addresses (a headless Service) reaches every router pod. Empty: only the in-process router of `serve`.
     routers: tuple[str, ...] = ()
-    # Worker-side waits: a prompt's compute on a prefill worker, and a decode worker's wait for the KV beyond
-    # its lease (the lease itself is transfer.lease_ttl_s).
+    # Worker-side waits: a prompt's compute on a prefill worker, and a decode worker's whole wait for a
+    # prompt's KV (its lease, of term transfer.lease_ttl_s, is renewed meanwhile).
     prefill_timeout_s: float = 600.0
     kv_wait_timeout_s: float = 60.0
 

@@ -45,7 +45,9 @@ class TransferConfig:
         KVTargets; needed when host is a wildcard such as 0.0.0.0.
     connect_timeout_s: connecting plus the handshake; also how long an unclaimed connection may idle.
     transfer_timeout_s: a sender's default deadline for one handoff, from send() to the receiver's ack.
-    lease_ttl_s: a receiver's default lease lifetime, from reserve() to landing.
+    lease_ttl_s: a receiver's default lease term: how long a reservation outlives its last renew() (the decode
+        call renews it while it waits for the KV); once a sender claims it, what is left of the term bounds
+        the transfer.
     pair_setup_timeout_s: NCCL communicator init / IPC handle exchange, once per (sender, receiver) pair.
     poll_interval_s: how often blocked reads, writes and GPU waits wake to check deadlines and aborts.
     chunk_bytes: tcp data is written in chunks of at most this size; aborts are seen between chunks.

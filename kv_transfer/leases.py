@@ -1,9 +1,15 @@
 """LeaseTable: the receiver's reserved blocks, their handles, and who owns the blocks at each moment.
 
     reserve() ---> RESERVED --claim()--> RECEIVING --land()--> (caller owns the blocks)
-                      |                     |
+                   |  ^ renew()             |
+                   |  '---'                 |
            cancel/expire: freed now    cancel/expire: only flagged; the receiving thread sees the flag,
                                        stops writing, then fail_claimed() frees
+
+A lease lives `ttl_s` past its reservation or its last renew(). Its holder (the decode call waiting for the
+KV) renews it while it waits, so a prompt queued for a long time on the prefill side keeps its room; once a
+sender claims it, renewals stop and the transfer has what is left of the last term, so a stalled transfer or
+a holder that vanished still ends within one TTL.
 
 Invariant: a block is returned to the allocator only by the thread that last could write into it. Unclaimed
 leases have no writer, so cancel() and expire() free them at once; a claimed lease is freed by its receiving
@@ -14,6 +20,7 @@ with the precise reason, and an unknown one with UNKNOWN_HANDLE.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import secrets
 import threading
@@ -41,6 +48,7 @@ class LeaseState(enum.Enum):
 class _Entry:
     lease: Lease
     state: LeaseState = LeaseState.RESERVED
+    ttl_s: float = 0.0
     cancel: TransferFailed | None = None
     claimed_at: float = 0.0
 
@@ -82,7 +90,7 @@ class LeaseTable:
         with self._lock:
             duplicate = request_id in self._by_request
             if not duplicate:
-                self._by_handle[lease.handle] = _Entry(lease)
+                self._by_handle[lease.handle] = _Entry(lease, ttl_s=ttl_s)
                 self._by_request[request_id] = lease.handle
         if duplicate:  # a concurrent reserve() for the same request won the race
             self._allocator.free(block_ids)
@@ -117,6 +125,20 @@ class LeaseTable:
         if problem is not None:
             self._allocator.free(block_ids)
             raise RuntimeError(problem)
+
+    def renew(self, request_id: str) -> bool:
+        """Push an unclaimed lease's expiry to now + its TTL. False (and nothing changes) when the request has
+        no lease, a sender already claimed it, or it expired or was cancelled: an expired lease stays ended."""
+        with self._lock:
+            handle = self._by_request.get(request_id)
+            entry = self._by_handle.get(handle) if handle is not None else None
+            if entry is None or entry.state is not LeaseState.RESERVED or entry.cancel is not None:
+                return False
+            now = self._clock()
+            if now > entry.lease.expires_at:
+                return False
+            entry.lease = dataclasses.replace(entry.lease, expires_at=now + entry.ttl_s)
+            return True
 
     # --- the receiving thread --------------------------------------------------------------------------
     def claim(self, handle: bytes, request_id: str) -> Lease:

@@ -114,6 +114,11 @@ class KVReceiver:
             lease_ttl_ms=int((lease.expires_at - lease.reserved_at) * 1000),
         )
 
+    def renew(self, request_id: str) -> bool:
+        """Keep an unclaimed lease alive for another TTL (its holder still waits). False when it has none,
+        a sender claimed it, or it already ended."""
+        return self._table.renew(request_id)
+
     def abort(self, key: str | bytes, message: str = "") -> bool:
         """Cancel the lease of a request id (str) or handle (bytes). Its blocks return to the allocator once no
         write into them can happen (at once if no sender has claimed it). False if no such lease is active."""

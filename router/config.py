@@ -28,7 +28,8 @@ class RouterConfig:
     request_timeout_s: deadline of a request whose client set none.
     poll_interval_s, poll_timeout_s: how often each worker's Status is polled, and how long one poll may take.
     dead_after_failed_polls: a worker that fails this many polls in a row is DEAD (skipped) until one succeeds.
-    lease_ttl_s: how long a decode worker's reservation waits for the prefill worker's KV.
+    lease_ttl_s: the term of a decode worker's reservation: the decode call renews it while it waits for the
+      prefill worker's KV (so a queued prompt keeps its room), and a transfer that began must land within it.
     worker_rpc_timeout_s: longest wait for a worker's control answer (the decode reservation).
     worker_retries: how many times one request is moved to other workers after a worker failed it (before its
       first token: a fresh start; after: a resume that re-prefills prompt + the tokens sent). Past it the

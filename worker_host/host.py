@@ -40,7 +40,7 @@ class WorkerSpec:
     max_concurrent_rpcs: int = 1024
     drain_timeout_s: float = 30.0
     prefill_timeout_s: float = 600.0  # prefill: longest wait for a prompt's first token
-    kv_wait_timeout_s: float = 60.0  # decode: wait for the KV beyond a lease without a TTL
+    kv_wait_timeout_s: float = 60.0  # decode: the whole wait for a prompt's KV (the lease is renewed)
     # /metrics: 0 is an ephemeral port; otherwise the first free of metrics_port .. + metrics_port_count - 1
     # (deploy.config.PoolSettings says when to use which).
     metrics_port: int = 0
@@ -52,7 +52,7 @@ class WorkerSpec:
 
 
 class LockedAllocator:
-    """The engine's block pool as kv_transfer's BlockAllocator: every call under the engine loop's lock."""
+    """The engine's block pool as kv_transfer's BlockAllocator: every call runs on the engine loop's thread."""
 
     def __init__(self, loop: EngineLoop) -> None:
         self._loop = loop

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -20,9 +21,15 @@ class CallEnded(Exception):
 
 
 def wait_for(
-    q: queue.Queue[T], context: grpc.ServicerContext, loop: EngineLoop, deadline: float, what: str
+    q: queue.Queue[T],
+    context: grpc.ServicerContext,
+    loop: EngineLoop,
+    deadline: float,
+    what: str,
+    still_waiting: Callable[[], object] | None = None,
 ) -> T:
-    """The next item of `q`, never waiting past the call's life, the engine's life or `deadline`."""
+    """The next item of `q`, never waiting past the call's life, the engine's life or `deadline`.
+    `still_waiting` runs at each poll while the call lives (a decode call renews its KV lease there)."""
     while True:
         try:
             return q.get(timeout=POLL_S)
@@ -33,6 +40,8 @@ def wait_for(
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine loop stopped")
             if time.monotonic() > deadline:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out waiting for {what}")
+            if still_waiting is not None:
+                still_waiting()
 
 
 def worker_info(

@@ -347,6 +347,26 @@ class TestPairs:
 class TestStall:
     """1 prefill + 2 decode workers; the controller does not intervene (stopped workers stay stopped)."""
 
+    # --- item 1: a prompt queued on the prefill side for longer than a lease's TTL keeps its reservation -----
+    def test_prompts_queued_past_the_lease_ttl_keep_their_reservation(self, stall, offline):
+        """The decode call renews its lease while the one prefill worker is busy with the others' prompts:
+        no LEASE_EXPIRED, no retry, the same tokens as offline."""
+        prompts = [long_prompt(500, shift=101 + 7 * i) for i in range(6)]
+        lines_before = len(stall.lines)
+        requests = [
+            Background(stall.address, p, temperature=0, max_tokens=4, ignore_eos=True) for p in prompts
+        ]
+        for request in requests:
+            request.join(120)
+        assert [r.error for r in requests] == [None] * len(requests)
+        slowest = max(r.result.timings.time_to_first_token_seconds for r in requests)
+        assert slowest > STALL_TRANSFER["lease_ttl_s"], f"no prompt waited past a lease TTL ({slowest:.1f}s)"
+        log = "".join(stall.lines[lines_before:])
+        assert "LEASE_EXPIRED" not in log and "resuming" not in log, log
+        for request, prompt in zip(requests, prompts):
+            assert list(request.result.token_ids) == greedy(offline, prompt, 4)
+        assert_all_idle(stall.address)
+
     # --- item 4: a transfer stalls (the receiving decode worker is stopped) --------------------------------
     def test_stalled_transfer_times_out_frees_both_sides_and_the_request_resumes(self, stall, offline):
         prompt = long_prompt(600)

@@ -210,6 +210,34 @@ def test_expired_handle_fails_and_frees_once():
     assert reason_of(lambda: table.claim(lease.handle, "r1")) is FailureReason.LEASE_EXPIRED
 
 
+def test_a_renewed_lease_outlives_its_first_term_until_a_sender_claims_it():
+    table, _, clock, failed = make_table()
+    lease = table.reserve("r1", 4, ttl_s=1.0)
+    for _ in range(5):  # the holder keeps waiting well past the first TTL
+        clock.now += 0.8
+        assert table.renew("r1")
+        table.expire()
+    assert failed == [] and len(table) == 1
+    claimed = table.claim(lease.handle, "r1")
+    assert claimed.expires_at == pytest.approx(clock.now + 1.0)
+    assert not table.renew("r1"), "a claimed lease is no longer renewed: a stalled transfer must end"
+    clock.now += 1.5
+    table.expire()
+    assert table.cancellation(lease.handle).reason is FailureReason.LEASE_EXPIRED
+
+
+def test_an_expired_or_cancelled_lease_is_not_brought_back_by_renew():
+    table, alloc, clock, failed = make_table()
+    table.reserve("late", 4, ttl_s=1.0)
+    clock.now += 1.5
+    assert not table.renew("late")  # past its term, even before the reaper ran
+    table.expire()
+    assert [reason for _, reason in failed] == [FailureReason.LEASE_EXPIRED] and len(alloc.free_ids) == 15
+    table.reserve("gone", 4, ttl_s=1.0)
+    table.cancel("gone", TransferFailed(FailureReason.RECEIVER_ABORTED, "cancelled"))
+    assert not table.renew("gone") and not table.renew("never-reserved")
+
+
 def test_reaper_frees_unclaimed_leases_but_only_flags_claimed_ones():
     table, alloc, clock, failed = make_table()
     idle = table.reserve("idle", 4, ttl_s=1.0)
