@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 from functools import cache
+from pathlib import Path
 
 import helm_python
 import pytest
@@ -81,6 +82,23 @@ def test_monitoring_values_add_monitors_and_dashboard() -> None:
     assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboards[0]["data"]["tandem.json"] == (CHART_DIR / "dashboards" / "tandem.json").read_text()
     assert "TLS is not wired" in r.notes  # tls.routerSecretName is set there
+
+
+def test_tandem_targets_carry_the_job_and_component_the_alert_rules_select() -> None:
+    """deploy/prometheus/alerts.yml selects up{job="tandem"} and names the component: the router's and the
+    workers' monitors must give their targets those labels, as the local scrape config does."""
+    alerts = (Path(__file__).parents[2] / "deploy" / "prometheus" / "alerts.yml").read_text()
+    assert 'job="tandem"' in alerts
+    r = rendered("monitoring-values.yaml")
+    tandem_monitors = r.objects("ServiceMonitor") + [
+        m for m in r.objects("PodMonitor") if not m["metadata"]["name"].endswith("-ray")
+    ]
+    for monitor in tandem_monitors:
+        endpoints = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+        for endpoint in endpoints:
+            targets = {rule["targetLabel"]: rule for rule in endpoint["relabelings"]}
+            assert targets["job"].get("replacement") == "tandem", monitor["metadata"]["name"]
+            assert "component" in targets, monitor["metadata"]["name"]
 
 
 def test_multi_gpu_values_map_onto_groups_and_pools() -> None:
