@@ -17,7 +17,7 @@ from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingParams
 from tests.model.tiny_models import write_tiny_hf
 
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)  # the tiny model's context is 512
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def start_long_request(loop: EngineLoop, rid: str) -> queue.Queue[StepOutput]:
 
 def test_an_abort_from_another_thread_lands_within_a_step_of_a_busy_loop(loop: EngineLoop) -> None:
     """The loop steps back to back; an abort from a handler thread must not starve behind it (with a lock
-    that the loop re-takes after each step, it waited for all 400 steps of the request)."""
+    that the loop re-takes after each step, it waited for all the request's steps)."""
     outputs = start_long_request(loop, "busy")
     for _ in range(3):
         outputs.get(timeout=30)
@@ -71,9 +71,9 @@ def test_an_abort_from_another_thread_lands_within_a_step_of_a_busy_loop(loop: E
     thread.start()
     thread.join(30)
     assert "ran_at" in seen, "the call never ran"
-    # It ran between two steps: the step in flight and (on a loaded host) a few more while this thread was
-    # descheduled between reading the counter and queueing; never the rest of the request.
-    assert seen["ran_at"] - seen["queued_at"] <= 10, seen
+    # It ran between two steps: the step in flight, plus (on a loaded host) the few that ran while this thread
+    # was descheduled between reading the counter and queueing; never the rest of the request (~475 steps).
+    assert seen["ran_at"] - seen["queued_at"] <= 50, seen
     assert loop.counters.kv_blocks_used == 0 and loop.counters.running == 0
     assert not loop.call(lambda e: e.has_unfinished())
 
@@ -102,10 +102,14 @@ def test_a_call_that_raises_raises_in_the_caller_and_the_loop_goes_on(loop: Engi
     with pytest.raises(KeyError, match="no such thing"):
         loop.call(lambda e: {}["no such thing"])
     assert loop.alive
+    while not outputs.empty():  # what the request produced before and during the call
+        outputs.get_nowait()
     steps = loop.steps
-    outputs.get(timeout=30)
-    outputs.get(timeout=30)
-    assert loop.steps > steps
+    outputs.get(timeout=30)  # a new token: the request still runs
+    deadline = time.monotonic() + 30
+    while loop.steps < steps + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.steps >= steps + 2
     loop.end("busy")
 
 
