@@ -4,7 +4,8 @@ ceiling (issue "GPU fast path", benchmark 2). Llama-3-8B shape, bf16, random tok
 GPU, one command (with the gguf wheel of ../shared/gpu/make-kit.sh on PYTHONPATH, as every command there):
 
     python3 bench/offline_throughput.py   # [--shapes 128/128,1000/1000,2048/128 --num-prompts 1000,500,500
-                                          #  --max-num-seqs 512 --skip-hf --admit-all --budget-s 540 --out PATH]
+                                          #  --max-num-seqs 512 --skip-hf --skip-tandem --admit-all --budget-s 540
+                                          #  --out PATH: give partial reruns their own file]
     python3 bench/offline_throughput.py --smoke   # the CPU check: tiny model and shapes, seconds
 
 Order: device rates (2 GiB HBM copy, 8192^3 bf16 matmul), Tandem on every shape (one engine: dummy:llama-3-8b,
@@ -49,6 +50,9 @@ REFERENCE_TOK_S = {"128/128": 28312.0, "1000/1000": 15220.0, "2048/128": 3450.0}
 GOAL_TOK_S = {"128/128": 17000.0, "1000/1000": 9100.0, "2048/128": 2100.0}
 PUBLISHED_HF_H100 = {"128/128": (3557.0, 256), "1000/1000": (921.0, 64), "2048/128": (379.0, 32)}
 PROGRESS_EVERY_S = 10.0
+# --shapes, --num-prompts and --hf-batches when not given
+GPU_DEFAULTS = ("128/128,1000/1000,2048/128", "1000,500,500", "256,128,64,32,16,8")
+SMOKE_DEFAULTS = ("16/8,24/4", "6,4", "8,4,2")
 HF_MAX_BATCHES, HF_TIMED_S = 3, 30.0  # transformers: stop timing new batches after 3 or after 30 s
 BENCHMARK = "offline throughput: Tandem colocated engine vs transformers generate vs arithmetic ceiling"
 REFERENCE = {
@@ -177,6 +181,7 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
         setup.cost, setup.rates, num_prompts, shape.input_len, shape.output_len, batch
     )
     goal = GOAL_TOK_S.get(shape.key)
+    gpu.log(f"tandem {shape.key}: {rate:.0f} tok/s, {rate / ceiling.tokens_per_s:.0%} of the ceiling")
     return TandemRow(
         shape.key, num_prompts, batch, complete, sum(counts), wall, rate, split, ceiling,
         rate / ceiling.tokens_per_s, REFERENCE_TOK_S.get(shape.key), goal, rate / goal if goal else None,
@@ -191,9 +196,6 @@ def tandem_shapes(engine: Engine, setup: Setup, work: list[tuple[Shape, int]]) -
         if row is not None:
             run.doc["tandem"].append(dataclasses.asdict(row))
             run.save()
-            gpu.log(
-                f"tandem {row.shape}: {row.output_tok_s:.0f} tok/s, {row.fraction_of_ceiling:.0%} of ceiling"
-            )
 
 
 def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
@@ -359,15 +361,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--admit-all", action="store_true", help="add all prompts at once (scheduler may preempt)")
     p.add_argument("--hf-batches", help="descending static batches to try (default 256,128,64,32,16,8)")
     p.add_argument("--skip-hf", action="store_true", help="run only Tandem")
+    p.add_argument("--skip-tandem", action="store_true", help="run only transformers (mind --out)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new job after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny shapes, float32, no graphs")
     p.add_argument("--out", help="JSON path (default bench/results/offline_throughput_<gpu>.json)")
     args = p.parse_args(argv)
-    smoke, full = (
-        ("16/8,24/4", "6,4", "8,4,2"),
-        ("128/128,1000/1000,2048/128", "1000,500,500", "256,128,64,32,16,8"),
-    )
-    defaults = smoke if args.smoke else full
+    defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
     args.shapes, args.num_prompts = args.shapes or defaults[0], args.num_prompts or defaults[1]
     args.hf_batches = args.hf_batches or defaults[2]
     return args
@@ -387,7 +386,8 @@ def main(argv: list[str] | None = None) -> Path:
     setup = Setup(args, where, rates, mc, gpu.ModelCost.from_config(mc, where.dtype_bytes), run)
     run.doc["model_cost"] = dataclasses.asdict(setup.cost)
     run.save()
-    run_tandem(setup, model, work)
+    if not args.skip_tandem:
+        run_tandem(setup, model, work)
     if not args.skip_hf:
         run_transformers(setup, work)
     print_table(run.doc)
