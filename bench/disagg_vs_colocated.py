@@ -5,6 +5,12 @@ deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same e
     python bench/disagg_vs_colocated.py --deployments disagg --workloads prefill-heavy     # one sweep
     python bench/disagg_vs_colocated.py                                  # everything (long: see --budget-s)
     python bench/disagg_vs_colocated.py --summarize-only                  # tables + plots from saved results
+    python bench/disagg_vs_colocated.py --smoke --out /tmp/dvc            # the whole driver on CPU, in minutes
+
+--smoke runs the same driver end to end on a CPU box before GPU time is spent on it: the embedded SmolLM2 on
+CPU with the tcp transport, short prompts and outputs, two low rates, a few seconds per point, results under
+--out. Its numbers mean nothing; that every stage (start, warm-up, sweep, metrics scrape, summary, plots) runs
+does.
 
 Each deployment is started once with `tandem serve` (a subprocess, log under bench/results/logs/), warmed up
 (NCCL pairs, CUDA graphs), then every chosen workload's request rates are swept in ascending order with
@@ -78,6 +84,12 @@ WORKLOADS = {
     "decode-heavy": Workload(*DECODE_HEAVY, rates=(1, 2, 4, 6, 8, 10, 12, 16, 20)),
     "mixed": Workload("-", "-", rates=(0.5, 1, 2, 3, 4, 5, 6, 8, 10), mixed=True),
 }
+SMOKE_WORKLOADS = {
+    "prefill-heavy": Workload("uniform:96:160", "uniform:4:8", rates=(1, 2)),
+    "decode-heavy": Workload("16", "16", rates=(1, 2)),
+    "mixed": Workload("-", "-", rates=(1, 2), mixed=True),
+}
+SMOKE_MIX = (("uniform:96:160", "uniform:4:8"), ("16", "16"))
 DEPLOYMENTS = {
     "disagg": ROOT / "deploy" / "configs" / "bench-disagg.yaml",
     "colocated": ROOT / "deploy" / "configs" / "bench-colocated.yaml",
@@ -90,13 +102,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Server:
-    """`tandem serve` for one deployment config, on free loopback ports, logging to bench/results/logs/."""
+def smoke_config(config: dict) -> dict:
+    """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches."""
+    engine = {
+        "device": {"device": "cpu", "dtype": "float32"},
+        "cache": {"block_size": 16, "num_blocks": 256},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048},
+    }
+    out = dict(config, model="smollm2-135m-instruct", transfer={"kind": "tcp"})
+    for pool in ("prefill", "decode", "colocated"):
+        if pool in out:
+            out[pool] = dict(out[pool], num_gpus=0, engine=engine)
+    return out
 
-    def __init__(self, name: str, config_path: Path, start_timeout_s: float) -> None:
+
+class Server:
+    """`tandem serve` for one deployment config, on free loopback ports, logging to LOG_DIR."""
+
+    def __init__(self, name: str, config_path: Path, start_timeout_s: float, smoke: bool = False) -> None:
         self.name, self.start_timeout_s = name, start_timeout_s
         self.work = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
         config = yaml.safe_load(config_path.read_text())
+        if smoke:
+            config = smoke_config(config)
         self.port = free_port()
         self.file_sd = self.work / "targets.json"
         config["router"].update(port=self.port, metrics_port=free_port(), metrics_file_sd=str(self.file_sd))
@@ -166,10 +194,10 @@ class Server:
         return tuple(total.values())  # type: ignore[return-value]
 
 
-def mixed_trace(path: Path, count: int, seed: int) -> None:
-    """count requests, each from prefill-heavy or decode-heavy with probability 1/2 (seeded)."""
+def mixed_trace(path: Path, count: int, seed: int, mix: tuple = (PREFILL_HEAVY, DECODE_HEAVY)) -> None:
+    """count requests, each from the first or the second (input, output) pair of `mix` with probability 1/2."""
     rng = random.Random(f"mixed-{seed}")
-    dists = [tuple(parse_dist(t, "--workloads") for t in pair) for pair in (PREFILL_HEAVY, DECODE_HEAVY)]
+    dists = [tuple(parse_dist(t, "--workloads") for t in pair) for pair in mix]
     lines = []
     for _ in range(count):
         n_in, n_out = rng.choice(dists)
@@ -190,11 +218,12 @@ def bench_point(server: Server, workload: Workload, rate: float, args: argparse.
     trace = None
     if workload.mixed:
         trace = str(server.work / f"mixed_{rate:g}.jsonl")
-        mixed_trace(Path(trace), count, args.seed)
+        mixed_trace(Path(trace), count, args.seed, SMOKE_MIX if args.smoke else (PREFILL_HEAVY, DECODE_HEAVY))
+    placeholder = SMOKE_MIX[0] if args.smoke else PREFILL_HEAVY  # lengths come from the trace when mixed
     settings = BenchSettings(
         server=server.address, num_requests=count, rate=rate, concurrency=None, burstiness=1.0,
-        input_len=parse_dist(PREFILL_HEAVY[0] if workload.mixed else workload.input_len, "--input-len"),
-        output_len=parse_dist(PREFILL_HEAVY[1] if workload.mixed else workload.output_len, "--output-len"),
+        input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
+        output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),
         trace=trace, seed=args.seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
     )  # fmt: skip
     return run_benchmark(settings, progress=True)
@@ -228,7 +257,7 @@ def gpu_name() -> str:
 
 
 def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, deadline: float) -> None:
-    workload = WORKLOADS[name]
+    workload = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)[name]
     rates = args.rates or workload.rates
     path = OUT_DIR / f"{deployment}_{name}.json"
     result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": GPUS,
@@ -252,11 +281,11 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             break
 
 
-def warm_up(server: Server) -> None:
+def warm_up(server: Server, input_len: int = 1024) -> None:
     """Pair NCCL communicators, fill allocator pools and CUDA graphs before anything is timed."""
     settings = BenchSettings(
         server=server.address, num_requests=8, rate=None, concurrency=4, burstiness=1.0,
-        input_len=parse_dist("1024", "warm-up"), output_len=parse_dist("16", "warm-up"), trace=None, seed=99,
+        input_len=parse_dist(str(input_len), "warm-up"), output_len=parse_dist("16", "warm-up"), trace=None, seed=99,
         duration_s=None, drain_s=0.0, timeout_s=600.0, slo=SLO(),
     )  # fmt: skip
     report = run_benchmark(settings, progress=False)
@@ -369,7 +398,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="for tandem serve to become ready")
     p.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and plots")
+    p.add_argument("--smoke", action="store_true", help="CPU dry run of the whole driver (needs --out)")
+    p.add_argument("--out", type=Path, help="results and logs here instead of bench/results")
     args = p.parse_args(argv)
+    if args.smoke:
+        if args.out is None:
+            p.error("--smoke: give --out DIR (smoke numbers never go to bench/results)")
+        given = argv if argv is not None else sys.argv
+        if "--duration" not in given:
+            args.duration, args.drain, args.min_requests = 4.0, 10.0, 4
+        if "--slo" not in given:  # CPU-sized targets, so that a sweep goes past its first point
+            args.slo = SLO(ttft=5.0, tpot=0.5)
     args.rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
     for flag, names, known in (
         ("--deployments", args.deployments, DEPLOYMENTS),
@@ -382,13 +421,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global OUT_DIR, LOG_DIR
     args = parse_args(argv)
+    if args.out is not None:
+        OUT_DIR, LOG_DIR = args.out, args.out / "logs"
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if not args.summarize_only:
         deadline = time.monotonic() + args.budget_s
         for deployment in args.deployments.split(","):
-            with Server(deployment, DEPLOYMENTS[deployment], args.start_timeout_s) as server:
-                warm_up(server)
+            with Server(deployment, DEPLOYMENTS[deployment], args.start_timeout_s, args.smoke) as server:
+                warm_up(server, input_len=64 if args.smoke else 1024)
                 for name in args.workloads.split(","):
                     sweep(server, deployment, name, args, deadline)
     summarize(args.slo)

@@ -14,7 +14,7 @@ CUDA graphs, cache from the memory planner), then transformers on every shape. P
   fits in the KV cache), topped up as requests finish so the scheduler never preempts (--admit-all adds all N
   at once and lets it preempt). Output tok/s = N * output_len / wall time, split into steps that ran any
   prefill and pure decode steps. Every request must get exactly output_len tokens or the run fails.
-- Ceiling: gpu_common.throughput_floor for the same N and B at the measured rates; fraction = tok/s / ceiling.
+- Ceiling: harness.throughput_floor for the same N and B at the measured rates; fraction = tok/s / ceiling.
   The published TensorRT-LLM FP8 H100 numbers and the 60 % goal are stored alongside.
 - transformers: LlamaForCausalLM of the same shape, random init made directly in bf16 on the GPU; static
   batches 256,128,64,32,16,8, the largest that runs (OOM caught) is timed for up to 3 batches or 30 s.
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import gpu_common as gpu
+from bench import harness as gpu
 from model_runtime.config import ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams

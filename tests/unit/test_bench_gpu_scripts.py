@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import offline_throughput, ttft
-from bench.gpu_common import (
+from bench.harness import (
     Deadline,
     DeviceRates,
     ModelCost,
