@@ -249,6 +249,7 @@ def test_soak_with_a_decode_worker_killed_returns_to_baseline_and_counts_reconci
     assert not reconcile(report, before, after), reconcile(report, before, after)
     settled = report.rss_mib[len(report.rss_mib) // 3 :]  # after warm-up
     assert max(settled) - min(settled) < 100, f"serve RSS kept growing: {report.rss_mib}"
-    # One channel per worker and Ray's own: the clients' hundreds of calls and the dead worker leave none.
-    assert connections_after <= connections_before + 2, (connections_before, connections_after)
+    # One channel per worker plus Ray's own (a replaced actor may add one or two): the clients' hundreds of
+    # calls and the dead worker's channel must leave none behind.
+    assert connections_after <= connections_before + 5, (connections_before, connections_after)
     assert psutil.Process(cluster.proc.pid).is_running()
