@@ -360,6 +360,7 @@ class TestStall:
             request.join(120)
         assert [r.error for r in requests] == [None] * len(requests)
         slowest = max(r.result.timings.time_to_first_token_seconds for r in requests)
+        print(f"slowest first token {slowest:.1f}s")
         assert slowest > STALL_TRANSFER["lease_ttl_s"], f"no prompt waited past a lease TTL ({slowest:.1f}s)"
         log = "".join(stall.lines[lines_before:])
         assert "LEASE_EXPIRED" not in log and "resuming" not in log, log
