@@ -28,8 +28,9 @@ class DecodeWorker(WorkerLifecycle):
     def start(self) -> str:
         """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
         spec = self.spec
-        self.loop = EngineLoop(Engine(spec.engine))
+        self.loop = EngineLoop(Engine(spec.engine, on_progress=self._progress))
         self.loop.start()
+        self._progress("opening the KV receiver and the gRPC port")
         role = admin_pb2.WORKER_ROLE_DECODE if spec.role == "decode" else admin_pb2.WORKER_ROLE_COLOCATED
         self.service = DecodeService(spec.worker_id, self.loop, None, role, spec.kv_wait_timeout_s)
         if spec.role == "decode":

@@ -32,6 +32,7 @@ class WorkerProcess:
         self.spec = spec
         self.worker: object | None = None
         self.pid = os.getpid()
+        self._stage = "importing the engine"
 
     def start(self) -> str:
         import torch
@@ -50,6 +51,11 @@ class WorkerProcess:
 
         self.worker = DecodeWorker(self.spec)
         return self.worker.start()
+
+    def startup_stage(self) -> str:
+        """Where start() is ("loading weights: 40% (...)"); the controller asks while it waits. Answered on
+        another of the actor's threads while start() runs."""
+        return str(getattr(self.worker, "stage", self._stage))
 
     def heartbeat_age(self) -> float:
         """Seconds since the engine loop last went round (inf when it died): a hung step shows here."""

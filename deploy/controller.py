@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from worker_host.host import WorkerSpec
 
 log = logging.getLogger(__name__)
 RAY_START_ATTEMPTS = 2  # a local Ray node that timed out starting gets one more try
+STAGE_POLL_S = 5.0  # while workers load: how often their start-up stage is asked for (shown on change)
 MISSED_LIMIT = 2  # consecutive unanswered heartbeats that make a live actor count as hung
 
 Publish = Callable[[list["Member"], int], object]
@@ -125,14 +127,46 @@ class Controller:
             for i in range(pool.replicas):
                 spec = worker_spec(self.config, role, i)
                 self.slots.append(Slot(role, i, spec, pool.num_gpus, dict(pool.ray_resources)))
-        pending = {slot.worker_id: self._launch(slot) for slot in self.slots}
-        for slot in self.slots:
-            slot.address = ray.get(pending[slot.worker_id])
-            slot.metrics_address = self._metrics_address(slot)
-            progress(f"{slot.worker_id} ready on {slot.address}")
+        self._await_started({slot.worker_id: self._launch(slot) for slot in self.slots}, progress)
         self._announce()
         self._thread = threading.Thread(target=self._watch, name="controller", daemon=True)
         self._thread.start()
+
+    def _await_started(self, pending: dict[str, Any], progress: Callable[[str], None]) -> None:
+        """Wait until every worker serves (a failed start raises here). While they load, which can take
+        minutes for a large model, each worker's stage is shown whenever it changes."""
+        import ray
+
+        slots = {slot.worker_id: slot for slot in self.slots}
+        shown: dict[str, str] = {}
+        started = last_poll = time.monotonic()
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=1.0)
+            for worker_id, ref in list(pending.items()):
+                if ref in ready:
+                    slot = slots[worker_id]
+                    slot.address = ray.get(ref)
+                    slot.metrics_address = self._metrics_address(slot)
+                    progress(f"{worker_id} ready on {slot.address}")
+                    del pending[worker_id]
+            if not pending or time.monotonic() - last_poll < STAGE_POLL_S:
+                continue
+            last_poll = time.monotonic()
+            for worker_id in pending:
+                stage = self._startup_stage(slots[worker_id])
+                if stage and shown.get(worker_id) != stage:
+                    shown[worker_id] = stage
+                    progress(f"{worker_id} ({last_poll - started:.0f} s): {stage}")
+
+    @staticmethod
+    def _startup_stage(slot: Slot) -> str:
+        """The loading worker's own account of where it is; "" when it cannot say now."""
+        import ray
+
+        try:
+            return str(ray.get(slot.actor.startup_stage.remote(), timeout=2))
+        except Exception:  # busy or not up yet: progress lines never hold up start-up
+            return ""
 
     def _launch(self, slot: Slot) -> Any:
         """Create the slot's actor and ask it to start; returns the ObjectRef of its address."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,9 +237,9 @@ class DecodeGraphs:
         return bool(self._graphs) and 1 <= num_seqs <= self.max_batch
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Capture every bucket, largest first, into one pool; a warm-up run before each capture does the
-        Triton JIT and cuBLAS set-up outside the captured region."""
+        Triton JIT and cuBLAS set-up outside the captured region. `progress(captured, total)` after each."""
         self.static.reset()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
@@ -249,6 +250,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(size)
             self._graphs[size] = graph
+            if progress is not None:
+                progress(len(self._graphs), len(self.sizes))
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         log.info(

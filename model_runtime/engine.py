@@ -14,6 +14,7 @@ its KV can be shipped; the owner frees them with `release_blocks`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from model_runtime.output import OutputTracker
 from model_runtime.request import Request, RequestStatus, SamplingParams
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
+from model_runtime.startup import StartupProgress
 from model_runtime.tokenizer import Tokenizer
 from model_runtime.weights import load_model_config, load_weights, resolve_model
 
@@ -60,15 +62,27 @@ def activation_estimate(model: ModelConfig, max_tokens: int, max_seqs: int, dtyp
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, prefill_only: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        prefill_only: bool = False,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_progress(line)` follows the start-up: weights loaded, KV cache sized, CUDA graphs captured."""
         self.config = config
         self.prefill_only = prefill_only
         self.device = config.device.resolved_device()
         dtype_name = config.device.resolved_dtype()
+        progress = StartupProgress(on_progress)
+        progress.phase(f"reading the model config and tokenizer of {config.model}")
         self.source = resolve_model(config.model)
         self.model_config = load_model_config(self.source)
         self.tokenizer = Tokenizer.from_source(self.source)
-        weights = load_weights(self.source, self.model_config, TORCH_DTYPES[dtype_name], self.device)
+        weights = load_weights(
+            self.source, self.model_config, TORCH_DTYPES[dtype_name], self.device, progress.weights
+        )
+        progress.phase("sizing the KV cache")
         mc = self.model_config
         self.max_model_len = min(
             config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -95,6 +109,7 @@ class Engine:
             self.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             enforce_eager=config.device.enforce_eager,
+            on_graph_progress=progress.graphs,
         )
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)

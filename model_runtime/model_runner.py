@@ -14,6 +14,7 @@ A step, every step:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +113,7 @@ class ModelRunner:
         *,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
         enforce_eager: bool = False,
+        on_graph_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = model_config
         self.layout = layout
@@ -125,9 +127,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(layout.cache_shape, dtype=TORCH_DTYPES[layout.dtype], device=self.device)
         self._on_cuda = self.device.type == "cuda"
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=2 * max_num_seqs)
-        self.graphs = self._make_graphs(backend) if self._on_cuda and not enforce_eager else None
+        use_graphs = self._on_cuda and not enforce_eager
+        self.graphs = self._make_graphs(backend, on_graph_progress) if use_graphs else None
 
-    def _make_graphs(self, backend: AttentionBackend) -> DecodeGraphs | None:
+    def _make_graphs(
+        self, backend: AttentionBackend, progress: Callable[[int, int], None] | None
+    ) -> DecodeGraphs | None:
         if backend.name != "triton":
             log.info("CUDA graphs off: attention backend %r is not graph-safe", backend.name)
             return None
@@ -144,7 +149,7 @@ class ModelRunner:
             max_blocks_per_seq=self.max_blocks_per_seq,
             hidden_size=mc.hidden_size,
         )
-        graphs.capture()
+        graphs.capture(progress)
         planned = graph_memory_estimate(mc, self.max_num_seqs, self.layout.element_bytes)
         if graphs.pool_bytes > planned:
             log.warning(

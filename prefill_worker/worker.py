@@ -27,13 +27,14 @@ class PrefillWorker(WorkerLifecycle):
 
     def start(self) -> str:
         spec = self.spec
-        loop = self.loop = EngineLoop(Engine(spec.engine, prefill_only=True))
+        engine = Engine(spec.engine, prefill_only=True, on_progress=self._progress)
+        loop = self.loop = EngineLoop(engine)
         loop.start()
 
         def release(result: SendResult) -> None:  # the sender no longer reads these blocks
             loop.call(lambda e: e.release_blocks(result.src_block_ids))
 
-        engine = loop.engine
+        self._progress("opening the KV sender and the gRPC port")
         self.sender = KVSender(engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release)
         self.service = PrefillService(spec.worker_id, loop, self.sender, spec.prefill_timeout_s)
         self._server, port, _ = start_grpc(

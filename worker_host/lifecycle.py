@@ -7,12 +7,15 @@ blocks return only once nothing can still write them) -> the engine loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Protocol
 
 from model_runtime.engine_loop import EngineLoop
 from worker_host.host import WorkerSpec, wait_idle
 from worker_host.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
 
 
 class Drainable(Protocol):
@@ -31,6 +34,11 @@ class WorkerLifecycle:
         self.address = ""
         self.metrics: WorkerMetrics | None = None
         self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
+        self.stage = "starting"  # where start() is: the controller shows it while the worker loads
+
+    def _progress(self, stage: str) -> None:
+        self.stage = stage
+        log.info("worker %s: %s", self.spec.worker_id, stage)
 
     def _drainable(self) -> Drainable | None:
         raise NotImplementedError

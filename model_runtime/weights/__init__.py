@@ -20,18 +20,25 @@ from model_runtime.weights.shapes import DUMMY_SHAPES
 from model_runtime.weights.source import EMBEDDED_MODEL, ModelSource, SourceFormat, resolve_model
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from model_runtime.config import ModelConfig
 
 
 def load_weights(
-    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    source: ModelSource,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor in `dtype` on `device` (see model_runtime.weights.canonical for the names)."""
+    """Canonical name -> tensor in `dtype` on `device` (see model_runtime.weights.canonical for the names);
+    `progress(done_bytes, total_bytes)` follows the load."""
     from model_runtime.weights.loading import load_weights as load
 
-    return load(source, config, dtype, device)
+    return load(source, config, dtype, device, progress)
 
 
 __all__ = [

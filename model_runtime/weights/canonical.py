@@ -18,6 +18,7 @@ bf16 checkpoint never passes through fp32 and the full model never exists twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +30,7 @@ from model_runtime.weights.errors import ModelLoadError
 
 # Tensors a checkpoint may carry that the engine recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+ByteProgress = Callable[[int, int], None]  # (bytes loaded so far, bytes in all)
 
 
 class TensorSource(Protocol):
@@ -88,14 +90,25 @@ def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def assemble(
-    config: ModelConfig, source: TensorSource, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    source: TensorSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    progress: ByteProgress | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Build every canonical tensor from `source`; unknown checkpoint tensors are errors, not silently dropped."""
+    """Build every canonical tensor from `source`; unknown checkpoint tensors are errors, not silently dropped.
+    `progress(done_bytes, total_bytes)` is called after each tensor (a 70B load takes minutes)."""
     layout = canonical_layout(config)
     _reject_unknown_tensors(config, source, layout)
+    element = torch.empty((), dtype=dtype).element_size()
+    total = sum(math.prod(_stacked_shape(pieces)) for pieces in layout.values()) * element
+    done = 0
     out: dict[str, torch.Tensor] = {}
     for name, pieces in layout.items():
         out[name] = _fuse(pieces, source.get, source.where, dtype, device)
+        done += out[name].numel() * element
+        if progress is not None:
+            progress(done, total)
     return out
 
 

@@ -7,7 +7,7 @@ import gc
 import torch
 
 from model_runtime.config import ModelConfig
-from model_runtime.weights.canonical import assemble
+from model_runtime.weights.canonical import ByteProgress, assemble
 from model_runtime.weights.dummy import dummy_weights
 from model_runtime.weights.gguf_loader import GGUFTensorSource
 from model_runtime.weights.hf import open_safetensors
@@ -15,15 +15,20 @@ from model_runtime.weights.source import ModelSource, SourceFormat
 
 
 def load_weights(
-    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    source: ModelSource,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    progress: ByteProgress | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor in `dtype` on `device`; raises `ModelLoadError` naming the file and tensor."""
+    """Canonical name -> tensor in `dtype` on `device`; raises `ModelLoadError` naming the file and tensor.
+    `progress(done_bytes, total_bytes)` follows a checkpoint's load (dummy weights are made at once)."""
     if source.format is SourceFormat.DUMMY:
         return dummy_weights(config, dtype, device)
     if source.format is SourceFormat.GGUF:
-        weights = assemble(config, GGUFTensorSource(source.require_gguf(), config), dtype, device)
+        weights = assemble(config, GGUFTensorSource(source.require_gguf(), config), dtype, device, progress)
     else:
         with open_safetensors(source.require_path(), source.weight_files) as tensors:
-            weights = assemble(config, tensors, dtype, device)
+            weights = assemble(config, tensors, dtype, device, progress)
     gc.collect()  # return the dequantization buffers and mmaps now, not at some later collection
     return weights
