@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -52,26 +54,6 @@ class EngineCounters:
         )
 
 
-class _Call:
-    """One call() waiting for the loop thread: the function, then its result or its exception."""
-
-    __slots__ = ("done", "error", "fn", "result")
-
-    def __init__(self, fn: Callable[[Engine], object]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.result: object = None
-        self.error: BaseException | None = None
-
-    def run(self, engine: Engine) -> None:
-        try:
-            self.result = self.fn(engine)
-        except BaseException as exc:  # handed to the caller, never to the loop
-            self.error = exc
-        finally:
-            self.done.set()
-
-
 class EngineLoop:
     """The engine's one owner thread. Other threads never take the engine: call() queues a function that the
     loop thread runs between two steps, so a caller waits at most one step. (A lock that the loop re-takes
@@ -81,7 +63,9 @@ class EngineLoop:
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self._lock = threading.RLock()  # the engine, while the loop thread runs or when no loop thread runs
-        self._calls: collections.deque[_Call] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[Engine], object], Future[object]]] = (
+            collections.deque()
+        )
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._subscribers: dict[str, Subscriber] = {}
@@ -114,16 +98,14 @@ class EngineLoop:
         if threading.current_thread() is self._thread or not self._thread.is_alive():
             with self._lock:
                 return self._run_now(fn)
-        pending = _Call(fn)
-        self._calls.append(pending)
+        pending: Future[object] = Future()
+        self._calls.append((fn, pending))
         self._wake.set()
-        while not pending.done.wait(0.5):
+        while not futures.wait([pending], timeout=0.5).done:
             if not self._thread.is_alive():  # it ended after we queued: run what is left ourselves
                 with self._lock:
                     self._run_calls()
-        if pending.error is not None:
-            raise pending.error
-        return pending.result  # type: ignore[return-value]
+        return pending.result()  # type: ignore[return-value]
 
     def subscribe(self, request_id: str, subscriber: Subscriber) -> None:
         with self._subscribers_lock:
@@ -152,19 +134,18 @@ class EngineLoop:
         self.counters = EngineCounters.of(self.engine)
         return result
 
-    def _run_calls(self) -> bool:
-        """Run every queued call (loop thread, or any thread once the loop is gone). True if any ran."""
-        ran = False
-        while True:
+    def _run_calls(self) -> None:
+        """Run every queued call (loop thread, or any thread once the loop is gone); an error goes to its
+        caller, never to the loop."""
+        if not self._calls:
+            return
+        while self._calls:
+            fn, pending = self._calls.popleft()
             try:
-                pending = self._calls.popleft()
-            except IndexError:
-                break
-            pending.run(self.engine)
-            ran = True
-        if ran:
-            self.counters = EngineCounters.of(self.engine)
-        return ran
+                pending.set_result(fn(self.engine))
+            except BaseException as exc:
+                pending.set_exception(exc)
+        self.counters = EngineCounters.of(self.engine)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """On the loop thread. An output nobody listens for any more may carry detached KV blocks
