@@ -388,10 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deployments", default="disagg,colocated", help="comma list of: disagg, colocated")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of: {', '.join(WORKLOADS)}")
     p.add_argument("--rates", help="comma list of req/s overriding every chosen workload's sweep")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point (default 30)")
-    p.add_argument("--drain", type=float, default=30.0, help="seconds to wait after sending (default 30)")
-    p.add_argument("--min-requests", type=int, default=20, help="requests per point at least (default 20)")
-    p.add_argument("--slo", type=parse_slo, default=SLO(ttft=1.0, tpot=0.05), help="default ttft=1,tpot=0.05")
+    # Defaults by mode (GPU run / --smoke) are filled in below: None means "not given".
+    p.add_argument("--duration", type=float, help="seconds of arrivals per point (default 30; smoke 4)")
+    p.add_argument("--drain", type=float, help="seconds to wait after sending (default 30; smoke 10)")
+    p.add_argument("--min-requests", type=int, help="requests per point at least (default 20; smoke 4)")
+    p.add_argument("--slo", type=parse_slo, help="default ttft=1,tpot=0.05 (smoke: ttft=5,tpot=0.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting points after this (default 540)"
@@ -401,14 +402,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU dry run of the whole driver (needs --out)")
     p.add_argument("--out", type=Path, help="results and logs here instead of bench/results")
     args = p.parse_args(argv)
-    if args.smoke:
-        if args.out is None:
-            p.error("--smoke: give --out DIR (smoke numbers never go to bench/results)")
-        given = argv if argv is not None else sys.argv
-        if "--duration" not in given:
-            args.duration, args.drain, args.min_requests = 4.0, 10.0, 4
-        if "--slo" not in given:  # CPU-sized targets, so that a sweep goes past its first point
-            args.slo = SLO(ttft=5.0, tpot=0.5)
+    if args.smoke and args.out is None:
+        p.error("--smoke: give --out DIR (smoke numbers never go to bench/results)")
+    # Smoke: short points and CPU-sized targets, so that a sweep goes past its first point.
+    defaults = (
+        (4.0, 10.0, 4, SLO(ttft=5.0, tpot=0.5)) if args.smoke else (30.0, 30.0, 20, SLO(ttft=1.0, tpot=0.05))
+    )
+    for name, default in zip(("duration", "drain", "min_requests", "slo"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     args.rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
     for flag, names, known in (
         ("--deployments", args.deployments, DEPLOYMENTS),
