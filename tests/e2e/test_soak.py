@@ -215,7 +215,7 @@ def test_soak_with_a_decode_worker_killed_returns_to_baseline_and_counts_reconci
 
     import psutil
 
-    from tests.e2e.test_faults import pid_of
+    from tests.e2e.faults_support import pid_of
 
     assert_idle(cluster.address)
     assert cluster.proc is not None
