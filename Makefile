@@ -33,7 +33,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker worker_host tandem_client deploy
+	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker worker_host tandem_client tandem_cli deploy
 
 pytest: install
 	# One retry, only when a test's local cluster failed to come up (Ray start-up on a loaded 2-core host);

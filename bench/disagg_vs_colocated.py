@@ -56,11 +56,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem_cli.bench import SLO, BenchReport, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
+from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs  # noqa: E402
+from tandem_cli.bench.report import git_commit  # noqa: E402
+from tandem_cli.bench.sweep import capacity, equal_load  # noqa: E402
 from tandem_client import Client  # noqa: E402
-from tandem_client.bench import SLO, BenchReport, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
-from tandem_client.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs  # noqa: E402
-from tandem_client.bench.report import git_commit  # noqa: E402
-from tandem_client.bench.sweep import capacity, equal_load  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "results" / "disagg_vs_colocated"
 LOG_DIR = ROOT / "bench" / "results" / "logs"
@@ -140,7 +140,7 @@ class Server:
         return f"127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
-        cmd = [sys.executable, "-m", "tandem_client.cli", "serve", "--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,7 +1,7 @@
 """Tandem's client SDK: `Client` (blocking) and `AsyncClient` (asyncio) over the tandem.v1 gRPC API.
 
 Needs only grpc, protobuf and the generated stubs in tandem_api; the `tandem` command line lives in
-tandem_client.cli.
+tandem_cli.cli.
 """
 
 from tandem_client.aio import AsyncClient, AsyncGenerationStream

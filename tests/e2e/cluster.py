@@ -82,7 +82,7 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem_client.cli", "serve", "--config", str(self.config_path)],
+            [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -31,7 +31,7 @@ def run_bench(address: str, out: Path, *flags: str, timeout_s: float = 120.0) ->
     cmd = [
         sys.executable,
         "-m",
-        "tandem_client.cli",
+        "tandem_cli.cli",
         "bench",
         "--server",
         address,
@@ -131,7 +131,7 @@ def test_closed_loop_trace_run(cluster, tmp_path):
 
 def test_bad_flag_exits_2_naming_the_flag(cluster):
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem_client.cli", "bench", "--server", cluster.address, "--rate", "1",
+        [sys.executable, "-m", "tandem_cli.cli", "bench", "--server", cluster.address, "--rate", "1",
          "--input-len", "uniform:9:2"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -267,7 +267,7 @@ def offline_text() -> Iterator[subprocess.Popen]:
     """The same prompt through the offline engine (greedy), started first so that it overlaps the cluster's
     start-up; the test reads its answer with `read_offline`."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem_client.cli", "generate", "--offline", "--json"]
+        [sys.executable, "-m", "tandem_cli.cli", "generate", "--offline", "--json"]
         + ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", PROMPT],
         cwd=REPO,
         stdout=subprocess.PIPE,

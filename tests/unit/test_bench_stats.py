@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from tandem_client.bench.loadgen import Outcome, RequestRecord, RunResult
-from tandem_client.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
-from tandem_client.bench.report import BenchSettings, build_report, count_outcomes
-from tandem_client.bench.stats import (
+from tandem_cli.bench.loadgen import Outcome, RequestRecord, RunResult
+from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
+from tandem_cli.bench.report import BenchSettings, build_report, count_outcomes
+from tandem_cli.bench.stats import (
     SLO,
     Timeline,
     goodput,
@@ -22,8 +22,8 @@ from tandem_client.bench.stats import (
     request_metrics,
     summarize,
 )
-from tandem_client.bench.sweep import capacity, equal_load
-from tandem_client.bench.workload import (
+from tandem_cli.bench.sweep import capacity, equal_load
+from tandem_cli.bench.workload import (
     BenchConfigError,
     LengthDist,
     arrival_offsets,

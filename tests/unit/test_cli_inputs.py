@@ -15,10 +15,10 @@ import pytest
 
 from model_runtime.request import ChatMessage as EngineChatMessage
 from model_runtime.request import Completion, PromptInput, SamplingParams
-from tandem_client.cli import main as cli_main
-from tandem_client.inputs import InputError, parse_jsonl, prompt_from_text, read_jsonl, sampling_from_flags
-from tandem_client.offline import engine_prompt, engine_sampling, prepare, record_from_completion
-from tandem_client.output import OutputRecord, write_atomic
+from tandem_cli.cli import main as cli_main
+from tandem_cli.inputs import InputError, parse_jsonl, prompt_from_text, read_jsonl, sampling_from_flags
+from tandem_cli.offline import engine_prompt, engine_sampling, prepare, record_from_completion
+from tandem_cli.output import OutputRecord, write_atomic
 from tandem_client.types import ChatMessage, Prompt, Sampling
 
 pytestmark = pytest.mark.unit
@@ -331,7 +331,7 @@ def test_serve_forwards_the_config(monkeypatch) -> None:
 
 def test_sdk_and_cli_import_neither_the_engine_nor_torch() -> None:
     code = (
-        "import sys, tandem_client, tandem_client.cli\n"
+        "import sys, tandem_client, tandem_cli.cli\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('model_runtime', 'torch', 'ray'))\n"
         "print(bad)\n"
     )

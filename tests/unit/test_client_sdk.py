@@ -15,6 +15,7 @@ import pytest
 
 import tandem_client
 from tandem_api.tandem.v1 import admin_pb2_grpc, generate_pb2_grpc
+from tandem_cli.cli import main as cli_main
 from tandem_client import (
     AsyncClient,
     ChatMessage,
@@ -33,7 +34,6 @@ from tandem_client import (
     WorkerState,
     wire,
 )
-from tandem_client.cli import main as cli_main
 from tests.unit.sdk_server import EchoGeneration, FixedAdmin
 
 pytestmark = pytest.mark.unit

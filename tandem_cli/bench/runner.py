@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from tandem_client.bench.loadgen import Pacing, RunLimits, RunResult, run_load, served_model
-from tandem_client.bench.report import BenchReport, BenchSettings, build_report, git_commit
-from tandem_client.bench.workload import (
+from tandem_cli.bench.loadgen import Pacing, RunLimits, RunResult, run_load, served_model
+from tandem_cli.bench.report import BenchReport, BenchSettings, build_report, git_commit
+from tandem_cli.bench.workload import (
     BenchConfigError,
     RequestSpec,
     TraceEntry,

@@ -19,9 +19,9 @@ from typing import Protocol
 
 import grpc
 
+from tandem_cli.bench.stats import Timeline
+from tandem_cli.bench.workload import RequestSpec
 from tandem_client.aio import AsyncClient
-from tandem_client.bench.stats import Timeline
-from tandem_client.bench.workload import RequestSpec
 from tandem_client.errors import TandemError
 from tandem_client.types import GenerationDelta, GenerationResult, ModelInfo
 

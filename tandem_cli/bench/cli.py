@@ -1,6 +1,6 @@
 """`tandem bench`: flags -> BenchSettings -> run_benchmark -> a summary on stdout, JSON and PNG files.
 
-The `tandem` command line (tandem_client.cli) registers this subcommand with add_bench_parser.
+The `tandem` command line (tandem_cli.cli) registers this subcommand with add_bench_parser.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tandem_client.bench.report import BenchReport, BenchSettings, format_summary
-from tandem_client.bench.stats import SLO, parse_slo
-from tandem_client.bench.workload import BenchConfigError, parse_dist
+from tandem_cli.bench.report import BenchReport, BenchSettings, format_summary
+from tandem_cli.bench.stats import SLO, parse_slo
+from tandem_cli.bench.workload import BenchConfigError, parse_dist
 from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
 
 DEFAULT_NUM_REQUESTS = 100
@@ -99,7 +99,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if num_requests is None:
         num_requests = None if args.trace else DEFAULT_NUM_REQUESTS
     if num_requests is None:
-        from tandem_client.bench.workload import read_trace
+        from tandem_cli.bench.workload import read_trace
 
         num_requests = len(read_trace(args.trace))
     return BenchSettings(
@@ -134,7 +134,7 @@ def write_json(report: BenchReport, path: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tandem_client.bench.runner import run_benchmark
+    from tandem_cli.bench.runner import run_benchmark
 
     settings = settings_from_args(args)
     report = run_benchmark(settings, progress=not args.no_progress)
@@ -143,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_json(report, args.json)
         print(f"tandem: wrote the report to {args.json}", file=sys.stderr)
     if args.plot_dir:
-        from tandem_client.bench.plots import LatencySamples, plot_latency_cdfs
+        from tandem_cli.bench.plots import LatencySamples, plot_latency_cdfs
 
         written = plot_latency_cdfs(
             {report.model: LatencySamples.from_report(report)},

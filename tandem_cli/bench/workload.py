@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem_client.inputs import InputError
+from tandem_cli.inputs import InputError
 
 DIST_KINDS = ("fixed", "uniform", "normal")
 

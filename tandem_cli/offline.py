@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tandem_client.inputs import GenerationInput, InputError
-from tandem_client.output import OutputRecord
+from tandem_cli.inputs import GenerationInput, InputError
+from tandem_cli.output import OutputRecord
 from tandem_client.types import Prompt, Sampling, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:

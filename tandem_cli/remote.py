@@ -9,12 +9,12 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from tandem_cli.inputs import GenerationInput, InputError
+from tandem_cli.output import OutputRecord
 from tandem_client import wire
 from tandem_client.aio import AsyncClient
 from tandem_client.client import Client
 from tandem_client.errors import InvalidArgument, TandemError
-from tandem_client.inputs import GenerationInput, InputError
-from tandem_client.output import OutputRecord
 from tandem_client.types import GenerationDelta, GenerationResult
 
 

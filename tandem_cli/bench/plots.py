@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from tandem_client.bench.report import BenchReport
-from tandem_client.bench.stats import SLO
+from tandem_cli.bench.report import BenchReport
+from tandem_cli.bench.stats import SLO
 
 CDF_METRICS = (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"), ("e2e", "end-to-end latency (ms)"))
 

@@ -1,4 +1,4 @@
-"""The `tandem` command line: generate (against a server or offline), status, serve, bench (tandem_client.bench).
+"""The `tandem` command line: generate (against a server or offline), status, serve, bench (tandem_cli.bench).
 
 Exit codes: 0 success, 1 runtime failure (server unreachable, deadline, engine error), 2 bad input (flags,
 JSONL lines, rejected requests). Expected errors print one line on stderr, never a traceback.
@@ -10,19 +10,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tandem_client.bench.cli import add_bench_parser
-from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
-from tandem_client.client import Client
-from tandem_client.errors import InvalidArgument, TandemError
-from tandem_client.inputs import (
+from tandem_cli.bench.cli import add_bench_parser
+from tandem_cli.inputs import (
     GenerationInput,
     InputError,
     prompt_from_text,
     read_jsonl,
     sampling_from_flags,
 )
-from tandem_client.offline import DEFAULT_MODEL, EngineUnavailable, run_offline
-from tandem_client.output import OutputRecord, status_json, status_table, write_atomic
+from tandem_cli.offline import DEFAULT_MODEL, EngineUnavailable, run_offline
+from tandem_cli.output import OutputRecord, status_json, status_table, write_atomic
+from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
+from tandem_client.client import Client
+from tandem_client.errors import InvalidArgument, TandemError
 
 EXIT_RUNTIME = 1
 EXIT_INPUT = 2
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, inputs: list[GenerationInput]) -> list[Output
     progress = args.input is not None
     if args.offline:
         return run_offline(args.model or DEFAULT_MODEL, inputs, progress)
-    from tandem_client.remote import run_remote
+    from tandem_cli.remote import run_remote
 
     return run_remote(
         resolve_address(args.server),
@@ -179,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_generate_flags(args)
     inputs = _collect_inputs(args)  # every line is checked before anything is generated
     if not args.offline and args.prompt is not None and not (args.json or args.output):
-        from tandem_client.remote import stream_text
+        from tandem_cli.remote import stream_text
 
         stream_text(resolve_address(args.server), args.model, inputs[0], args.timeout, sys.stdout)
         return 0

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem_client.bench.workload import BenchConfigError
+from tandem_cli.bench.workload import BenchConfigError
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem_client.bench.loadgen import Outcome, RequestRecord, RunResult
-from tandem_client.bench.stats import (
+from tandem_cli.bench.loadgen import Outcome, RequestRecord, RunResult
+from tandem_cli.bench.stats import (
     SLO,
     Goodput,
     RequestMetrics,
@@ -26,7 +26,7 @@ from tandem_client.bench.stats import (
     request_metrics,
     summarize,
 )
-from tandem_client.bench.workload import BenchConfigError, LengthDist
+from tandem_cli.bench.workload import BenchConfigError, LengthDist
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ run end to end), cli (the subcommand).
 Imports only the SDK (grpc, protobuf); tqdm and matplotlib are imported where used.
 """
 
-from tandem_client.bench.report import BenchReport, BenchSettings
-from tandem_client.bench.runner import run_benchmark
-from tandem_client.bench.stats import SLO, Goodput, Summary, parse_slo, percentile
-from tandem_client.bench.workload import BenchConfigError, LengthDist, parse_dist
+from tandem_cli.bench.report import BenchReport, BenchSettings
+from tandem_cli.bench.runner import run_benchmark
+from tandem_cli.bench.stats import SLO, Goodput, Summary, parse_slo, percentile
+from tandem_cli.bench.workload import BenchConfigError, LengthDist, parse_dist
 
 __all__ = [
     "SLO",
