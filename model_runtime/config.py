@@ -176,6 +176,9 @@ class DeviceConfig:
     dtype: str | None = None
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
+    # The fused elementwise kernels (model_runtime.fused): auto (Triton on CUDA, torch on CPU) | torch |
+    # triton | compile (torch.compile of the torch reference; CUDA).
+    kernels: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -189,6 +192,11 @@ class DeviceConfig:
             self.attention_backend in ("auto", "torch", "triton"),
             "device.attention_backend",
             "must be auto, torch or triton",
+        )
+        _require(
+            self.kernels in ("auto", "torch", "triton", "compile"),
+            "device.kernels",
+            f"must be auto, torch, triton or compile, got {self.kernels!r}",
         )
 
     def resolved_device(self) -> str:

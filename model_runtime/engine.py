@@ -24,6 +24,7 @@ from model_runtime.block_pool import BlockPool
 from model_runtime.config import EngineConfig, ModelConfig
 from model_runtime.cuda_graphs import graph_memory_estimate
 from model_runtime.detokenizer import IncrementalDetokenizer
+from model_runtime.fused.select import make_fused_ops
 from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.output import OutputTracker
@@ -110,6 +111,7 @@ class Engine:
             max_num_seqs=config.scheduler.max_num_seqs,
             enforce_eager=config.device.enforce_eager,
             on_graph_progress=progress.graphs,
+            ops=make_fused_ops(config.device.kernels, self.device),
         )
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)

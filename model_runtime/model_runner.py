@@ -23,6 +23,7 @@ import torch
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
+from model_runtime.fused.base import FusedOps
 from model_runtime.host_batch import HostBatch, HostBlockTables, build_host_batch
 from model_runtime.kv_layout import KVLayout
 from model_runtime.models.llama import LlamaForCausalLM
@@ -114,14 +115,16 @@ class ModelRunner:
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
         enforce_eager: bool = False,
         on_graph_progress: Callable[[int, int], None] | None = None,
+        ops: FusedOps | None = None,
     ) -> None:
+        """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference."""
         self.config = model_config
         self.layout = layout
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = layout.blocks_for_tokens(max_model_len)
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, backend, rope_device=self.device)
+            model = LlamaForCausalLM(model_config, backend, rope_device=self.device, ops=ops)
         model.load_weights(weights)
         self.model = model.eval()
         self.kv_cache = torch.zeros(layout.cache_shape, dtype=TORCH_DTYPES[layout.dtype], device=self.device)

@@ -3,6 +3,16 @@
 The model file holds only the model. Attention is injected as an `AttentionBackend`; positions, the cache and
 the attention metadata are passed explicitly to `forward`. Parameter names are the fused ones that
 `model_runtime.weights` produces (qkv, gate_up), so one matmul serves q, k and v, and one serves gate and up.
+
+The elementwise chains between the matmuls (residual add + RMSNorm, rotary, SiLU-and-mul) go through an injected
+`FusedOps`, one kernel each on the GPU. The residual stream is carried beside the hidden states so that each
+residual add is fused into the norm that follows it:
+
+    layer i:   normed, residual = add_rms_norm(hidden, residual)     (layer 0: residual = embeddings)
+               hidden = attn(normed)
+               normed, residual = add_rms_norm(hidden, residual)
+               hidden = mlp(normed)                  -> (hidden, residual) to layer i + 1
+    final:     norm(hidden + residual)
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ from torch import nn
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import ModelConfig, RopeScaling
+from model_runtime.fused import torch_ops
+from model_runtime.fused.base import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return torch_ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -61,18 +70,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; rotated in float32 and returned in x's dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(
+        self, ops: FusedOps, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated in float32, returned in their dtype (maybe in place)."""
+        return ops.rotary(q, k, positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, ops: FusedOps
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -95,8 +106,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(positions, q.view(t, self.num_heads, self.head_dim))
-        k = rope(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = rope(
+            self.ops,
+            positions,
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+        )
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
@@ -105,49 +120,68 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: FusedOps) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate = config.intermediate_size
         self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, ops: FusedOps) -> None:
         super().__init__()
+        self.ops = ops
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer_idx, backend)
+        self.attn = Attention(config, layer_idx, backend, ops)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, ops)
 
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.attn(self.input_norm(hidden), positions, rope, kv_cache, meta)
-        return hidden + self.mlp(self.post_attn_norm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in, (this layer's MLP output, the residual stream before it) out; the stream
+        after the layer is their sum, which the next norm computes."""
+        norm = self.input_norm
+        if residual is None:
+            residual, normed = hidden, self.ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            normed, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.attn(normed, positions, rope, kv_cache, meta)
+        norm = self.post_attn_norm
+        normed, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, rope_device: torch.device | str
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rope_device: torch.device | str,
+        ops: FusedOps | None = None,
     ) -> None:
         """Build under `with torch.device("meta")` and call load_weights to avoid allocating random weights;
-        the rotary tables are built on `rope_device` regardless."""
+        the rotary tables are built on `rope_device` regardless. `ops` defaults to the torch reference."""
         super().__init__()
         self.config = config
+        ops = ops if ops is not None else torch_ops.TorchOps()
+        self.ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         with torch.device(rope_device):
             self.rope = RotaryEmbedding(config, rope_device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, backend, ops) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
@@ -164,9 +198,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, 2, N, B, Hkv, D]. Returns final hidden states [T, H]."""
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rope, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
+        if residual is None:  # a model with no layers
+            return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,184 @@
+"""TritonOps: the fused-ops contract as three Triton kernels (CUDA; CPU under TRITON_INTERPRET=1 for tests).
+
+    add_rms_norm  one program per row: x + residual -> residual (in place), RMSNorm -> out   (1 launch, was ~7)
+    rotary        one program per token: q and k heads rotated in place, cos/sin read once  (1 launch, was ~20)
+    silu_mul      programs over (row, column block): silu(gate) * up                          (1 launch, was 2)
+
+Every kernel computes in float32 and rounds where the torch reference rounds (see fused/base.py), so bf16
+results match TorchOps except for float32 summation order in the norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model_runtime.fused.base import FusedOps
+
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (x + r).to(res_ptr.dtype.element_ty)  # rounded like the reference's add
+        tl.store(res_ptr + row * stride_r + cols, total, mask=mask)
+        x = total.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / size
+    normed = (x * tl.rsqrt(mean_sq + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(base, c, s, heads, stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < heads) & (d[None, :] < HALF)
+    first = base + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * c[None, :] - x2 * s[None, :]
+    out2 = x2 * c[None, :] + x1 * s[None, :]
+    tl.store(first, out1.to(base.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, out2.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + row * stride_qt, c, s, num_q_heads, stride_qh, HALF, BLOCK_HQ, BLOCK_D)
+    _rotate_heads(k_ptr + row * stride_kt, c, s, num_kv_heads, stride_kh, HALF, BLOCK_HKV, BLOCK_D)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like F.silu
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"TritonOps.{name}: x must be [T, H] with dense rows and weight [H]; got x {tuple(x.shape)} "
+            f"(strides {x.stride()}), weight {tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"TritonOps.{name}: weight dtype {weight.dtype} != activation dtype {x.dtype}")
+
+
+class TritonOps(FusedOps):
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _check_rows("rms_norm", x, weight)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if x.shape[0] == 0:
+            return out
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](
+            x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_rows("add_rms_norm", x, weight)
+        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
+            raise ValueError(
+                f"TritonOps.add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
+                f"x {tuple(x.shape)} {x.dtype} with dense rows"
+            )
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if x.shape[0] == 0:
+            return out, residual
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block),
+        )  # fmt: skip
+        return out, residual
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim = q.shape[-1]
+        if q.dim() != 3 or k.dim() != 3 or q.stride(2) != 1 or k.stride(2) != 1 or k.shape[-1] != head_dim:
+            raise ValueError(
+                f"TritonOps.rotary: q, k must be [T, heads, D] with a dense last axis; got "
+                f"{tuple(q.shape)} / {tuple(k.shape)}"
+            )
+        if cos.shape[-1] * 2 != head_dim or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+            raise ValueError(f"TritonOps.rotary: tables [P, {head_dim // 2}] expected, got {tuple(cos.shape)}")
+        if q.shape[0] == 0:
+            return q, k
+        half = head_dim // 2
+        _rotary_kernel[(q.shape[0],)](
+            q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), sin.stride(0), q.shape[1], k.shape[1],
+            HALF=half, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+            BLOCK_HKV=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(half),
+        )  # fmt: skip
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+            raise ValueError(f"TritonOps.silu_mul: gate_up must be [T, 2I], dense rows; got {tuple(gate_up.shape)}")
+        t, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((t, size), dtype=gate_up.dtype, device=gate_up.device)
+        if t == 0:
+            return out
+        grid = (t, triton.cdiv(size, SILU_BLOCK))
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=SILU_BLOCK)
+        return out

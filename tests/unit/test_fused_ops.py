@@ -1,0 +1,186 @@
+"""The fused elementwise kernels (model_runtime.fused.triton_ops) on the CPU through Triton's interpreter,
+against the torch reference (model_runtime.fused.torch_ops): each op alone on awkward shapes (odd head counts,
+strided qkv views, sizes that are not powers of two), then a whole tiny model's logits and KV with TritonOps
+against the same model with TorchOps.
+
+As in test_triton_interpret.py, the kernels run in one child process (this file run as a script) because
+TRITON_INTERPRET must be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+TOL = 1e-5  # fp32: only summation order differs
+
+
+def _close(name: str, out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+    return err < TOL, f"{name} rel_err={err:.1e}"
+
+
+def _all(*results: tuple[bool, str]) -> tuple[bool, str]:
+    return all(ok for ok, _ in results), "; ".join(d for _, d in results)
+
+
+# --- cases (child side) -------------------------------------------------------------------------------------
+def _case_rms_norm() -> tuple[bool, str]:
+    from model_runtime.fused import torch_ops
+    from model_runtime.fused.triton_ops import TritonOps
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 48, generator=gen) * 3, torch.randn(48, generator=gen)
+    return _close("rms_norm", TritonOps().rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5))
+
+
+def _case_add_rms_norm() -> tuple[bool, str]:
+    from model_runtime.fused import torch_ops
+    from model_runtime.fused.triton_ops import TritonOps
+
+    gen = torch.Generator().manual_seed(1)
+    x, res, w = torch.randn(7, 40, generator=gen), torch.randn(7, 40, generator=gen), torch.randn(40, generator=gen)
+    ref_out, ref_sum = torch_ops.add_rms_norm(x, res, w, 1e-6)
+    buffer = res.clone()
+    out, total = TritonOps().add_rms_norm(x, buffer, w, 1e-6)
+    return _all(_close("out", out, ref_out), _close("sum", total, ref_sum), _close("in_place", buffer, ref_sum))
+
+
+def _case_rotary_strided_gqa() -> tuple[bool, str]:
+    """q and k as views into one fused qkv output (3 query heads, 1 KV head: masks on both head axes)."""
+    from model_runtime.fused import torch_ops
+    from model_runtime.fused.triton_ops import TritonOps
+
+    gen = torch.Generator().manual_seed(2)
+    t, hq, hkv, d = 6, 3, 1, 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.tensor([0, 5, 63, 17, 2, 40])
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    q_ref, k_ref = torch_ops.rotary(
+        qkv[:, : hq * d].reshape(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d), positions, cos, sin
+    )
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    q_view = qkv[:, : hq * d].view(t, hq, d)
+    k_view = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    q, k = TritonOps().rotary(q_view, k_view, positions, cos, sin)
+    v_kept = torch.equal(qkv[:, (hq + hkv) * d :], v_before)
+    return _all(_close("q", q, q_ref), _close("k", k, k_ref), (v_kept, f"v untouched={v_kept}"))
+
+
+def _case_silu_mul() -> tuple[bool, str]:
+    from model_runtime.fused import torch_ops
+    from model_runtime.fused.triton_ops import SILU_BLOCK, TritonOps
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(4, 2 * (SILU_BLOCK + 37), generator=gen) * 4  # a partial second column block
+    return _close("silu_mul", TritonOps().silu_mul(gate_up), torch_ops.silu_mul(gate_up))
+
+
+def _case_model_logits_and_kv() -> tuple[bool, str]:
+    """A tiny Llama (random norm weights too) run eagerly over a prefill and a decode step: TritonOps
+    against TorchOps, same logits and the same KV written."""
+    from model_runtime.attention.torch_ref import TorchAttention
+    from model_runtime.fused.torch_ops import TorchOps
+    from model_runtime.fused.triton_ops import TritonOps
+    from model_runtime.kv_layout import KVLayout
+    from model_runtime.model_runner import ModelRunner
+    from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
+    from model_runtime.weights.dummy import dummy_weights
+    from model_runtime.weights.shapes import dummy_shape
+
+    config = dummy_shape("tiny-llama")
+    weights = dummy_weights(config, torch.float32, "cpu", seed=4)
+    gen = torch.Generator().manual_seed(5)
+    for name, tensor in weights.items():
+        if name.endswith("norm.weight"):
+            tensor.copy_(1 + 0.5 * torch.randn(tensor.shape, generator=gen))
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, 8, 16, "float32")
+    results = []
+    runners = [
+        ModelRunner(config, weights, layout, "cpu", TorchAttention(), 64, ops=ops) for ops in (TorchOps(), TritonOps())
+    ]
+    prompt = torch.randint(0, config.vocab_size, (11,), generator=gen).tolist()
+    for step, (computed, n) in enumerate([(0, 11), (11, 1)]):
+        logits = []
+        for runner in runners:
+            request = Request("r", prompt + [7], SamplingParams(), block_ids=[3, 5], num_computed_tokens=computed)
+            logits.append(runner.execute(SchedulerOutput((ScheduledChunk(request, n, sample=True),))))
+        results.append(_close(f"logits step {step}", logits[1], logits[0]))
+    results.append(_close("kv", runners[1].kv_cache, runners[0].kv_cache))
+    return _all(*results)
+
+
+CASES: dict[str, Callable[[], tuple[bool, str]]] = {
+    "rms_norm": _case_rms_norm,
+    "add_rms_norm_in_place": _case_add_rms_norm,
+    "rotary_strided_gqa": _case_rotary_strided_gqa,
+    "silu_mul_partial_block": _case_silu_mul,
+    "model_logits_and_kv": _case_model_logits_and_kv,
+}
+
+
+def _child_main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1")
+    torch.set_num_threads(1)
+    results = {}
+    for name, case in CASES.items():
+        try:
+            ok, detail = case()
+        except Exception as exc:  # reported per case, so one broken kernel does not hide the others
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        results[name] = {"ok": ok, "detail": detail}
+    print(json.dumps(results))
+
+
+# --- pytest side --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict[str, object]]:
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed: pip install 'triton>=3.7'")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter child failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_kernel_matches_reference(interpreted: dict[str, dict[str, object]], case: str) -> None:
+    result = interpreted[case]
+    assert result["ok"], f"{case}: {result['detail']}"
+
+
+def test_select_fused_ops_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_runtime.fused.select import make_fused_ops
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert make_fused_ops("auto", "cpu").name == "torch"
+    assert make_fused_ops("torch", "cuda").name == "torch"
+    with pytest.raises(ValueError, match="fast"):
+        make_fused_ops("fast", "cpu")
+    with pytest.raises(ValueError, match="'compile' runs on CUDA"):
+        make_fused_ops("compile", "cpu")
+    if HAVE_TRITON:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            make_fused_ops("triton", "cpu")
+
+
+if __name__ == "__main__":
+    _child_main()
