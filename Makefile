@@ -31,6 +31,7 @@ test: install lint typecheck pytest check-deploy
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports  # the dependency direction: [tool.importlinter] in pyproject.toml
 
 typecheck: install
 	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker worker_host tandem_client tandem_cli deploy

@@ -22,9 +22,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from model_runtime.weights import EMBEDDED_MODEL, ModelLoadError, ModelSource, SourceFormat, resolve_model
+from model_runtime.weights.errors import ModelLoadError
 from model_runtime.weights.gguf_vocab import tokenizer_from_gguf
-from model_runtime.weights.source import read_json
+from model_runtime.weights.source import EMBEDDED_MODEL, ModelSource, SourceFormat, read_json, resolve_model
 
 
 class ChatTemplateError(ValueError):

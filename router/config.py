@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from model_runtime.weights import EMBEDDED_MODEL
+from model_runtime.weights.source import EMBEDDED_MODEL
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts' ids plus logprobs pass gRPC's 4 MiB default
 

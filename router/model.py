@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_runtime.tokenizer import Tokenizer
-from model_runtime.weights import load_model_config, resolve_model
+from model_runtime.weights.config_loading import load_model_config
+from model_runtime.weights.source import resolve_model
 
 
 @dataclass(frozen=True, eq=False)
