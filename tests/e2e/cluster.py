@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.loopback import free_port, health
 
 READY_LINE = "Tandem is serving"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_section(num_blocks: int) -> dict:
@@ -111,14 +104,9 @@ class ServeProcess:
                 self._ready.set()
 
     def _probe_health(self) -> None:
-        try:
-            with grpc.insecure_channel(self.address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=0.5
-                )
-                self.health_seen.append(reply.status)
-        except grpc.RpcError:
-            pass
+        status = health(self.address, timeout_s=0.5)
+        if status is not None:
+            self.health_seen.append(status)
 
     def stop(self, timeout_s: float = 90.0) -> int:
         if self.proc is None or self.exit_code is not None:

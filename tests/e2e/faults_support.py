@@ -8,18 +8,18 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from model_runtime.llm import LLM
 from model_runtime.request import PromptInput, SamplingParams
 from tandem_client import Client
 from tandem_client.types import WorkerInfo
 from tests.e2e.cluster import ServeProcess
+from tests.polling import wait_until
 
 # Short deadlines where a stall is the fault under test. Elsewhere the lease must outlast a retried prefill of a
 # long prompt on a loaded 2-core CI box (a claimed lease is no longer renewed: the transfer must land within it).
@@ -55,17 +55,6 @@ def workers(address: str) -> dict[str, WorkerInfo]:
         return {w.worker_id: w for w in client.status().workers}
 
 
-def wait_until(check: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.2) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(every_s)
-
-
 def wait_all_ready(address: str, count: int, timeout_s: float = 120.0) -> dict[str, WorkerInfo]:
     seen: list[str] = []
 
@@ -76,7 +65,7 @@ def wait_all_ready(address: str, count: int, timeout_s: float = 120.0) -> dict[s
         return found if ok else None
 
     try:
-        return wait_until(ready, timeout_s, f"{count} READY workers")  # type: ignore[return-value]
+        return wait_until(ready, timeout_s, f"{count} READY workers", every_s=0.2)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; last seen: {seen}") from None
 
@@ -112,15 +101,6 @@ def assert_all_idle(address: str, timeout_s: float = 20.0, role: str | None = No
     except AssertionError:
         busy = [(w.worker_id, w.kv_blocks_used, w.active_leases) for w in found()]
         raise AssertionError(f"workers still hold KV blocks or leases after {timeout_s}s: {busy}") from None
-
-
-def health(address: str) -> int:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-    except grpc.RpcError:
-        return -1
-    return int(reply.status)
 
 
 def pid_of(worker: WorkerInfo) -> int:
@@ -204,7 +184,7 @@ def busy_worker(address: str, role: str, before: dict[str, WorkerInfo]) -> Worke
                 return w
         return None
 
-    return wait_until(find, 15, f"the {role} worker that took the request", every_s=0.1)  # type: ignore
+    return wait_until(find, 15, f"the {role} worker that took the request", every_s=0.1)
 
 
 # --- clusters ----------------------------------------------------------------------------------------------

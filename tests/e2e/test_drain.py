@@ -12,14 +12,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from tandem_client import Client, GenerationResult
 from tandem_client.errors import TandemError, Unavailable
 from tests.e2e.cluster import ServeProcess
+from tests.loopback import health
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -101,12 +101,6 @@ def processes_naming(needle: str) -> list[str]:
         if needle in cmdline and alive(proc):
             found.append(f"{proc.info['pid']}: {cmdline[:160]}")
     return found
-
-
-def health(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
 
 
 def refused_while_draining(address: str, limit_s: float = 10.0) -> Unavailable:

@@ -39,15 +39,15 @@ from tests.e2e.faults_support import (
     busy_worker,
     computing,
     greedy,
-    health,
     long_prompt,
     pid_of,
     serve,
     stopped,
     wait_all_ready,
-    wait_until,
     workers,
 )
+from tests.loopback import health
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -13,10 +13,9 @@ import asyncio
 import json
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,9 @@ import yaml
 
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import InvalidArgument
-from tests.e2e.cluster import ServeProcess, free_port
+from tests.e2e.cluster import ServeProcess
+from tests.loopback import free_port
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -49,6 +50,7 @@ PROMPTS = [
     "Silver meadow, violet thunder:",
 ]
 WAIT_S = 60.0
+POLL_S = 0.25  # Prometheus scrapes and evaluates every second; a check runs up to ~30 queries
 
 
 class Prometheus:
@@ -121,14 +123,6 @@ class Prometheus:
         return result[0][1] if result else None
 
 
-def wait_until(check: Callable[[], object], timeout_s: float, what: str, detail: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}:\n{detail()}")
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[tuple[ServeProcess, Prometheus, Path]]:
     if not Path(PROMETHEUS).is_file():
@@ -161,7 +155,13 @@ def test_file_sd_lists_the_router_and_every_worker(service) -> None:
         active = prometheus.api("targets", state="active")["activeTargets"]
         return len(active) == 3 and all(t["health"] == "up" for t in active)
 
-    wait_until(all_up, WAIT_S, "3 healthy targets", lambda: json.dumps(prometheus.api("targets"), indent=1))
+    wait_until(
+        all_up,
+        WAIT_S,
+        "3 healthy targets",
+        lambda: json.dumps(prometheus.api("targets"), indent=1),
+        every_s=POLL_S,
+    )
     active = prometheus.api("targets", state="active")["activeTargets"]
     assert sorted(t["labels"]["component"] for t in active) == ["decode", "prefill", "router"]
 
@@ -208,7 +208,7 @@ def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> N
     def mismatches() -> str:
         return "\n".join(f"{e}: got {got.get(e)}, want {v}" for e, v in expected.items() if got.get(e) != v)
 
-    wait_until(caught_up, WAIT_S, "the scrape to show every request", mismatches)
+    wait_until(caught_up, WAIT_S, "the scrape to show every request", mismatches, every_s=POLL_S)
     sent = {
         side: prometheus.scalar(f'sum(tandem_kv_transfer_bytes_total{{role="{side}"}})')
         for side in ("prefill", "decode")
@@ -231,7 +231,11 @@ def test_alert_rules_load_and_evaluate_cleanly(service) -> None:
         return {r["name"] for r in rules} == names and all(r["lastEvaluation"] != never for r in rules)
 
     wait_until(
-        evaluated, WAIT_S, "every alert rule to be evaluated", lambda: json.dumps(prometheus.api("rules"))
+        evaluated,
+        WAIT_S,
+        "every alert rule to be evaluated",
+        lambda: json.dumps(prometheus.api("rules")),
+        every_s=POLL_S,
     )
     rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert [(r["name"], r["health"], r.get("lastError", "")) for r in rules if r["health"] != "ok"] == []
@@ -255,7 +259,13 @@ def test_every_dashboard_query_answers(service) -> None:
         pending[:] = [(title, expr) for title, expr in pending if not prometheus.query(expr)]
         return not pending
 
-    wait_until(all_answer, WAIT_S, "every dashboard query to answer", lambda: "\n".join(map(str, pending)))
+    wait_until(
+        all_answer,
+        WAIT_S,
+        "every dashboard query to answer",
+        lambda: "\n".join(map(str, pending)),
+        every_s=POLL_S,
+    )
 
 
 @needs_promtool

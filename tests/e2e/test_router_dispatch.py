@@ -24,8 +24,8 @@ from tests.e2e.test_router_fakes import (
     LoopThread,
     RouterHarness,
     Script,
-    wait_until,
 )
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 PROMPT = "Tell me about foxes."

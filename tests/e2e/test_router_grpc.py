@@ -7,13 +7,15 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from router.model import ServedModel
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from tandem_client import ChatMessage, InvalidArgument, NotFound, Unavailable
-from tests.e2e.test_router_fakes import FakeDecode, FakePrefill, LoopThread, RouterHarness, Script, wait_until
+from tests.e2e.test_router_fakes import FakeDecode, FakePrefill, LoopThread, RouterHarness, Script
+from tests.loopback import health
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -46,15 +48,6 @@ def make(loop: LoopThread, model: ServedModel) -> Iterator:
     yield build
     for harness in harnesses:
         harness.close()
-
-
-def _health(address: str, service: str = "") -> int:
-    with grpc.insecure_channel(address) as channel:
-        return (
-            health_pb2_grpc.HealthStub(channel)
-            .Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-            .status
-        )
 
 
 @pytest.mark.parametrize(
@@ -104,16 +97,16 @@ def test_health_follows_the_workers_that_can_serve(make) -> None:
     prefill = harness.add(FakePrefill, "p0")
     harness.start(wait_ready=False)
     router = harness.router
-    wait_until(lambda: _health(harness.address) == SERVING, what="SERVING with a prefill/decode pair")
-    assert _health(harness.address, "tandem.v1.Generation") == SERVING
+    wait_until(lambda: health(harness.address) == SERVING, what="SERVING with a prefill/decode pair")
+    assert health(harness.address, "tandem.v1.Generation") == SERVING
     router_loop = harness.loop
     router_loop.run(_call(router.set_workers, [decode.endpoint()]))  # a decode worker alone cannot serve
-    wait_until(lambda: _health(harness.address) == NOT_SERVING, what="NOT_SERVING without a prefill worker")
-    assert _health(harness.address, "tandem.v1.Generation") == NOT_SERVING
+    wait_until(lambda: health(harness.address) == NOT_SERVING, what="NOT_SERVING without a prefill worker")
+    assert health(harness.address, "tandem.v1.Generation") == NOT_SERVING
     router.set_workers([decode.endpoint(), prefill.endpoint()])  # from this (non-loop) thread
-    wait_until(lambda: _health(harness.address) == SERVING, what="SERVING again")
+    wait_until(lambda: health(harness.address) == SERVING, what="SERVING again")
     prefill.state = admin_pb2.WORKER_STATE_DRAINING
-    wait_until(lambda: _health(harness.address) == NOT_SERVING, what="NOT_SERVING once prefill drains")
+    wait_until(lambda: health(harness.address) == NOT_SERVING, what="NOT_SERVING once prefill drains")
 
 
 async def _call(fn, *args):  # run a plain function on the router's loop thread
@@ -122,8 +115,8 @@ async def _call(fn, *args):  # run a plain function on the router's loop thread
 
 def test_health_is_not_serving_without_workers(make) -> None:
     harness = make().start()
-    assert _health(harness.address) == NOT_SERVING
-    assert _health(harness.address, "tandem.v1.Generation") == NOT_SERVING
+    assert health(harness.address) == NOT_SERVING
+    assert health(harness.address, "tandem.v1.Generation") == NOT_SERVING
 
 
 def test_reflection_lists_the_services(make) -> None:
@@ -160,7 +153,7 @@ def test_status_reports_polled_workers_and_marks_a_silent_one_dead(make) -> None
     p0 = next(w for w in harness.status().workers if w.worker_id == "p0")
     assert p0.last_heartbeat_age_seconds > 0.05
     wait_until(
-        lambda: _health(harness.address) == NOT_SERVING, what="NOT_SERVING without a live prefill worker"
+        lambda: health(harness.address) == NOT_SERVING, what="NOT_SERVING without a live prefill worker"
     )
 
 

@@ -34,6 +34,7 @@ from tandem_client import (
     WorkerState,
     wire,
 )
+from tests.loopback import free_port
 from tests.unit.sdk_server import EchoGeneration, FixedAdmin
 
 pytestmark = pytest.mark.unit
@@ -55,14 +56,6 @@ def server() -> Iterator[tuple[str, EchoGeneration]]:
 def client(server) -> Iterator[Client]:
     with Client(server[0], timeout=10) as c:
         yield c
-
-
-def _free_port_address() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 # --- Client ---------------------------------------------------------------------------------------------------
@@ -157,7 +150,7 @@ def test_unavailable_is_retried_before_the_first_token(server) -> None:
 
 
 def test_unreachable_server_is_unavailable() -> None:
-    with Client(_free_port_address(), timeout=5, retries=0) as c, pytest.raises(Unavailable) as info:
+    with Client(f"127.0.0.1:{free_port()}", timeout=5, retries=0) as c, pytest.raises(Unavailable) as info:
         c.generate("hi")
     assert isinstance(info.value, ConnectionError)
 
@@ -291,7 +284,7 @@ def test_cli_output_file_and_server_rejection(server, tmp_path, capsys) -> None:
 def test_cli_runtime_failures_exit_1(server, capsys) -> None:
     assert cli_main(["generate", "--server", server[0], "--timeout", "0.3", "--json", "slow"]) == 1
     assert "DEADLINE_EXCEEDED" in capsys.readouterr().err
-    assert cli_main(["status", "--server", _free_port_address(), "--timeout", "2"]) == 1
+    assert cli_main(["status", "--server", f"127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 

@@ -24,6 +24,7 @@ from router.config import RouterConfig
 from router.metrics import RequestRecord
 from router.prometheus import PrometheusRouterMetrics, status_label
 from router.server import RouterServer
+from tests.loopback import free_port
 from tests.unit.metrics_support import MODEL, running_worker, samples, scrape, value
 from worker_host.host import WorkerSpec
 from worker_host.metrics import metrics_bind_host
@@ -197,15 +198,9 @@ def test_file_sd_is_written_whole_readable_and_without_leftovers(tmp_path: Path)
     assert os.listdir(tmp_path) == ["tandem.json"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_metrics_serves_the_router_and_rewrites_the_list_on_each_membership(tmp_path: Path) -> None:
     path = tmp_path / "sd" / "tandem.json"
-    port = _free_port()
+    port = free_port()
     config = DeployConfig(router=RouterSettings(metrics_port=port, metrics_file_sd=str(path)))
     metrics = ServeMetrics(config, in_process_router=True)
     assert metrics.router_metrics is not None

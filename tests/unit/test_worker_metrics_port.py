@@ -3,7 +3,6 @@ server on a fixed port (served there; a second worker on a taken port fails with
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ from deploy.config import PoolSettings, parse_config
 from deploy.controller import worker_spec
 from model_runtime.config import ConfigError
 from model_runtime.engine_loop import EngineLoop
+from tests.loopback import consecutive_free_ports
 from tests.unit.metrics_support import running_worker, scrape
 from worker_host.host import WorkerSpec
 from worker_host.metrics import MetricsPortInUse, WorkerMetrics, metrics_ports
@@ -68,25 +68,6 @@ def test_the_port_range_a_worker_may_take() -> None:
 
 
 # --- a real worker metrics server --------------------------------------------------------------------------
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that are free on 127.0.0.1 right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
-        with ExitStack() as stack:
-            try:
-                for port in range(first, first + count):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return first
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
 @contextmanager
 def metrics_on(loop: EngineLoop, worker_id: str, port: int, count: int = 1) -> Iterator[WorkerMetrics]:
     engine = loop.engine.config
@@ -101,7 +82,7 @@ def metrics_on(loop: EngineLoop, worker_id: str, port: int, count: int = 1) -> I
 def test_a_worker_serves_metrics_on_its_fixed_port_and_a_second_one_there_fails_clearly(
     tmp_path: Path,
 ) -> None:
-    port = free_ports(1)
+    port = consecutive_free_ports(1)
     with running_worker(tmp_path, "decode") as w:
         with metrics_on(w.loop, "decode-0", port) as first, metrics_on(w.loop, "decode-1", port) as second:
             assert first.start() == f"127.0.0.1:{port}"
@@ -118,7 +99,7 @@ def test_a_worker_serves_metrics_on_its_fixed_port_and_a_second_one_there_fails_
 
 
 def test_workers_sharing_a_node_take_the_next_free_port_of_the_range(tmp_path: Path) -> None:
-    port = free_ports(2)
+    port = consecutive_free_ports(2)
     with running_worker(tmp_path, "decode") as w, ExitStack() as stack:
         workers = [stack.enter_context(metrics_on(w.loop, f"decode-{i}", port, count=2)) for i in range(3)]
         assert [m.start() for m in workers[:2]] == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
