@@ -1,6 +1,7 @@
 """One engine decode step on the GPU, CUDA graphs vs eager, against the HBM roofline (Llama-3-8B shape, bf16).
 
-    python bench/decode_step.py [--model dummy:llama-3-8b] [--batches 1,8,32,64,128,256] [--contexts 512,2048]
+    python bench/decode_step.py [--model dummy:llama-3-8b] [--batches 1,8,32,128,256,512] [--contexts 512,2048]
+                                [--kernels triton,compile,torch] [--profile]
 
 A step is what the engine runs per decode step minus scheduling: ModelRunner.execute (host inputs, forward,
 logits) and the engine's Sampler (greedy), ending in the `.tolist()` the engine does. It is timed with CUDA
@@ -11,9 +12,13 @@ sequences gets `context` cached tokens on blocks drawn from a random permutation
 position `context` and reads context + 1 tokens per sequence. Before timing, each configuration checks that the
 graph replay's logits equal the eager step's.
 
-Roofline floor of a step = (weight bytes read + KV bytes read) / HBM bandwidth, the bandwidth measured in the
-same run by a large device-to-device copy (read + write bytes). Weight bytes exclude the embedding table (a
-step reads only its batch's rows). Configurations whose KV does not fit next to the weights are skipped.
+Floor of a step = the larger of (weight bytes read + KV bytes read) / HBM bandwidth and the step's FLOPs / matmul
+rate, both rates measured in the same run (a large device-to-device copy counting read + write bytes; a bf16
+8192^3 matmul). Weight bytes exclude the embedding table (a step reads only its batch's rows); FLOPs are the
+layer matmuls, the logits row and attention over the context of every sequence. Configurations whose KV does
+not fit next to the weights are skipped. --kernels runs the whole table once per fused-kernel implementation
+(model_runtime.fused), on the same weights; --profile adds a kernel breakdown of the graph step at the
+smallest and largest batch (first implementation, first context).
 Prints a table and writes bench/results/decode_step_<gpu>.json (other models: decode_step_<model>_<gpu>.json).
 """
 
@@ -33,7 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import ModelCost, measure_matmul_tflops
+from bench.step_profile import print_profile, profile_step
 from model_runtime.attention.triton_backend import TritonAttention
+from model_runtime.fused.select import make_fused_ops
 from model_runtime.host_batch import build_host_batch
 from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import ModelRunner
@@ -49,11 +57,14 @@ TOL = 2e-2  # max |graph - eager| / max |eager| over the logits (bf16)
 
 @dataclass(frozen=True)
 class Row:
+    kernels: str
     batch: int
     context: int
     weight_bytes: int
     kv_bytes: int
-    roofline_us: float
+    byte_floor_us: float
+    flop_floor_us: float
+    roofline_us: float  # the floor: the larger of the two
     graph_us: float
     eager_us: float
     speedup: float
@@ -166,20 +177,26 @@ def host_inputs_us(out: SchedulerOutput, runner: ModelRunner, reps: int = 20) ->
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def bench_one(stepper: Stepper, batch: int, context: int, floor: tuple[int, float], args, gen) -> Row:
+def bench_one(stepper: Stepper, batch: int, context: int, floor: tuple[int, float, float], args, gen) -> Row:
     runner = stepper.runner
     out = decode_step(batch, context, runner.layout.num_blocks, stepper.vocab, gen)
     err, agree = check_graph_equals_eager(stepper, out)
     graph_us = stepper.time_us(out, True, args.warmup, args.reps)
     eager_us = stepper.time_us(out, False, args.warmup, args.reps)
-    weight_bytes, bw_gbps = floor
+    weight_bytes, bw_gbps, tflops = floor
     kv_bytes = batch * (context + 1) * runner.layout.bytes_per_token
-    roofline_us = (weight_bytes + kv_bytes) / (bw_gbps * 1e3)
+    byte_floor_us = (weight_bytes + kv_bytes) / (bw_gbps * 1e3)
+    flops = ModelCost.from_config(runner.config, 2).decode_step_flops(batch, context + 1)
+    flop_floor_us = flops / (tflops * 1e6)
+    roofline_us = max(byte_floor_us, flop_floor_us)
     return Row(
+        kernels=runner.model.ops.name,
         batch=batch,
         context=context,
         weight_bytes=weight_bytes,
         kv_bytes=kv_bytes,
+        byte_floor_us=byte_floor_us,
+        flop_floor_us=flop_floor_us,
         roofline_us=roofline_us,
         graph_us=graph_us,
         eager_us=eager_us,
@@ -200,17 +217,30 @@ def weight_bytes_read(runner: ModelRunner) -> int:
     return total - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
 
 
-def build_runner(model: str, configs: list[tuple[int, int]], max_num_seqs: int) -> tuple[ModelRunner, float]:
-    """Dummy (or real) weights in bf16, a cache sized for the configurations, graphs captured; (runner, s)."""
+def load_model(model: str):
     source = resolve_model(model)
     mc = load_model_config(source)
-    weights = load_weights(source, mc, DTYPE, "cuda")
+    return mc, load_weights(source, mc, DTYPE, "cuda")
+
+
+def build_runner(
+    mc, weights, configs: list[tuple[int, int]], max_num_seqs: int, kernels: str
+) -> tuple[ModelRunner, float]:
+    """A runner over shared weights (bf16) with `kernels`, a cache sized for the configurations, graphs
+    captured; (runner, start-up seconds: capture, and compilation for --kernels compile)."""
     probe = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, BLOCK_SIZE, 2, "bfloat16")
     layout = dataclasses.replace(probe, num_blocks=plan_cache_blocks(configs, probe.bytes_per_block))
     max_context = max(c for _, c in configs)
     t0 = time.perf_counter()
     runner = ModelRunner(
-        mc, weights, layout, "cuda", TritonAttention(), max_context + 1, max_num_seqs=max_num_seqs
+        mc,
+        weights,
+        layout,
+        "cuda",
+        TritonAttention(),
+        max_context + 1,
+        max_num_seqs=max_num_seqs,
+        ops=make_fused_ops(kernels, "cuda"),
     )
     torch.cuda.synchronize()
     start_s = time.perf_counter() - t0
@@ -222,16 +252,21 @@ def print_table(rows: list[Row], header: str) -> None:
     print()
     print(header)
     print(
-        f"{'batch':>5} {'ctx':>5} {'floor us':>9} {'graph us':>9} {'eager us':>9} {'speedup':>7} "
-        f"{'graph %':>7} {'eager %':>7} {'host us':>8} {'rel err':>8}"
+        f"{'kernels':>8} {'batch':>5} {'ctx':>5} {'floor us':>9} {'bound':>5} {'graph us':>9} {'eager us':>9} "
+        f"{'speedup':>7} {'graph %':>7} {'eager %':>7} {'host us':>8} {'rel err':>8}"
     )
     for r in rows:
+        bound = "flops" if r.flop_floor_us > r.byte_floor_us else "bytes"
         print(
-            f"{r.batch:>5} {r.context:>5} {r.roofline_us:>9.0f} {r.graph_us:>9.0f} {r.eager_us:>9.0f} "
+            f"{r.kernels:>8} {r.batch:>5} {r.context:>5} {r.roofline_us:>9.0f} {bound:>5} {r.graph_us:>9.0f} "
+            f"{r.eager_us:>9.0f} "
             f"{r.speedup:>6.2f}x {100 * r.graph_fraction_of_roofline:>6.0f}% "
             f"{100 * r.eager_fraction_of_roofline:>6.0f}% {r.host_inputs_us:>8.0f} {r.max_rel_err:>8.1e}"
         )
-    print("floor = (weights + KV read) / HBM copy bandwidth; % = floor / step time; host = build_host_batch")
+    print(
+        "floor = max((weights + KV read) / HBM copy rate, FLOPs / matmul rate); % = floor / step time; "
+        "host = build_host_batch"
+    )
 
 
 def write_json(rows: list[Row], meta: dict, args) -> Path:
@@ -263,13 +298,60 @@ def write_json(rows: list[Row], meta: dict, args) -> Path:
     return path
 
 
+def run_kernels(
+    kernels: str, mc, weights, configs, args, rates: tuple[float, float], meta: dict
+) -> list[Row]:
+    """Every configuration with one fused-kernel implementation; fills meta[kernels] (start-up, profiles)."""
+    batches = sorted({b for b, _ in configs})
+    runner, start_s = build_runner(mc, weights, configs, max(batches), kernels)
+    graphs = runner.graphs
+    assert graphs is not None
+    stepper = Stepper(runner, Sampler("cuda", seed=0), runner.config.vocab_size)
+    floor = (weight_bytes_read(runner), *rates)
+    gen = torch.Generator().manual_seed(0)
+    rows, info = [], {"runner_start_s": start_s, "num_graphs": len(graphs.sizes), "skipped": []}
+    info["graph_pool_mib"] = graphs.pool_bytes / 2**20
+    meta.setdefault("per_kernels", {})[kernels] = info
+    for batch, context in configs:
+        if blocks_needed(batch, context) > runner.layout.usable_blocks:
+            info["skipped"].append({"batch": batch, "context": context})
+            print(f"[{kernels}] batch {batch} ctx {context}: skipped, its KV does not fit", flush=True)
+            continue
+        rows.append(bench_one(stepper, batch, context, floor, args, gen))
+        r = rows[-1]
+        print(
+            f"[{kernels}] batch {batch} ctx {context}: graph {r.graph_us:.0f} us, eager {r.eager_us:.0f} us "
+            f"({100 * r.graph_fraction_of_roofline:.0f}% / {100 * r.eager_fraction_of_roofline:.0f}% of floor)",
+            flush=True,
+        )
+    if args.profile:
+        info["profiles"] = profiles(stepper, configs[0][1], [min(batches), max(batches)], gen)
+    del stepper, runner, graphs
+    torch.cuda.empty_cache()
+    return rows
+
+
+def profiles(stepper: Stepper, context: int, batches: list[int], gen) -> dict:
+    out = {}
+    for batch in batches:
+        if blocks_needed(batch, context) > stepper.runner.layout.usable_blocks:
+            continue
+        step = decode_step(batch, context, stepper.runner.layout.num_blocks, stepper.vocab, gen)
+        p = profile_step(lambda step=step: stepper.step(step, True))
+        print_profile(f"[{stepper.runner.model.ops.name}] graph step, batch {batch}, ctx {context}", p)
+        out[f"batch{batch}_ctx{context}"] = dataclasses.asdict(p)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="dummy:llama-3-8b")
-    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--batches", default="1,8,32,128,256,512")
     parser.add_argument("--contexts", default="512,2048")
+    parser.add_argument("--kernels", default="triton", help="fused-op implementations, comma-separated")
+    parser.add_argument("--profile", action="store_true", help="kernel breakdown of the graph step")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument(
@@ -282,46 +364,15 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     configs = [(b, int(c)) for c in args.contexts.split(",") for b in batches]
     bw = copy_bandwidth_gbps()
-    runner, start_s = build_runner(args.model, configs, max(batches))
-    graphs = runner.graphs
-    assert graphs is not None
-    stepper = Stepper(runner, Sampler("cuda", seed=0), runner.config.vocab_size)
-    weights = weight_bytes_read(runner)
-    gen = torch.Generator().manual_seed(0)
-    rows, skipped = [], []
-    for batch, context in configs:
-        if blocks_needed(batch, context) > runner.layout.usable_blocks:
-            skipped.append(
-                {
-                    "batch": batch,
-                    "context": context,
-                    "kv_gib": blocks_needed(batch, context) * runner.layout.bytes_per_block / 2**30,
-                }
-            )
-            print(f"batch {batch} ctx {context}: skipped, its KV does not fit beside the weights", flush=True)
-            continue
-        rows.append(bench_one(stepper, batch, context, (weights, bw), args, gen))
-        r = rows[-1]
-        print(
-            f"batch {batch} ctx {context}: graph {r.graph_us:.0f} us, eager {r.eager_us:.0f} us "
-            f"({100 * r.graph_fraction_of_roofline:.0f}% / {100 * r.eager_fraction_of_roofline:.0f}% of roofline)",
-            flush=True,
-        )
-    meta = {
-        "gpu": gpu,
-        "model": args.model,
-        "hbm_copy_gbps": bw,
-        "weight_bytes_read": weights,
-        "kv_bytes_per_token": runner.layout.bytes_per_token,
-        "num_graphs": len(graphs.sizes),
-        "graph_pool_mib": graphs.pool_bytes / 2**20,
-        "runner_start_s": start_s,
-        "skipped": skipped,
-    }
-    header = (
-        f"{args.model} on {gpu}: {weights / 2**30:.1f} GiB of weights read per step, HBM copy {bw:.0f} GB/s, "
-        f"{len(graphs.sizes)} graphs (pool {graphs.pool_bytes / 2**20:.0f} MiB), runner start {start_s:.1f} s"
-    )
+    tflops = measure_matmul_tflops("cuda", DTYPE, 8192)
+    print(f"{gpu}: HBM copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    mc, weights = load_model(args.model)
+    meta = {"gpu": gpu, "model": args.model, "hbm_copy_gbps": bw, "matmul_tflops": tflops}
+    rows: list[Row] = []
+    for kernels in args.kernels.split(","):
+        rows += run_kernels(kernels, mc, weights, configs, args, (bw, tflops), meta)
+        write_json(rows, meta, args)
+    header = f"{args.model} on {gpu}: HBM copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s"
     print_table(rows, header)
     print(f"wrote {write_json(rows, meta, args)}")
 

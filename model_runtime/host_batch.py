@@ -12,7 +12,9 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from model_runtime.attention.base import MixedPlan
 from model_runtime.cuda_graphs import DecodeRows
 from model_runtime.kv_layout import NULL_BLOCK
 from model_runtime.request import Request, SchedulerOutput
@@ -48,10 +50,88 @@ class HostBatch:
     def samples_every_row(self) -> bool:
         return int(self.logits_indices.shape[0]) == self.num_tokens
 
+    def mixed_plan(self, block_size: int) -> HostMixedPlan | None:
+        """The prefill / decode split of a step with a chunk of more than one token (None for decode-only)."""
+        if self.decode_only:
+            return None
+        return mixed_plan(self.query_lens, self.seq_lens, self.block_tables, block_size)
+
     def decode_rows(self) -> DecodeRows:
         if not self.decode_only:
             raise ValueError("HostBatch.decode_rows: the step has a chunk of more than one token")
         return DecodeRows(self.token_ids, self.positions, self.slots, self.seq_lens, self.block_tables)
+
+
+@dataclass(frozen=True)
+class HostMixedPlan:
+    """attention.base.MixedPlan on the host (numpy); see there for each field."""
+
+    prefill_rows: np.ndarray | None  # int64
+    cu_q: np.ndarray  # int32
+    cu_k: np.ndarray  # int32
+    context_slots: np.ndarray | None  # int64
+    decode_rows: np.ndarray | None  # int64
+    decode_seqs: np.ndarray | None  # int64
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]
+
+    def to_device(self, device: torch.device | str) -> MixedPlan:
+        """One copy per array; the model runner packs its copies instead (this is for tests and tools)."""
+
+        def put(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else torch.from_numpy(a).to(device)
+
+        return MixedPlan(
+            prefill_rows=put(self.prefill_rows),
+            cu_q=torch.from_numpy(self.cu_q).to(device),
+            cu_k=torch.from_numpy(self.cu_k).to(device),
+            max_q=max(self.prefill_query_lens, default=0),
+            max_k=max(self.prefill_seq_lens, default=0),
+            context_slots=put(self.context_slots),
+            decode_rows=put(self.decode_rows),
+            decode_seqs=put(self.decode_seqs),
+            prefill_query_lens=self.prefill_query_lens,
+            prefill_seq_lens=self.prefill_seq_lens,
+        )
+
+
+def mixed_plan(
+    query_lens: list[int], seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int
+) -> HostMixedPlan:
+    """The split of a step's B chunks (query_lens, seq_lens [B], block_tables [B, W]) into packed prefill
+    chunks and single-token decode chunks; chunks with no query or no context are padding and in neither."""
+    qlens = np.asarray(query_lens, dtype=np.int64)
+    slens = np.asarray(seq_lens, dtype=np.int64)
+    live = (qlens > 0) & (slens > 0)
+    pre = np.flatnonzero(live & (qlens > 1))
+    dec = np.flatnonzero(live & (qlens == 1))
+    starts = np.concatenate([[0], np.cumsum(qlens)[:-1]]).astype(np.int64)
+    cu_q = np.concatenate([[0], np.cumsum(qlens[pre])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(slens[pre])]).astype(np.int32)
+    all_rows = len(pre) == len(qlens)
+    rows = None if all_rows else _concat_ranges(starts[pre], qlens[pre])
+    slots = None
+    if not np.array_equal(qlens[pre], slens[pre]):
+        # Every context position p of chunk i: slot table[i, p // bs] * bs + p % bs.
+        seq = np.repeat(pre, slens[pre])
+        pos = np.arange(int(cu_k[-1]), dtype=np.int64) - np.repeat(cu_k[:-1].astype(np.int64), slens[pre])
+        slots = block_tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return HostMixedPlan(
+        prefill_rows=rows,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        context_slots=slots,
+        decode_rows=starts[dec] if len(dec) else None,
+        decode_seqs=dec.astype(np.int64) if len(dec) else None,
+        prefill_query_lens=qlens[pre].tolist(),
+        prefill_seq_lens=slens[pre].tolist(),
+    )
+
+
+def _concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """[s0, s0+1, ..., s0+l0-1, s1, ...] without a Python loop."""
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+    return np.arange(int(lens.sum()), dtype=np.int64) + offsets
 
 
 def chunk_tokens(request: Request, start: int, end: int) -> list[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata, MixedPlan
 from model_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from model_runtime.fused.base import FusedOps
@@ -168,24 +168,53 @@ class ModelRunner:
         return self._upload(build_host_batch(out, self.layout.block_size, self.block_tables))
 
     def _upload(self, batch: HostBatch) -> StepInputs:
-        """Two copies: one int64 buffer (ids, positions, slots, logits rows), one int32 (query starts,
-        seq lens, block tables); the tensors the model sees are views into them."""
-        t, b = batch.num_tokens, batch.num_seqs
-        i64, o64 = _pack([batch.token_ids, batch.positions, batch.slots, batch.logits_indices], np.int64)
-        i32, o32 = _pack([batch.query_start, batch.seq_lens, batch.block_tables], np.int32)
+        """Two copies: one int64 buffer (ids, positions, slots, logits rows, the mixed plan's indices), one
+        int32 (query starts, seq lens, block tables, the plan's cumulative lengths); the tensors the model
+        sees are views into them."""
+        plan = batch.mixed_plan(self.layout.block_size)
+        empty = np.zeros(0, dtype=np.int64)
+        i64_parts = [batch.token_ids, batch.positions, batch.slots, batch.logits_indices]
+        i32_parts = [batch.query_start, batch.seq_lens, batch.block_tables]
+        if plan is not None:
+            optional = (plan.prefill_rows, plan.context_slots, plan.decode_rows, plan.decode_seqs)
+            i64_parts += [empty if a is None else a for a in optional]
+            i32_parts += [plan.cu_q, plan.cu_k]
+        i64, o64 = _pack(i64_parts, np.int64)
+        i32, o32 = _pack(i32_parts, np.int32)
         d64, d32 = self._to_device(i64), self._to_device(i32)
+
+        def view64(i: int) -> torch.Tensor:
+            return d64[o64[i] : o64[i] + i64_parts[i].size]
+
+        def view32(i: int) -> torch.Tensor:
+            return d32[o32[i] : o32[i] + i32_parts[i].size]
+
+        mixed = None
+        if plan is not None:
+            mixed = MixedPlan(
+                prefill_rows=None if plan.prefill_rows is None else view64(4),
+                cu_q=view32(3),
+                cu_k=view32(4),
+                max_q=max(plan.prefill_query_lens, default=0),
+                max_k=max(plan.prefill_seq_lens, default=0),
+                context_slots=None if plan.context_slots is None else view64(5),
+                decode_rows=None if plan.decode_rows is None else view64(6),
+                decode_seqs=None if plan.decode_seqs is None else view64(7),
+                prefill_query_lens=plan.prefill_query_lens,
+                prefill_seq_lens=plan.prefill_seq_lens,
+            )
         meta = AttentionMetadata(
-            slot_mapping=d64[o64[2] : o64[2] + t],
-            query_start_loc=d32[: b + 1],
-            seq_lens=d32[o32[1] : o32[1] + b],
-            block_tables=d32[o32[2] : o32[2] + batch.block_tables.size].view(batch.block_tables.shape),
+            slot_mapping=view64(2),
+            query_start_loc=view32(0),
+            seq_lens=view32(1),
+            block_tables=view32(2).view(batch.block_tables.shape),
             query_lens_host=batch.query_lens,
             seq_lens_host=batch.seq_lens_list,
             max_query_len=max(batch.query_lens),
             max_seq_len=max(batch.seq_lens_list),
+            mixed=mixed,
         )
-        s = int(batch.logits_indices.shape[0])
-        return StepInputs(d64[:t], d64[o64[1] : o64[1] + t], meta, d64[o64[3] : o64[3] + s])
+        return StepInputs(view64(0), view64(1), meta, view64(3))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)

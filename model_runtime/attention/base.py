@@ -19,6 +19,33 @@ import torch
 
 
 @dataclass
+class MixedPlan:
+    """How an eager step's rows split between packed prefill attention and the decode kernel, on the device.
+
+    Built once per step by the model runner (from HostBatch.mixed_plan) so that no layer builds an index.
+    Prefill chunks (more than one query token) run as one variable-length causal attention over packed
+    sequences; single-token chunks run through the paged decode kernel:
+
+        prefill_rows   int64 [Tp]   rows of q in prefill chunks, in order; None when every row is one
+        cu_q, cu_k     int32 [P+1]  cumulative query lengths / context lengths of those P chunks
+        context_slots  int64 [K]    cache slots of every context token of the P chunks (K = cu_k[-1]); None
+                                    when no chunk has a cached prefix (its keys are then its own fresh rows)
+        decode_rows    int64 [Sd]   rows of single-token chunks, decode_seqs [Sd] their sequence index
+    """
+
+    prefill_rows: torch.Tensor | None
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    context_slots: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+    decode_seqs: torch.Tensor | None
+    prefill_query_lens: list[int]  # host copies, for the per-sequence fallback (CPU, float32)
+    prefill_seq_lens: list[int]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -29,6 +56,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    # Eager steps with a prefill chunk: the precomputed split (backends that batch prefill read it).
+    mixed: MixedPlan | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -4,24 +4,19 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
 
 - decode-only batches (one query token per sequence, the CUDA-graph path): the split-KV Triton decode kernel,
   reading only device tensors and shapes, never the host lists.
-- anything else (prefill chunks, mixed batches; eager only), sequence by sequence from the host lists:
-    q_len == 1             -> batched together into one decode-kernel launch
-    q_len == seq_len       -> no cached prefix: causal SDPA on the fresh k/v (FlashAttention-2 on GPU, GQA
-                              through `enable_gqa`, so K/V are never repeated)
-    1 < q_len < seq_len    -> cached prefix (chunked prefill, prefix-cache hit): gather the sequence's pages
-                              and run SDPA with a lower-right causal mask. Correctness first: this re-reads the
-                              prefix once per chunk, which is fine next to the chunk's own matmuls; a Triton
-                              prefix kernel is the next step if profiles show it.
+- anything else (prefill chunks, mixed batches; eager only), split once per step by the runner (MixedPlan):
+    q_len > 1   -> every prefill chunk of the step in one packed varlen causal attention (packed_prefill.py):
+                   fresh K/V rows when no chunk has a cached prefix, else each chunk's context gathered from
+                   the cache by slot (one index_select per layer; a 2k-token Llama-3-8B context is 8 MiB)
+    q_len == 1  -> one decode-kernel launch over those sequences
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
-from model_runtime.attention.torch_ref import gather_context
+from model_runtime.attention.packed_prefill import context_kv, packed_causal
 from model_runtime.attention.triton_decode import (
     MAX_SEGMENTS,
     DecodeTuning,
@@ -117,93 +112,34 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        out = torch.zeros_like(q)  # rows of padding sequences stay zero
-        starts = _query_starts(meta.query_lens_host)
-        decode_seqs: list[int] = []
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-            if q_len == 0 or seq_len == 0:
-                continue
-            if q_len > seq_len:
-                raise ValueError(f"AttentionMetadata: sequence {i} has query_len {q_len} > seq_len {seq_len}")
-            rows = slice(starts[i], starts[i] + q_len)
-            if q_len == 1:
-                decode_seqs.append(i)
-            elif q_len == seq_len:
-                out[rows] = _causal_prefill(q[rows], k[rows], v[rows], scale)
+        """Prefill chunks as one packed varlen attention, single-token chunks as one decode launch; the
+        split was computed once for the step (meta.mixed). Rows of padding sequences stay zero."""
+        plan = meta.mixed
+        if plan is None:
+            raise ValueError(
+                "TritonAttention: a step with a prefill chunk needs meta.mixed (ModelRunner builds it)"
+            )
+        if plan.decode_rows is None and plan.prefill_rows is None:  # every row is a prefill chunk's
+            kc, vc = context_kv(k, v, k_cache, v_cache, plan)
+            return packed_causal(q, kc, vc, plan, scale)
+        out = torch.zeros_like(q)
+        if plan.prefill_query_lens:
+            kc, vc = context_kv(k, v, k_cache, v_cache, plan)
+            rows = plan.prefill_rows
+            qp = q if rows is None else q.index_select(0, rows)
+            o = packed_causal(qp, kc, vc, plan, scale)
+            if rows is None:
+                out = o
             else:
-                kc = gather_context(k_cache, meta.block_tables[i], seq_len)
-                vc = gather_context(v_cache, meta.block_tables[i], seq_len)
-                out[rows] = _prefix_chunk(q[rows], kc, vc, scale)
-        if decode_seqs:
-            self._decode_subset(q, k_cache, v_cache, meta, scale, out, decode_seqs, starts)
+                out.index_copy_(0, rows, o)
+        if plan.decode_rows is not None and plan.decode_seqs is not None:
+            o = self.decode(
+                q.index_select(0, plan.decode_rows),
+                k_cache,
+                v_cache,
+                meta.block_tables.index_select(0, plan.decode_seqs),
+                meta.seq_lens.index_select(0, plan.decode_seqs),
+                scale,
+            )
+            out.index_copy_(0, plan.decode_rows, o)
         return out
-
-    def _decode_subset(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,
-        seqs: list[int],
-        starts: list[int],
-    ) -> None:
-        """The single-token sequences of a mixed batch, as one decode launch."""
-        seq_idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
-        row_idx = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
-        o = self.decode(
-            q.index_select(0, row_idx),
-            k_cache,
-            v_cache,
-            meta.block_tables.index_select(0, seq_idx).contiguous(),
-            meta.seq_lens.index_select(0, seq_idx),
-            scale,
-        )
-        out.index_copy_(0, row_idx, o)
-
-
-def _query_starts(query_lens: list[int]) -> list[int]:
-    starts, total = [], 0
-    for n in query_lens:
-        starts.append(total)
-        total += n
-    return starts
-
-
-def _sdpa_gqa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """SDPA on [Hq, Tq, D] x [Hkv, Tk, D]. `enable_gqa` only where FlashAttention honours it (CUDA, 16-bit,
-    no mask); elsewhere SDPA would drop to the math kernel anyway, so K/V are repeated to Hq explicitly."""
-    group = q.shape[0] // k.shape[0]
-    flash_gqa = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
-    if group > 1 and not flash_gqa:
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-    qb, kb, vb = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if mask is None:
-        o = F.scaled_dot_product_attention(
-            qb, kb, vb, is_causal=True, scale=scale, enable_gqa=group > 1 and flash_gqa
-        )
-    else:
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-    return o.squeeze(0)
-
-
-def _causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A whole prompt ([T, Hq, D] against [T, Hkv, D]): plain causal attention, no cache reads."""
-    o = _sdpa_gqa(
-        q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1), scale, None
-    )
-    return o.transpose(0, 1)
-
-
-def _prefix_chunk(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """A chunk's last Tq positions ([Tq, Hq, D]) against the whole context ([S, Hkv, D]), causal from the
-    bottom right: query j sits at position S - Tq + j."""
-    mask = causal_lower_right(q.shape[0], k_ctx.shape[0])
-    o = _sdpa_gqa(
-        q.transpose(0, 1), k_ctx.to(q.dtype).transpose(0, 1), v_ctx.to(q.dtype).transpose(0, 1), scale, mask
-    )
-    return o.transpose(0, 1)

@@ -49,7 +49,9 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rotate_heads(base, c, s, heads, stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotate_heads(
+    base, c, s, heads, stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr
+):
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < heads) & (d[None, :] < HALF)
@@ -160,7 +162,9 @@ class TritonOps(FusedOps):
                 f"{tuple(q.shape)} / {tuple(k.shape)}"
             )
         if cos.shape[-1] * 2 != head_dim or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-            raise ValueError(f"TritonOps.rotary: tables [P, {head_dim // 2}] expected, got {tuple(cos.shape)}")
+            raise ValueError(
+                f"TritonOps.rotary: tables [P, {head_dim // 2}] expected, got {tuple(cos.shape)}"
+            )
         if q.shape[0] == 0:
             return q, k
         half = head_dim // 2
@@ -174,7 +178,9 @@ class TritonOps(FusedOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
-            raise ValueError(f"TritonOps.silu_mul: gate_up must be [T, 2I], dense rows; got {tuple(gate_up.shape)}")
+            raise ValueError(
+                f"TritonOps.silu_mul: gate_up must be [T, 2I], dense rows; got {tuple(gate_up.shape)}"
+            )
         t, size = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((t, size), dtype=gate_up.dtype, device=gate_up.device)
         if t == 0:

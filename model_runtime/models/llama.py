@@ -78,9 +78,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, ops: FusedOps
-    ) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, ops: FusedOps) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.ops = ops
@@ -179,9 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         with torch.device(rope_device):
             self.rope = RotaryEmbedding(config, rope_device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, ops) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, ops) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None

@@ -6,11 +6,13 @@ tables are random permutations, and some batches carry padding rows (seq_len 0) 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from model_runtime.attention.base import AttentionMetadata, store_kv
 from model_runtime.attention.torch_ref import TorchAttention, paged_attention_ref
+from model_runtime.host_batch import mixed_plan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +29,15 @@ def _triton():
     return TritonAttention
 
 
-def make_meta(seq_lens: list[int], query_lens: list[int], table: torch.Tensor, slots: torch.Tensor):
+def make_meta(
+    seq_lens: list[int], query_lens: list[int], table: torch.Tensor, slots: torch.Tensor, block_size: int = 16
+):
+    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included."""
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    plan = None
+    if max(query_lens) > 1:
+        host = mixed_plan(query_lens, np.array(seq_lens), table.cpu().numpy(), block_size)
+        plan = host.to_device(DEV)
     return AttentionMetadata(
         slot_mapping=slots,
         query_start_loc=qsl,
@@ -38,6 +47,7 @@ def make_meta(seq_lens: list[int], query_lens: list[int], table: torch.Tensor, s
         seq_lens_host=list(seq_lens),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        mixed=plan,
     )
 
 
@@ -82,7 +92,9 @@ def paged_inputs(seed, seq_lens, query_lens, kv_heads, group, head_dim, block_si
     q = torch.randn(t, kv_heads * group, head_dim, generator=gen).to(DEV, dtype)
     k = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
-    meta = make_meta(seq_lens, query_lens, table, slots_for(table, seq_lens, query_lens, block_size))
+    meta = make_meta(
+        seq_lens, query_lens, table, slots_for(table, seq_lens, query_lens, block_size), block_size
+    )
     return q, k, v, kc, vc, meta
 
 
@@ -172,6 +184,24 @@ def test_prefill_and_mixed_batch_match_reference(dtype: torch.dtype) -> None:
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [([2048, 17, 513], [2048, 17, 513]), ([4096, 300, 1030], [512, 300, 6])],
+    ids=["fresh-prompts", "chunks-over-prefixes"],
+)
+def test_packed_prefill_bf16_matches_reference(seq_lens: list[int], query_lens: list[int]) -> None:
+    """Prefill-only steps take the packed varlen path whole: fresh prompts (the chunk's own K/V), and chunks
+    over cached prefixes (context gathered by slot, causal from the bottom right)."""
+    q, k, v, kc, vc, meta = paged_inputs(12, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref = TorchAttention().forward(
+        q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), meta, 0.088
+    )
+    out = _triton()().forward(q, k, v, kc, vc, meta, 0.088)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
 def test_cuda_graph_replay_equals_eager() -> None:

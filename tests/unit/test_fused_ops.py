@@ -51,11 +51,17 @@ def _case_add_rms_norm() -> tuple[bool, str]:
     from model_runtime.fused.triton_ops import TritonOps
 
     gen = torch.Generator().manual_seed(1)
-    x, res, w = torch.randn(7, 40, generator=gen), torch.randn(7, 40, generator=gen), torch.randn(40, generator=gen)
+    x, res, w = (
+        torch.randn(7, 40, generator=gen),
+        torch.randn(7, 40, generator=gen),
+        torch.randn(40, generator=gen),
+    )
     ref_out, ref_sum = torch_ops.add_rms_norm(x, res, w, 1e-6)
     buffer = res.clone()
     out, total = TritonOps().add_rms_norm(x, buffer, w, 1e-6)
-    return _all(_close("out", out, ref_out), _close("sum", total, ref_sum), _close("in_place", buffer, ref_sum))
+    return _all(
+        _close("out", out, ref_out), _close("sum", total, ref_sum), _close("in_place", buffer, ref_sum)
+    )
 
 
 def _case_rotary_strided_gqa() -> tuple[bool, str]:
@@ -71,7 +77,11 @@ def _case_rotary_strided_gqa() -> tuple[bool, str]:
     positions = torch.tensor([0, 5, 63, 17, 2, 40])
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
     q_ref, k_ref = torch_ops.rotary(
-        qkv[:, : hq * d].reshape(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d), positions, cos, sin
+        qkv[:, : hq * d].reshape(t, hq, d),
+        qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d),
+        positions,
+        cos,
+        sin,
     )
     v_before = qkv[:, (hq + hkv) * d :].clone()
     q_view = qkv[:, : hq * d].view(t, hq, d)
@@ -111,13 +121,16 @@ def _case_model_logits_and_kv() -> tuple[bool, str]:
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, 8, 16, "float32")
     results = []
     runners = [
-        ModelRunner(config, weights, layout, "cpu", TorchAttention(), 64, ops=ops) for ops in (TorchOps(), TritonOps())
+        ModelRunner(config, weights, layout, "cpu", TorchAttention(), 64, ops=ops)
+        for ops in (TorchOps(), TritonOps())
     ]
     prompt = torch.randint(0, config.vocab_size, (11,), generator=gen).tolist()
     for step, (computed, n) in enumerate([(0, 11), (11, 1)]):
         logits = []
         for runner in runners:
-            request = Request("r", prompt + [7], SamplingParams(), block_ids=[3, 5], num_computed_tokens=computed)
+            request = Request(
+                "r", prompt + [7], SamplingParams(), block_ids=[3, 5], num_computed_tokens=computed
+            )
             logits.append(runner.execute(SchedulerOutput((ScheduledChunk(request, n, sample=True),))))
         results.append(_close(f"logits step {step}", logits[1], logits[0]))
     results.append(_close("kv", runners[1].kv_cache, runners[0].kv_cache))

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,8 +27,20 @@ TOL = 1e-4  # fp32 interpreter: numpy matmuls, so only summation-order differenc
 
 
 # --- building paged inputs (child side) ---------------------------------------------------------------------
-def _meta(seq_lens: list[int], query_lens: list[int], block_tables: torch.Tensor, slots: list[int]):
+def _meta(
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_tables: torch.Tensor,
+    slots: list[int],
+    block_size: int = 16,
+):
+    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included."""
     from model_runtime.attention.base import AttentionMetadata
+    from model_runtime.host_batch import mixed_plan
+
+    plan = None
+    if max(query_lens) > 1:
+        plan = mixed_plan(query_lens, np.array(seq_lens), block_tables.numpy(), block_size).to_device("cpu")
 
     qsl = [0]
     for n in query_lens:
@@ -41,6 +54,7 @@ def _meta(seq_lens: list[int], query_lens: list[int], block_tables: torch.Tensor
         seq_lens_host=list(seq_lens),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        mixed=plan,
     )
 
 
@@ -82,7 +96,7 @@ def _paged_case(
         torch.randn(t, kv_heads, head_dim, generator=gen),
         torch.randn(t, kv_heads, head_dim, generator=gen),
     )
-    return q, k, v, k_cache, v_cache, _meta(seq_lens, query_lens, table, slots)
+    return q, k, v, k_cache, v_cache, _meta(seq_lens, query_lens, table, slots, block_size)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -183,6 +197,8 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "decode_head_dim_40_tile_32": _decode_case(6, [45, 9], 2, 16, head_dim=40, tile_n=32),
     "backend_decode_only_with_padding": _backend_case([9, 0, 21], [1, 1, 1]),
     "backend_mixed_prefill_prefix_decode": _backend_case([5, 11, 9, 0], [5, 4, 1, 0]),
+    "backend_packed_prompts_no_prefix": _backend_case([7, 3, 12], [7, 3, 12]),
+    "backend_packed_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2]),
 }
 
 

@@ -1,0 +1,71 @@
+"""Prefill chunks of a step as one variable-length causal attention over packed sequences.
+
+    q      [Tp, Hq, D]   the prefill rows of the step, chunk after chunk (cu_q marks the chunks)
+    k, v   [K, Hkv, D]   each chunk's whole context, chunk after chunk (cu_k): the chunk's own fresh rows when
+                         nothing is cached before it, else gathered from the paged cache by slot (the store
+                         has already written the chunk's new keys there)
+
+Query j of a chunk with q_len queries and seq_len keys sits at position seq_len - q_len + j and sees keys
+0 .. that position: causal from the bottom right. On CUDA in 16-bit this is one FlashAttention-2 varlen call
+(GQA native, no K/V repeat, no per-sequence host loop); elsewhere (CPU, float32) one SDPA per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from model_runtime.attention.base import MixedPlan
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of a [N, B, H, D] paged cache by flat slot: [len(slots), H, D]."""
+    n, b, h, d = cache.shape
+    return cache.view(n * b, h, d).index_select(0, slots)
+
+
+def context_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: MixedPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if plan.context_slots is not None:
+        return gather_slots(k_cache, plan.context_slots), gather_slots(v_cache, plan.context_slots)
+    if plan.prefill_rows is None:
+        return k, v
+    return k.index_select(0, plan.prefill_rows), v.index_select(0, plan.prefill_rows)
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def packed_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MixedPlan, scale: float
+) -> torch.Tensor:
+    """q [Tp, Hq, D] against k, v [K, Hkv, D] (see the module docstring); returns [Tp, Hq, D]."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if _use_flash(q):
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale
+        )[0]
+        return out
+    return _per_chunk(q, k, v, plan, scale)
+
+
+def _per_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MixedPlan, scale: float
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    qs = ks = 0
+    for q_len, seq_len in zip(plan.prefill_query_lens, plan.prefill_seq_lens):
+        qi = q[qs : qs + q_len].transpose(0, 1)
+        ki = k[ks : ks + seq_len].transpose(0, 1).repeat_interleave(group, dim=0)
+        vi = v[ks : ks + seq_len].transpose(0, 1).repeat_interleave(group, dim=0)
+        mask = causal_lower_right(q_len, seq_len)
+        o = F.scaled_dot_product_attention(
+            qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=scale
+        )
+        out[qs : qs + q_len] = o.squeeze(0).transpose(0, 1)
+        qs, ks = qs + q_len, ks + seq_len
+    return out
