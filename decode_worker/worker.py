@@ -8,7 +8,8 @@ from decode_worker.service import DecodeService
 from kv_transfer import KVReceiver
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
-from tandem_api.tandem.v1 import admin_pb2, worker_pb2_grpc
+from model_runtime.roles import WorkerRole
+from tandem_api.tandem.v1 import worker_pb2_grpc
 from worker_host.host import LockedAllocator, WorkerSpec, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
@@ -19,8 +20,8 @@ SERVICE = "tandem.v1.DecodeWorker"
 
 class DecodeWorker(WorkerLifecycle):
     def __init__(self, spec: WorkerSpec) -> None:
-        if spec.role not in ("decode", "colocated"):
-            raise ValueError(f"role: a DecodeWorker is 'decode' or 'colocated', got {spec.role!r}")
+        if spec.role not in (WorkerRole.DECODE, WorkerRole.COLOCATED):
+            raise ValueError(f"role: a DecodeWorker is 'decode' or 'colocated', got {spec.role.value!r}")
         super().__init__(spec)
         self.receiver: KVReceiver | None = None
         self.service: DecodeService | None = None
@@ -31,9 +32,8 @@ class DecodeWorker(WorkerLifecycle):
         self.loop = EngineLoop(Engine(spec.engine, on_progress=self._progress))
         self.loop.start()
         self._progress("opening the KV receiver and the gRPC port")
-        role = admin_pb2.WORKER_ROLE_DECODE if spec.role == "decode" else admin_pb2.WORKER_ROLE_COLOCATED
-        self.service = DecodeService(spec.worker_id, self.loop, None, role, spec.kv_wait_timeout_s)
-        if spec.role == "decode":
+        self.service = DecodeService(spec.worker_id, self.loop, None, spec.role.wire, spec.kv_wait_timeout_s)
+        if spec.role is WorkerRole.DECODE:
             engine = self.loop.engine
             self.receiver = KVReceiver(
                 engine.layout,
@@ -52,7 +52,7 @@ class DecodeWorker(WorkerLifecycle):
             spec, self.loop, self.receiver.stats if self.receiver is not None else None
         )
         self.metrics_address = self.metrics.start()
-        log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role, self.address)
+        log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role.value, self.address)
         return self.address
 
     def _drainable(self) -> DecodeService | None:

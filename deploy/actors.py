@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import replace
 
+from model_runtime.roles import WorkerRole
 from worker_host.host import WorkerSpec
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -42,7 +43,7 @@ class WorkerProcess:
         if self.spec.engine.device.resolved_device() == "cpu":
             # Ray gives each actor a CPU share; more intra-op threads than that only thrash on small hosts.
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        if self.spec.role == "prefill":
+        if self.spec.role is WorkerRole.PREFILL:
             from prefill_worker.worker import PrefillWorker
 
             self.worker = PrefillWorker(self.spec)

@@ -23,6 +23,7 @@ import yaml
 
 from kv_transfer import TransferConfig
 from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
+from model_runtime.roles import WorkerRole
 
 MODES = ("disaggregated", "colocated")
 
@@ -171,11 +172,11 @@ class DeployConfig:
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ConfigError("colocated.replicas: colocated mode needs at least one worker")
 
-    def pools(self) -> dict[str, PoolSettings]:
+    def pools(self) -> dict[WorkerRole, PoolSettings]:
         """role -> pool, for the roles this mode runs."""
         if self.mode == "colocated":
-            return {"colocated": self.colocated}
-        return {"prefill": self.prefill, "decode": self.decode}
+            return {WorkerRole.COLOCATED: self.colocated}
+        return {WorkerRole.PREFILL: self.prefill, WorkerRole.DECODE: self.decode}
 
 
 POOL_KEYS = ("engine", "metrics_port", "metrics_port_count", "num_gpus", "ray_resources", "replicas")

@@ -21,6 +21,7 @@ from typing import Any
 
 from deploy.actors import WorkerProcess
 from deploy.config import DeployConfig
+from model_runtime.roles import WorkerRole
 from worker_host.host import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,14 @@ Publish = Callable[[list["Member"], int], object]
 @dataclass(frozen=True)
 class Member:
     worker_id: str
-    role: str
+    role: WorkerRole
     address: str
     metrics_address: str = ""  # host:port of the worker's /metrics ("" when it serves none)
 
 
 @dataclass
 class Slot:
-    role: str
+    role: WorkerRole
     index: int
     spec: WorkerSpec
     num_gpus: float
@@ -58,7 +59,7 @@ class Slot:
         return self.spec.worker_id
 
 
-def worker_spec(config: DeployConfig, role: str, index: int) -> WorkerSpec:
+def worker_spec(config: DeployConfig, role: WorkerRole, index: int) -> WorkerSpec:
     """The spec of worker `index` of the `role` pool: its pool's engine and metrics ports, the cluster's settings."""
     pool = config.pools()[role]
     host = "127.0.0.1" if config.ray.address is None else "0.0.0.0"  # a joined cluster: reachable from peers

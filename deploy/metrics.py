@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, start_
 
 from deploy.config import DeployConfig
 from deploy.controller import Member, Publish
+from model_runtime.roles import WorkerRole
 from router.prometheus import PrometheusRouterMetrics
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,11 @@ def target_groups(router_targets: Sequence[str], members: Sequence[Member]) -> l
     """Router targets first, then one group per worker role, in member order; members without a metrics
     address (not reported yet) are left out, and empty groups are dropped."""
     groups = [TargetGroup("router", tuple(router_targets))] if router_targets else []
-    by_role: dict[str, list[str]] = {}
+    by_role: dict[WorkerRole, list[str]] = {}
     for member in members:
         if member.metrics_address:
             by_role.setdefault(member.role, []).append(member.metrics_address)
-    groups += [TargetGroup(role, tuple(targets)) for role, targets in by_role.items()]
+    groups += [TargetGroup(str(role), tuple(targets)) for role, targets in by_role.items()]
     return groups
 
 

@@ -5,13 +5,7 @@ from __future__ import annotations
 from deploy.config import DeployConfig
 from deploy.controller import Member
 from router.config import RouterConfig
-from tandem_api.tandem.v1 import admin_pb2, worker_pb2
-
-ROLES = {
-    "prefill": admin_pb2.WORKER_ROLE_PREFILL,
-    "decode": admin_pb2.WORKER_ROLE_DECODE,
-    "colocated": admin_pb2.WORKER_ROLE_COLOCATED,
-}
+from tandem_api.tandem.v1 import worker_pb2
 
 
 def router_config(config: DeployConfig) -> RouterConfig:
@@ -40,6 +34,5 @@ def router_config(config: DeployConfig) -> RouterConfig:
 
 def endpoints(members: list[Member]) -> list[worker_pb2.WorkerEndpoint]:
     return [
-        worker_pb2.WorkerEndpoint(worker_id=m.worker_id, role=ROLES[m.role], address=m.address)
-        for m in members
+        worker_pb2.WorkerEndpoint(worker_id=m.worker_id, role=m.role.wire, address=m.address) for m in members
     ]

@@ -7,6 +7,7 @@ import logging
 from kv_transfer import KVSender, SendResult
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
+from model_runtime.roles import WorkerRole
 from prefill_worker.service import PrefillService
 from tandem_api.tandem.v1 import worker_pb2_grpc
 from worker_host.host import WorkerSpec, start_grpc
@@ -19,8 +20,8 @@ SERVICE = "tandem.v1.PrefillWorker"
 
 class PrefillWorker(WorkerLifecycle):
     def __init__(self, spec: WorkerSpec) -> None:
-        if spec.role != "prefill":
-            raise ValueError(f"role: a PrefillWorker is 'prefill', got {spec.role!r}")
+        if spec.role is not WorkerRole.PREFILL:
+            raise ValueError(f"role: a PrefillWorker is 'prefill', got {spec.role.value!r}")
         super().__init__(spec)
         self.sender: KVSender | None = None
         self.service: PrefillService | None = None

@@ -28,10 +28,11 @@ from typing import Any
 
 import grpc
 
+from model_runtime.roles import WorkerRole
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.metrics import RouterMetrics
-from router.placement import Placement, Role, place
+from router.placement import Placement, place
 from router.pool import Charge, WorkerHandle, WorkerPool
 from router.relay import Relay, Write
 from router.responses import ResponseBuilder
@@ -80,16 +81,16 @@ class _Failures:
 
     budget: int  # retries allowed (RouterConfig.worker_retries)
     errors: list[WorkerCallError] = field(default_factory=list)
-    avoid: dict[str, Role] = field(default_factory=dict)
+    avoid: dict[str, WorkerRole] = field(default_factory=dict)
     first_at: float | None = None  # loop time of the first failure
 
     def add(self, exc: WorkerCallError, placement: Placement) -> None:
         # Both workers of the failed pair: which one was at fault is not always knowable (a stalled transfer
         # fails the prefill stream when the decode worker stopped); placement falls back as needed.
         self.errors.append(exc)
-        self.avoid[placement.decode] = Role.DECODE
+        self.avoid[placement.decode] = WorkerRole.DECODE
         if placement.prefill is not None:
-            self.avoid[placement.prefill] = Role.PREFILL
+            self.avoid[placement.prefill] = WorkerRole.PREFILL
         if self.first_at is None:
             self.first_at = asyncio.get_running_loop().time()
 
@@ -144,12 +145,12 @@ class Dispatcher:
                     ) from None
                 self._note_failure(exc, placement, out, failures, full)
 
-    def _place(self, avoid: dict[str, Role], full: set[str]) -> Placement | None:
+    def _place(self, avoid: dict[str, WorkerRole], full: set[str]) -> Placement | None:
         """Placement that prefers workers this request has not failed on: first neither worker of a failed
         pair, then keeping its prefill worker (a decode fault), then its decode worker (a prefill fault), then
         any. Workers that are really gone are not READY (suspect or DEAD) and never placed on."""
         loads, turn = self._pool.loads(), next(self._turns)
-        decodes = {w for w, role in avoid.items() if role is not Role.PREFILL}
+        decodes = {w for w, role in avoid.items() if role is not WorkerRole.PREFILL}
         prefills = avoid.keys() - decodes
         for exclude in (decodes | prefills, decodes, prefills, set()):
             placement = place(loads, exclude | full, turn)

@@ -13,15 +13,10 @@ worker that looked emptiest at the last poll.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
+from model_runtime.roles import WorkerRole
 
 
 @dataclass(frozen=True)
@@ -29,7 +24,7 @@ class WorkerLoad:
     """One worker as placement sees it. `ready`: READY at the last poll and not failing since."""
 
     worker_id: str
-    role: Role
+    role: WorkerRole
     ready: bool = True
     free_kv_blocks: int = 0
     running_requests: int = 0
@@ -68,7 +63,7 @@ def _prefill_key(w: WorkerLoad) -> tuple[int]:
 
 def _ranked(
     loads: Sequence[WorkerLoad],
-    role: Role,
+    role: WorkerRole,
     key: Callable[[WorkerLoad], tuple[int, ...]],
     exclude: Collection[str],
     turn: int,
@@ -94,7 +89,7 @@ def _ranked(
 def choose_decode(
     loads: Sequence[WorkerLoad], exclude: Collection[str] = (), turn: int = 0
 ) -> WorkerLoad | None:
-    ranked = _ranked(loads, Role.DECODE, _decode_key, exclude, turn)
+    ranked = _ranked(loads, WorkerRole.DECODE, _decode_key, exclude, turn)
     return ranked[0] if ranked else None
 
 
@@ -102,17 +97,17 @@ def choose_prefill(
     loads: Sequence[WorkerLoad], layout_fingerprint: str, exclude: Collection[str] = (), turn: int = 0
 ) -> WorkerLoad | None:
     """The least loaded prefill worker whose KV layout matches the decode worker's (they cannot pair otherwise)."""
-    ranked = _ranked(loads, Role.PREFILL, _prefill_key, exclude, turn)
+    ranked = _ranked(loads, WorkerRole.PREFILL, _prefill_key, exclude, turn)
     return next((w for w in ranked if w.layout_fingerprint == layout_fingerprint), None)
 
 
 def place(loads: Sequence[WorkerLoad], exclude: Collection[str] = (), turn: int = 0) -> Placement | None:
     """A decode worker plus a matching prefill worker if any pair exists, else a colocated worker, else None."""
-    for decode in _ranked(loads, Role.DECODE, _decode_key, exclude, turn):
+    for decode in _ranked(loads, WorkerRole.DECODE, _decode_key, exclude, turn):
         prefill = choose_prefill(loads, decode.layout_fingerprint, exclude, turn)
         if prefill is not None:
             return Placement(decode.worker_id, prefill.worker_id)
-    colocated = _ranked(loads, Role.COLOCATED, _decode_key, exclude, turn)
+    colocated = _ranked(loads, WorkerRole.COLOCATED, _decode_key, exclude, turn)
     return Placement(colocated[0].worker_id) if colocated else None
 
 

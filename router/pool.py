@@ -24,26 +24,21 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from model_runtime.roles import WorkerRole
 from router.errors import invalid
 from router.metrics import RouterMetrics
-from router.placement import Role, WorkerLoad
+from router.placement import WorkerLoad
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_ROLES = {
-    admin_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
-    admin_pb2.WORKER_ROLE_DECODE: Role.DECODE,
-    admin_pb2.WORKER_ROLE_COLOCATED: Role.COLOCATED,
-}
-ROLE_TO_PROTO = {role: proto for proto, role in _ROLES.items()}
 _RETIRED_CLOSE_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
 class Endpoint:
     worker_id: str
-    role: Role
+    role: WorkerRole
     address: str
 
 
@@ -56,13 +51,15 @@ def endpoints_from_proto(workers: Sequence[worker_pb2.WorkerEndpoint]) -> list[E
             raise invalid(f"workers[{i}].worker_id", "must not be empty")
         if w.worker_id in seen:
             raise invalid(f"workers[{i}].worker_id", f"{w.worker_id!r} appears twice")
-        if w.role not in _ROLES:
-            raise invalid(f"workers[{i}].role", "must be PREFILL, DECODE or COLOCATED")
+        try:
+            role = WorkerRole.from_wire(w.role)
+        except ValueError as exc:
+            raise invalid(f"workers[{i}].role", str(exc)) from None
         host, _, port = w.address.rpartition(":")
         if not host or not port.isdigit():
             raise invalid(f"workers[{i}].address", f"must be host:port, got {w.address!r}")
         seen.add(w.worker_id)
-        result.append(Endpoint(w.worker_id, _ROLES[w.role], w.address))
+        result.append(Endpoint(w.worker_id, role, w.address))
     return result
 
 
@@ -90,7 +87,7 @@ class WorkerHandle:
         # Decode and colocated workers serve DecodeWorker (Decode + Status), prefill workers PrefillWorker.
         self.stub: Any = (
             worker_pb2_grpc.PrefillWorkerStub(self.channel)
-            if endpoint.role is Role.PREFILL
+            if endpoint.role is WorkerRole.PREFILL
             else worker_pb2_grpc.DecodeWorkerStub(self.channel)
         )
         self.info: admin_pb2.WorkerInfo | None = None
@@ -224,7 +221,7 @@ class WorkerPool:
             if handle.info is not None:
                 info.CopyFrom(handle.info)
             info.worker_id = handle.worker_id
-            info.role = ROLE_TO_PROTO[handle.endpoint.role]
+            info.role = handle.endpoint.role.wire
             info.address = handle.endpoint.address
             info.state = handle.state(self.dead_after)  # type: ignore[assignment]
             info.last_heartbeat_age_seconds = now - (handle.last_ok or handle.added_at)

@@ -22,6 +22,7 @@ from kv_transfer import TransferConfig
 from model_runtime.config import EngineConfig
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
+from model_runtime.roles import WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class WorkerSpec:
     """Everything a worker process needs; built by the controller from the deploy config."""
 
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: WorkerRole  # its config spelling ("decode") is accepted and converted
     engine: EngineConfig
     transfer: TransferConfig = field(default_factory=TransferConfig)
     host: str = "127.0.0.1"  # where the gRPC server binds; "0.0.0.0" on a multi-node cluster
@@ -45,6 +46,9 @@ class WorkerSpec:
     # (deploy.config.PoolSettings says when to use which).
     metrics_port: int = 0
     metrics_port_count: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", WorkerRole.parse(self.role))
 
     @property
     def public_host(self) -> str:

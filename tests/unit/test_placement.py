@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from router.placement import Placement, Role, WorkerLoad, can_serve, choose_decode, choose_prefill, place
+from model_runtime.roles import WorkerRole as Role
+from router.placement import Placement, WorkerLoad, can_serve, choose_decode, choose_prefill, place
 
 pytestmark = pytest.mark.unit
 
