@@ -29,7 +29,7 @@ class DecodeWorker(WorkerLifecycle):
     def start(self) -> str:
         """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
         spec = self.spec
-        self.loop = EngineLoop(Engine(spec.engine, on_progress=self._progress))
+        self.loop = EngineLoop(Engine(spec.engine, emit_text=False, on_progress=self._progress))
         self.loop.start()
         self._progress("opening the KV receiver and the gRPC port")
         self.service = DecodeService(spec.worker_id, self.loop, None, spec.role.wire, spec.kv_wait_timeout_s)

@@ -5,10 +5,11 @@
     while engine.has_unfinished():
         for out in engine.step(): ...          # StepOutput: new token(s) and text delta per request
 
-The scheduler decides which tokens run, the runner computes logits, the sampler picks tokens, and an
-OutputTracker per request turns tokens into text and applies the stop rules. With `prefill_only=True` (the
-prefill worker) a request leaves the engine after its first sampled token with its blocks still allocated, so
-its KV can be shipped; the owner frees them with `release_blocks`.
+The scheduler decides which tokens run, the runner computes logits, the sampler picks tokens, and a tracker per
+request applies the stop rules: an OutputTracker (text and stop strings) by default, a TokenTracker (token ids
+only, `text` always "") with `emit_text=False`, which is how the workers run: the router owns text. With
+`prefill_only=True` (the prefill worker) a request leaves the engine after its first sampled token with its
+blocks still allocated, so its KV can be shipped; the owner frees them with `release_blocks`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from model_runtime.detokenizer import IncrementalDetokenizer
 from model_runtime.fused.select import make_fused_ops
 from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
-from model_runtime.output import OutputTracker
+from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.request import Request, RequestStatus, SamplingParams
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
@@ -68,11 +69,15 @@ class Engine:
         config: EngineConfig,
         *,
         prefill_only: bool = False,
+        emit_text: bool = True,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
-        """`on_progress(line)` follows the start-up: weights loaded, KV cache sized, CUDA graphs captured."""
+        """`emit_text=False`: no detokenization and no stop strings on the engine thread (StepOutput.text is "");
+        the token stop rules still apply. `on_progress(line)` follows the start-up: weights loaded, KV cache
+        sized, CUDA graphs captured."""
         self.config = config
         self.prefill_only = prefill_only
+        self.emit_text = emit_text
         self.device = config.device.resolved_device()
         dtype_name = config.device.resolved_dtype()
         progress = StartupProgress(on_progress)
@@ -117,7 +122,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)
         self.sampler = Sampler(self.device, seed=config.device.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self._trackers: dict[str, OutputTracker] = {}
+        self._trackers: dict[str, OutputTracker | TokenTracker] = {}
         self.requests_total = 0  # requests accepted (add_request / add_prefilled) since start
         self.last_step_ran = False  # false when the last step() found nothing runnable (callers may back off)
         log.info(
@@ -169,7 +174,12 @@ class Engine:
         self.requests_total += 1
         return request
 
-    def _tracker(self, request: Request) -> OutputTracker:
+    def _tracker(self, request: Request) -> OutputTracker | TokenTracker:
+        if not self.emit_text:
+            rules = TokenRules(
+                request.sampling, self.eos_token_ids, self.max_model_len, request.num_prompt_tokens
+            )
+            return TokenTracker(rules)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         return OutputTracker(
             request.sampling, self.eos_token_ids, detok, self.max_model_len, request.num_prompt_tokens

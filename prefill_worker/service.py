@@ -26,7 +26,7 @@ from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError
 from model_runtime.scheduler import RequestRejected
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
-from worker_host.convert import logprob_proto, sampling_from_proto
+from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
 from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _first_token(self, out: StepOutput) -> worker_pb2.FirstToken:
         token = out.token_ids[0]
-        msg = worker_pb2.FirstToken(token_id=token, finished=out.finish_reason is not None)
+        msg = worker_pb2.FirstToken(token_id=token)
+        if out.finish_reason is not None:
+            msg.finish_reason = FINISH_REASONS[out.finish_reason]
+            if isinstance(out.stop_reason, int):
+                msg.stop_token_id = out.stop_reason
         if out.logprobs:
             msg.logprob.CopyFrom(logprob_proto(token, out.logprobs[0]))
         return msg

@@ -28,7 +28,7 @@ class PrefillWorker(WorkerLifecycle):
 
     def start(self) -> str:
         spec = self.spec
-        engine = Engine(spec.engine, prefill_only=True, on_progress=self._progress)
+        engine = Engine(spec.engine, prefill_only=True, emit_text=False, on_progress=self._progress)
         loop = self.loop = EngineLoop(engine)
         loop.start()
 

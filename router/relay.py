@@ -74,25 +74,27 @@ class Relay:
         if kind == "transfer_done":
             self._transfer_done = True
         elif kind == "first_token" and not self._first_token_seen:
-            await self._on_first_token(message.first_token)
+            await self._on_first_token(message.first_token, item.source)
         elif kind is not None or not self._first_token_seen:
             what = "closed the stream" if kind is None else f"sent an unexpected {kind!r}"
             raise item.source.error(
                 grpc.StatusCode.INTERNAL, f"{what} (protocol: FirstToken, then TransferDone)"
             )
 
-    async def _on_first_token(self, first: Any) -> None:
+    async def _on_first_token(self, first: Any, source: WorkerStream) -> None:
         if self._prefill_charge is not None:
             self._prefill_charge.release()  # the prompt is computed: no longer queued on that worker
         self._first_token_seen = True
-        self._first_token_finished = first.finished
+        reason = first.finish_reason
+        if reason not in (generate_pb2.FINISH_REASON_UNSPECIFIED, *_FINISH_REASONS):
+            raise source.error(grpc.StatusCode.INTERNAL, f"sent a first token with finish reason {reason}")
+        self._first_token_finished = reason != generate_pb2.FINISH_REASON_UNSPECIFIED
         out = self.out
         out.cached_prompt_tokens = first.num_cached_tokens
         await self._write(out.add([first.token_id], [first.logprob] if first.HasField("logprob") else []))
-        if first.finished and not out.finished:  # the worker's rules ended it, ours did not (see end())
-            one = out.request.sampling.max_tokens == 1
-            reason = generate_pb2.FINISH_REASON_LENGTH if one else generate_pb2.FINISH_REASON_STOP
-            await self._write_if(out.end(reason, None if one else first.token_id))
+        if self._first_token_finished and not out.finished:  # the worker's rules ended it, ours did not
+            stop = first.stop_token_id if first.HasField("stop_token_id") else None
+            await self._write_if(out.end(reason, stop))
         held, self._held = self._held, []
         for message in held:
             if out.finished:

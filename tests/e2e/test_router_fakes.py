@@ -240,16 +240,18 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is gone")
         if self.mode == "hang":
             await asyncio.sleep(FOREVER_S)
-        tokens, reason, _ = planned(self.script, request.sampling, self.eos)
+        tokens, reason, stop = planned(self.script, request.sampling, self.eos)
         if self.mode == "late":
             self.landings.event(request.target.request_id).set()
             await asyncio.sleep(0.2)
         finished = len(tokens) == 1 and (
             reason == generate_pb2.FINISH_REASON_STOP or request.sampling.max_tokens == 1
         )
-        first = worker_pb2.FirstToken(
-            token_id=tokens[0], finished=finished, num_cached_tokens=self.script.num_cached_tokens
-        )
+        first = worker_pb2.FirstToken(token_id=tokens[0], num_cached_tokens=self.script.num_cached_tokens)
+        if finished:  # as the prefill worker says it: the reason, and the stop id when one ended it
+            first.finish_reason = reason  # type: ignore[assignment]
+            if stop is not None:
+                first.stop_token_id = stop
         lp = logprob(tokens[0], request.sampling)
         if lp is not None:
             first.logprob.CopyFrom(lp)

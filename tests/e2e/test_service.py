@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
-from model_runtime.request import PromptInput, SamplingParams
+from model_runtime.request import ChatMessage, PromptInput, SamplingParams
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from tests.e2e.cluster import ServeProcess
@@ -238,3 +238,79 @@ def test_a_generic_client_finds_and_calls_the_api_through_reflection(cluster, of
         [PromptInput(text="The capital of France is")], SamplingParams(temperature=0, max_tokens=8)
     )
     assert tokens == want[0].token_ids
+
+
+# --- what the workers no longer compute (text, stop strings) and what the first token alone decides ----------
+def _one_word_reply(offline, reply: str) -> list[int]:
+    """A chat whose assistant turn already holds a whole reply: the model's next token is its end of turn."""
+    tok = offline.tokenizer
+    return tok.encode_chat([ChatMessage("user", "Say one word.")]) + tok.encode(
+        reply, add_special_tokens=False
+    )
+
+
+def _assert_same(got, want, what: str) -> None:
+    assert list(got.token_ids) == want.token_ids, f"{what}: service {got.token_ids} offline {want.token_ids}"
+    assert got.text == want.text, what
+    assert got.finish_reason == want.finish_reason, what
+
+
+def test_stop_strings_end_the_text_as_offline_and_stop_the_workers(cluster, offline):
+    """Workers never see stop strings: the router finds them, ends the text there and cancels decode (the
+    requests ask for 400 tokens, so a decode worker still generating would hold its blocks past the check)."""
+    texts = prompts(4, seed=5)
+    probe = offline.generate(
+        [PromptInput(text=t) for t in texts], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )
+    stops = [p.text[len(p.text) // 2 : len(p.text) // 2 + 4] for p in probe]  # mid-text, may span tokens
+    assert all(stops), probe
+    params = [SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=(s,)) for s in stops]
+    expected = offline.generate([PromptInput(text=t) for t in texts], params)
+
+    async def run() -> list:
+        async with AsyncClient(cluster.address) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(t, temperature=0, max_tokens=400, ignore_eos=True, stop=[s])
+                    for t, s in zip(texts, stops)
+                )
+            )
+
+    served = asyncio.run(run())
+    for text, stop, got, want in zip(texts, stops, served, expected):
+        _assert_same(got, want, f"{text!r} stop {stop!r}")
+        assert got.finish_reason == "stop" and got.stop_reason == stop
+        assert stop not in got.text and len(got.token_ids) < 16
+    assert_all_idle(cluster.address)
+
+
+def test_max_tokens_one_is_the_first_token_alone_as_offline(cluster, offline):
+    texts = prompts(4, seed=6)
+    served = asyncio.run(_generate_all(cluster.address, texts, temperature=0, max_tokens=1, ignore_eos=True))
+    expected = offline.generate(
+        [PromptInput(text=t) for t in texts], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    )
+    for text, got, want in zip(texts, served, expected):
+        _assert_same(got, want, text)
+        assert got.finish_reason == "length" and got.stop_reason is None and len(got.token_ids) == 1
+    assert_all_idle(cluster.address)
+
+
+def test_eos_or_a_stop_id_as_the_first_token_ends_the_request_as_offline(cluster, offline):
+    eos_prompt = _one_word_reply(offline, "Yes.")
+    (want_eos,) = offline.generate([PromptInput(token_ids=tuple(eos_prompt))], SamplingParams(temperature=0))
+    assert want_eos.token_ids[0] in offline.engine.eos_token_ids, "the model no longer ends its turn here"
+    text = "The capital of France is"
+    (first,) = offline.generate([PromptInput(text=text)], SamplingParams(temperature=0, max_tokens=1))
+    stop_id = first.token_ids[0]
+    (want_stop,) = offline.generate(
+        [PromptInput(text=text)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop_id,))
+    )
+    with Client(cluster.address) as client:
+        got_eos = client.generate(token_ids=eos_prompt, temperature=0)
+        got_stop = client.generate(text, temperature=0, max_tokens=8, stop_token_ids=[stop_id])
+    _assert_same(got_eos, want_eos, "EOS first")
+    assert got_eos.finish_reason == "stop" and got_eos.stop_reason == want_eos.token_ids[0]
+    _assert_same(got_stop, want_stop, "stop id first")
+    assert list(got_stop.token_ids) == [stop_id] and got_stop.stop_reason == stop_id
+    assert_all_idle(cluster.address)

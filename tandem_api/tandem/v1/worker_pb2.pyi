@@ -52,16 +52,18 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finished", "num_cached_tokens")
+    __slots__ = ("token_id", "logprob", "num_cached_tokens", "finish_reason", "stop_token_id")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _generate_pb2.TokenLogprob
-    finished: bool
     num_cached_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finished: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    finish_reason: _generate_pb2.FinishReason
+    stop_token_id: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("num_bytes", "seconds")
