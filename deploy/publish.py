@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from deploy.controller import Member
-from deploy.wiring import endpoints
+from deploy.router_inputs import endpoints
 from tandem_api.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from deploy.config import load_config
-from deploy.wiring import router_config
+from deploy.router_inputs import router_config
 from model_runtime.config import ConfigError
 
 

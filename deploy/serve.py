@@ -63,7 +63,7 @@ async def serve(config: DeployConfig) -> int:
     routers over gRPC; otherwise a router runs in this process."""
     from deploy.metrics import ServeMetrics
     from deploy.publish import RouterPublisher
-    from deploy.wiring import endpoints, router_config
+    from deploy.router_inputs import endpoints, router_config
 
     loop = asyncio.get_running_loop()
     router = None

@@ -10,16 +10,18 @@
 
 from __future__ import annotations
 
+from deploy.chartcheck.connections import CONNECTION_CHECKS
 from deploy.chartcheck.invariants import CHECKS
 from deploy.chartcheck.render import CHART_DIR, Rendering, lint, load_values_file, render
 from deploy.chartcheck.validate import validate_rendering
-from deploy.chartcheck.wiring import WIRING_CHECKS
 
 
 def check_all(rendering: Rendering) -> list[str]:
     """Every invariant finding for one rendering, prefixed with its label."""
     return [
-        f"{rendering.label}: {finding}" for check in CHECKS + WIRING_CHECKS for finding in check(rendering)
+        f"{rendering.label}: {finding}"
+        for check in CHECKS + CONNECTION_CHECKS
+        for finding in check(rendering)
     ]
 
 

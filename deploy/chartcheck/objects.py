@@ -1,5 +1,5 @@
 """Reading rendered objects: labels, pod templates, ports, Kubernetes label-selector semantics, Ray worker
-groups. Shared by the invariant and wiring checks."""
+groups. Shared by the invariant and connection checks."""
 
 from __future__ import annotations
 

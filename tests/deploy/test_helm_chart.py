@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from deploy.chartcheck import CHART_DIR, check_all, lint, load_values_file, render, validate_rendering
+from deploy.chartcheck.connections import rendered_config
 from deploy.chartcheck.render import Rendering
-from deploy.chartcheck.wiring import rendered_config
 from model_runtime.config import CacheConfig, DeviceConfig, SchedulerConfig
 
 pytestmark = pytest.mark.unit

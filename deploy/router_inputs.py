@@ -1,4 +1,5 @@
-"""Deploy config -> router config, and controller membership -> router endpoints."""
+"""What the router takes from the deployment: its RouterConfig (from the deploy config) and its members (the
+controller's live workers as RouterControl endpoints)."""
 
 from __future__ import annotations
 

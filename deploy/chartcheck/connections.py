@@ -230,7 +230,7 @@ def _worker_monitor_problems(r: Rendering, role: str, group: Manifest, ports: li
     return found
 
 
-WIRING_CHECKS: tuple[Callable[[Rendering], list[str]], ...] = (
+CONNECTION_CHECKS: tuple[Callable[[Rendering], list[str]], ...] = (
     check_config,
     check_controller,
     check_test_hook,
