@@ -59,6 +59,7 @@ class ServeProcess:
         for role, replicas in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
             if replicas:
                 config[role] = {"replicas": replicas, "num_gpus": 0, "engine": engine_section(num_blocks)}
+        self.metrics_file_sd = metrics_file_sd
         if metrics_file_sd is not None:
             config["router"]["metrics_file_sd"] = str(metrics_file_sd)
         for key, value in (extra or {}).items():

@@ -20,10 +20,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ServeProcess(tmp_path_factory.mktemp("bench-serve"), prefill=1, decode=1) as serve:
-        yield serve
-    assert serve.exit_code == 0, "".join(serve.lines[-30:])
+def cluster(standard_cluster: ServeProcess) -> ServeProcess:
+    """The shared standard cluster (tests/e2e/conftest.py): these tests only send it requests."""
+    return standard_cluster
 
 
 def run_bench(address: str, out: Path, *flags: str, timeout_s: float = 120.0) -> tuple[dict, str]:

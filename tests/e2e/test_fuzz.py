@@ -47,10 +47,9 @@ class Fault:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ServeProcess(tmp_path_factory.mktemp("fuzz"), prefill=1, decode=1, num_blocks=128) as serve:
-        yield serve
-    assert serve.exit_code == 0, "".join(serve.lines[-30:])
+def cluster(standard_cluster: ServeProcess) -> ServeProcess:
+    """The shared standard cluster (tests/e2e/conftest.py): these tests only send it requests."""
+    return standard_cluster
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
 Prometheus runs from deploy/prometheus/prometheus.yml (intervals shortened to 1 s, paths made absolute) and finds
 the router and both workers only through the file_sd list `tandem serve` writes. After 7 good and 2 invalid
-requests, its query API must show exactly those requests, tokens and transfers, every worker up and idle, our
-alert rules evaluating without error, and every Grafana dashboard query answering. promtool checks the example
-config and unit-tests the alert rules. Needs Debian's `prometheus` package (`make install` adds it).
+requests, its query API must show exactly those requests, tokens and transfers added to the counters (the cluster
+is the shared standard one: earlier tests' requests are already counted), every worker up and idle, our alert
+rules evaluating without error, and every Grafana dashboard query answering. promtool checks the example config
+and unit-tests the alert rules. Needs Debian's `prometheus` package (`make install` adds it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -111,29 +113,48 @@ class Prometheus:
             raise AssertionError(f"prometheus {path} {params}: {reply}")
         return reply["data"]
 
-    def query(self, expr: str) -> list[tuple[dict[str, str], float]]:
-        data = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+        """`expr` evaluated now, or at the unix time `at`."""
+        data = self.api("query", query=expr, **({} if at is None else {"time": f"{at:.3f}"}))
         return [(r["metric"], float(r["value"][1])) for r in data["result"]]
 
-    def scalar(self, expr: str) -> float | None:
+    def scalar(self, expr: str, at: float | None = None) -> float | None:
         """The value of a query that yields at most one series (None when it yields none)."""
-        result = self.query(expr)
+        result = self.query(expr, at)
         if len(result) > 1:
             raise AssertionError(f"{expr}: expected one series, got {result}")
         return result[0][1] if result else None
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Iterator[tuple[ServeProcess, Prometheus, Path]]:
+def service(
+    standard_cluster: ServeProcess, tmp_path_factory
+) -> Iterator[tuple[ServeProcess, Prometheus, Path]]:
+    """Prometheus on the shared standard cluster (tests/e2e/conftest.py checks the empty target list its clean
+    stop leaves)."""
     if not Path(PROMETHEUS).is_file():
         pytest.skip("the prometheus binary is missing (apt-get install prometheus)")
-    tmp = tmp_path_factory.mktemp("observability")
-    file_sd = tmp / "targets" / "tandem.json"
-    serve = ServeProcess(tmp, prefill=1, decode=1, metrics_port=free_port(), metrics_file_sd=file_sd)
-    with serve, Prometheus(tmp, file_sd) as prometheus:
-        yield serve, prometheus, file_sd
-    assert serve.exit_code == 0, "".join(serve.lines[-30:])
-    assert json.loads(file_sd.read_text()) == [], "a clean stop leaves an empty target list"
+    file_sd = standard_cluster.metrics_file_sd
+    assert file_sd is not None
+    with Prometheus(tmp_path_factory.mktemp("observability"), file_sd) as prometheus:
+        yield standard_cluster, prometheus, file_sd
+
+
+def settled(prometheus: Prometheus) -> float:
+    """A moment after which only the caller's requests change the counters: the service was idle and every
+    target had been scraped since. Counters read at that moment hold what earlier tests sent."""
+    idle = "sum(tandem_requests_running) + sum(tandem_requests_waiting) + sum(tandem_kv_leases_active)"
+    wait_until(lambda: prometheus.scalar(idle) == 0, WAIT_S, "an idle service", every_s=POLL_S)
+    since = time.time()
+    fresh = 'min(timestamp(up{job="tandem"}))'
+    wait_until(lambda: (prometheus.scalar(fresh) or 0) > since, WAIT_S, "a fresh scrape", every_s=POLL_S)
+    return time.time()
+
+
+def growth(prometheus: Prometheus, expr: str, since: float) -> float:
+    now, before = prometheus.scalar(expr), prometheus.scalar(expr, at=since)
+    assert now is not None, f"{expr}: no series"
+    return now - (before or 0)
 
 
 async def _generate(address: str) -> list:
@@ -169,6 +190,7 @@ def test_file_sd_lists_the_router_and_every_worker(service) -> None:
 @needs_prometheus
 def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> None:
     serve, prometheus, _ = service
+    start = settled(prometheus)
     results = asyncio.run(_generate(serve.address))
     with Client(serve.address) as client:
         for _ in range(2):
@@ -177,7 +199,7 @@ def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> N
     prompt_tokens = sum(r.usage.prompt_tokens for r in results)
     generated = sum(r.usage.completion_tokens for r in results)
     gaps = sum(r.usage.completion_tokens - 1 for r in results)
-    expected = {
+    added = {  # what these 9 requests add to each counter
         'sum(tandem_requests_total{status="ok"})': 7,
         'sum(tandem_requests_total{status="INVALID_ARGUMENT"})': 2,
         "sum(tandem_requests_total)": 9,
@@ -193,6 +215,8 @@ def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> N
         'sum(tandem_kv_transfer_seconds_count{role="prefill"})': 7,
         'sum(tandem_prefill_tokens_total{role="decode"})': 0,  # decode workers receive the prompt as KV
         "sum(tandem_kv_transfer_failures_total)": 0,
+    }
+    expected = {expr: (prometheus.scalar(expr, at=start) or 0) + n for expr, n in added.items()} | {
         "count(tandem_worker_up == 1)": 2,
         "max(tandem_kv_cache_used_blocks)": 0,
         "max(tandem_kv_leases_active)": 0,
@@ -210,12 +234,12 @@ def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> N
 
     wait_until(caught_up, WAIT_S, "the scrape to show every request", mismatches, every_s=POLL_S)
     sent = {
-        side: prometheus.scalar(f'sum(tandem_kv_transfer_bytes_total{{role="{side}"}})')
+        side: growth(prometheus, f'sum(tandem_kv_transfer_bytes_total{{role="{side}"}})', start)
         for side in ("prefill", "decode")
     }
-    assert sent["decode"] and sent["decode"] > 0 and sent["decode"] == sent["prefill"], sent
-    computed = prometheus.scalar('sum(tandem_prefill_tokens_total{role="prefill"})')
-    assert computed is not None and 0 < computed <= prompt_tokens  # the prefix cache may skip whole blocks
+    assert sent["decode"] > 0 and sent["decode"] == sent["prefill"], sent
+    computed = growth(prometheus, 'sum(tandem_prefill_tokens_total{role="prefill"})', start)
+    assert 0 < computed <= prompt_tokens  # the prefix cache may skip whole blocks
     assert prometheus.scalar("count(tandem_kv_cache_usage_ratio)") == 2
     assert prometheus.scalar('sum(tandem_step_duration_seconds_count{role="decode"})')
 
