@@ -212,10 +212,18 @@ def test_router_server_import_leaves_torch_out() -> None:
     assert result.returncode == 0, result.stderr or "router.server imported torch or ray"
 
 
-def test_router_command_line_maps_flags_onto_the_config(capsys: pytest.CaptureFixture[str]) -> None:
-    from router.__main__ import build_parser, main
+def test_router_entry_point_maps_the_deploy_config_onto_the_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The router runs as `python -m deploy.router --config FILE` (the chart's command, and a standalone router):
+    # its settings are the deploy config's router section.
+    from deploy.config import parse_config
+    from deploy.router import main
+    from deploy.router_inputs import router_config
 
-    args = build_parser().parse_args(["--port", "0", "--max-queue", "3", "--request-timeout-s", "1.5"])
-    assert (args.port, args.max_queue, args.request_timeout_s, args.max_model_len) == (0, 3, 1.5, None)
-    assert main(["--max-queue", "-1"]) == 2
-    assert capsys.readouterr().err.strip() == "router: error: max_queue: must be an integer >= 0"
+    c = router_config(parse_config({"router": {"port": 0, "max_queue": 3, "request_timeout_s": 1.5}}))
+    assert (c.port, c.max_queue, c.request_timeout_s, c.max_model_len) == (0, 3, 1.5, None)
+    bad = tmp_path / "router.yaml"
+    bad.write_text("router:\n  max_queue: -1\n")
+    assert main(["--config", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == "tandem router: router.max_queue: must be >= 1, got -1"
