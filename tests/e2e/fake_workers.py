@@ -1,4 +1,4 @@
-"""Helpers for the router's end-to-end tests (this module holds no tests).
+"""Fake prefill and decode workers for the router's end-to-end tests (test_router_grpc, test_router_dispatch).
 
 The router under test is the real RouterServer on 127.0.0.1 with the real SmolLM2 tokenizer, reached through the
 real SDK. What stands in for the Ray workers are minimal gRPC DecodeWorker / PrefillWorker servicers that follow
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,6 +24,7 @@ from router.model import ServedModel
 from router.server import RouterServer
 from tandem_api.tandem.v1 import admin_pb2, generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from tandem_client import Client
+from tests.polling import wait_until
 
 T = TypeVar("T")
 LAYOUT = "fp-test"
@@ -45,14 +45,6 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass
@@ -302,7 +294,7 @@ class RouterHarness:
         self.address = self.loop.run(go())
         self.sdk = self.client()
         if wait_ready and self.workers:
-            wait_until(self.all_ready, what="every worker READY in the router's view")
+            wait_until(self.all_ready, what="every worker READY in the router's view", every_s=0.01)
         return self
 
     def all_ready(self) -> bool:

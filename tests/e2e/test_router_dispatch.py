@@ -1,4 +1,4 @@
-"""Routing through the real RouterServer to fake workers that follow worker.proto (see test_router_fakes.py):
+"""Routing through the real RouterServer to fake workers that follow worker.proto (see fake_workers.py):
 the disaggregated and colocated paths, stop rules, retries, admission, deadlines and cancellation."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tandem_client import (
     ResourceExhausted,
     Unavailable,
 )
-from tests.e2e.test_router_fakes import (
+from tests.e2e.fake_workers import (
     FakeColocated,
     FakeDecode,
     FakePrefill,

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from router.model import ServedModel
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from tandem_client import ChatMessage, InvalidArgument, NotFound, Unavailable
-from tests.e2e.test_router_fakes import FakeDecode, FakePrefill, LoopThread, RouterHarness, Script
+from tests.e2e.fake_workers import FakeDecode, FakePrefill, LoopThread, RouterHarness, Script
 from tests.loopback import health
 from tests.polling import wait_until
 
