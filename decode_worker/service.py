@@ -20,12 +20,13 @@ from collections.abc import Iterator
 
 import grpc
 
-from kv_transfer import KVReceiver, NoRoom, TransferResult
-from model_runtime.engine import InvalidRequest, StepOutput
+from kv_transfer import KVReceiver, Lease, NoRoom, TransferResult
+from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
-from model_runtime.request import SamplingError
+from model_runtime.request import SamplingError, SamplingParams
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
+from worker_host.host import take_blocks
 from worker_host.rpc import CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")
         try:
             sampling = sampling_from_proto(request.sampling)
-            prompt = list(request.prompt_token_ids)
-            self.loop.call(lambda e: e.validate(prompt, sampling))
-        except (InvalidRequest, SamplingError) as exc:
+        except SamplingError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = list(request.prompt_token_ids)
         outputs: queue.Queue[StepOutput] = queue.Queue()
         self.loop.subscribe(rid, outputs.put)
         landed: queue.Queue[TransferResult] = queue.Queue()
@@ -91,8 +91,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self._landed[rid] = landed
         try:
             if request.local_prefill:
-                offset = request.output_offset
-                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset))
+                self._add_local(rid, prompt, sampling, request.output_offset, context)
             else:
                 finished = yield from self._receive_kv(request, prompt, sampling, landed, context)
                 if finished is not None:
@@ -111,11 +110,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         assert self.receiver is not None, "remote prefill needs a KV receiver"
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
         try:
-            # Not under the loop's lock: the allocator takes it (lock order: receiver, then engine).
-            lease = self.receiver.reserve(rid, len(prompt), ttl)
+            lease = self._reserve(rid, prompt, sampling, ttl)
         except NoRoom as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {exc}")
-        except ValueError as exc:
+        except ValueError as exc:  # InvalidRequest (the engine's rules) or the lease table's own checks
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         yield worker_pb2.DecodeEvent(reserved=self.receiver.target(lease))
         # The lease is renewed while this call waits (prefill may be queued for a while); kv_wait_timeout_s
@@ -137,6 +135,36 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             lambda e: e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset)
         )
         return finished_event(done).finished if done is not None else None
+
+    def _reserve(self, rid: str, prompt: list[int], sampling: SamplingParams, ttl: float | None) -> Lease:
+        """The request checked and its blocks taken in one call onto the engine thread (each call may wait a
+        step). Not inside EngineLoop.call itself: the receiver's reserve() takes the lease table first (lock
+        order: receiver, then engine)."""
+        assert self.receiver is not None, "remote prefill needs a KV receiver"
+        loop = self.loop
+
+        def allocate(num_blocks: int) -> list[int] | None:
+            def check_and_take(engine: Engine) -> list[int] | None:
+                engine.validate(prompt, sampling)
+                return take_blocks(engine, num_blocks)
+
+            return loop.call(check_and_take)
+
+        return self.receiver.reserve(rid, len(prompt), ttl, allocate)
+
+    def _add_local(
+        self,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        offset: int,
+        context: grpc.ServicerContext,
+    ) -> None:
+        """Colocated: check and queue the prompt in one engine-thread call."""
+        try:
+            self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset))
+        except InvalidRequest as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def _stream(self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext) -> Iterator:
         while True:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,6 +68,10 @@ class BlockAllocator(Protocol):
     def free(self, block_ids: Sequence[int]) -> None:
         """Return blocks that allocate() handed out."""
         ...
+
+
+# One reservation's own allocate (KVReceiver.reserve's `allocate`): BlockAllocator.allocate's contract.
+Allocate = Callable[[int], list[int] | None]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_transfer.contracts import BlockAllocator, FailureReason, Lease, NoRoom, TransferFailed
+from kv_transfer.contracts import Allocate, BlockAllocator, FailureReason, Lease, NoRoom, TransferFailed
 from model_runtime.kv_layout import KVLayout
 
 HANDLE_BYTES = 16
@@ -74,12 +74,16 @@ class LeaseTable:
         return len(self._by_handle)
 
     # --- reserve ---------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int, ttl_s: float) -> Lease:
+    def reserve(
+        self, request_id: str, num_tokens: int, ttl_s: float, allocate: Allocate | None = None
+    ) -> Lease:
+        """`allocate` takes the blocks instead of the allocator's allocate() (its errors propagate); they go
+        back through the allocator's free() either way."""
         num_blocks = self._check_request(request_id, num_tokens, ttl_s)
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"request_id {request_id!r} already holds a lease")
-        block_ids = self._allocator.allocate(num_blocks)
+        block_ids = (allocate or self._allocator.allocate)(num_blocks)
         if block_ids is None:
             raise NoRoom(request_id, num_blocks)
         self._check_allocation(block_ids, num_blocks)

@@ -25,7 +25,14 @@ from collections.abc import Callable
 import torch
 
 from kv_transfer.config import TransferConfig
-from kv_transfer.contracts import BlockAllocator, FailureReason, Lease, TransferFailed, TransferResult
+from kv_transfer.contracts import (
+    Allocate,
+    BlockAllocator,
+    FailureReason,
+    Lease,
+    TransferFailed,
+    TransferResult,
+)
 from kv_transfer.frames import FrameConnection, Watch, error_frame
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import TRANSPORT_TO_PROTO, format_message
@@ -88,14 +95,23 @@ class KVReceiver:
     def endpoint(self) -> tuple[str, int]:
         return self.config.public_host, self.port
 
-    def reserve(self, request_id: str, num_tokens: int, ttl_s: float | None = None) -> Lease:
+    def reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        ttl_s: float | None = None,
+        allocate: Allocate | None = None,
+    ) -> Lease:
         """Reserve blocks for `num_tokens` prompt tokens for ttl_s seconds (default config.lease_ttl_s).
-        Raises NoRoom when the allocator has no room, ValueError for a bad or duplicate request."""
+        Raises NoRoom when the allocator has no room, ValueError for a bad or duplicate request.
+
+        `allocate(num_blocks)`, when given, takes this reservation's blocks instead of the allocator (the decode
+        worker checks the request and allocates in one call onto its engine thread); its errors propagate and
+        no lease is made. The blocks return through the allocator's free() as always."""
         if self._closing.is_set():
             raise RuntimeError("KVReceiver is closed")
-        return self._table.reserve(
-            request_id, num_tokens, self.config.lease_ttl_s if ttl_s is None else ttl_s
-        )
+        ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
+        return self._table.reserve(request_id, num_tokens, ttl, allocate)
 
     def target(self, lease: Lease) -> kv_pb2.KVTarget:
         """The KVTarget that tells a sender where and under which handle to ship this lease's blocks."""

@@ -30,6 +30,7 @@ from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.request import Request, RequestStatus, SamplingParams
+from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
@@ -37,10 +38,6 @@ from model_runtime.tokenizer import Tokenizer
 from model_runtime.weights import load_model_config, load_weights, resolve_model
 
 log = logging.getLogger(__name__)
-
-
-class InvalidRequest(ValueError):
-    """A request the engine cannot run (bad prompt or parameters); the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +117,9 @@ class Engine:
         )
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)
+        self.limits = RequestLimits(
+            mc.vocab_size, self.max_model_len, config.cache.block_size, self.pool.usable
+        )
         self.sampler = Sampler(self.device, seed=config.device.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._trackers: dict[str, OutputTracker | TokenTracker] = {}
@@ -137,18 +137,8 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                f"the model's context of {self.max_model_len} tokens"
-            )
-        sampling.check_vocab(vocab)
+        """Raise InvalidRequest naming the field when the request could never run here (request_rules)."""
+        self.limits.check(prompt_token_ids, sampling)
 
     def add_request(
         self,

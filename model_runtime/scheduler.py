@@ -35,6 +35,7 @@ from collections import deque
 from model_runtime.block_pool import BlockPool, extend_block_hashes
 from model_runtime.config import SchedulerConfig
 from model_runtime.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
+from model_runtime.request_rules import pool_overflow, prompt_leaves_no_room, token_cap
 
 
 class RequestRejected(ValueError):
@@ -85,7 +86,7 @@ class Scheduler:
 
     def token_cap(self, request: Request) -> int:
         """Most tokens (prompt + output) the request may ever hold: max_tokens, capped by max_model_len."""
-        return min(request.num_prompt_tokens + request.sampling.max_tokens, self.max_model_len)
+        return token_cap(request.num_prompt_tokens, request.sampling.max_tokens, self.max_model_len)
 
     # --- entry points ----------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -306,21 +307,16 @@ class Scheduler:
             raise RequestRejected(f"request {rid!r}: prompt_token_ids is empty")
         if not all(isinstance(t, int) and t >= 0 for t in request.all_token_ids):
             raise RequestRejected(f"request {rid!r}: token ids must be non-negative integers")
-        if request.num_prompt_tokens + 1 > self.max_model_len:
-            raise RequestRejected(
-                f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens; max_model_len "
-                f"{self.max_model_len} leaves room for at most {self.max_model_len - 1} prompt tokens"
-            )
+        problem = prompt_leaves_no_room(request.num_prompt_tokens, self.max_model_len)
+        if problem is not None:
+            raise RequestRejected(f"request {rid!r}: prompt_token_ids: {problem}")
         if request.num_tokens > self.token_cap(request):
             raise RequestRejected(
                 f"request {rid!r}: already holds more tokens than its cap {self.token_cap(request)}"
             )
-        need = self._blocks_for(self.token_cap(request))
-        if need > self.pool.usable:
-            raise RequestRejected(
-                f"request {rid!r}: prompt + max_tokens (capped at max_model_len) is {self.token_cap(request)} "
-                f"tokens = {need} blocks of {self.block_size}, but the pool has only {self.pool.usable} blocks"
-            )
+        problem = pool_overflow(self.token_cap(request), self.block_size, self.pool.usable)
+        if problem is not None:
+            raise RequestRejected(f"request {rid!r}: {problem}")
 
     def _check_owned(self, request: Request, where: str) -> None:
         if self._requests.get(request.request_id) is not request:

@@ -9,9 +9,11 @@ Three steps, so the server can run the middle one (tokenization, the only slow o
 Each failure is a RouterError: INVALID_ARGUMENT whose details start with the field path (for example
 "sampling.temperature: must be ..."), or NOT_FOUND for an unknown model (as generate.proto documents).
 
-Length policy (as vLLM): a prompt must leave room for at least one output token, and an explicit max_tokens
-larger than what the context leaves is rejected, not clamped, so a client never silently gets less than it
-asked for. When max_tokens is unset the default is clamped to what the context leaves.
+The rules every layer shares (vocabulary, room for output) come from model_runtime.request_rules; this module
+names the client's fields and adds the router's own policies. Length policy (as vLLM): a prompt must leave
+room for at least one output token, and an explicit max_tokens larger than what the context leaves is
+rejected, not clamped, so a client never silently gets less than it asked for. When max_tokens is unset the
+default is clamped to what the context leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from model_runtime.request import SamplingError, SamplingParams
+from model_runtime.request_rules import EMPTY_PROMPT, out_of_vocab, prompt_leaves_no_room
 from model_runtime.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from router.config import RouterConfig
 from router.errors import RouterError, invalid
@@ -108,10 +111,9 @@ def check_lengths(
     n, context = len(prompt_ids), model.max_model_len
     if n == 0:
         raise invalid(parsed.input_field, "tokenizes to no tokens")
-    if n >= context:
-        raise invalid(
-            "input", f"{n} tokens leave no room for output in the model's context of {context} tokens"
-        )
+    no_room = prompt_leaves_no_room(n, context)
+    if no_room is not None:
+        raise invalid("input", no_room)
     if config.max_prompt_tokens is not None and n > config.max_prompt_tokens:
         raise invalid("input", f"{n} tokens exceed the router's limit of {config.max_prompt_tokens}")
     room = context - n
@@ -189,8 +191,8 @@ def _sampling(
 def _token_ids(message: generate_pb2.TokenIds, model: ServedModel) -> tuple[int, ...]:
     ids = tuple(message.ids)
     if not ids:
-        raise invalid("input.token_ids", "must hold at least one token id")
-    bad = next((t for t in ids if t >= model.vocab_size), None)
+        raise invalid("input.token_ids", EMPTY_PROMPT)
+    bad = out_of_vocab(ids, model.vocab_size)
     if bad is not None:
         raise invalid("input.token_ids", f"{bad} is outside the vocabulary [0, {model.vocab_size})")
     return ids

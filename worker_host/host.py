@@ -55,6 +55,11 @@ class WorkerSpec:
         return self.advertise_host or self.host
 
 
+def take_blocks(engine: Engine, num_blocks: int) -> list[int] | None:
+    """`num_blocks` blocks from the engine's pool, or None when there is no room (on the engine thread)."""
+    return engine.pool.allocate(num_blocks) if engine.pool.can_allocate(num_blocks) else None
+
+
 class LockedAllocator:
     """The engine's block pool as kv_transfer's BlockAllocator: every call runs on the engine loop's thread."""
 
@@ -62,10 +67,7 @@ class LockedAllocator:
         self._loop = loop
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        def take(engine: Engine) -> list[int] | None:
-            return engine.pool.allocate(num_blocks) if engine.pool.can_allocate(num_blocks) else None
-
-        return self._loop.call(take)
+        return self._loop.call(lambda engine: take_blocks(engine, num_blocks))
 
     def free(self, block_ids: Sequence[int]) -> None:
         self._loop.call(lambda e: e.pool.free(list(block_ids)))

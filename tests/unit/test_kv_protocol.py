@@ -282,6 +282,30 @@ def test_reserve_no_room_duplicates_and_bad_allocations():
         bad.reserve("r1", 4, ttl_s=10)
 
 
+def test_a_reservation_may_bring_its_own_allocate_whose_errors_make_no_lease():
+    """The decode worker checks the request and takes its blocks in one call onto its engine thread."""
+    table, alloc, _, _ = make_table(num_blocks=8)
+    asked = []
+
+    def own(n: int) -> list[int] | None:
+        asked.append(n)
+        return alloc.allocate(n)
+
+    lease = table.reserve("r1", 5, ttl_s=10, allocate=own)
+    assert asked == [2] and len(lease.block_ids) == 2 and len(alloc.free_ids) == 5
+
+    def rejects(n: int) -> list[int] | None:
+        raise ValueError("prompt_token_ids: 99 is outside the vocabulary [0, 50)")
+
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        table.reserve("r2", 4, ttl_s=10, allocate=rejects)
+    with pytest.raises(NoRoom):
+        table.reserve("r3", 4, ttl_s=10, allocate=lambda n: None)
+    assert len(table) == 1 and len(alloc.free_ids) == 5
+    assert table.cancel("r1", TransferFailed(FailureReason.RECEIVER_ABORTED, "done"))  # through free()
+    assert len(alloc.free_ids) == 7
+
+
 # --- config and arguments --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value"),
