@@ -1,4 +1,4 @@
-"""The e2e tier's shared cluster.
+"""Fixtures the e2e tests share: the standard cluster, and the router tests' served model and event loop.
 
 `standard_cluster` is one `tandem serve` with the standard settings (1 prefill + 1 decode worker, 256 KV blocks
 each, the embedded model, the router's /metrics and its file_sd target list on) for the tests that only send
@@ -18,7 +18,9 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
+from router.model import ServedModel
 from tests.e2e.cluster import ServeProcess
+from tests.e2e.fake_workers import LoopThread
 from tests.loopback import free_port
 
 STANDARD = "standard_cluster"
@@ -69,3 +71,17 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             serve.stop()
             assert_stopped_cleanly(serve)
     return result
+
+
+# --- the router tests (test_router_grpc, test_router_dispatch) ---------------------------------------------
+@pytest.fixture(scope="session")
+def served_model() -> ServedModel:
+    """SmolLM2's tokenizer and limits as the router serves them (immutable; loading takes seconds)."""
+    return ServedModel.load("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def router_loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()

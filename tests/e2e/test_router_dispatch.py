@@ -33,27 +33,18 @@ REPLY = " The quick brown fox jumps over the lazy dog."
 EOS = 2  # SmolLM2's <|im_end|>
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
-def model() -> ServedModel:
-    return ServedModel.load("smollm2-135m-instruct")
-
-
 @pytest.fixture
-def make(loop: LoopThread, model: ServedModel) -> Iterator:
+def make(router_loop: LoopThread, served_model: ServedModel) -> Iterator:
     harnesses: list[RouterHarness] = []
 
     def build(reply: str = REPLY, batch: int = 2, step_s: float = 0.0, **config: object) -> RouterHarness:
         script = Script(
-            model.tokenizer.encode(reply, False) + [EOS], batch=batch, step_s=step_s, num_cached_tokens=3
+            served_model.tokenizer.encode(reply, False) + [EOS],
+            batch=batch,
+            step_s=step_s,
+            num_cached_tokens=3,
         )
-        harness = RouterHarness(loop, model, script, **config)
+        harness = RouterHarness(router_loop, served_model, script, **config)
         harnesses.append(harness)
         return harness
 
@@ -68,7 +59,7 @@ def _pair(
     return harness.add(FakeDecode, "d0", mode=decode_mode), harness.add(FakePrefill, "p0", mode=prefill_mode)
 
 
-def test_disaggregated_stream_relays_first_token_then_decode_batches(make, model: ServedModel) -> None:
+def test_disaggregated_stream_relays_first_token_then_decode_batches(make, served_model: ServedModel) -> None:
     harness = make(lease_ttl_s=7.0)
     decode, prefill = _pair(harness)
     harness.start()
@@ -81,7 +72,8 @@ def test_disaggregated_stream_relays_first_token_then_decode_batches(make, model
     assert [t for d in deltas for t in d.token_ids] == tokens == list(result.token_ids)
     assert result.text == "".join(d.text for d in deltas) == REPLY
     assert (result.finish_reason, result.stop_reason) == (FinishReason.STOP, EOS)
-    assert result.request_id == "req-1" and list(result.prompt_token_ids) == model.tokenizer.encode(PROMPT)
+    assert result.request_id == "req-1"
+    assert list(result.prompt_token_ids) == served_model.tokenizer.encode(PROMPT)
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
         len(result.prompt_token_ids),
         len(tokens),
@@ -162,14 +154,14 @@ def test_first_token_that_finishes_cancels_the_reservation(make) -> None:
     assert prefill.cancelled == []  # it shipped nothing and ended on its own
 
 
-def test_colocated_worker_computes_the_prompt_itself(make, model: ServedModel) -> None:
+def test_colocated_worker_computes_the_prompt_itself(make, served_model: ServedModel) -> None:
     harness = make()
     worker = harness.add(FakeColocated, "c0")
     harness.start()
     with harness.client() as client:
         result = client.generate(messages=[ChatMessage("user", PROMPT)], max_tokens=64)
     assert result.text == REPLY and result.finish_reason == FinishReason.STOP
-    assert list(result.prompt_token_ids) == model.tokenizer.encode_chat([ChatMessage("user", PROMPT)])
+    assert list(result.prompt_token_ids) == served_model.tokenizer.encode_chat([ChatMessage("user", PROMPT)])
     assert result.usage.cached_prompt_tokens == 3  # from the worker's DecodeFinished
     (request,) = worker.requests
     assert request.local_prefill and worker.cancelled == []

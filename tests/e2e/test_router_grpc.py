@@ -22,25 +22,16 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
-def model() -> ServedModel:
-    return ServedModel.load("smollm2-135m-instruct")
-
-
 @pytest.fixture
-def make(loop: LoopThread, model: ServedModel) -> Iterator:
+def make(router_loop: LoopThread, served_model: ServedModel) -> Iterator:
     harnesses: list[RouterHarness] = []
 
     def build(**config: object) -> RouterHarness:
         harness = RouterHarness(
-            loop, model, Script(model.tokenizer.encode(" Hi there", False) + [2]), **config
+            router_loop,
+            served_model,
+            Script(served_model.tokenizer.encode(" Hi there", False) + [2]),
+            **config,
         )
         harnesses.append(harness)
         return harness
