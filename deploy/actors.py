@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from model_runtime.roles import WorkerRole
 from worker_host.host import WorkerSpec
+from worker_host.lifecycle import WorkerLifecycle
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -31,7 +32,7 @@ class WorkerProcess:
     def __init__(self, spec: WorkerSpec) -> None:
         os.environ.update(GPU_SAFE_ENV)
         self.spec = spec
-        self.worker: object | None = None
+        self.worker: WorkerLifecycle | None = None  # PrefillWorker or DecodeWorker, once start() built it
         self.pid = os.getpid()
         self._stage = "importing the engine"
 
@@ -56,11 +57,11 @@ class WorkerProcess:
     def startup_stage(self) -> str:
         """Where start() is ("loading weights: 40% (...)"); the controller asks while it waits. Answered on
         another of the actor's threads while start() runs."""
-        return str(getattr(self.worker, "stage", self._stage))
+        return self.worker.stage if self.worker is not None else self._stage
 
     def heartbeat_age(self) -> float:
         """Seconds since the engine loop last went round (inf when it died): a hung step shows here."""
-        loop = getattr(self.worker, "loop", None)
+        loop = self.worker.loop if self.worker is not None else None
         if loop is None or not loop.alive:
             return float("inf")
         return time.monotonic() - loop.last_beat
@@ -70,13 +71,11 @@ class WorkerProcess:
 
     def metrics_address(self) -> str:
         """host:port of the worker's Prometheus /metrics ("" before start or when it serves none)."""
-        return str(getattr(self.worker, "metrics_address", ""))
+        return self.worker.metrics_address if self.worker is not None else ""
 
     def drain(self) -> bool:
-        drain = getattr(self.worker, "drain", None)
-        return bool(drain()) if drain is not None else True
+        return self.worker.drain() if self.worker is not None else True
 
     def stop(self) -> None:
-        stop = getattr(self.worker, "stop", None)
-        if stop is not None:
-            stop()
+        if self.worker is not None:
+            self.worker.stop()
