@@ -10,7 +10,7 @@ from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.roles import WorkerRole
 from tandem_api.tandem.v1 import worker_pb2_grpc
-from worker_host.host import LockedAllocator, WorkerSpec, start_grpc
+from worker_host.host import EngineLoopAllocator, WorkerSpec, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
 
@@ -38,7 +38,7 @@ class DecodeWorker(WorkerLifecycle):
             self.receiver = KVReceiver(
                 engine.layout,
                 engine.runner.kv_cache,
-                LockedAllocator(self.loop),
+                EngineLoopAllocator(self.loop),
                 spec.transfer,
                 on_result=self.service.on_transfer_result,
             )

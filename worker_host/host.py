@@ -1,6 +1,11 @@
-"""WorkerHost: builds one worker's engine, engine loop and gRPC server, and tears them down in order.
+"""The parts a worker process is built from; PrefillWorker.start and DecodeWorker.start assemble them.
 
-Lifecycle (safe to call stop() twice or on a half-started host):
+    WorkerSpec            everything a worker process needs, built by the controller from the deploy config
+    EngineLoopAllocator   the engine's block pool as kv_transfer's BlockAllocator (calls run on the loop thread)
+    start_grpc            a sync gRPC server (a thread per open stream) with the standard health service
+    wait_idle             drain: wait until the engine holds no request
+
+Lifecycle (worker_host.lifecycle.WorkerLifecycle; stop is safe twice or on a half-started worker):
     start:  engine (weights, KV cache) -> loop thread -> role-specific parts (KV sender/receiver) -> gRPC
     ready:  `address` is set and Status answers READY
     drain:  new requests get UNAVAILABLE; running ones finish (up to the drain timeout)
@@ -60,8 +65,9 @@ def take_blocks(engine: Engine, num_blocks: int) -> list[int] | None:
     return engine.pool.allocate(num_blocks) if engine.pool.can_allocate(num_blocks) else None
 
 
-class LockedAllocator:
-    """The engine's block pool as kv_transfer's BlockAllocator: every call runs on the engine loop's thread."""
+class EngineLoopAllocator:
+    """The engine's block pool as kv_transfer's BlockAllocator. It takes no lock of its own: every call is queued
+    onto the engine loop's thread (EngineLoop.call), which serializes it with the engine's steps."""
 
     def __init__(self, loop: EngineLoop) -> None:
         self._loop = loop
