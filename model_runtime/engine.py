@@ -15,8 +15,9 @@ blocks still allocated, so its KV can be shipped; the owner frees them with `rel
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +35,7 @@ from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
+from model_runtime.step_record import StepRecord
 from model_runtime.tokenizer import Tokenizer
 from model_runtime.weights import load_model_config, load_weights, resolve_model
 
@@ -124,7 +126,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._trackers: dict[str, OutputTracker | TokenTracker] = {}
         self.requests_total = 0  # requests accepted (add_request / add_prefilled) since start
-        self.last_step_ran = False  # false when the last step() found nothing runnable (callers may back off)
+        self.last_step: StepRecord | None = None  # the last step(), None when it found nothing runnable
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             mc.name,
@@ -233,11 +235,18 @@ class Engine:
         self.pool.free(list(block_ids))
 
     # --- stepping --------------------------------------------------------------------------------------
+    @property
+    def last_step_ran(self) -> bool:
+        """False when the last step() found nothing runnable (callers may back off)."""
+        return self.last_step is not None
+
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
         out = self.scheduler.schedule()
-        self.last_step_ran = not out.is_empty
         if out.is_empty:
+            self.last_step = None
             return []
+        planned = StepRecord.planned(out)
         logits = self.runner.execute(out)
         sampled_chunks = [c for c in out.chunks if c.sample]
         tokens, logprobs = self._sample(logits, [c.request for c in sampled_chunks])
@@ -247,6 +256,7 @@ class Engine:
             if chunk.request.is_finished:  # aborted while the step ran
                 continue
             results.append(self._emit(chunk.request, token, lp))
+        self.last_step = replace(planned, duration_s=time.perf_counter() - started)
         return results
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:

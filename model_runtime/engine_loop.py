@@ -2,11 +2,12 @@
 
 Every touch of the engine (adding, aborting, reading counters, the KV allocator of a decode worker) goes through
 `call()`, which the loop thread runs between two steps, so the engine itself stays single-threaded. Subscribers
-are called on the loop thread and must not block (put the output on a queue).
+and step listeners are called on the loop thread and must not block (put the output on a queue).
 
     loop = EngineLoop(engine); loop.start()
     loop.subscribe(rid, queue.put); loop.call(lambda e: e.add_request(rid, ids, params))
     ... queue.get() -> StepOutput ...
+    loop.add_step_listener(metrics.observe)      # a StepRecord per step that ran, before its outputs go out
     loop.stop()
 """
 
@@ -23,10 +24,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from model_runtime.engine import Engine, StepOutput
+from model_runtime.step_record import StepRecord
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Subscriber = Callable[[StepOutput], None]
+StepListener = Callable[[StepRecord], None]
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class EngineLoop:
         self._stop = threading.Event()
         self._subscribers: dict[str, Subscriber] = {}
         self._subscribers_lock = threading.Lock()
+        self._step_listeners: tuple[
+            StepListener, ...
+        ] = ()  # replaced whole: the loop reads it without a lock
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_beat = time.monotonic()  # refreshed every iteration: a stale value means a hung step
@@ -110,6 +116,12 @@ class EngineLoop:
     def subscribe(self, request_id: str, subscriber: Subscriber) -> None:
         with self._subscribers_lock:
             self._subscribers[request_id] = subscriber
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """listener(record) after every step that ran, on the loop thread, before that step's outputs reach
+        their subscribers."""
+        with self._subscribers_lock:
+            self._step_listeners = (*self._step_listeners, listener)
 
     def unsubscribe(self, request_id: str) -> None:
         """Once this returns, nothing more reaches that subscriber (delivery runs on the loop thread too)."""
@@ -165,6 +177,9 @@ class EngineLoop:
                 with self._lock:
                     self._run_calls()
                     outputs = self.engine.step() if self.engine.has_unfinished() else None
+                    if outputs is not None and self.engine.last_step is not None:
+                        for listener in self._step_listeners:
+                            listener(self.engine.last_step)
                     self._deliver(outputs or [])
                     self.counters = EngineCounters.of(self.engine)
                 if outputs is None or not self.engine.last_step_ran:  # idle, or blocked until blocks return

@@ -9,8 +9,8 @@
 
 Engine gauges (KV blocks, requests) and the KV transfer counters are read when Prometheus scrapes: the engine
 part under the loop's lock (loop.call), so one scrape sees one consistent engine state; transfer stats are
-kv_transfer's own locked snapshot. Step duration, batch size and prefill tokens are recorded as steps run, by
-wrapping the engine's step() and its scheduler's schedule() (model_runtime knows nothing of Prometheus).
+kv_transfer's own locked snapshot. Step duration, batch size and prefill tokens are recorded as steps run, from
+the StepRecord the engine loop publishes to its step listeners (model_runtime knows nothing of Prometheus).
 Every series carries model, role and worker labels.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
@@ -35,9 +34,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kv_transfer import FailureReason, TransferStats
-from model_runtime.engine import Engine, StepOutput
+from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
-from model_runtime.request import SchedulerOutput
+from model_runtime.step_record import StepRecord
 from worker_host.host import WorkerSpec
 
 LABELS = ["model", "role", "worker"]
@@ -77,17 +76,8 @@ def metrics_bind_host(spec: WorkerSpec) -> str:
     return "0.0.0.0" if spec.host in WILDCARD_HOSTS else "127.0.0.1"
 
 
-def prefill_tokens(out: SchedulerOutput) -> int:
-    """Prompt tokens this step computes (a decode chunk, or a request whose prompt arrived as KV, adds 0)."""
-    total = 0
-    for chunk in out.chunks:
-        left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
-        total += max(0, min(chunk.num_tokens, left))
-    return total
-
-
 class StepRecorder:
-    """Times each engine step that ran and records its batch. install() must run under the loop's lock."""
+    """Each engine step that ran: its duration, its batch and the prompt tokens it computed (a step listener)."""
 
     def __init__(self, registry: CollectorRegistry, labels: list[str]) -> None:
         self._duration = Histogram(
@@ -107,29 +97,11 @@ class StepRecorder:
         self._prefill = Counter(
             "tandem_prefill_tokens_total", "Prompt tokens computed by this worker", LABELS, registry=registry
         ).labels(*labels)
-        self._scheduled: SchedulerOutput | None = None
 
-    def install(self, engine: Engine) -> None:
-        schedule, step = engine.scheduler.schedule, engine.step
-
-        def recorded_schedule() -> SchedulerOutput:
-            out = schedule()
-            self._scheduled = out
-            self._prefill.inc(prefill_tokens(out))  # before the step advances num_computed_tokens
-            return out
-
-        def timed_step() -> list[StepOutput]:
-            self._scheduled = None
-            start = time.perf_counter()
-            outputs = step()
-            out = self._scheduled
-            if out is not None and not out.is_empty:
-                self._duration.observe(time.perf_counter() - start)
-                self._batch.observe(len(out.chunks))
-            return outputs
-
-        engine.scheduler.schedule = recorded_schedule  # type: ignore[method-assign]
-        engine.step = timed_step  # type: ignore[method-assign]
+    def observe(self, step: StepRecord) -> None:
+        self._duration.observe(step.duration_s)
+        self._batch.observe(step.batch_size)
+        self._prefill.inc(step.prefill_tokens)
 
 
 class WorkerCollector(Collector):
@@ -202,7 +174,7 @@ class WorkerMetrics:
         labels = [spec.engine.model, spec.role, spec.worker_id]
         self._steps = StepRecorder(self.registry, labels)
         self.registry.register(WorkerCollector(loop, labels, transfer_stats))
-        loop.call(self._steps.install)
+        loop.add_step_listener(self._steps.observe)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.address = ""

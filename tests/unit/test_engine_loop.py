@@ -15,6 +15,7 @@ from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, Schedu
 from model_runtime.engine import Engine, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingParams
+from model_runtime.step_record import StepRecord
 from tests.model.tiny_models import write_tiny_hf
 
 LONG = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)  # the tiny model's context is 512
@@ -152,3 +153,23 @@ def test_a_failed_step_leaves_no_caller_waiting(model_dir: Path) -> None:
         assert loop.call(lambda e: e.abort("doomed")) is True
     finally:
         loop.stop()
+
+
+def test_step_listeners_get_a_record_of_each_step_before_its_outputs(loop: EngineLoop) -> None:
+    """A 5-token prompt is one prefill step (its first token), then one decode step per further token."""
+    records: list[StepRecord] = []
+    seen_at_output: list[int] = []
+    loop.add_step_listener(records.append)
+    outputs: queue.Queue[StepOutput] = queue.Queue()
+    loop.subscribe("r", lambda out: (seen_at_output.append(len(records)), outputs.put(out)))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    loop.call(lambda e: e.add_request("r", [5, 6, 7, 8, 9], params))
+    while outputs.get(timeout=30).finish_reason is None:
+        pass
+    assert [(r.prefill_tokens, r.num_prefill, r.num_decode, r.num_tokens) for r in records] == [
+        (5, 1, 0, 5),
+        (0, 0, 1, 1),
+        (0, 0, 1, 1),
+    ]
+    assert all(r.batch_size == 1 and r.duration_s > 0 and r.num_preempted == 0 for r in records)
+    assert seen_at_output == [1, 2, 3]  # each step's record went out before its token did

@@ -1,0 +1,51 @@
+"""StepRecord: what one engine step computed and how long it took, for whoever watches the engine (metrics).
+
+The engine leaves the record of its last step that ran in `Engine.last_step`; the EngineLoop hands each one to
+its step listeners on the loop thread, before the step's outputs reach their subscribers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model_runtime.request import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    duration_s: float  # wall time of Engine.step(): schedule, model, sample, stop rules
+    num_tokens: int  # tokens computed: prompt chunks, recomputed tokens and one per decode
+    prefill_tokens: int  # prompt tokens computed (a request whose prompt arrived as KV adds 0)
+    num_prefill: int  # sequences that ran a prompt chunk (or recomputed after preemption)
+    num_decode: int  # sequences that ran one new token
+    num_preempted: int  # requests preempted to make room for this step
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the step."""
+        return self.num_prefill + self.num_decode
+
+    @classmethod
+    def planned(cls, out: SchedulerOutput) -> StepRecord:
+        """The record of a scheduled step, before it runs (counts read before the scheduler advances), with
+        no duration yet."""
+        decodes = sum(1 for chunk in out.chunks if _is_decode(chunk))
+        return cls(
+            duration_s=0.0,
+            num_tokens=out.num_tokens,
+            prefill_tokens=sum(_prompt_tokens(chunk) for chunk in out.chunks),
+            num_prefill=len(out.chunks) - decodes,
+            num_decode=decodes,
+            num_preempted=len(out.preempted),
+        )
+
+
+def _prompt_tokens(chunk: ScheduledChunk) -> int:
+    left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
+    return max(0, min(chunk.num_tokens, left))
+
+
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """One token after everything else is computed, for a request that already has output."""
+    r = chunk.request
+    return chunk.num_tokens == 1 and r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1
