@@ -65,18 +65,15 @@ def request_metrics(timeline: Timeline) -> RequestMetrics:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0 <= q <= 100) by linear interpolation between the closest ranks, the same as
-    numpy.percentile's default: rank = (n - 1) * q / 100 on the sorted values, then interpolate between
-    floor(rank) and ceil(rank)."""
+    """The q-th percentile (0 <= q <= 100): numpy.percentile's default, linear interpolation between the
+    closest ranks (rank = (n - 1) * q / 100 on the sorted values)."""
     if not values:
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    import numpy  # here, not at module level: `tandem` starts without numpy unless it computes statistics
+
+    return float(numpy.percentile(values, q))
 
 
 @dataclass(frozen=True)
