@@ -305,12 +305,14 @@ class RunDevice:
 
 def build_engine(model: str, where: RunDevice, scheduler: SchedulerConfig, memory_fraction: float) -> Engine:
     """Prefix caching off (random prompts never share blocks; the hashing would only add host work); the
-    cache size comes from the engine's memory planner."""
+    cache size comes from the engine's memory planner. Token ids out, no text (emit_text=False), as the
+    prefill and decode workers run the engine: the router owns detokenization."""
     log(f"building engine: {model}, {where.device} {where.dtype}, graphs {'off' if where.eager else 'on'}")
     t0 = time.perf_counter()
     cache = CacheConfig(BLOCK_SIZE, enable_prefix_caching=False, gpu_memory_utilization=memory_fraction)
     device = DeviceConfig(device=where.device, dtype=where.dtype, enforce_eager=where.eager)
-    engine = Engine(EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device))
+    config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device)
+    engine = Engine(config, emit_text=False)
     if (engine.runner.graphs is None) != where.eager:
         raise BenchError(f"CUDA graphs should be {'off' if where.eager else 'on'} but the runner disagrees")
     synchronize(where.device)

@@ -119,6 +119,22 @@ def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup:
     )
 
 
+def profile_prefill(engine: Engine, prompt_len: int) -> dict:
+    """Where one prompt's prefill spends its GPU time (kernels grouped by name, per prompt)."""
+    from bench.step_profile import print_profile, profile_step
+
+    prompts = iter(gpu.random_prompts(16, prompt_len, engine.model_config.vocab_size, seed=1))
+    counter = iter(range(16))
+    deadline = gpu.Deadline(120.0)
+
+    def once() -> None:
+        ttft_once(engine, next(prompts), f"profile-{next(counter)}", deadline)
+
+    p = profile_step(once, reps=5)
+    print_profile(f"prefill of {prompt_len} tokens", p)
+    return dataclasses.asdict(p)
+
+
 @dataclass(frozen=True)
 class Setup:
     rates: gpu.DeviceRates
@@ -160,6 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget-s", type=float, default=540.0, help="start no new length after this many seconds"
     )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts, float32, no graphs")
+    p.add_argument("--profile", action="store_true", help="kernel breakdown of the longest prompt (GPU)")
     p.add_argument("--out", help="JSON path (default bench/results/ttft_<gpu>.json)")
     args = p.parse_args(argv)
     args.prompt_lens = args.prompt_lens or ("16,32" if args.smoke else "2048")
@@ -196,6 +213,9 @@ def main(argv: list[str] | None = None) -> Path:
             gpu.log(
                 f"ttft {prompt_len}: {row.median_ms:.2f} ms, {row.fraction_of_flop_floor:.0%} of FLOP floor"
             )
+    if args.profile and engine is not None and not args.smoke:
+        run.doc["profile"] = run.job("profile", partial(profile_prefill, engine, longest))
+        run.save()
     print_table(run.doc)
     run.finish()
     return run.path
