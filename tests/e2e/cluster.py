@@ -123,3 +123,16 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def make_cluster(
+    tmp_path, *, router: dict | None = None, controller: dict | None = None, **kwargs
+) -> ServeProcess:
+    """A ServeProcess whose router/controller sections get these keys on top of the ones it writes (its
+    `extra` would replace a whole section, port included)."""
+    serve = ServeProcess(tmp_path, **kwargs)
+    config = yaml.safe_load(serve.config_path.read_text())
+    config["router"].update(router or {})
+    config["controller"].update(controller or {})
+    serve.config_path.write_text(yaml.safe_dump(config))
+    return serve

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
-import yaml
 
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import DeadlineExceeded, TandemError
-from tests.e2e.cluster import ServeProcess
+from tests.e2e.cluster import make_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -52,19 +51,6 @@ def wait_until_idle(address: str, timeout_s: float = 20.0) -> None:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not idle after {timeout_s}s: {busy}")
             time.sleep(0.25)
-
-
-def make_cluster(
-    tmp_path, *, router: dict | None = None, controller: dict | None = None, **kwargs
-) -> ServeProcess:
-    """A ServeProcess whose router/controller sections get these keys on top of the ones it writes (its
-    `extra` would replace a whole section, port included)."""
-    serve = ServeProcess(tmp_path, **kwargs)
-    config = yaml.safe_load(serve.config_path.read_text())
-    config["router"].update(router or {})
-    config["controller"].update(controller or {})
-    serve.config_path.write_text(yaml.safe_dump(config))
-    return serve
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import pytest
 from bench.soak import SoakConfig, busy_resources, reconcile, router_outcomes, run_soak, wait_until_idle
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import TandemError
-from tests.e2e.test_overload import make_cluster
+from tests.e2e.cluster import make_cluster
 from tests.loopback import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
