@@ -32,7 +32,7 @@ from model_runtime.roles import WorkerRole
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.metrics import RouterMetrics
-from router.placement import Placement, place
+from router.placement import Placement, Placer, PromptWork, WorkerLoad
 from router.pool import Charge, WorkerHandle, WorkerPool
 from router.relay import Relay, Write
 from router.responses import ResponseBuilder
@@ -58,7 +58,7 @@ class _Attempt:
     out: ResponseBuilder
     deadline: float  # loop time
     write: Write
-    decode_charge: Charge
+    charges: list[Charge]  # the load this attempt put on its workers, until a poll or the attempt's end
     sent: int = 0  # tokens the client had when this attempt began (> 0: a resume)
 
     def time_left(self) -> float:
@@ -108,10 +108,13 @@ class _Failures:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics, placer: Placer | None = None
+    ) -> None:
         self._pool = pool
         self._config = config
         self._metrics = metrics
+        self._placer = placer or Placer()
         self._turns = itertools.count()
         self._attempt_ids = itertools.count(1)
 
@@ -124,7 +127,8 @@ class Dispatcher:
         full: set[str] = set()  # no room: skipped until the next backoff round
         delay = _BACKOFF_FIRST_S
         while True:
-            placement = self._place(failures.avoid, full)
+            work = self._work(request, out)
+            placement, loads = self._place(failures.avoid, full, work)
             if placement is None:
                 if not full and not self._may_wait_for_recovery(failures):
                     raise _no_worker(failures.errors)
@@ -132,7 +136,7 @@ class Dispatcher:
                 delay, full = min(2 * delay, _BACKOFF_MAX_S), set()
                 continue
             try:
-                await self._attempt(placement, request, out, deadline, write)
+                await self._attempt(placement, work, loads, request, out, deadline, write)
                 return
             except WorkerCallError as exc:
                 if exc.code == grpc.StatusCode.CANCELLED:
@@ -145,18 +149,45 @@ class Dispatcher:
                     ) from None
                 self._note_failure(exc, placement, out, failures, full)
 
-    def _place(self, avoid: dict[str, WorkerRole], full: set[str]) -> Placement | None:
+    def _work(self, request: ValidatedRequest, out: ResponseBuilder) -> PromptWork:
+        """The prompt the workers would compute now (prompt + tokens already sent, on a resume)."""
+        return PromptWork(len(request.prompt_token_ids) + len(out.token_ids))
+
+    def _place(
+        self, avoid: dict[str, WorkerRole], full: set[str], work: PromptWork
+    ) -> tuple[Placement | None, dict[str, WorkerLoad]]:
         """Placement that prefers workers this request has not failed on: first neither worker of a failed
         pair, then keeping its prefill worker (a decode fault), then its decode worker (a prefill fault), then
-        any. Workers that are really gone are not READY (suspect or DEAD) and never placed on."""
+        any. Workers that are really gone are not READY (suspect or DEAD) and never placed on. Also returns the
+        loads it placed by."""
         loads, turn = self._pool.loads(), next(self._turns)
+        by_id = {w.worker_id: w for w in loads}
         decodes = {w for w, role in avoid.items() if role is not WorkerRole.PREFILL}
         prefills = avoid.keys() - decodes
         for exclude in (decodes | prefills, decodes, prefills, set()):
-            placement = place(loads, exclude | full, turn)
+            placement = self._placer.place(loads, work, exclude | full, turn)
             if placement is not None:
-                return placement
-        return None
+                return placement, by_id
+        return None, by_id
+
+    def _charge(self, placement: Placement, work: PromptWork, loads: dict[str, WorkerLoad]) -> list[Charge]:
+        """Charge the placed work to its workers at once, so the next placement (before the next poll) sees
+        it: a running sequence and the prompt's blocks on the decode worker, and the prompt tokens still to
+        compute on whichever worker prefills."""
+        decode = loads[placement.decode]
+        local = placement.prefill is None
+        charges = [
+            self._pool.charge(
+                decode.worker_id,
+                running=1,
+                kv_blocks=decode.blocks_for(work.num_tokens),
+                prefill_tokens=work.uncached_on(decode.worker_id) if local else 0,
+            )
+        ]
+        if placement.prefill is not None:
+            tokens = work.uncached_on(placement.prefill)
+            charges.append(self._pool.charge(placement.prefill, prefill_tokens=tokens))
+        return charges
 
     def _may_wait_for_recovery(self, failures: _Failures) -> bool:
         """After a failure no pair may be READY for a moment (the failed worker is suspect until its next poll,
@@ -196,6 +227,8 @@ class Dispatcher:
     async def _attempt(
         self,
         placement: Placement,
+        work: PromptWork,
+        loads: dict[str, WorkerLoad],
         request: ValidatedRequest,
         out: ResponseBuilder,
         deadline: float,
@@ -209,7 +242,7 @@ class Dispatcher:
             out=out,
             deadline=deadline,
             write=write,
-            decode_charge=self._pool.charge(decode.worker_id, running=1),
+            charges=self._charge(placement, work, loads),
             sent=len(out.token_ids),
         )
         log.info(
@@ -220,7 +253,8 @@ class Dispatcher:
             attempt.sent,
         )
         with contextlib.ExitStack() as stack:
-            stack.callback(attempt.decode_charge.release)
+            for charge in attempt.charges:
+                stack.callback(charge.release)
             for handle in (decode, prefill):
                 if handle is not None:
                     stack.enter_context(handle.in_use())
@@ -255,15 +289,13 @@ class Dispatcher:
     ) -> None:
         decode = self._open_decode(decode_handle, attempt, local_prefill=False)
         prefill: WorkerStream | None = None
-        prefill_charge = None
+        decode_charge, prefill_charge = attempt.charges
         merger = StreamMerger()
         try:
             target = await self._reserved(decode)
-            attempt.decode_charge.kv_blocks = target.num_blocks
+            decode_charge.kv_blocks = target.num_blocks
             attempt.out.clock.started = time.monotonic()
             prefill = self._open_prefill(prefill_handle, attempt, target)
-            prompt_tokens = len(attempt.worker_input()[0])
-            prefill_charge = self._pool.charge(prefill_handle.worker_id, prefill_tokens=prompt_tokens)
             merger.add(prefill)
             merger.add(decode)
             merger.fail_when(prefill, prefill_handle.dead, _WENT_DEAD)
@@ -277,8 +309,7 @@ class Dispatcher:
             decode.cancel()
             if prefill is not None:
                 prefill.cancel()
-            if prefill_charge is not None:
-                prefill_charge.release()
+            prefill_charge.release()
 
     # --- worker calls ---------------------------------------------------------------------------------
     def _open_decode(self, handle: WorkerHandle, attempt: _Attempt, local_prefill: bool) -> WorkerStream:

@@ -1,22 +1,30 @@
 """Which worker gets a request: the only place that decides. Pure functions over plain values.
 
-    decode   : most free KV blocks, then fewest running requests
-    prefill  : fewest queued prefill tokens, among those whose KV layout matches the chosen decode worker
-    colocated: like decode; used when no prefill/decode pair is available
-    ties     : `turn` (a counter the caller advances per placement) rotates among equally good workers, so
-               an idle cluster spreads traffic over every worker instead of always picking the first.
+Every candidate gets one cost, in prompt tokens of work that would stand before or beside the request there:
+
+    prefill   : queued prefill tokens + this prompt's tokens it would still compute (after its prefix-cache hit)
+    decode    : running sequences x CostWeights.running_sequence_tokens + queued prefill tokens
+                + KV pressure (CostWeights.kv_full_tokens x the fraction of its KV blocks in use)
+    colocated : decode's cost + this prompt's tokens it would still compute
+    fit       : a decode or colocated worker whose free blocks cannot hold the prompt ranks after every one
+                that can (its poll may be stale, so it stays a last resort, not a refusal)
+    ties      : `turn` (a counter the caller advances per placement) rotates among equal costs, so an idle
+                cluster spreads traffic over every worker instead of always picking the first.
 
 The loads are the workers' last polled numbers corrected by the router's own charges since that poll
 (`WorkerLoad.charged`): without the correction a burst arriving between two polls would all land on the
-worker that looked emptiest at the last poll.
+worker that looked emptiest at the last poll. Counting queued work rather than free memory is what keeps a
+replica that has just freed its blocks from taking a whole burst.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from model_runtime.roles import WorkerRole
+
+DEFAULT_BLOCK_SIZE = 16  # used for a worker that has not reported its block size yet
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,8 @@ class WorkerLoad:
     running_requests: int = 0
     queued_prefill_tokens: int = 0
     layout_fingerprint: str = ""
+    kv_blocks_total: int = 0  # 0: unknown (no KV pressure term)
+    kv_block_size: int = 0  # tokens per block; 0: unknown
 
     def charged(self, running: int = 0, kv_blocks: int = 0, prefill_tokens: int = 0) -> WorkerLoad:
         """The load after the router's own placements that the last poll could not have seen yet."""
@@ -40,10 +50,63 @@ class WorkerLoad:
             queued_prefill_tokens=self.queued_prefill_tokens + prefill_tokens,
         )
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // (self.kv_block_size or DEFAULT_BLOCK_SIZE))
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """What placement knows of one request: its prompt length (prompt + tokens already sent, on a resume) and,
+    per worker, how many of those tokens that worker's prefix cache holds (the router's estimate)."""
+
+    num_tokens: int = 0
+    cached: Mapping[str, int] = field(default_factory=dict)
+
+    def cached_on(self, worker_id: str) -> int:
+        return min(self.num_tokens, self.cached.get(worker_id, 0))
+
+    def uncached_on(self, worker_id: str) -> int:
+        """Prompt tokens the worker would still compute."""
+        return self.num_tokens - self.cached_on(worker_id)
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    """How decode-side load converts to prompt tokens of work. running_sequence_tokens: what one running
+    sequence costs a newcomer (it shares every step's token budget and KV reads); kv_full_tokens: the cost of a
+    completely full KV cache (a nearly full worker preempts and refuses reservations)."""
+
+    running_sequence_tokens: int = 32
+    kv_full_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """When a disaggregated request is prefilled on its decode worker instead (no KV transfer).
+
+    max_uncached_tokens: local when the decode worker would compute at most this many prompt tokens
+      (a short prompt, or a long one mostly in its prefix cache); 0 turns local prefill off.
+    max_queued_tokens: ... and only while the prefill work already queued there stays under this (headroom),
+      so local prefill never stalls that worker's running decodes behind long prompts.
+    """
+
+    max_uncached_tokens: int = 0
+    max_queued_tokens: int = 2048
+
+    def applies(self, decode: WorkerLoad, work: PromptWork) -> bool:
+        uncached = work.uncached_on(decode.worker_id)
+        return (
+            self.max_uncached_tokens > 0
+            and uncached <= self.max_uncached_tokens
+            and decode.queued_prefill_tokens + uncached <= self.max_queued_tokens
+            and _fits(decode, work)
+        )
+
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one request runs. prefill None: the decode worker computes the prompt itself (colocated)."""
+    """Where one request runs. prefill None: the decode worker computes the prompt itself (colocated, or a
+    decode worker chosen for local prefill)."""
 
     decode: str
     prefill: str | None = None
@@ -53,12 +116,24 @@ class Placement:
         return self.prefill is None
 
 
-def _decode_key(w: WorkerLoad) -> tuple[int, int]:
-    return (-w.free_kv_blocks, w.running_requests)
+def prefill_cost(w: WorkerLoad, work: PromptWork) -> int:
+    return w.queued_prefill_tokens + work.uncached_on(w.worker_id)
 
 
-def _prefill_key(w: WorkerLoad) -> tuple[int]:
-    return (w.queued_prefill_tokens,)
+def decode_cost(w: WorkerLoad, work: PromptWork, weights: CostWeights = CostWeights()) -> int:
+    cost = w.running_requests * weights.running_sequence_tokens + w.queued_prefill_tokens
+    if w.kv_blocks_total > 0:
+        used = w.kv_blocks_total - min(w.free_kv_blocks, w.kv_blocks_total)
+        cost += weights.kv_full_tokens * used // w.kv_blocks_total
+    return cost
+
+
+def colocated_cost(w: WorkerLoad, work: PromptWork, weights: CostWeights = CostWeights()) -> int:
+    return decode_cost(w, work, weights) + work.uncached_on(w.worker_id)
+
+
+def _fits(w: WorkerLoad, work: PromptWork) -> bool:
+    return w.free_kv_blocks >= w.blocks_for(work.num_tokens)
 
 
 def _ranked(
@@ -68,7 +143,7 @@ def _ranked(
     exclude: Collection[str],
     turn: int,
 ) -> list[WorkerLoad]:
-    """Ready workers of `role`, best first; each run of equal keys is rotated by `turn`."""
+    """Ready workers of `role`, best (lowest key) first; each run of equal keys is rotated by `turn`."""
     candidates = sorted(
         (w for w in loads if w.role is role and w.ready and w.worker_id not in exclude),
         key=lambda w: (key(w), w.worker_id),
@@ -86,29 +161,85 @@ def _ranked(
     return ranked
 
 
+@dataclass(frozen=True)
+class Placer:
+    """The cost model with its settings; `place` is its one decision."""
+
+    weights: CostWeights = CostWeights()
+    local_prefill: LocalPrefill = LocalPrefill()
+
+    def decodes(
+        self, loads: Sequence[WorkerLoad], work: PromptWork, exclude: Collection[str] = (), turn: int = 0
+    ) -> list[WorkerLoad]:
+        def key(w: WorkerLoad) -> tuple[int, int]:
+            return (not _fits(w, work), decode_cost(w, work, self.weights))
+
+        return _ranked(loads, WorkerRole.DECODE, key, exclude, turn)
+
+    def prefills(
+        self,
+        loads: Sequence[WorkerLoad],
+        work: PromptWork,
+        layout_fingerprint: str,
+        exclude: Collection[str] = (),
+        turn: int = 0,
+    ) -> list[WorkerLoad]:
+        """Prefill workers whose KV layout matches the decode worker's (they cannot pair otherwise), best first."""
+        ranked = _ranked(loads, WorkerRole.PREFILL, lambda w: (prefill_cost(w, work),), exclude, turn)
+        return [w for w in ranked if w.layout_fingerprint == layout_fingerprint]
+
+    def colocated(
+        self, loads: Sequence[WorkerLoad], work: PromptWork, exclude: Collection[str] = (), turn: int = 0
+    ) -> list[WorkerLoad]:
+        def key(w: WorkerLoad) -> tuple[int, int]:
+            return (not _fits(w, work), colocated_cost(w, work, self.weights))
+
+        return _ranked(loads, WorkerRole.COLOCATED, key, exclude, turn)
+
+    def place(
+        self,
+        loads: Sequence[WorkerLoad],
+        work: PromptWork = PromptWork(),
+        exclude: Collection[str] = (),
+        turn: int = 0,
+    ) -> Placement | None:
+        """The cheapest decode worker, prefilled locally when LocalPrefill applies, else with the cheapest
+        matching prefill worker; without any pair, the cheapest colocated worker; else None."""
+        for decode in self.decodes(loads, work, exclude, turn):
+            if self.local_prefill.applies(decode, work):
+                return Placement(decode.worker_id)
+            prefills = self.prefills(loads, work, decode.layout_fingerprint, exclude, turn)
+            if prefills:
+                return Placement(decode.worker_id, prefills[0].worker_id)
+        colocated = self.colocated(loads, work, exclude, turn)
+        return Placement(colocated[0].worker_id) if colocated else None
+
+
+DEFAULT_PLACER = Placer()
+
+
 def choose_decode(
-    loads: Sequence[WorkerLoad], exclude: Collection[str] = (), turn: int = 0
+    loads: Sequence[WorkerLoad], work: PromptWork = PromptWork(), exclude: Collection[str] = (), turn: int = 0
 ) -> WorkerLoad | None:
-    ranked = _ranked(loads, WorkerRole.DECODE, _decode_key, exclude, turn)
+    ranked = DEFAULT_PLACER.decodes(loads, work, exclude, turn)
     return ranked[0] if ranked else None
 
 
 def choose_prefill(
-    loads: Sequence[WorkerLoad], layout_fingerprint: str, exclude: Collection[str] = (), turn: int = 0
+    loads: Sequence[WorkerLoad],
+    layout_fingerprint: str,
+    work: PromptWork = PromptWork(),
+    exclude: Collection[str] = (),
+    turn: int = 0,
 ) -> WorkerLoad | None:
-    """The least loaded prefill worker whose KV layout matches the decode worker's (they cannot pair otherwise)."""
-    ranked = _ranked(loads, WorkerRole.PREFILL, _prefill_key, exclude, turn)
-    return next((w for w in ranked if w.layout_fingerprint == layout_fingerprint), None)
+    ranked = DEFAULT_PLACER.prefills(loads, work, layout_fingerprint, exclude, turn)
+    return ranked[0] if ranked else None
 
 
-def place(loads: Sequence[WorkerLoad], exclude: Collection[str] = (), turn: int = 0) -> Placement | None:
-    """A decode worker plus a matching prefill worker if any pair exists, else a colocated worker, else None."""
-    for decode in _ranked(loads, WorkerRole.DECODE, _decode_key, exclude, turn):
-        prefill = choose_prefill(loads, decode.layout_fingerprint, exclude, turn)
-        if prefill is not None:
-            return Placement(decode.worker_id, prefill.worker_id)
-    colocated = _ranked(loads, WorkerRole.COLOCATED, _decode_key, exclude, turn)
-    return Placement(colocated[0].worker_id) if colocated else None
+def place(
+    loads: Sequence[WorkerLoad], work: PromptWork = PromptWork(), exclude: Collection[str] = (), turn: int = 0
+) -> Placement | None:
+    return DEFAULT_PLACER.place(loads, work, exclude, turn)
 
 
 def can_serve(loads: Sequence[WorkerLoad]) -> bool:

@@ -124,6 +124,8 @@ class WorkerHandle:
             running_requests=info.running_requests,
             queued_prefill_tokens=info.queued_prefill_tokens,
             layout_fingerprint=info.layout_fingerprint,
+            kv_blocks_total=info.kv_blocks_total,
+            kv_block_size=info.kv_block_size,
         ).charged(
             running=sum(c.running for c in self.charges),
             kv_blocks=sum(c.kv_blocks for c in self.charges),

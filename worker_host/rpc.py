@@ -73,6 +73,7 @@ def worker_info(
         queued_prefill_tokens=c.queued_prompt_tokens,
         model=engine.config.model,
         layout_fingerprint=engine.layout.fingerprint(),
+        kv_block_size=engine.layout.block_size,
         requests_total=c.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
     )
