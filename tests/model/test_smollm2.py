@@ -4,14 +4,12 @@ GGUF itself), raw and with the chat template."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model_runtime.config import DeviceConfig, EngineConfig
 from model_runtime.llm import LLM
 from model_runtime.request import ChatMessage, PromptInput, SamplingParams
-from model_runtime.weights.source import embedded_model_path
 from tests.model.reference import assert_greedy_match, hf_greedy
+from tests.model.tiny_models import transformers_smollm2, transformers_smollm2_tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -30,10 +28,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference():
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model, tokenizer
+    """transformers' model and tokenizer of the GGUF, loaded once per process (test_weights and test_tokenizer
+    compare against the same objects)."""
+    return transformers_smollm2(), transformers_smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")
