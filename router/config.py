@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from model_runtime.weights.source import EMBEDDED_MODEL
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts' ids plus logprobs pass gRPC's 4 MiB default
+# A JSON request body holds a prompt as text or token ids: 8 MiB is a 128k-token prompt several times over.
+DEFAULT_HTTP_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 class RouterConfigError(ValueError):
@@ -35,6 +37,9 @@ class RouterConfig:
       first token: a fresh start; after: a resume that re-prefills prompt + the tokens sent). Past it the
       client gets UNAVAILABLE.
     max_message_bytes: gRPC send/receive limit on the public server and on the worker channels.
+    http_port: where the OpenAI-compatible HTTP API listens, on `host` (router.openai_api); None: not served,
+      0: any free port (RouterServer.http_address says which).
+    http_max_body_bytes: largest HTTP request body; a larger one gets 413.
     """
 
     host: str = "127.0.0.1"
@@ -53,15 +58,28 @@ class RouterConfig:
     worker_rpc_timeout_s: float = 10.0
     worker_retries: int = 2
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    http_port: int | None = None
+    http_max_body_bytes: int = DEFAULT_HTTP_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
         _check(_is_int(self.port) and 0 <= self.port <= 65535, "port", "must be an integer in [0, 65535]")
+        _check(
+            self.http_port is None or (_is_int(self.http_port) and 0 <= self.http_port <= 65535),
+            "http_port",
+            "must be None (no HTTP API) or an integer in [0, 65535]",
+        )
         _check(isinstance(self.model, str) and bool(self.model.strip()), "model", "must be a model spec")
         for name in ("max_model_len", "max_prompt_tokens"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 1), name, "must be None or an integer >= 1")
-        for name in ("default_max_tokens", "max_inflight", "dead_after_failed_polls", "max_message_bytes"):
+        for name in (
+            "default_max_tokens",
+            "max_inflight",
+            "dead_after_failed_polls",
+            "max_message_bytes",
+            "http_max_body_bytes",
+        ):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_queue", "worker_retries"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")

@@ -1,5 +1,6 @@
 """`RouterError`: a failure with the gRPC status the client gets. Raised anywhere in the router, turned into
-`context.abort(code, details)` in one place (router.servicers)."""
+`context.abort(code, details)` by the gRPC front door (router.servicers) and into an HTTP status by the OpenAI one
+(router.openai_api.errors)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ class RouterError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request ran (a front door's write failed): the request ends
+    as CANCELLED, and leaving the pipeline cancels its worker calls."""
 
 
 def invalid(field: str, problem: str) -> RouterError:

@@ -21,11 +21,13 @@ class RequestRecord:
     e2e_seconds: float
     queue_seconds: float | None = None
     ttft_seconds: float | None = None
+    protocol: str = "grpc"  # the front door: "grpc" or "http" (router.pipeline.Protocol)
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.outcomes: Counter[str] = Counter()
+        self.protocols: Counter[str] = Counter()  # accepted requests by front door ("grpc", "http")
         self.rejections: Counter[str] = Counter()
         self.worker_failures: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
@@ -35,10 +37,11 @@ class RouterMetrics:
     def request_done(self, record: RequestRecord) -> None:
         """Once per request that passed validation and admission."""
         self.outcomes[record.outcome] += 1
+        self.protocols[record.protocol] += 1
         self.prompt_tokens += record.prompt_tokens
         self.completion_tokens += record.completion_tokens
 
-    def request_rejected(self, code: str) -> None:
+    def request_rejected(self, code: str, protocol: str = "grpc") -> None:
         """A request refused before it reached a worker (bad input, unknown model, router full)."""
         self.rejections[code] += 1
 

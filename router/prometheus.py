@@ -5,7 +5,8 @@
     prometheus_client.start_http_server(9464, registry=metrics.registry)
 
 Every metric is in one private registry (tests and several routers in one process do not collide). Labels are
-bounded: model, status (a gRPC status name or "ok"), finish_reason, reason, worker, code; never a request id.
+bounded: model, protocol ("grpc" or "http": the front door), status (a gRPC status name or "ok"), finish_reason,
+reason, worker, code; never a request id.
 
 Inter-token latency: the hooks see a request once, when it ends, so each request adds its decode time
 (end - first token) spread evenly over its completion_tokens - 1 gaps. Count and sum are exact; quantiles are
@@ -51,6 +52,7 @@ LATENCY_BUCKETS = (
 )
 FINISH_REASONS = ("stop", "length", "abort")
 OK = "ok"
+PROTOCOLS = ("grpc", "http")  # router.pipeline.Protocol
 
 
 class AdmissionState(Protocol):
@@ -79,28 +81,25 @@ class PrometheusRouterMetrics(RouterMetrics):
         self._define_latency_metrics()
         self.registry.register(_AdmissionCollector(self))
         # Present (at 0) from the start, so rate() and the dashboard see the first request.
-        self._requests.labels(model, OK)
-        for metric in (
-            self._prompt_tokens,
-            self._generation_tokens,
-            self._ttft,
-            self._e2e,
-            self._queue,
-        ):
+        for protocol in PROTOCOLS:
+            self._requests.labels(model, protocol, OK)
+            self._ttft.labels(model, protocol)
+            self._e2e.labels(model, protocol)
+        for metric in (self._prompt_tokens, self._generation_tokens, self._queue):
             metric.labels(model)
 
     def _define_request_metrics(self) -> None:
         r = self.registry
         self._requests = Counter(
             "tandem_requests_total",
-            'Requests by final gRPC status ("ok": the stream ended with its Final message)',
-            ["model", "status"],
+            'Requests by front door and final gRPC status ("ok": the stream ended with its Final message)',
+            ["model", "protocol", "status"],
             registry=r,
         )
         self._success = Counter(
             "tandem_request_success_total",
-            "Requests that ended with a Final message, by finish reason",
-            ["model", "finish_reason"],
+            "Requests that ended with a Final message, by front door and finish reason",
+            ["model", "protocol", "finish_reason"],
             registry=r,
         )
         self._prompt_tokens = Counter(
@@ -126,17 +125,22 @@ class PrometheusRouterMetrics(RouterMetrics):
         )
 
     def _define_latency_metrics(self) -> None:
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        def histogram(name: str, doc: str, labels: tuple[str, ...] = ("model",)) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-        self._ttft = histogram("tandem_time_to_first_token_seconds", "Arrival to first output token")
+        by_protocol = ("model", "protocol")
+        self._ttft = histogram(
+            "tandem_time_to_first_token_seconds", "Arrival to first output token", by_protocol
+        )
         self._itl = RepeatedHistogram(
             "tandem_inter_token_latency_seconds",
             "Time between output tokens (each request's decode time spread evenly over its gaps)",
             self.model,
         )
         self.registry.register(self._itl)
-        self._e2e = histogram("tandem_e2e_request_latency_seconds", "Arrival to end of the request")
+        self._e2e = histogram(
+            "tandem_e2e_request_latency_seconds", "Arrival to end of the request", by_protocol
+        )
         self._queue = histogram(
             "tandem_request_queue_seconds", "Arrival to the first worker call (admission and KV reservation)"
         )
@@ -153,17 +157,17 @@ class PrometheusRouterMetrics(RouterMetrics):
     # --- RouterMetrics hooks ---------------------------------------------------------------------------
     def request_done(self, record: RequestRecord) -> None:
         super().request_done(record)
-        m = self.model
-        self._requests.labels(m, status_label(record.outcome)).inc()
+        m, protocol = self.model, record.protocol
+        self._requests.labels(m, protocol, status_label(record.outcome)).inc()
         if record.outcome in FINISH_REASONS:
-            self._success.labels(m, record.outcome).inc()
+            self._success.labels(m, protocol, record.outcome).inc()
         self._prompt_tokens.labels(m).inc(record.prompt_tokens)
         self._generation_tokens.labels(m).inc(record.completion_tokens)
-        self._e2e.labels(m).observe(record.e2e_seconds)
+        self._e2e.labels(m, protocol).observe(record.e2e_seconds)
         if record.queue_seconds is not None:
             self._queue.labels(m).observe(record.queue_seconds)
         if record.ttft_seconds is not None:
-            self._ttft.labels(m).observe(record.ttft_seconds)
+            self._ttft.labels(m, protocol).observe(record.ttft_seconds)
             self._observe_gaps(record)
 
     def _observe_gaps(self, record: RequestRecord) -> None:
@@ -172,9 +176,9 @@ class PrometheusRouterMetrics(RouterMetrics):
             return
         self._itl.observe(max(0.0, record.e2e_seconds - record.ttft_seconds) / gaps, gaps)
 
-    def request_rejected(self, code: str) -> None:
-        super().request_rejected(code)
-        self._requests.labels(self.model, code.upper()).inc()
+    def request_rejected(self, code: str, protocol: str = "grpc") -> None:
+        super().request_rejected(code, protocol)
+        self._requests.labels(self.model, protocol, code.upper()).inc()
 
     def worker_failed(self, worker_id: str, code: str) -> None:
         super().worker_failed(worker_id, code)

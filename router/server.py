@@ -1,7 +1,9 @@
-"""`RouterServer`: one grpc.aio server with Generation, Admin, RouterControl, health and reflection.
+"""`RouterServer`: one grpc.aio server with Generation, Admin, RouterControl, health and reflection, and (when
+config.http_port is set) the OpenAI-compatible HTTP API on the same event loop, over the same request pipeline.
 
-    server = RouterServer(RouterConfig(port=0))
+    server = RouterServer(RouterConfig(port=0, http_port=0))
     address = await server.start()             # "127.0.0.1:41234"
+    server.http_address                        # "http://127.0.0.1:41235" ("" when the HTTP API is off)
     server.set_workers([WorkerEndpoint(worker_id="d0", role=WORKER_ROLE_DECODE, address="..."), ...])
     ...
     await server.stop(grace=5)
@@ -30,6 +32,8 @@ from router.dispatch import Dispatcher
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.model import ServedModel
+from router.openai_api import OpenAIServer
+from router.pipeline import RequestPipeline
 from router.placement import can_serve
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
 from router.prometheus import PrometheusRouterMetrics
@@ -80,6 +84,7 @@ class RouterServer:
         self._serving: bool | None = None
         self._draining = False  # once set, health stays NOT_SERVING whatever the membership says
         self._server: grpc.aio.Server | None = None
+        self._http: OpenAIServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._generation: int | None = None
@@ -90,6 +95,11 @@ class RouterServer:
     def address(self) -> str:
         """host:port the server is bound to ("" before start)."""
         return self._address
+
+    @property
+    def http_address(self) -> str:
+        """http://host:port of the OpenAI-compatible API ("" before start, or when config.http_port is None)."""
+        return self._http.address if self._http is not None else ""
 
     @property
     def serving(self) -> bool:
@@ -108,7 +118,10 @@ class RouterServer:
         if model is None:
             model = await asyncio.to_thread(ServedModel.load, self.config.model, self.config.max_model_len)
             self._model = model
-        server = self._grpc_server(model)
+        cfg = self.config
+        dispatcher = Dispatcher(self._pool, cfg, self.metrics)
+        pipeline = RequestPipeline(cfg, model, self._admission, dispatcher, self.metrics, self._executor)
+        server = self._grpc_server(pipeline)
         port = server.add_insecure_port(self.config.bind_address)
         if port == 0:
             raise OSError(f"cannot bind the router to {self.config.bind_address}")
@@ -123,10 +136,24 @@ class RouterServer:
         self._server = server
         host = self.config.host
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        log.info("router serving %s on %s", model.id, self._address)
+        if cfg.http_port is not None:
+            http = OpenAIServer(
+                pipeline,
+                cfg.host,
+                cfg.http_port,
+                max_body_bytes=cfg.http_max_body_bytes,
+                serving=lambda: self.serving,
+            )
+            try:
+                await http.start()
+            except OSError:
+                await self.stop(0)
+                raise
+            self._http = http
+        log.info("router serving %s on %s %s", model.id, self._address, self.http_address)
         return self._address
 
-    def _grpc_server(self, model: ServedModel) -> grpc.aio.Server:
+    def _grpc_server(self, pipeline: RequestPipeline) -> grpc.aio.Server:
         cfg = self.config
         server = grpc.aio.server(
             options=[
@@ -134,9 +161,7 @@ class RouterServer:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ]
         )
-        dispatcher = Dispatcher(self._pool, cfg, self.metrics)
-        generation = GenerationService(cfg, model, self._admission, dispatcher, self.metrics, self._executor)
-        add_generation_service(generation, server)
+        add_generation_service(GenerationService(pipeline), server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self._pool, self._admission), server)
         worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -150,8 +175,12 @@ class RouterServer:
         if self._server is None:
             return
         server, self._server = self._server, None
+        http, self._http = self._http, None
         await self._health.enter_graceful_shutdown()
-        await server.stop(grace)
+        if http is not None:
+            await asyncio.gather(server.stop(grace), http.stop())
+        else:
+            await server.stop(grace)
         if self._health_task is not None:
             self._health_task.cancel()
         await self._pool.close()

@@ -1,31 +1,24 @@
 """The router's gRPC services: tandem.v1.Generation, tandem.v1.Admin and tandem.v1.RouterControl.
 
-Generate is where a request's deadline, admission, validation and dispatch meet; a RouterError anywhere
-becomes the call's status here and nowhere else.
+Generate sets the request's deadline (the client's, else request_timeout_s) and hands it to the shared request
+pipeline (router.pipeline), which the OpenAI HTTP API uses too; a RouterError becomes the call's status here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from router.admission import Admission, Ticket
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
+from router.admission import Admission
 from router.errors import RouterError
-from router.metrics import RequestRecord, RouterMetrics
-from router.model import ServedModel
+from router.pipeline import Protocol, RequestPipeline
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
-from router.responses import RequestClock, ResponseBuilder
-from router.validation import ParsedRequest, ValidatedRequest, check_lengths, encode_prompt, parse_request
 from tandem_api.tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -36,13 +29,6 @@ from tandem_api.tandem.v1 import (
 )
 
 log = logging.getLogger(__name__)
-
-# Prompts longer than this (characters) are tokenized in the executor so one long prompt does not stall every
-# other stream on the event loop; shorter ones cost less than the thread hop.
-INLINE_TOKENIZE_CHARS = 2048
-# gRPC's own deadline timer and this loop's clock fire a hair apart: a call cancelled this close to its
-# deadline was cancelled by the deadline.
-_DEADLINE_SLACK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -80,135 +66,42 @@ def add_generation_service(service: GenerationService, server: Any) -> None:
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    def __init__(
-        self,
-        config: RouterConfig,
-        model: ServedModel,
-        admission: Admission,
-        dispatcher: Dispatcher,
-        metrics: RouterMetrics,
-        executor: Executor,
-    ) -> None:
-        self._config = config
-        self._model = model
-        self._admission = admission
-        self._dispatcher = dispatcher
-        self._metrics = metrics
-        self._executor = executor
+    """tandem.v1.Generation over the shared request pipeline (router.pipeline)."""
+
+    def __init__(self, pipeline: RequestPipeline) -> None:
+        self._pipeline = pipeline
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest | UndecodableRequest, context: Any
     ) -> None:
         if isinstance(request, UndecodableRequest):
-            self._metrics.request_rejected(grpc.StatusCode.INVALID_ARGUMENT.name.lower())
+            self._pipeline.reject(grpc.StatusCode.INVALID_ARGUMENT, Protocol.GRPC)
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request: not a valid tandem.v1.GenerateRequest ({request.problem}); "
                 "string fields (text, chat content, stop, request_id, model) must be UTF-8",
             )
             return
-        clock = RequestClock(arrival=time.monotonic())
         remaining = context.time_remaining()
-        timeout = remaining if remaining is not None else self._config.request_timeout_s
+        timeout = remaining if remaining is not None else self._pipeline.config.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
         try:
-            parsed = parse_request(request, self._model, self._config)
-            ticket = self._admission.enter()
+            admitted = self._pipeline.admit(request, Protocol.GRPC)
         except RouterError as exc:
-            self._metrics.request_rejected(exc.code.name.lower())
             await context.abort(exc.code, exc.details)
             return
         _cancel_on_client_cancel(context)
-        with ticket:
-            await self._serve(parsed, ticket, clock, deadline, context)
-
-    async def _serve(
-        self, parsed: ParsedRequest, ticket: Ticket, clock: RequestClock, deadline: float, context: Any
-    ) -> None:
-        """Tokenize, wait for a slot, dispatch: all under the deadline. Every way out records one outcome."""
-        outcome = grpc.StatusCode.CANCELLED.name.lower()  # unless something below says otherwise
-        out: ResponseBuilder | None = None
         try:
-            async with asyncio.timeout_at(deadline):
-                out = ResponseBuilder(await self._validate(parsed), self._model, clock)
-                await ticket.start()
-                await self._dispatcher.run(out.request, out, deadline, context.write)
-            outcome = _finish_name(out)
-        except TimeoutError:
-            outcome = grpc.StatusCode.DEADLINE_EXCEEDED.name.lower()
-            sent = f"after {len(out.token_ids)} tokens" if out and out.token_ids else "before the first token"
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed {sent}")
+            await self._pipeline.run(admitted, deadline, context.write)
         except RouterError as exc:
-            outcome = exc.code.name.lower()
             await context.abort(exc.code, exc.details)
-        except asyncio.CancelledError:  # gRPC cancelled the call: the client went away or its deadline passed
-            outcome = _cancelled_outcome(out, deadline)
-            raise
-        except Exception as exc:  # a router bug: say so instead of gRPC's bare UNKNOWN
-            log.exception("request %s failed inside the router", parsed.request_id)
-            outcome = grpc.StatusCode.INTERNAL.name.lower()
-            await context.abort(grpc.StatusCode.INTERNAL, f"router error: {type(exc).__name__}: {exc}")
-        finally:
-            if out is None and outcome == "invalid_argument":
-                self._metrics.request_rejected(outcome)  # the prompt itself was refused (length, template)
-            else:
-                self._record(outcome, out, clock)
-
-    async def _validate(self, parsed: ParsedRequest) -> ValidatedRequest:
-        tokenizer = self._model.tokenizer
-        if _prompt_chars(parsed) > INLINE_TOKENIZE_CHARS:
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._executor, encode_prompt, parsed, tokenizer)
-        else:
-            ids = encode_prompt(parsed, tokenizer)
-        return check_lengths(parsed, ids, self._model, self._config)
-
-    def _record(self, outcome: str, out: ResponseBuilder | None, clock: RequestClock) -> None:
-        now = time.monotonic()
-        self._metrics.request_done(
-            RequestRecord(
-                outcome=outcome,
-                prompt_tokens=len(out.request.prompt_token_ids) if out else 0,
-                completion_tokens=len(out.token_ids) if out else 0,
-                e2e_seconds=now - clock.arrival,
-                queue_seconds=None if clock.started is None else clock.started - clock.arrival,
-                ttft_seconds=None if clock.first_token is None else clock.first_token - clock.arrival,
-            )
-        )
 
     async def ListModels(self, request: generate_pb2.ListModelsRequest, context: Any) -> Any:
+        model = self._pipeline.model
         info = generate_pb2.ModelInfo(
-            id=self._model.id, max_model_len=self._model.max_model_len, vocab_size=self._model.vocab_size
+            id=model.id, max_model_len=model.max_model_len, vocab_size=model.vocab_size
         )
         return generate_pb2.ListModelsResponse(models=[info])
-
-
-def _prompt_chars(parsed: ParsedRequest) -> int:
-    if parsed.text is not None:
-        return len(parsed.text)
-    return sum(len(m.content) for m in parsed.messages or ())
-
-
-def _cancelled_outcome(out: ResponseBuilder | None, deadline: float) -> str:
-    """How a call that gRPC cancelled under the handler ended. A request that had finished counts as finished
-    (a client drops its call once it has read the Final, which can overtake the handler's return); one whose
-    deadline had passed counts as DEADLINE_EXCEEDED (the client's deadline cancels the call here)."""
-    if out is not None and out.finish_reason is not None:
-        return _finish_name(out)
-    if asyncio.get_running_loop().time() >= deadline - _DEADLINE_SLACK_S:
-        return grpc.StatusCode.DEADLINE_EXCEEDED.name.lower()
-    return grpc.StatusCode.CANCELLED.name.lower()
-
-
-def _finish_name(out: ResponseBuilder | None) -> str:
-    if out is None or out.finish_reason is None:
-        return "unknown"
-    names: dict[int, str] = {
-        generate_pb2.FINISH_REASON_STOP: "stop",
-        generate_pb2.FINISH_REASON_LENGTH: "length",
-        generate_pb2.FINISH_REASON_ABORT: "abort",
-    }
-    return names.get(out.finish_reason, "unknown")
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

@@ -24,7 +24,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "tandem.json"
 HELM_DASHBOARD = ROOT / "helm" / "tandem" / "dashboards" / "tandem.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 
-ALLOWED_LABELS = {"model", "role", "worker", "status", "finish_reason", "reason", "code", "le"}
+ALLOWED_LABELS = {"model", "protocol", "role", "worker", "status", "finish_reason", "reason", "code", "le"}
 # Unbounded or per-request values must never be labels: one series per request would swamp Prometheus.
 FORBIDDEN_LABELS = {"request_id", "request", "id", "prompt", "text", "user", "client", "trace_id", "address"}
 NON_BASE_UNITS = re.compile(

@@ -43,15 +43,15 @@ def test_a_finished_request_counts_once_with_its_tokens_and_latencies() -> None:
     m = PrometheusRouterMetrics(MODEL)
     m.request_done(RequestRecord("length", 10, 5, e2e_seconds=3.0, queue_seconds=0.5, ttft_seconds=1.0))
     r = m.registry
-    assert value(r, "tandem_requests_total", status="ok") == 1
-    assert value(r, "tandem_request_success_total", finish_reason="length") == 1
+    assert value(r, "tandem_requests_total", protocol="grpc", status="ok") == 1
+    assert value(r, "tandem_request_success_total", protocol="grpc", finish_reason="length") == 1
     assert value(r, "tandem_prompt_tokens_total") == 10
     assert value(r, "tandem_generation_tokens_total") == 5
-    assert value(r, "tandem_time_to_first_token_seconds_sum") == 1.0
-    assert value(r, "tandem_time_to_first_token_seconds_bucket", le="1.0") == 1
-    assert value(r, "tandem_time_to_first_token_seconds_bucket", le="0.5") == 0
+    assert value(r, "tandem_time_to_first_token_seconds_sum", protocol="grpc") == 1.0
+    assert value(r, "tandem_time_to_first_token_seconds_bucket", protocol="grpc", le="1.0") == 1
+    assert value(r, "tandem_time_to_first_token_seconds_bucket", protocol="grpc", le="0.5") == 0
     assert value(r, "tandem_request_queue_seconds_sum") == 0.5
-    assert value(r, "tandem_e2e_request_latency_seconds_count") == 1
+    assert value(r, "tandem_e2e_request_latency_seconds_count", protocol="grpc") == 1
     # 5 tokens -> 4 gaps sharing the 2 s between the first token and the end
     assert value(r, "tandem_inter_token_latency_seconds_count") == 4
     assert value(r, "tandem_inter_token_latency_seconds_sum") == pytest.approx(2.0)
@@ -59,6 +59,20 @@ def test_a_finished_request_counts_once_with_its_tokens_and_latencies() -> None:
     assert value(r, "tandem_inter_token_latency_seconds_bucket", le="0.5") == 4
     assert value(r, "tandem_inter_token_latency_seconds_bucket", le="+Inf") == 4
     assert m.outcomes["length"] == 1 and m.completion_tokens == 5  # the base class's counters still count
+
+
+def test_requests_count_under_the_protocol_they_came_in_by() -> None:
+    m = PrometheusRouterMetrics(MODEL)
+    m.request_done(RequestRecord("stop", 3, 2, e2e_seconds=1.0, ttft_seconds=0.5, protocol="http"))
+    m.request_rejected("resource_exhausted", "http")
+    m.request_done(RequestRecord("stop", 3, 2, e2e_seconds=1.0, ttft_seconds=0.5))
+    r = m.registry
+    assert value(r, "tandem_requests_total", protocol="http", status="ok") == 1
+    assert value(r, "tandem_requests_total", protocol="http", status="RESOURCE_EXHAUSTED") == 1
+    assert value(r, "tandem_requests_total", protocol="grpc", status="ok") == 1
+    assert value(r, "tandem_request_success_total", protocol="http", finish_reason="stop") == 1
+    assert value(r, "tandem_time_to_first_token_seconds_count", protocol="http") == 1
+    assert value(r, "tandem_e2e_request_latency_seconds_count", protocol="grpc") == 1
 
 
 def test_failed_and_rejected_requests_count_under_their_status() -> None:
@@ -69,11 +83,11 @@ def test_failed_and_rejected_requests_count_under_their_status() -> None:
     m.worker_failed("decode-1", "unavailable")
     m.request_retried("no_room")
     r = m.registry
-    assert value(r, "tandem_requests_total", status="DEADLINE_EXCEEDED") == 1
-    assert value(r, "tandem_requests_total", status="INVALID_ARGUMENT") == 2
-    assert value(r, "tandem_requests_total", status="ok") == 0  # present from the start
-    assert value(r, "tandem_time_to_first_token_seconds_count") == 0  # no token, no TTFT
-    assert value(r, "tandem_e2e_request_latency_seconds_count") == 1
+    assert value(r, "tandem_requests_total", protocol="grpc", status="DEADLINE_EXCEEDED") == 1
+    assert value(r, "tandem_requests_total", protocol="grpc", status="INVALID_ARGUMENT") == 2
+    assert value(r, "tandem_requests_total", protocol="grpc", status="ok") == 0  # present from the start
+    assert value(r, "tandem_time_to_first_token_seconds_count", protocol="grpc") == 0  # no token, no TTFT
+    assert value(r, "tandem_e2e_request_latency_seconds_count", protocol="grpc") == 1
     assert value(r, "tandem_worker_failures_total", worker="decode-1", code="UNAVAILABLE") == 1
     assert value(r, "tandem_request_retries_total", reason="no_room") == 1
 

@@ -1,0 +1,265 @@
+"""An OpenAI request body (JSON) -> the router's own `tandem.v1.GenerateRequest` plus how to answer it.
+
+Only types and OpenAI-specific rules are checked here; every value rule (ranges, the vocabulary, the prompt's
+length, the model) is the shared pipeline's (router.validation), so both front doors accept the same requests.
+
+    POST /v1/completions       prompt (a string, or token ids; a list of one of either), max_tokens
+    POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
+    both                       model, temperature, top_p, seed, stop, n (1 only), user (ignored), stream,
+                               stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
+                               true, with top_logprobs), and vLLM's extensions top_k, ignore_eos,
+                               stop_token_ids and return_token_ids
+
+Unknown fields are ignored, as OpenAI's API does; known fields that would change the output in a way Tandem
+cannot honour (echo, suffix, best_of > 1, penalties, logit_bias, tools, a JSON response_format, n > 1) are a
+400 that says so, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.openai_api.errors import bad_request
+from tandem_api.tandem.v1 import generate_pb2
+
+_NUMBER = (int, float)
+# Roles OpenAI clients send that the chat templates know by another name.
+_ROLE_ALIASES = {"developer": "system"}
+# Known fields Tandem does not implement, and the value that means "not used".
+_UNSUPPORTED = {
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+}
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """What the HTTP front door needs: the internal request and the answer's options."""
+
+    message: generate_pb2.GenerateRequest
+    chat: bool
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    logprobs: int | None  # top-n alternatives per token (0: the chosen token's only); None: no logprobs
+    return_token_ids: bool  # vLLM's extension: token ids in each choice (and the prompt's in the response)
+    max_tokens_field: str  # the name the client used, for error messages
+
+    @property
+    def request_id(self) -> str:
+        return self.message.request_id
+
+
+def parse_completion(body: Mapping[str, Any]) -> OpenAIRequest:
+    message = _common(body, chat=False)
+    _prompt(body.get("prompt"), message)
+    _check_unsupported(body)
+    logprobs = _optional(body, "logprobs", int)
+    max_tokens_field = _max_tokens(body, message, ("max_tokens",))
+    return _finish(body, message, chat=False, logprobs=logprobs, max_tokens_field=max_tokens_field)
+
+
+def parse_chat(body: Mapping[str, Any]) -> OpenAIRequest:
+    message = _common(body, chat=True)
+    _messages(body.get("messages"), message)
+    _check_unsupported(body)
+    rf = _optional(body, "response_format", dict)
+    if rf is not None and rf.get("type", "text") != "text":
+        raise bad_request("response_format", f"only {{'type': 'text'}} is supported, got {rf.get('type')!r}")
+    wants = _optional(body, "logprobs", bool)
+    top = _optional(body, "top_logprobs", int)
+    if top is not None and not wants:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    logprobs = (top or 0) if wants else None
+    max_tokens_field = _max_tokens(body, message, ("max_completion_tokens", "max_tokens"))
+    return _finish(body, message, chat=True, logprobs=logprobs, max_tokens_field=max_tokens_field)
+
+
+def _common(body: Mapping[str, Any], chat: bool) -> generate_pb2.GenerateRequest:
+    prefix = "chatcmpl" if chat else "cmpl"
+    message = generate_pb2.GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}")
+    model = _optional(body, "model", str)
+    if model:
+        message.model = model
+    _optional(body, "user", str)  # accepted for compatibility; the router keeps no per-user state
+    n = _optional(body, "n", int)
+    if n is not None and n != 1:
+        raise bad_request("n", f"only 1 choice per request is supported, got {n}; send {n} requests instead")
+    sampling = message.sampling
+    for name, kind in (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("seed", int)):
+        value = _optional(body, name, kind)
+        if value is not None:
+            _set(sampling, name, value)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("stop", f"must be a string or a list of strings, got {_kind(stop)}")
+        sampling.stop.extend(stop)
+    ids = _optional(body, "stop_token_ids", list)
+    if ids is not None:
+        if not all(_is_int(i) for i in ids):
+            raise bad_request("stop_token_ids", "must be a list of integers")
+        _set_repeated(sampling.stop_token_ids, ids, "stop_token_ids")
+    sampling.ignore_eos = bool(_optional(body, "ignore_eos", bool))
+    return message
+
+
+def _finish(
+    body: Mapping[str, Any],
+    message: generate_pb2.GenerateRequest,
+    *,
+    chat: bool,
+    logprobs: int | None,
+    max_tokens_field: str,
+) -> OpenAIRequest:
+    if logprobs is not None:
+        _set(message.sampling, "logprobs", logprobs, "top_logprobs" if chat else "logprobs")
+    stream = bool(_optional(body, "stream", bool))
+    options = _optional(body, "stream_options", dict) or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage", f"must be a boolean, got {_kind(include_usage)}")
+    return OpenAIRequest(
+        message=message,
+        chat=chat,
+        stream=stream,
+        include_usage=stream and include_usage,
+        logprobs=logprobs,
+        return_token_ids=bool(_optional(body, "return_token_ids", bool)),
+        max_tokens_field=max_tokens_field,
+    )
+
+
+def _max_tokens(
+    body: Mapping[str, Any], message: generate_pb2.GenerateRequest, names: tuple[str, ...]
+) -> str:
+    """The first of `names` the client set becomes sampling.max_tokens; returns the name used."""
+    for name in names:
+        value = _optional(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise bad_request(name, f"must be an integer >= 1, got {value}")
+            _set(message.sampling, "max_tokens", value, name)
+            return name
+    return names[0]
+
+
+def _prompt(prompt: Any, message: generate_pb2.GenerateRequest) -> None:
+    """A string or a list of token ids; a list holding one of either is the same prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        message.text = prompt
+        return
+    if isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
+        _set_repeated(message.token_ids.ids, prompt, "prompt")
+        return
+    if prompt is None:
+        raise bad_request("prompt", "is required")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(
+            "prompt", f"batches of {len(prompt)} prompts are not supported; send one per request"
+        )
+    raise bad_request("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+
+
+def _messages(messages: Any, message: generate_pb2.GenerateRequest) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", f"must be a non-empty list of messages, got {_kind(messages)}")
+    chat = message.chat.messages
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(where, f"must be an object with role and content, got {_kind(m)}")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad_request(f"{where}.role", f"must be a string, got {_kind(role)}")
+        chat.add(role=_ROLE_ALIASES.get(role, role), content=_content(m.get("content"), f"{where}.content"))
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or a list of text parts ({"type": "text", "text": ...}) joined; null is empty."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                raise bad_request(f"{where}[{j}]", f"only text parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(where, f"must be a string or a list of text parts, got {_kind(content)}")
+
+
+def _check_unsupported(body: Mapping[str, Any]) -> None:
+    for name, unused in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == u and type(value) is type(u) for u in unused):
+            raise bad_request(name, f"is not supported by this server (got {value!r})")
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """body[name] when present and not null, after a type check (a JSON true is no number)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and kind is not bool:
+        raise bad_request(name, f"must be {_kind_name(kind)}, got a boolean")
+    if not isinstance(value, kind):
+        raise bad_request(name, f"must be {_kind_name(kind)}, got {_kind(value)}")
+    return value
+
+
+def _set(target: Any, field: str, value: Any, param: str | None = None) -> None:
+    """Protobuf refuses what its field cannot hold (a negative uint, 2^64): that is the client's 400."""
+    try:
+        setattr(target, field, value)
+    except (TypeError, ValueError):
+        raise bad_request(param or field, f"{value!r} is out of range") from None
+
+
+def _set_repeated(target: Any, values: list[int], param: str) -> None:
+    try:
+        target.extend(values)
+    except (TypeError, ValueError):
+        bad = next((v for v in values if not 0 <= v < 2**32), values[0])
+        raise bad_request(param, f"token id {bad!r} is outside the vocabulary") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return {
+        type(None): "null",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if kind == _NUMBER:
+        return "a number"
+    return {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "a list"}.get(
+        kind if isinstance(kind, type) else kind[0], str(kind)
+    )

@@ -1,0 +1,168 @@
+"""The router's `GenerateResponse` messages (Delta..., Final) -> OpenAI's JSON objects.
+
+    streaming  one chunk per Delta ("text_completion" / "chat.completion.chunk"), a last chunk with the
+               finish_reason, then (stream_options.include_usage) a chunk with no choices and the usage
+    otherwise  one "text_completion" / "chat.completion" object once the Final arrived
+
+Logprobs carry token strings as OpenAI's do; a token that is part of a multi-byte character reads as the
+replacement character, and chat's `bytes` field gives its UTF-8 bytes as the tokenizer decodes it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from model_runtime.tokenizer import Tokenizer
+from router.openai_api.requests import OpenAIRequest
+from tandem_api.tandem.v1 import generate_pb2
+
+FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class Answer:
+    """Builds one request's OpenAI objects from its GenerateResponse messages, in order."""
+
+    def __init__(self, request: OpenAIRequest, model: str, tokenizer: Tokenizer) -> None:
+        self.request = request
+        self._model = model
+        self._tokenizer = tokenizer
+        self._created = int(time.time())
+        self._object = "chat.completion" if request.chat else "text_completion"
+        self._chunks_sent = 0
+        self._text: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[generate_pb2.TokenLogprob] = []
+        self.final: generate_pb2.Final | None = None  # non-streaming: kept by add_final
+        self._offset = 0  # characters of completion text before the current delta (completions' text_offset)
+
+    # --- streaming ------------------------------------------------------------------------------------
+    def chunk(self, delta: generate_pb2.Delta) -> dict[str, Any]:
+        """The chunk for one Delta (sent even when its text is held back: the client sees every step)."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.request.chat:
+            body = {"content": delta.text}
+            if self._chunks_sent == 0:
+                body = {"role": "assistant", **body}
+            choice["delta"] = body
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self._logprobs_of(delta.logprobs)
+        choice["finish_reason"] = None
+        if self.request.return_token_ids:
+            choice["token_ids"] = list(delta.token_ids)
+        return self._chunk([choice])
+
+    def last_chunks(self, final: generate_pb2.Final) -> list[dict[str, Any]]:
+        """The chunk with the finish_reason, and the usage chunk when asked for."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.request.chat:
+            choice["delta"] = {"role": "assistant", "content": ""} if self._chunks_sent == 0 else {}
+        else:
+            choice["text"] = ""
+        choice["logprobs"] = None
+        choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
+        chunks = [self._chunk([choice])]
+        if self.request.include_usage:
+            usage_chunk = self._chunk([])
+            usage_chunk["usage"] = usage(final.usage)
+            chunks.append(usage_chunk)
+        return chunks
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        self._chunks_sent += 1
+        chunk: dict[str, Any] = {
+            "id": self.request.request_id,
+            "object": "chat.completion.chunk" if self.request.chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
+        if self.request.include_usage:
+            chunk["usage"] = None  # as OpenAI: present on every chunk, set on the last
+        return chunk
+
+    # --- one response ---------------------------------------------------------------------------------
+    def add(self, delta: generate_pb2.Delta) -> None:
+        self._text.append(delta.text)
+        self._token_ids.extend(delta.token_ids)
+        self._logprobs.extend(delta.logprobs)
+
+    def add_final(self, final: generate_pb2.Final) -> None:
+        self.final = final
+
+    def whole(self) -> dict[str, Any]:
+        """The whole response, once add_final had the Final."""
+        final = self.final
+        if final is None:  # the pipeline returns only after dispatch wrote the Final
+            raise RuntimeError("the request ended without a Final message")
+        text = "".join(self._text)
+        choice: dict[str, Any] = {"index": 0}
+        if self.request.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        self._offset = 0
+        choice["logprobs"] = self._logprobs_of(self._logprobs)
+        choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
+        response: dict[str, Any] = {
+            "id": self.request.request_id,
+            "object": self._object,
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "usage": usage(final.usage),
+        }
+        if self.request.return_token_ids:
+            choice["token_ids"] = self._token_ids
+            response["prompt_token_ids"] = list(final.prompt_token_ids)
+        return response
+
+    # --- logprobs -------------------------------------------------------------------------------------
+    def _logprobs_of(self, entries: Sequence[generate_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        if self.request.logprobs is None:
+            return None
+        if self.request.chat:
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in e.top} for e in entries]
+            if self.request.logprobs
+            else None,
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, entry: generate_pb2.TokenLogprob) -> dict[str, Any]:
+        token = self._token(entry.token_id)
+        return {
+            "token": token,
+            "logprob": entry.logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": (t := self._token(top.token_id)), "logprob": top.logprob, "bytes": list(t.encode())}
+                for top in entry.top
+            ],
+        }
+
+    def _token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def usage(message: generate_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": message.prompt_tokens,
+        "completion_tokens": message.completion_tokens,
+        "total_tokens": message.prompt_tokens + message.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": message.cached_prompt_tokens},
+    }
