@@ -2,7 +2,7 @@
 
 model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shape>, or the embedded default)
 mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
-router:   {host, port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
+router:   {host, port, http_port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
            default_max_tokens}
 prefill:  {replicas, num_gpus, ray_resources, metrics_port, metrics_port_count,
            engine: {cache: {...}, scheduler: {...}, device: {...}}}
@@ -32,6 +32,7 @@ MODES = ("disaggregated", "colocated")
 class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000  # the OpenAI-compatible HTTP API on host:http_port; 0 disables it (gRPC only)
     metrics_port: int = 9464  # 0 disables the metrics endpoint
     max_queue: int = 256
     max_inflight: int = 256
@@ -60,9 +61,14 @@ class RouterSettings:
                 f"router.metrics_file_sd: must be a path ending in .json (Prometheus reads file_sd by "
                 f"extension) or empty, got {self.metrics_file_sd!r}"
             )
-        for name in ("port", "metrics_port"):
+        for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router.{name}: must be in [0, 65535], got {getattr(self, name)}")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ConfigError(
+                f"router.http_port: {self.http_port} is taken by router.port or router.metrics_port; "
+                "pick another (0 turns the HTTP API off)"
+            )
         for name in ("max_queue", "max_inflight", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"router.{name}: must be >= 1, got {getattr(self, name)}")

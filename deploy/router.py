@@ -1,7 +1,8 @@
 """A standalone router (Kubernetes Deployment): `python -m deploy.router --config /etc/tandem/tandem.yaml`.
 
-It reads the same deployment config as the controller, serves the public API on router.host:router.port and
-learns the workers from the controller's RouterControl.SetWorkers pushes. SIGTERM stops it gracefully.
+It reads the same deployment config as the controller, serves the public API on router.host:router.port (gRPC)
+and router.host:router.http_port (the OpenAI-compatible HTTP API, unless 0), and learns the workers from the
+controller's RouterControl.SetWorkers pushes. SIGTERM stops it gracefully.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ async def run(config_path: str | None) -> int:
         else None
     )
     print(f"Tandem router serving {config.model} on {address}", flush=True)
+    if router.http_address:
+        print(f"OpenAI-compatible API on {router.http_address}/v1", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

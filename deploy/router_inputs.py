@@ -18,6 +18,7 @@ def router_config(config: DeployConfig) -> RouterConfig:
     return RouterConfig(
         host=r.host,
         port=r.port,
+        http_port=r.http_port or None,  # 0: no HTTP API
         model=config.model,
         max_model_len=min(lens) if lens else None,
         default_max_tokens=r.default_max_tokens,

@@ -3,7 +3,8 @@
 Starts (or joins) Ray, the router on router.host:router.port, the worker pools through the controller, prints
 the address once the service is healthy, and on Ctrl-C / SIGTERM drains and stops everything it started,
 Ray included. `python -m deploy.job` is the same on an existing cluster (`ray job submit`).
-Prometheus: the router's /metrics on router.host:router.metrics_port, each worker's on its own port, all of
+The router serves gRPC on router.host:router.port and the OpenAI-compatible HTTP API on router.host:
+router.http_port (0: off). Prometheus: the router's /metrics on router.host:router.metrics_port, each worker's on its own port, all of
 them listed in router.metrics_file_sd when set (deploy/metrics.py).
 """
 
@@ -110,6 +111,8 @@ async def serve(config: DeployConfig) -> int:
             if router is not None:  # the workers are up; the router knows once its first polls answer
                 await _until_serving(router, _SERVING_WAIT_S)
             print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
+            if router is not None and router.http_address:
+                print(f"OpenAI-compatible API on {router.http_address}/v1", flush=True)
             await stop.wait()
         _say("stopping: draining in-flight requests")
     except Exception as exc:

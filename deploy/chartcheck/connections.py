@@ -88,9 +88,12 @@ def _router_config_problems(r: Rendering, config: DeployConfig) -> list[str]:
         found.append("headless router Service must publish not-ready pods (the controller makes them ready)")
     router = _router_container(r)
     ports = {p["name"]: p["containerPort"] for p in router.get("ports", [])}
-    if ports.get("grpc") != config.router.port or ports.get("metrics") != config.router.metrics_port:
+    want_ports = {"grpc": config.router.port, "metrics": config.router.metrics_port}
+    if config.router.http_port:  # the OpenAI-compatible HTTP API (0: off, no port)
+        want_ports["http"] = config.router.http_port
+    if ports != want_ports:
         found.append(
-            f"router ports {ports} differ from config port {config.router.port} / {config.router.metrics_port}"
+            f"router ports {ports} differ from the config's {want_ports} (router.port, metrics_port, http_port)"
         )
     for probe in ("startupProbe", "readinessProbe"):
         if (router.get(probe) or {}).get("grpc", {}).get("port") != config.router.port:

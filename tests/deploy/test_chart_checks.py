@@ -144,6 +144,12 @@ MUTATIONS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     (
         "ConfigMap",
         "-config",
+        lambda d: set_config(d, lambda c: c["router"].update(http_port=8080)),
+        "router ports",
+    ),
+    (
+        "ConfigMap",
+        "-config",
         lambda d: set_config(d, lambda c: c["controller"].update(routers=["demo-tandem-router:50051"])),
         "headless Service",
     ),

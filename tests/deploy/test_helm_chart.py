@@ -66,6 +66,21 @@ def test_default_rendering_has_every_part() -> None:
     assert "helm test demo" in r.notes and "WARNING" not in r.notes
 
 
+def test_the_openai_http_port_is_served_exposed_and_can_be_turned_off() -> None:
+    r = rendered("defaults")
+    service = next(s for s in r.objects("Service") if s["metadata"]["name"].endswith("-router"))
+    http = {p["name"]: p for p in service["spec"]["ports"]}["http"]
+    assert (http["port"], http["targetPort"], http["appProtocol"]) == (8000, "http", "http")
+    assert rendered_config(r).router.http_port == 8000
+    assert "/v1/completions" in r.notes
+    off = render({"router": {"httpPort": 0}}, label="http off")
+    assert rendered_config(off).router.http_port == 0
+    assert check_all(off) == []
+    for service in off.objects("Service"):
+        assert "http" not in {p["name"] for p in service["spec"]["ports"]}
+    assert "/v1/completions" not in off.notes
+
+
 def test_monitoring_values_add_monitors_and_dashboard() -> None:
     r = rendered("monitoring-values.yaml")
     assert len(r.objects("ServiceMonitor")) == 1

@@ -31,6 +31,7 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- define "tandem.config" -}}
 {{- $v := .Values -}}
 {{- $router := dict "host" "0.0.0.0" "port" (int $v.router.grpcPort) "metrics_port" (int $v.router.metricsPort) -}}
+{{- $_ := set $router "http_port" (int $v.router.httpPort) -}}
 {{- $_ := set $router "max_queue" (int $v.router.maxQueue) -}}
 {{- $_ := set $router "max_inflight" (int $v.router.maxInflight) -}}
 {{- $_ := set $router "request_timeout_s" $v.router.requestTimeoutSeconds -}}
