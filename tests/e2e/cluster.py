@@ -46,14 +46,22 @@ class ServeProcess:
         start_timeout_s: float = 300.0,
         metrics_port: int = 0,
         metrics_file_sd: Path | None = None,
+        http_port: int = 0,
     ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        # The OpenAI-compatible HTTP API: off (0) unless a test asks for it (its default port is 8000).
+        self.http_address = f"http://127.0.0.1:{http_port}" if http_port else ""
         mode = "colocated" if colocated else "disaggregated"
         config: dict = {
             "model": model,
             "mode": mode,
-            "router": {"host": "127.0.0.1", "port": self.port, "metrics_port": metrics_port},
+            "router": {
+                "host": "127.0.0.1",
+                "port": self.port,
+                "http_port": http_port,
+                "metrics_port": metrics_port,
+            },
             "controller": {"health_interval_s": 0.5, "drain_timeout_s": 20},
         }
         for role, replicas in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):

@@ -1,8 +1,9 @@
 """Fixtures the e2e tests share: the standard cluster, and the router tests' served model and event loop.
 
 `standard_cluster` is one `tandem serve` with the standard settings (1 prefill + 1 decode worker, 256 KV blocks
-each, the embedded model, the router's /metrics and its file_sd target list on) for the tests that only send
-requests to such a cluster and leave it as they found it (test_bench_cli, test_fuzz, test_observability).
+each, the embedded model, the router's /metrics, its file_sd target list and the OpenAI HTTP API on) for the
+tests that only send requests to such a cluster and leave it as they found it (test_bench_cli, test_fuzz,
+test_observability, test_openai_api).
 Starting one costs most of a minute on the 2-core CI box. Tests that kill or stop workers, drain, or need other
 settings or a count of requests from a fresh start (drain, faults, overload, soak, service) start their own.
 
@@ -21,7 +22,7 @@ import pytest
 from router.model import ServedModel
 from tests.e2e.cluster import ServeProcess
 from tests.e2e.fake_workers import LoopThread
-from tests.loopback import free_port
+from tests.loopback import free_ports
 
 STANDARD = "standard_cluster"
 RUNNING = pytest.StashKey[ServeProcess]()
@@ -31,7 +32,10 @@ RUNNING = pytest.StashKey[ServeProcess]()
 def standard_cluster(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[ServeProcess]:
     tmp = tmp_path_factory.mktemp("standard-cluster")
     file_sd = tmp / "targets" / "tandem.json"
-    serve = ServeProcess(tmp, prefill=1, decode=1, metrics_port=free_port(), metrics_file_sd=file_sd)
+    metrics_port, http_port = free_ports(2)
+    serve = ServeProcess(
+        tmp, prefill=1, decode=1, metrics_port=metrics_port, metrics_file_sd=file_sd, http_port=http_port
+    )
     with serve:
         request.config.stash[RUNNING] = serve
         yield serve

@@ -174,7 +174,7 @@ def write_config(root: Path, router_port: int) -> Path:
     config = {
         "model": "smollm2-135m-instruct",
         "mode": "disaggregated",
-        "router": {"host": "127.0.0.1", "port": router_port, "metrics_port": 0},
+        "router": {"host": "127.0.0.1", "port": router_port, "http_port": 0, "metrics_port": 0},
         "controller": {"health_interval_s": 0.5, "drain_timeout_s": 10},
         "prefill": {"replicas": 1, "num_gpus": 0, "engine": engine_section(64)},
         "decode": {"replicas": 1, "num_gpus": 0, "engine": engine_section(64)},
