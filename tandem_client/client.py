@@ -20,10 +20,10 @@ from tandem_client import wire
 from tandem_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelOption, make_config
 from tandem_client.errors import error_from_rpc
 from tandem_client.types import (
-    ChatMessage,
     ClusterStatus,
     GenerationDelta,
     GenerationResult,
+    MessageInput,
     ModelInfo,
     Prompt,
     Sampling,
@@ -129,7 +129,7 @@ class Client:
         self,
         prompt: str | Prompt | None = None,
         *,
-        messages: Sequence[ChatMessage] | None = None,
+        messages: Sequence[MessageInput] | None = None,
         token_ids: Sequence[int] | None = None,
         sampling: Sampling | None = None,
         model: str | None = None,
@@ -153,7 +153,7 @@ class Client:
         self,
         prompt: str | Prompt | None = None,
         *,
-        messages: Sequence[ChatMessage] | None = None,
+        messages: Sequence[MessageInput] | None = None,
         token_ids: Sequence[int] | None = None,
         sampling: Sampling | None = None,
         model: str | None = None,

@@ -6,9 +6,9 @@ All frozen dataclasses; protobuf stays inside tandem_client.wire.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TypedDict
+from typing import TypeAlias, TypedDict
 
 import grpc
 
@@ -23,6 +23,26 @@ def _bad(field: str, problem: str) -> InvalidArgument:
 class ChatMessage:
     role: str
     content: str
+
+    @classmethod
+    def of(cls, message: ChatMessage | Mapping[str, object], where: str = "message") -> ChatMessage:
+        """A ChatMessage, or a plain {"role": ..., "content": ...} dict as OpenAI clients write them (other keys,
+        such as "name", are ignored)."""
+        if isinstance(message, ChatMessage):
+            return message
+        if not isinstance(message, Mapping):
+            raise _bad(
+                where, f"must be a ChatMessage or a {{'role', 'content'}} dict, got {type(message).__name__}"
+            )
+        role, content = message.get("role"), message.get("content")
+        for key, value in (("role", role), ("content", content)):
+            if not isinstance(value, str):
+                raise _bad(f"{where}.{key}", f"must be a string, got {type(value).__name__}")
+        return cls(str(role), str(content))
+
+
+# What the SDK's messages= takes: ChatMessage objects or plain dicts, mixed as the caller likes.
+MessageInput: TypeAlias = ChatMessage | Mapping[str, object]
 
 
 @dataclass(frozen=True)
@@ -46,7 +66,7 @@ class Prompt:
     def of(
         cls,
         prompt: str | Prompt | None = None,
-        messages: Sequence[ChatMessage] | None = None,
+        messages: Sequence[MessageInput] | None = None,
         token_ids: Sequence[int] | None = None,
     ) -> Prompt:
         """The Prompt for the SDK's (prompt | messages= | token_ids=) arguments."""
@@ -54,11 +74,13 @@ class Prompt:
             if messages is not None or token_ids is not None:
                 raise _bad("prompt", "pass either a Prompt or messages/token_ids, not both")
             return prompt
-        if messages is not None and not all(isinstance(m, ChatMessage) for m in messages):
-            raise _bad("messages", "each message must be a tandem_client.ChatMessage(role, content)")
+        if isinstance(messages, (str, Mapping)):
+            raise _bad("messages", "must be a list of messages, not one message")
         return cls(
             text=prompt,
-            messages=None if messages is None else tuple(messages),
+            messages=None
+            if messages is None
+            else tuple(ChatMessage.of(m, f"messages[{i}]") for i, m in enumerate(messages)),
             token_ids=None if token_ids is None else tuple(token_ids),
         )
 

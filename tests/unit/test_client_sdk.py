@@ -94,6 +94,17 @@ def test_token_ids_and_chat_inputs(client: Client) -> None:
     assert chat.text == "user:yo;"
 
 
+def test_chat_messages_may_be_plain_dicts_as_openai_clients_write_them(client: Client) -> None:
+    mixed = [{"role": "system", "content": "be brief", "name": "ignored"}, ChatMessage("user", "yo")]
+    assert client.generate(messages=mixed, max_tokens=100).text == "system:be brief;user:yo;"
+    with pytest.raises(InvalidArgument, match=r"messages\[1\]\.content: must be a string, got int"):
+        client.generate(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 3}])
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]: must be a ChatMessage or a"):
+        client.generate(messages=[("user", "a")])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="messages: must be a list of messages, not one message"):
+        client.generate(messages={"role": "user", "content": "a"})  # type: ignore[arg-type]
+
+
 def test_logprobs_are_typed_per_token(client: Client) -> None:
     result = client.generate(token_ids=[10, 11, 12], logprobs=2)
     assert [lp.token_id for lp in result.logprobs] == [10, 11, 12]
