@@ -37,9 +37,10 @@ def token_batch(out: StepOutput) -> worker_pb2.TokenBatch:
     return worker_pb2.TokenBatch(token_ids=out.token_ids, logprobs=lps)
 
 
-def finished_event(out: StepOutput, num_cached: int = 0) -> worker_pb2.DecodeEvent:
+def finished_event(out: StepOutput) -> worker_pb2.DecodeEvent:
+    """`num_cached_tokens`: the prompt tokens this engine took from its prefix cache (local prefill)."""
     done = worker_pb2.DecodeFinished(
-        finish_reason=FINISH_REASONS[out.finish_reason or "abort"], num_cached_tokens=num_cached
+        finish_reason=FINISH_REASONS[out.finish_reason or "abort"], num_cached_tokens=out.num_cached_tokens
     )
     if isinstance(out.stop_reason, int):
         done.stop_token_id = out.stop_reason
@@ -200,4 +201,5 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             address=self.address,
             draining=self.draining.is_set(),
             active_leases=leases,
+            known_prefix_version=request.known_prefix_version,
         )

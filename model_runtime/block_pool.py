@@ -15,6 +15,10 @@ it (then its hash is dropped: that is eviction). `match_prefix` revives such a b
 which removes it from the free list. A block with refs > 0 is never evicted. Uncached free blocks hold nothing
 worth keeping, so they are reused before any cached one.
 
+Which blocks the cache holds is reported outward (worker status -> the router's prefix index) through
+`cached_hashes`: most recently registered or matched first, so a bounded report keeps the hot prefixes, and
+`cache_version` changes whenever the set of cached hashes does (a reader that saw a version has nothing to fetch).
+
 Prefix hashes cover FULL blocks only and are chained: the hash of block i covers the hash of block i-1 and the
 block's token ids, so equal hashes mean equal whole prefixes. They use blake2b over little-endian int64 tokens,
 stable across processes and machines (Python's hash() is salted per process).
@@ -25,6 +29,7 @@ Not thread-safe: the scheduler's owner serialises calls.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -76,7 +81,10 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._hash_of_block: dict[int, bytes] = {}
-        self._block_of_hash: dict[bytes, int] = {}
+        self._block_of_hash: OrderedDict[bytes, int] = (
+            OrderedDict()
+        )  # least recently registered/matched first
+        self.cache_version = 0  # bumped whenever a hash is registered or evicted
 
     # --- accounting ------------------------------------------------------------------------------------
     @property
@@ -102,6 +110,10 @@ class BlockPool:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of_block
+
+    def cached_hashes(self, limit: int) -> list[bytes]:
+        """At most `limit` hashes of cached blocks (used or free), most recently registered or matched first."""
+        return list(itertools.islice(reversed(self._block_of_hash), max(0, limit)))
 
     def free_block_ids(self) -> list[int]:
         """The free list in reuse order (first is reused next); for tests and debugging."""
@@ -154,6 +166,7 @@ class BlockPool:
         block_hash = self._hash_of_block.pop(block_id, None)
         if block_hash is not None:
             del self._block_of_hash[block_hash]
+            self.cache_version += 1
 
     def _check_id(self, block_id: int) -> None:
         if block_id == NULL_BLOCK:
@@ -184,6 +197,7 @@ class BlockPool:
             if self._refs[block_id] == 0:
                 del self._free[block_id]  # revived before it was reused
             self._refs[block_id] += 1
+            self._block_of_hash.move_to_end(block_hash)  # recently used: reported first
             ids.append(block_id)
         return ids
 
@@ -214,6 +228,7 @@ class BlockPool:
                 continue
             self._hash_of_block[block_id] = block_hash
             self._block_of_hash[block_hash] = block_id
+            self.cache_version += 1
 
     def commit_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int], num_tokens: int) -> None:
         """Convenience: hash and register the full blocks among the first `num_tokens` tokens."""

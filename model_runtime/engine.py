@@ -53,6 +53,9 @@ class StepOutput:
     # prefill_only engines: the request's blocks, still allocated, and its prompt length.
     kv_block_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    # Prompt tokens this engine took from its prefix cache for the request (set on its last output, and on a
+    # prefill_only engine's one output).
+    num_cached_tokens: int = 0
 
 
 def activation_estimate(model: ModelConfig, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
@@ -290,6 +293,7 @@ class Engine:
                 lps,
                 verdict.finished.value,
                 verdict.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
             )
         if self.prefill_only:
             self.scheduler.detach(request)
@@ -301,6 +305,7 @@ class Engine:
                 lps,
                 kv_block_ids=tuple(request.block_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
             )
         return StepOutput(request.request_id, [token], verdict.text_delta, lps)
 

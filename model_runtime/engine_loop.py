@@ -28,6 +28,8 @@ from model_runtime.step_record import StepRecord
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PREFIX_REFRESH_S = 0.25
+PREFIX_REPORT_LIMIT = 4096  # block hashes a worker reports at most (16 bytes each): the hottest prefixes
 Subscriber = Callable[[StepOutput], None]
 StepListener = Callable[[StepRecord], None]
 
@@ -43,6 +45,7 @@ class EngineCounters:
     waiting: int = 0
     queued_prompt_tokens: int = 0
     requests_total: int = 0
+    cached_prompt_tokens_total: int = 0  # prompt tokens served from the prefix cache since start
 
     @classmethod
     def of(cls, engine: Engine) -> EngineCounters:
@@ -54,7 +57,26 @@ class EngineCounters:
             sched.num_waiting,
             engine.queued_prompt_tokens(),
             engine.requests_total,
+            sched.cached_tokens_total,
         )
+
+
+@dataclass(frozen=True)
+class PrefixSnapshot:
+    """Which full blocks the prefix cache holds (BlockPool.cached_hashes, bounded), as of `version`
+    (BlockPool.cache_version). Retaken at most every PREFIX_REFRESH_S, so a busy engine does not rebuild it on
+    every step; version and hashes always belong together."""
+
+    version: int = 0
+    block_hashes: tuple[bytes, ...] = ()
+    taken_at: float = 0.0
+
+    def refreshed(self, engine: Engine, limit: int) -> PrefixSnapshot:
+        version = engine.pool.cache_version
+        now = time.monotonic()
+        if version == self.version or now - self.taken_at < PREFIX_REFRESH_S:
+            return self
+        return PrefixSnapshot(version, tuple(engine.pool.cached_hashes(limit)), now)
 
 
 class EngineLoop:
@@ -63,7 +85,9 @@ class EngineLoop:
     right after each step starves waiting threads: Python locks are not fair, and the loop thread holds the
     GIL when it lets go. Aborts then waited tens of seconds on a busy worker.)"""
 
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self, engine: Engine, idle_wait_s: float = 0.05, prefix_report_limit: int = PREFIX_REPORT_LIMIT
+    ) -> None:
         self.engine = engine
         self._lock = threading.RLock()  # the engine, while the loop thread runs or when no loop thread runs
         self._calls: collections.deque[tuple[Callable[[Engine], object], Future[object]]] = (
@@ -81,7 +105,14 @@ class EngineLoop:
         self.last_beat = time.monotonic()  # refreshed every iteration: a stale value means a hung step
         self.steps = 0
         self.failure: BaseException | None = None
-        self.counters = EngineCounters.of(engine)
+        self._prefix_limit = prefix_report_limit
+        self.prefix = PrefixSnapshot()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Refresh what readers on other threads see (under the lock, on the loop thread or without one)."""
+        self.counters = EngineCounters.of(self.engine)
+        self.prefix = self.prefix.refreshed(self.engine, self._prefix_limit)
 
     def start(self) -> None:
         self._thread.start()
@@ -143,7 +174,7 @@ class EngineLoop:
 
     def _run_now(self, fn: Callable[[Engine], T]) -> T:
         result = fn(self.engine)
-        self.counters = EngineCounters.of(self.engine)
+        self._publish()
         return result
 
     def _run_calls(self) -> None:
@@ -157,7 +188,7 @@ class EngineLoop:
                 pending.set_result(fn(self.engine))
             except BaseException as exc:
                 pending.set_exception(exc)
-        self.counters = EngineCounters.of(self.engine)
+        self._publish()
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """On the loop thread. An output nobody listens for any more may carry detached KV blocks
@@ -181,7 +212,7 @@ class EngineLoop:
                         for listener in self._step_listeners:
                             listener(self.engine.last_step)
                     self._deliver(outputs or [])
-                    self.counters = EngineCounters.of(self.engine)
+                    self._publish()
                 if outputs is None or not self.engine.last_step_ran:  # idle, or blocked until blocks return
                     if not self._calls:
                         self._wake.wait(self._idle_wait_s)

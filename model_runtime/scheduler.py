@@ -59,6 +59,9 @@ class Scheduler:
         self._running: list[Request] = []  # admission order; the tail is preempted first
         self._hashes: dict[str, list[bytes]] = {}  # chained full-block hashes per request
         self._pending: SchedulerOutput | None = None  # scheduled, not yet advanced
+        self.cached_tokens_total = (
+            0  # prompt tokens taken from the prefix cache at first admission, all requests
+        )
 
     # --- queries ---------------------------------------------------------------------------------------
     def get(self, request_id: str) -> Request | None:
@@ -272,6 +275,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = num_computed
+            self.cached_tokens_total += num_computed
         request.status = RequestStatus.RUNNING
         return n
 

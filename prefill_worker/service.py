@@ -84,7 +84,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _first_token(self, out: StepOutput) -> worker_pb2.FirstToken:
         token = out.token_ids[0]
-        msg = worker_pb2.FirstToken(token_id=token)
+        msg = worker_pb2.FirstToken(token_id=token, num_cached_tokens=out.num_cached_tokens)
         if out.finish_reason is not None:
             msg.finish_reason = FINISH_REASONS[out.finish_reason]
             if isinstance(out.stop_reason, int):
@@ -119,6 +119,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             address=self.address,
             draining=self.draining.is_set(),
             active_leases=leases,
+            known_prefix_version=request.known_prefix_version,
         )
 
 

@@ -34,6 +34,7 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, PromptWork, WorkerLoad
 from router.pool import Charge, WorkerHandle, WorkerPool
+from router.prefix import PromptHashes
 from router.relay import Relay, Write
 from router.responses import ResponseBuilder
 from router.streams import StreamMerger, WorkerCallError, WorkerStream
@@ -126,8 +127,11 @@ class Dispatcher:
         failures = _Failures(self._config.worker_retries)
         full: set[str] = set()  # no room: skipped until the next backoff round
         delay = _BACKOFF_FIRST_S
+        prompt = PromptHashes(request.prompt_token_ids)
         while True:
-            work = self._work(request, out)
+            if len(prompt.token_ids) != len(request.prompt_token_ids) + len(out.token_ids):
+                prompt = PromptHashes([*request.prompt_token_ids, *out.token_ids])  # a resume
+            work = self._work(prompt)
             placement, loads = self._place(failures.avoid, full, work)
             if placement is None:
                 if not full and not self._may_wait_for_recovery(failures):
@@ -149,9 +153,9 @@ class Dispatcher:
                     ) from None
                 self._note_failure(exc, placement, out, failures, full)
 
-    def _work(self, request: ValidatedRequest, out: ResponseBuilder) -> PromptWork:
-        """The prompt the workers would compute now (prompt + tokens already sent, on a resume)."""
-        return PromptWork(len(request.prompt_token_ids) + len(out.token_ids))
+    def _work(self, prompt: PromptHashes) -> PromptWork:
+        """The prompt the workers would compute now, and how much of it each worker's prefix cache holds."""
+        return PromptWork(len(prompt.token_ids), self._pool.cached_tokens(prompt))
 
     def _place(
         self, avoid: dict[str, WorkerRole], full: set[str], work: PromptWork
@@ -246,11 +250,13 @@ class Dispatcher:
             sent=len(out.token_ids),
         )
         log.info(
-            "attempt %s: decode %s prefill %s, %d tokens sent",
+            "attempt %s: decode %s prefill %s, %d tokens sent, ~%d of %d prompt tokens cached there",
             attempt.id,
             placement.decode,
             placement.prefill,
             attempt.sent,
+            work.cached_on(placement.prefill or placement.decode),
+            work.num_tokens,
         )
         with contextlib.ExitStack() as stack:
             for charge in attempt.charges:

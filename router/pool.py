@@ -8,7 +8,9 @@ in-process); this module never invents workers. Each worker's state as placement
     failed `dead_after` polls in a row   DEAD  (skipped until a poll succeeds again)
     a request's call found it unreachable    suspect: skipped until its next successful poll
 
-Loads are the last poll corrected by `Charge`s: the router's own placements since that poll.
+Loads are the last poll corrected by `Charge`s: the router's own placements since that poll. Each worker's
+prefix-cache block hashes (router.prefix) are kept from the last poll that brought new ones; a poll tells the
+worker which version it holds, so an unchanged cache costs nothing on the wire.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from model_runtime.roles import WorkerRole
 from router.errors import invalid
 from router.metrics import RouterMetrics
 from router.placement import WorkerLoad
+from router.prefix import PromptHashes, cached_prefix_tokens
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,8 @@ class WorkerHandle:
         self.suspect = False
         self.active_calls = 0
         self.charges: list[Charge] = []
+        self.prefix_version = 0  # the worker's prefix_cache_version that prefix_hashes reflect
+        self.prefix_hashes: frozenset[bytes] = frozenset()
         # Set while the worker is DEAD (dead_after polls failed in a row): calls in flight on it give up then,
         # since a hung or stopped process keeps its streams open but silent.
         self.dead = asyncio.Event()
@@ -133,6 +138,12 @@ class WorkerHandle:
         )
 
     def poll_succeeded(self, info: admin_pb2.WorkerInfo, started_at: float) -> None:
+        if info.prefix_cache_version != self.prefix_version:
+            self.prefix_version = info.prefix_cache_version
+            self.prefix_hashes = frozenset(info.cached_block_hashes)
+        info.ClearField(
+            "cached_block_hashes"
+        )  # kept once, above; status and `tandem status` never carry them
         self.info = info
         self.last_ok = time.monotonic()
         self.failed_polls = 0
@@ -214,6 +225,16 @@ class WorkerPool:
     def loads(self) -> list[WorkerLoad]:
         return [h.load(self.dead_after) for h in self._workers.values()]
 
+    def cached_tokens(self, prompt: PromptHashes) -> dict[str, int]:
+        """Per worker with a known prefix cache: the prompt tokens it would take from that cache (estimate)."""
+        result = {}
+        for handle in self._workers.values():
+            block_size = handle.info.kv_block_size if handle.info is not None else 0
+            if handle.prefix_hashes and block_size > 0:
+                hashes = prompt.matchable(block_size)
+                result[handle.worker_id] = cached_prefix_tokens(hashes, handle.prefix_hashes, block_size)
+        return result
+
     def status(self) -> list[admin_pb2.WorkerInfo]:
         """Every member as last polled, identity from the membership, state and heartbeat age from the router."""
         now = time.monotonic()
@@ -227,6 +248,7 @@ class WorkerPool:
             info.address = handle.endpoint.address
             info.state = handle.state(self.dead_after)  # type: ignore[assignment]
             info.last_heartbeat_age_seconds = now - (handle.last_ok or handle.added_at)
+            info.indexed_prefix_blocks = len(handle.prefix_hashes)
             result.append(info)
         return result
 
@@ -284,7 +306,8 @@ class WorkerPool:
         if self._workers.get(handle.worker_id) is not handle:
             return  # it left the membership since this round began (its channel may be closed already)
         try:
-            info = await handle.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self._poll_timeout)
+            request = worker_pb2.WorkerStatusRequest(known_prefix_version=handle.prefix_version)
+            info = await handle.stub.Status(request, timeout=self._poll_timeout)
         except grpc.aio.UsageError:
             return  # its channel was closed under the call: it left the membership meanwhile
         except grpc.RpcError as exc:

@@ -54,6 +54,7 @@ class EngineGauges:
     running: int
     waiting: int
     requests_total: int
+    cached_prompt_tokens: int
 
     @staticmethod
     def read(engine: Engine) -> EngineGauges:
@@ -63,6 +64,7 @@ class EngineGauges:
             running=engine.scheduler.num_running,
             waiting=engine.scheduler.num_waiting,
             requests_total=engine.requests_total,
+            cached_prompt_tokens=engine.scheduler.cached_tokens_total,
         )
 
 
@@ -125,6 +127,11 @@ class WorkerCollector(Collector):
         yield self._gauge("tandem_engine_requests_running", "Requests the engine is running", g.running)
         yield self._gauge("tandem_engine_requests_waiting", "Requests queued in the engine", g.waiting)
         yield self._counter("tandem_engine_requests_total", "Requests the engine accepted", g.requests_total)
+        yield self._counter(
+            "tandem_prefix_cache_hit_tokens_total",
+            "Prompt tokens taken from the prefix cache instead of computed",
+            g.cached_prompt_tokens,
+        )
         if self._transfer_stats is not None:
             yield from self._transfer(self._transfer_stats())
 

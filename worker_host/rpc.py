@@ -52,13 +52,15 @@ def worker_info(
     address: str,
     draining: bool,
     active_leases: int,
+    known_prefix_version: int = 0,
 ) -> admin_pb2.WorkerInfo:
-    """Built from the counters the loop published last: answers at once even while a long step runs."""
+    """Built from the counters the loop published last: answers at once even while a long step runs. The prefix
+    cache's block hashes come only when the caller's `known_prefix_version` is out of date."""
     if draining:
         state = admin_pb2.WORKER_STATE_DRAINING
     else:
         state = admin_pb2.WORKER_STATE_READY if loop.alive else admin_pb2.WORKER_STATE_DEAD
-    c = loop.counters
+    c, prefix = loop.counters, loop.prefix
     engine = loop.engine
     return admin_pb2.WorkerInfo(
         worker_id=worker_id,
@@ -74,6 +76,9 @@ def worker_info(
         model=engine.config.model,
         layout_fingerprint=engine.layout.fingerprint(),
         kv_block_size=engine.layout.block_size,
+        prefix_cache_version=prefix.version,
+        cached_block_hashes=prefix.block_hashes if prefix.version != known_prefix_version else (),
+        cached_prompt_tokens_total=c.cached_prompt_tokens_total,
         requests_total=c.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
     )

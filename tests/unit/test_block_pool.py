@@ -182,3 +182,17 @@ def test_random_ops_keep_refs_consistent(ops: list[tuple[str, int, int]], num_bl
     for ids in held:
         pool.free(ids)
     assert pool.num_free == pool.usable
+
+
+def test_cached_hashes_report_the_hottest_blocks_first_and_the_version_tracks_changes() -> None:
+    pool = BlockPool(6, BS)
+    a, b = [1] * (2 * BS), [2] * BS
+    ids_a, ids_b = commit(pool, a), commit(pool, b)
+    hashes_a, hashes_b = pool.hash_blocks(a), pool.hash_blocks(b)
+    assert pool.cached_hashes(10) == [hashes_b[0], hashes_a[1], hashes_a[0]]  # last registered first
+    version = pool.cache_version
+    pool.free(pool.match_prefix(a))  # a match makes a's blocks the hottest; the set is unchanged
+    assert pool.cached_hashes(2) == [hashes_a[1], hashes_a[0]] and pool.cache_version == version
+    pool.free(ids_a + ids_b)
+    pool.allocate(pool.num_free)  # reuses (evicts) every cached block
+    assert pool.cached_hashes(10) == [] and pool.cache_version > version

@@ -52,7 +52,7 @@ class RouterInfo(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size")
+    __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size", "prefix_cache_version", "cached_block_hashes", "cached_prompt_tokens_total", "indexed_prefix_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,10 @@ class WorkerInfo(_message.Message):
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -83,4 +87,8 @@ class WorkerInfo(_message.Message):
     layout_fingerprint: str
     requests_total: int
     kv_block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., active_leases: _Optional[int] = ..., last_heartbeat_age_seconds: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., requests_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    prefix_cache_version: int
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cached_prompt_tokens_total: int
+    indexed_prefix_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., active_leases: _Optional[int] = ..., last_heartbeat_age_seconds: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., requests_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_version: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., cached_prompt_tokens_total: _Optional[int] = ..., indexed_prefix_blocks: _Optional[int] = ...) -> None: ...

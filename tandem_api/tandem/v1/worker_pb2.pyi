@@ -118,8 +118,10 @@ class DecodeFinished(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("known_prefix_version",)
+    KNOWN_PREFIX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    known_prefix_version: int
+    def __init__(self, known_prefix_version: _Optional[int] = ...) -> None: ...
 
 class WorkerEndpoint(_message.Message):
     __slots__ = ("worker_id", "role", "address")

@@ -1,0 +1,103 @@
+"""Placement that follows the work, on a real cluster: `tandem serve` with 2 prefill + 1 decode workers (real Ray,
+real gRPC, the embedded model on CPU), shared by every test here.
+
+Prefix-aware placement: once a prefill worker holds a long shared system prompt in its prefix cache (and has
+reported its block hashes), every request with that prefix goes there, and usage.cached_prompt_tokens and the
+worker's tandem_prefix_cache_hit_tokens_total show the reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem_client import ChatMessage, Client
+from tests.e2e.cluster import ServeProcess, make_cluster
+from tests.loopback import free_port
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 16  # tests.e2e.cluster.engine_section
+SYSTEM = " ".join(
+    f"Rule {i}: answer in one short sentence, cite no sources, and never mention rule {i + 1}."
+    for i in range(20)
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    tmp = tmp_path_factory.mktemp("elastic")
+    file_sd = tmp / "targets.json"
+    with make_cluster(tmp, prefill=2, decode=1, metrics_port=free_port(), metrics_file_sd=file_sd) as serve:
+        yield serve
+
+
+def workers(address: str) -> dict[str, admin_pb2.WorkerInfo]:
+    """The router's view of each worker (the raw message: it has fields the SDK does not surface)."""
+    with grpc.insecure_channel(address) as channel:
+        status = admin_pb2_grpc.AdminStub(channel).Status(admin_pb2.StatusRequest(), timeout=5)
+    return {w.worker_id: w for w in status.workers}
+
+
+def settled(address: str, **expected: int) -> dict[str, admin_pb2.WorkerInfo]:
+    """The router's view once its polls show `expected` requests_total per worker."""
+
+    def check() -> dict[str, admin_pb2.WorkerInfo] | None:
+        view = workers(address)
+        return view if all(view[w].requests_total == n for w, n in expected.items()) else None
+
+    return wait_until(check, 10, f"requests_total {expected}", lambda: str(workers(address)))
+
+
+def prefix_hits(file_sd: Path, component: str) -> list[float]:
+    """tandem_prefix_cache_hit_tokens_total of each worker of `component`, scraped from its /metrics."""
+    groups = {g["labels"]["component"]: g["targets"] for g in json.loads(file_sd.read_text())}
+    hits = []
+    for target in groups[component]:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "tandem_prefix_cache_hit_tokens":
+                hits += [s.value for s in family.samples if s.name.endswith("_total")]
+    return hits
+
+
+def test_a_shared_system_prompt_is_reused_and_routed_to_the_worker_that_holds_it(cluster) -> None:
+    def ask(client: Client, question: str):
+        messages = [ChatMessage("system", SYSTEM), ChatMessage("user", question)]
+        return client.generate(messages=messages, max_tokens=4, temperature=0)
+
+    before = {w: info.requests_total for w, info in workers(cluster.address).items()}
+    with Client(cluster.address) as client:
+        first = ask(client, "What is the capital of France?")
+        assert first.usage.prompt_tokens > 20 * BLOCK and first.usage.cached_prompt_tokens == 0
+        view = wait_until(
+            lambda: {w: i for w, i in workers(cluster.address).items() if i.requests_total > before[w]},
+            what="the first request in the router's view",
+        )
+        holder = next(w for w in view if w.startswith("prefill"))
+        other = "prefill-1" if holder == "prefill-0" else "prefill-0"
+        # The holder's prefix report reaches the router with a status poll (0.5 s apart).
+        wait_until(lambda: workers(cluster.address)[holder].indexed_prefix_blocks >= 20, what="the report")
+        results = [ask(client, f"Name a country in Europe whose name starts with {c}.") for c in "ABCDE"]
+
+    # The system prompt's full blocks (the chat template's first tokens included) come from the cache.
+    shared = first.usage.prompt_tokens - 2 * BLOCK
+    for result in results:
+        assert result.usage.cached_prompt_tokens >= shared - BLOCK, (result.usage, cluster.lines[-20:])
+        assert result.usage.cached_prompt_tokens % BLOCK == 0
+    settled(cluster.address, **{holder: before[holder] + 6, other: before[other]})
+    assert cluster.metrics_file_sd is not None
+    hits = wait_until(
+        lambda: [h for h in prefix_hits(cluster.metrics_file_sd, "prefill") if h > 0],
+        what="a prefix-hit metric",
+    )
+    assert hits == [sum(r.usage.cached_prompt_tokens for r in results)]
