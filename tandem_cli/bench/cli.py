@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tandem_cli.bench.report import BenchReport, BenchSettings, format_summary
 from tandem_cli.bench.stats import SLO, parse_slo
+from tandem_cli.bench.transports import DEFAULT_OPENAI_SERVER, PROTOCOLS
 from tandem_cli.bench.workload import BenchConfigError, parse_dist
 from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
 
@@ -45,7 +46,17 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "lengths are exact. DIST is N, uniform:LOW:HIGH or normal:MEAN:STDDEV (token counts).",
     )
     p.add_argument(
-        "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
+        "--server",
+        metavar="HOST:PORT",
+        help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS}; with --protocol openai "
+        f"the HTTP API's base URL, default {DEFAULT_OPENAI_SERVER})",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="grpc",
+        help="grpc (default): tandem.v1.Generation through the SDK; openai: streaming /v1/completions over "
+        "HTTP, the same requests, to compare the two front doors",
     )
     pace = p.add_mutually_exclusive_group(required=True)
     pace.add_argument(
@@ -102,8 +113,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         from tandem_cli.bench.workload import read_trace
 
         num_requests = len(read_trace(args.trace))
+    if args.protocol == "openai":
+        server = args.server or DEFAULT_OPENAI_SERVER
+    else:
+        server = resolve_address(args.server)
     return BenchSettings(
-        server=resolve_address(args.server),
+        server=server,
+        protocol=args.protocol,
         num_requests=num_requests,
         rate=args.rate,
         concurrency=args.concurrency,

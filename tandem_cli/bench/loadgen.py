@@ -1,9 +1,10 @@
-"""The load generator: sends RequestSpecs to a router over gRPC (open-loop arrivals or closed-loop
-concurrency) and records each stream's timeline.
+"""The load generator: sends RequestSpecs to a router (open-loop arrivals or closed-loop concurrency) over gRPC
+or the OpenAI-compatible HTTP API (tandem_cli.bench.transports) and records each stream's timeline.
 
 Bounds: at most len(specs) requests, and no new request after `duration_s`; whatever still runs at
 duration_s + drain_s is cancelled and counted as cancelled (the RPC is cancelled, so the server frees it too).
-Each request also carries the gRPC deadline `timeout_s`; one that passes counts as failed (DEADLINE_EXCEEDED).
+Each request also carries the deadline `timeout_s`; one that passes counts as failed (DEADLINE_EXCEEDED, or
+HTTP_504 over HTTP).
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import grpc
-
 from tandem_cli.bench.stats import Timeline
+from tandem_cli.bench.transports import RequestFailed, Transport, transport_for
 from tandem_cli.bench.workload import RequestSpec
-from tandem_client.aio import AsyncClient
-from tandem_client.errors import TandemError
-from tandem_client.types import GenerationDelta, GenerationResult, ModelInfo
+from tandem_client.types import ModelInfo
 
 
 class Outcome(enum.StrEnum):
@@ -40,7 +38,7 @@ class RequestRecord:
     sent_at: float  # seconds since the benchmark started
     timeline: Timeline  # times relative to sent_at
     outcome: Outcome
-    error_code: str | None = None  # gRPC status name for FAILED
+    error_code: str | None = None  # gRPC status name (HTTP_<status> over HTTP) for FAILED
 
 
 @dataclass(frozen=True)
@@ -73,15 +71,10 @@ class RunResult:
     duration_s: float  # first send to the last request's end (or the hard stop)
 
 
-async def served_model(address: str, timeout_s: float = 30.0) -> ModelInfo:
+async def served_model(address: str, protocol: str = "grpc") -> ModelInfo:
     """The router's (first) served model: its vocab_size bounds random prompt ids."""
-    async with AsyncClient(address) as client:
-        models = await client.list_models(timeout=timeout_s)
-    if not models:
-        raise TandemError(
-            grpc.StatusCode.UNAVAILABLE, f"{address} serves no model (ListModels returned none)"
-        )
-    return models[0]
+    async with transport_for(protocol, address) as transport:
+        return await transport.served_model()
 
 
 class _Progress(Protocol):
@@ -92,30 +85,23 @@ class _Recorder:
     """Runs one request and turns its stream into a RequestRecord, whatever happens to it."""
 
     def __init__(
-        self, client: AsyncClient, start: float, timeout_s: float | None, progress: _Progress
+        self, transport: Transport, start: float, timeout_s: float | None, progress: _Progress
     ) -> None:
-        self._client, self._start, self._timeout, self._progress = client, start, timeout_s, progress
+        self._transport, self._start, self._timeout, self._progress = transport, start, timeout_s, progress
 
     async def run(self, spec: RequestSpec) -> RequestRecord:
         sent = time.perf_counter()
         deltas: list[tuple[float, int]] = []
         outcome, code = Outcome.FAILED, None
+
+        def on_delta(tokens: int) -> None:
+            deltas.append((time.perf_counter() - sent, tokens))
+
         try:
-            stream = self._client.stream(
-                token_ids=spec.prompt_token_ids,
-                max_tokens=spec.output_len,
-                ignore_eos=True,
-                temperature=0.0,
-                timeout=self._timeout,
-            )
-            async with stream as events:
-                async for event in events:
-                    if isinstance(event, GenerationDelta):
-                        deltas.append((time.perf_counter() - sent, len(event.token_ids)))
-                    elif isinstance(event, GenerationResult):
-                        outcome = Outcome.SUCCEEDED
-        except TandemError as exc:
-            code = exc.code.name
+            await self._transport.send(spec, self._timeout, on_delta)
+            outcome = Outcome.SUCCEEDED
+        except RequestFailed as exc:
+            code = exc.code
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED  # only the load generator cancels these tasks (at its time bound)
         end = time.perf_counter() - sent
@@ -176,17 +162,23 @@ async def _wait_until(tasks: Sequence[asyncio.Future], deadline: float) -> None:
 
 
 async def run_load(
-    address: str, specs: Sequence[RequestSpec], pacing: Pacing, limits: RunLimits, progress: bool = True
+    address: str,
+    specs: Sequence[RequestSpec],
+    pacing: Pacing,
+    limits: RunLimits,
+    progress: bool = True,
+    protocol: str = "grpc",
 ) -> RunResult:
-    """Send `specs` as paced, within `limits`; one record per request actually sent."""
+    """Send `specs` as paced, within `limits`, over `protocol`; one record per request actually sent."""
     from tqdm import tqdm  # the progress bar goes to stderr so stdout stays clean for results
 
     with tqdm(
         total=len(specs), file=sys.stderr, disable=not progress, unit="req", desc="tandem bench"
     ) as bar:
-        async with AsyncClient(address) as client:
+        async with transport_for(protocol, address) as transport:
+            await transport.served_model()  # the HTTP API's requests name the model
             start = time.perf_counter()
-            recorder = _Recorder(client, start, limits.timeout_s, bar)
+            recorder = _Recorder(transport, start, limits.timeout_s, bar)
             deadline = start + limits.hard_stop()
             if pacing.arrivals is not None:
                 # Sending ends by duration_s, before the hard stop, so the sender itself is never cut off.

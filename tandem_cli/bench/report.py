@@ -26,6 +26,7 @@ from tandem_cli.bench.stats import (
     request_metrics,
     summarize,
 )
+from tandem_cli.bench.transports import PROTOCOLS
 from tandem_cli.bench.workload import BenchConfigError, LengthDist
 
 
@@ -46,6 +47,7 @@ class BenchSettings:
     drain_s: float
     timeout_s: float | None
     slo: SLO
+    protocol: str = "grpc"  # or "openai": the router's OpenAI-compatible HTTP API
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -61,6 +63,10 @@ class BenchSettings:
         for flag, value in (("--duration", self.duration_s), ("--timeout", self.timeout_s)):
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise BenchConfigError(f"{flag}: must be a finite number of seconds > 0, got {value}")
+        if self.protocol not in PROTOCOLS:
+            raise BenchConfigError(
+                f"--protocol: must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
+            )
         if not (self.drain_s >= 0 and math.isfinite(self.drain_s)):
             raise BenchConfigError(f"--drain: must be a finite number of seconds >= 0, got {self.drain_s}")
 

@@ -52,13 +52,15 @@ def _pacing(settings: BenchSettings, count: int) -> Pacing:
 
 async def _run(settings: BenchSettings, progress: bool) -> tuple[ModelInfo, RunResult]:
     trace = read_trace(settings.trace) if settings.trace else []
-    model = await served_model(settings.server)
+    model = await served_model(settings.server, settings.protocol)
     check_fits(settings, trace, model)
     specs: list[RequestSpec] = build_requests(
         settings.num_requests, settings.input_len, settings.output_len, model.vocab_size, settings.seed, trace
     )
     limits = RunLimits(settings.duration_s, settings.drain_s, settings.timeout_s)
-    run = await run_load(settings.server, specs, _pacing(settings, len(specs)), limits, progress)
+    run = await run_load(
+        settings.server, specs, _pacing(settings, len(specs)), limits, progress, settings.protocol
+    )
     return model, run
 
 

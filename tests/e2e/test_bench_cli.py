@@ -128,6 +128,20 @@ def test_closed_loop_trace_run(cluster, tmp_path):
     assert report["settings"]["concurrency"] == 2 and report["settings"]["rate"] is None
 
 
+def test_the_openai_protocol_drives_the_http_api_with_the_same_workload(cluster, tmp_path):
+    report, stdout = run_bench(
+        cluster.http_address, tmp_path / "http.json",
+        "--protocol", "openai", "--concurrency", "3", "--num-requests", "6", "--input-len", "16",
+        "--output-len", "6", "--timeout", "60", "--no-progress",
+    )  # fmt: skip
+    assert_reconciled(report["counts"])
+    assert report["counts"]["succeeded"] == 6, report["counts"]
+    assert [r["output_tokens"] for r in report["requests"]] == [6] * 6  # counted from each chunk's token ids
+    assert report["itl"]["count"] == 6 * 5
+    assert report["settings"]["protocol"] == "openai" and report["settings"]["server"] == cluster.http_address
+    assert "succeeded 6" in stdout
+
+
 def test_bad_flag_exits_2_naming_the_flag(cluster):
     proc = subprocess.run(
         [sys.executable, "-m", "tandem_cli.cli", "bench", "--server", cluster.address, "--rate", "1",
