@@ -3,7 +3,7 @@
 model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shape>, or the embedded default)
 mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
 router:   {host, port, http_port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
-           default_max_tokens}
+           default_max_tokens, local_prefill_max_tokens, local_prefill_max_queued_tokens, ...}
 prefill:  {replicas, num_gpus, ray_resources, metrics_port, metrics_port_count,
            engine: {cache: {...}, scheduler: {...}, device: {...}}}
 decode:   {replicas, num_gpus, engine: {...}}
@@ -47,6 +47,11 @@ class RouterSettings:
     dead_after_failed_polls: int = 3
     worker_rpc_timeout_s: float = 10.0
     worker_retries: int = 2
+    # Local prefill: a request whose decode worker would compute at most this many prompt tokens (short, or
+    # mostly in its prefix cache) is prefilled there, while its queued prompt tokens stay within the second
+    # setting; 0 turns it off (router/placement.py, LocalPrefill).
+    local_prefill_max_tokens: int = 0
+    local_prefill_max_queued_tokens: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "poll_timeout_s", "worker_rpc_timeout_s"):
@@ -74,6 +79,11 @@ class RouterSettings:
                 raise ConfigError(f"router.{name}: must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"router.request_timeout_s: must be > 0, got {self.request_timeout_s}")
+        if self.local_prefill_max_tokens < 0 or self.local_prefill_max_queued_tokens < 1:
+            raise ConfigError(
+                "router.local_prefill_max_tokens / router.local_prefill_max_queued_tokens: must be >= 0 / >= 1, "
+                f"got {self.local_prefill_max_tokens} / {self.local_prefill_max_queued_tokens}"
+            )
 
 
 @dataclass(frozen=True)

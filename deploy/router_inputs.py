@@ -30,6 +30,8 @@ def router_config(config: DeployConfig) -> RouterConfig:
         dead_after_failed_polls=r.dead_after_failed_polls,
         worker_rpc_timeout_s=r.worker_rpc_timeout_s,
         worker_retries=r.worker_retries,
+        local_prefill_max_tokens=r.local_prefill_max_tokens,
+        local_prefill_max_queued_tokens=r.local_prefill_max_queued_tokens,
         lease_ttl_s=config.transfer.lease_ttl_s,
     )
 

@@ -37,6 +37,10 @@ class RouterConfig:
       first token: a fresh start; after: a resume that re-prefills prompt + the tokens sent). Past it the
       client gets UNAVAILABLE.
     max_message_bytes: gRPC send/receive limit on the public server and on the worker channels.
+    local_prefill_max_tokens: a disaggregated request whose chosen decode worker would compute at most this many
+      prompt tokens (short, or mostly in its prefix cache) is prefilled there, with no KV transfer; 0: never.
+    local_prefill_max_queued_tokens: ... only while that worker's queued prompt tokens, this one included, stay
+      within this (router.placement.LocalPrefill).
     http_port: where the OpenAI-compatible HTTP API listens, on `host` (router.openai_api); None: not served,
       0: any free port (RouterServer.http_address says which).
     http_max_body_bytes: largest HTTP request body; a larger one gets 413.
@@ -58,6 +62,8 @@ class RouterConfig:
     worker_rpc_timeout_s: float = 10.0
     worker_retries: int = 2
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    local_prefill_max_tokens: int = 0
+    local_prefill_max_queued_tokens: int = 2048
     http_port: int | None = None
     http_max_body_bytes: int = DEFAULT_HTTP_MAX_BODY_BYTES
 
@@ -79,9 +85,10 @@ class RouterConfig:
             "dead_after_failed_polls",
             "max_message_bytes",
             "http_max_body_bytes",
+            "local_prefill_max_queued_tokens",
         ):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
-        for name in ("max_queue", "worker_retries"):
+        for name in ("max_queue", "worker_retries", "local_prefill_max_tokens"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         for name in (
             "request_timeout_s",

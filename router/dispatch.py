@@ -32,7 +32,15 @@ from model_runtime.roles import WorkerRole
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.metrics import RouterMetrics
-from router.placement import Placement, Placer, PromptWork, WorkerLoad
+from router.placement import (
+    LOCAL_CACHED,
+    LOCAL_SHORT,
+    LocalPrefill,
+    Placement,
+    Placer,
+    PromptWork,
+    WorkerLoad,
+)
 from router.pool import Charge, WorkerHandle, WorkerPool
 from router.prefix import PromptHashes
 from router.relay import Relay, Write
@@ -115,7 +123,8 @@ class Dispatcher:
         self._pool = pool
         self._config = config
         self._metrics = metrics
-        self._placer = placer or Placer()
+        local = LocalPrefill(config.local_prefill_max_tokens, config.local_prefill_max_queued_tokens)
+        self._placer = placer or Placer(local_prefill=local)
         self._turns = itertools.count()
         self._attempt_ids = itertools.count(1)
 
@@ -249,6 +258,16 @@ class Dispatcher:
             charges=self._charge(placement, work, loads),
             sent=len(out.token_ids),
         )
+        self._metrics.placed(placement.reason)
+        if placement.reason in (LOCAL_SHORT, LOCAL_CACHED):
+            log.info(
+                "request %s: local prefill on decode worker %s (%s: %d of %d prompt tokens to compute there)",
+                attempt.id,
+                placement.decode,
+                placement.reason,
+                work.uncached_on(placement.decode),
+                work.num_tokens,
+            )
         log.info(
             "attempt %s: decode %s prefill %s, %d tokens sent, ~%d of %d prompt tokens cached there",
             attempt.id,

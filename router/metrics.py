@@ -31,6 +31,7 @@ class RouterMetrics:
         self.rejections: Counter[str] = Counter()
         self.worker_failures: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
+        self.placements: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
@@ -52,3 +53,8 @@ class RouterMetrics:
     def request_retried(self, reason: str) -> None:
         """A request moved to another worker ("no_room", "worker_failed")."""
         self.retries[reason] += 1
+
+    def placed(self, reason: str) -> None:
+        """One attempt placed; `reason` says where its prompt runs and why (router.placement: "prefill_worker",
+        "local_short", "local_cached", "colocated")."""
+        self.placements[reason] += 1

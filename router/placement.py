@@ -82,25 +82,38 @@ class CostWeights:
 
 @dataclass(frozen=True)
 class LocalPrefill:
-    """When a disaggregated request is prefilled on its decode worker instead (no KV transfer).
+    """When a disaggregated request is prefilled on its chosen decode worker instead (the same Decode call with
+    local_prefill that colocated workers serve: no prefill worker, no KV transfer).
 
-    max_uncached_tokens: local when the decode worker would compute at most this many prompt tokens
-      (a short prompt, or a long one mostly in its prefix cache); 0 turns local prefill off.
-    max_queued_tokens: ... and only while the prefill work already queued there stays under this (headroom),
-      so local prefill never stalls that worker's running decodes behind long prompts.
+    max_uncached_tokens: local when the decode worker would compute at most this many prompt tokens (a short
+      prompt, or a long one mostly in its prefix cache); 0 turns local prefill off.
+    max_queued_tokens: ... and only while the prompt tokens queued there, this one included, stay within this
+      (headroom), so local prefills never stall that worker's running decodes for long. The worker must also
+      have free blocks for the prompt.
     """
 
     max_uncached_tokens: int = 0
     max_queued_tokens: int = 2048
 
-    def applies(self, decode: WorkerLoad, work: PromptWork) -> bool:
+    def reason(self, decode: WorkerLoad, work: PromptWork) -> str | None:
+        """LOCAL_CACHED or LOCAL_SHORT when the prompt should be prefilled on `decode`, else None."""
         uncached = work.uncached_on(decode.worker_id)
-        return (
+        applies = (
             self.max_uncached_tokens > 0
             and uncached <= self.max_uncached_tokens
             and decode.queued_prefill_tokens + uncached <= self.max_queued_tokens
             and _fits(decode, work)
         )
+        if not applies:
+            return None
+        return LOCAL_CACHED if work.cached_on(decode.worker_id) >= uncached else LOCAL_SHORT
+
+
+# Why the prompt runs where it does (Placement.reason; the router counts placements by it).
+PREFILL_WORKER = "prefill_worker"  # on a prefill worker, its KV shipped to the decode worker
+LOCAL_SHORT = "local_short"  # on the decode worker: few tokens to compute (a short prompt)
+LOCAL_CACHED = "local_cached"  # on the decode worker: most of the prompt is in its prefix cache
+COLOCATED = "colocated"  # on a colocated worker (no prefill/decode pair)
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,7 @@ class Placement:
 
     decode: str
     prefill: str | None = None
+    reason: str = field(default="", compare=False)
 
     @property
     def local_prefill(self) -> bool:
@@ -206,13 +220,14 @@ class Placer:
         """The cheapest decode worker, prefilled locally when LocalPrefill applies, else with the cheapest
         matching prefill worker; without any pair, the cheapest colocated worker; else None."""
         for decode in self.decodes(loads, work, exclude, turn):
-            if self.local_prefill.applies(decode, work):
-                return Placement(decode.worker_id)
+            local = self.local_prefill.reason(decode, work)
+            if local is not None:
+                return Placement(decode.worker_id, None, local)
             prefills = self.prefills(loads, work, decode.layout_fingerprint, exclude, turn)
             if prefills:
-                return Placement(decode.worker_id, prefills[0].worker_id)
+                return Placement(decode.worker_id, prefills[0].worker_id, PREFILL_WORKER)
         colocated = self.colocated(loads, work, exclude, turn)
-        return Placement(colocated[0].worker_id) if colocated else None
+        return Placement(colocated[0].worker_id, None, COLOCATED) if colocated else None
 
 
 DEFAULT_PLACER = Placer()

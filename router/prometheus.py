@@ -117,6 +117,13 @@ class PrometheusRouterMetrics(RouterMetrics):
             ["model", "reason"],
             registry=r,
         )
+        self._placements = Counter(
+            "tandem_placements_total",
+            "Placed attempts by where the prompt runs: prefill_worker, local_short / local_cached (prefilled on "
+            "the decode worker: a short prompt / mostly in its prefix cache), colocated",
+            ["model", "reason"],
+            registry=r,
+        )
         self._worker_failures = Counter(
             "tandem_worker_failures_total",
             "Failed worker calls and status polls, as the router saw them",
@@ -187,6 +194,10 @@ class PrometheusRouterMetrics(RouterMetrics):
     def request_retried(self, reason: str) -> None:
         super().request_retried(reason)
         self._retries.labels(self.model, reason).inc()
+
+    def placed(self, reason: str) -> None:
+        super().placed(reason)
+        self._placements.labels(self.model, reason).inc()
 
 
 class _AdmissionCollector(Collector):

@@ -4,6 +4,10 @@ real gRPC, the embedded model on CPU), shared by every test here.
 Prefix-aware placement: once a prefill worker holds a long shared system prompt in its prefix cache (and has
 reported its block hashes), every request with that prefix goes there, and usage.cached_prompt_tokens and the
 worker's tandem_prefix_cache_hit_tokens_total show the reuse.
+
+Local prefill (router.local_prefill_max_tokens = 8 here): a prompt that leaves at most 8 tokens to compute on
+its decode worker, because it is short or because that worker's prefix cache holds the rest, is prefilled on the
+decode worker; the router counts it in tandem_placements_total{reason="local_short" | "local_cached"}.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from tests.polling import wait_until
 pytestmark = pytest.mark.e2e
 
 BLOCK = 16  # tests.e2e.cluster.engine_section
+LOCAL_MAX = 8  # router.local_prefill_max_tokens
 SYSTEM = " ".join(
     f"Rule {i}: answer in one short sentence, cite no sources, and never mention rule {i + 1}."
     for i in range(20)
@@ -36,7 +41,10 @@ SYSTEM = " ".join(
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     tmp = tmp_path_factory.mktemp("elastic")
     file_sd = tmp / "targets.json"
-    with make_cluster(tmp, prefill=2, decode=1, metrics_port=free_port(), metrics_file_sd=file_sd) as serve:
+    router = {"local_prefill_max_tokens": LOCAL_MAX}
+    with make_cluster(
+        tmp, prefill=2, decode=1, metrics_port=free_port(), metrics_file_sd=file_sd, router=router
+    ) as serve:
         yield serve
 
 
@@ -57,17 +65,21 @@ def settled(address: str, **expected: int) -> dict[str, admin_pb2.WorkerInfo]:
     return wait_until(check, 10, f"requests_total {expected}", lambda: str(workers(address)))
 
 
-def prefix_hits(file_sd: Path, component: str) -> list[float]:
-    """tandem_prefix_cache_hit_tokens_total of each worker of `component`, scraped from its /metrics."""
+def counter(file_sd: Path, component: str, name: str, **labels: str) -> list[float]:
+    """The counter `name` (without _total) of each target of `component`, scraped from its /metrics."""
     groups = {g["labels"]["component"]: g["targets"] for g in json.loads(file_sd.read_text())}
-    hits = []
+    values = []
     for target in groups[component]:
         with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         for family in text_string_to_metric_families(text):
-            if family.name == "tandem_prefix_cache_hit_tokens":
-                hits += [s.value for s in family.samples if s.name.endswith("_total")]
-    return hits
+            if family.name == name:
+                values += [
+                    s.value
+                    for s in family.samples
+                    if s.name.endswith("_total") and labels.items() <= s.labels.items()
+                ]
+    return values
 
 
 def test_a_shared_system_prompt_is_reused_and_routed_to_the_worker_that_holds_it(cluster) -> None:
@@ -97,7 +109,42 @@ def test_a_shared_system_prompt_is_reused_and_routed_to_the_worker_that_holds_it
     settled(cluster.address, **{holder: before[holder] + 6, other: before[other]})
     assert cluster.metrics_file_sd is not None
     hits = wait_until(
-        lambda: [h for h in prefix_hits(cluster.metrics_file_sd, "prefill") if h > 0],
+        lambda: [
+            h for h in counter(cluster.metrics_file_sd, "prefill", "tandem_prefix_cache_hit_tokens") if h > 0
+        ],
         what="a prefix-hit metric",
     )
     assert hits == [sum(r.usage.cached_prompt_tokens for r in results)]
+
+
+def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(cluster) -> None:
+    file_sd = cluster.metrics_file_sd
+    assert file_sd is not None
+
+    def placements(reason: str) -> float:
+        return sum(counter(file_sd, "router", "tandem_placements", reason=reason))
+
+    long_prompt = [(7 * i) % 5000 + 100 for i in range(25 * BLOCK)]  # 400 raw token ids: 25 full blocks
+    before = {w: info.requests_total for w, info in workers(cluster.address).items()}
+    local_before = {r: placements(r) for r in ("local_short", "local_cached", "prefill_worker")}
+    with Client(cluster.address) as client:
+        short = client.generate(token_ids=[100, 200, 300, 400, 500], max_tokens=3, temperature=0)
+        first = client.generate(token_ids=long_prompt, max_tokens=3, temperature=0)
+        # The decode worker now holds the long prompt's blocks (landed KV joins its prefix cache); once the
+        # router knows, the same prompt plus 3 tokens leaves 3 to compute there.
+        wait_until(
+            lambda: workers(cluster.address)["decode-0"].indexed_prefix_blocks >= 25, what="the report"
+        )
+        cached = client.generate(token_ids=[*long_prompt, 1, 2, 3], max_tokens=3, temperature=0)
+
+    assert len(short.token_ids) == len(first.token_ids) == len(cached.token_ids) == 3
+    assert cached.usage.cached_prompt_tokens == 25 * BLOCK  # reused by the decode worker's own engine
+    assert placements("local_short") == local_before["local_short"] + 1
+    assert placements("local_cached") == local_before["local_cached"] + 1
+    assert placements("prefill_worker") == local_before["prefill_worker"] + 1
+    # Only the long prompt reached a prefill worker; all three ran on the decode worker.
+    view = wait_until(
+        lambda: (v := workers(cluster.address))["decode-0"].requests_total == before["decode-0"] + 3 and v,
+        what="three requests on decode-0",
+    )
+    assert sum(view[w].requests_total - before[w] for w in before if w.startswith("prefill")) == 1, view

@@ -8,7 +8,12 @@ import pytest
 
 from model_runtime.roles import WorkerRole as Role
 from router.placement import (
+    LOCAL_CACHED,
+    LOCAL_SHORT,
+    PREFILL_WORKER,
+    LocalPrefill,
     Placement,
+    Placer,
     PromptWork,
     WorkerLoad,
     can_serve,
@@ -207,3 +212,21 @@ def test_prefill_burst_follows_queued_tokens_including_the_polled_queue() -> Non
     loads = [decode("d0", free=10_000), prefill("p0"), prefill("p1", queued=6000)]
     count, _ = _burst(loads, [1000] * 8)
     assert count["p0"] == 7 and count["p1"] == 1, count  # p0 reaches 6000 after six, then they alternate
+
+
+def test_local_prefill_takes_short_or_mostly_cached_prompts_when_the_decode_worker_has_headroom() -> None:
+    placer = Placer(local_prefill=LocalPrefill(max_uncached_tokens=64, max_queued_tokens=1000))
+    loads = [decode("d0", free=500), prefill("p0")]
+    short = placer.place(loads, PromptWork(40))
+    assert short == Placement("d0", None) and short.reason == LOCAL_SHORT  # type: ignore[union-attr]
+    cached = placer.place(loads, PromptWork(2000, cached={"d0": 1984}))
+    assert cached == Placement("d0", None) and cached.reason == LOCAL_CACHED  # type: ignore[union-attr]
+    # Cached on the prefill worker, not on the decode worker: the prefill worker computes it.
+    assert placer.place(loads, PromptWork(2000, cached={"p0": 1984})) == Placement("d0", "p0")
+    # No headroom: prompt tokens already queued on the decode worker, or no free blocks for the prompt.
+    busy = [decode("d0", free=500).charged(prefill_tokens=980), prefill("p0")]
+    assert placer.place(busy, PromptWork(40)) == Placement("d0", "p0")
+    assert placer.place([decode("d0", free=2), prefill("p0")], PromptWork(40)) == Placement("d0", "p0")
+    # Off by default.
+    default = place(loads, PromptWork(40))
+    assert default == Placement("d0", "p0") and default.reason == PREFILL_WORKER  # type: ignore[union-attr]
