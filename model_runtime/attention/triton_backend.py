@@ -5,7 +5,8 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
 - decode-only batches (one query token per sequence, the CUDA-graph path): the split-KV Triton decode kernel,
   reading only device tensors and shapes, never the host lists.
 - anything else (prefill chunks, mixed batches; eager only), split once per step by the runner (MixedPlan):
-    q_len > 1   -> every prefill chunk of the step in one packed varlen causal attention (packed_prefill.py):
+    q_len > 1   -> every prefill chunk of the step in one packed causal attention (packed_prefill.py: varlen
+                   FlashAttention-2, or cuDNN per prompt for a few long fresh prompts):
                    fresh K/V rows when no chunk has a cached prefix, else each chunk's context gathered from
                    the cache by slot (one index_select per layer; a 2k-token Llama-3-8B context is 8 MiB)
     q_len == 1  -> one decode-kernel launch over those sequences
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
-from model_runtime.attention.packed_prefill import context_kv, packed_causal
+from model_runtime.attention.packed_prefill import PackedPrefill, context_kv
 from model_runtime.attention.triton_decode import (
     MAX_SEGMENTS,
     DecodeTuning,
@@ -57,6 +58,7 @@ class TritonAttention(AttentionBackend):
         self.num_segments = num_segments
         self.tuning = tuning or DecodeTuning()
         self.workspace = DecodeWorkspace()
+        self.prefill = PackedPrefill()
 
     def segments_for(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         if self.num_segments is not None:
@@ -121,13 +123,13 @@ class TritonAttention(AttentionBackend):
             )
         if plan.decode_rows is None and plan.prefill_rows is None:  # every row is a prefill chunk's
             kc, vc = context_kv(k, v, k_cache, v_cache, plan)
-            return packed_causal(q, kc, vc, plan, scale)
+            return self.prefill(q, kc, vc, plan, scale)
         out = torch.zeros_like(q)
         if plan.prefill_query_lens:
             kc, vc = context_kv(k, v, k_cache, v_cache, plan)
             rows = plan.prefill_rows
             qp = q if rows is None else q.index_select(0, rows)
-            o = packed_causal(qp, kc, vc, plan, scale)
+            o = self.prefill(qp, kc, vc, plan, scale)
             if rows is None:
                 out = o
             else:

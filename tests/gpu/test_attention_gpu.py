@@ -188,8 +188,8 @@ def test_prefill_and_mixed_batch_match_reference(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
-    [([2048, 17, 513], [2048, 17, 513]), ([4096, 300, 1030], [512, 300, 6])],
-    ids=["fresh-prompts", "chunks-over-prefixes"],
+    [([2048, 17, 513], [2048, 17, 513]), ([4096, 300, 1030], [512, 300, 6]), ([2048, 1536], [2048, 1536])],
+    ids=["fresh-prompts", "chunks-over-prefixes", "long-fresh-prompts-cudnn"],
 )
 def test_packed_prefill_bf16_matches_reference(seq_lens: list[int], query_lens: list[int]) -> None:
     """Prefill-only steps take the packed varlen path whole: fresh prompts (the chunk's own K/V), and chunks
@@ -199,9 +199,11 @@ def test_packed_prefill_bf16_matches_reference(seq_lens: list[int], query_lens: 
     ref = TorchAttention().forward(
         q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), meta, 0.088
     )
-    out = _triton()().forward(q, k, v, kc, vc, meta, 0.088)
+    backend = _triton()()
+    out = backend.forward(q, k, v, kc, vc, meta, 0.088)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert backend.prefill.cudnn_usable, "the cuDNN backend refused a long fresh prompt (see the log)"
 
 
 def test_cuda_graph_replay_equals_eager() -> None:
