@@ -97,11 +97,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
+
+
+# Read per request per step (Request.is_finished): one frozenset, not a tuple built each call.
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
 
 
 @dataclass(eq=False)

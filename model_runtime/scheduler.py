@@ -154,14 +154,15 @@ class Scheduler:
         self._check_owned(request, "append_token")
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"append_token: request {rid!r} is {request.status.value}, not running")
-        if request.num_computed_tokens != request.num_tokens:
+        num_tokens = request.num_tokens  # read once: this runs for every sequence of every step
+        if request.num_computed_tokens != num_tokens:
             raise ValueError(
                 f"append_token: request {rid!r} has uncomputed tokens (num_computed_tokens="
-                f"{request.num_computed_tokens}, num_tokens={request.num_tokens}); call advance() first"
+                f"{request.num_computed_tokens}, num_tokens={num_tokens}); call advance() first"
             )
-        if request.num_tokens >= self.token_cap(request):
+        if num_tokens >= self.token_cap(request):
             raise ValueError(
-                f"append_token: request {rid!r} already holds {request.num_tokens} tokens, its cap "
+                f"append_token: request {rid!r} already holds {num_tokens} tokens, its cap "
                 "(prompt + max_tokens, at most max_model_len); the engine must finish it"
             )
         if not isinstance(token_id, int) or token_id < 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_runtime.request import ScheduledChunk, SchedulerOutput
+from model_runtime.request import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -28,24 +28,22 @@ class StepRecord:
     @classmethod
     def planned(cls, out: SchedulerOutput) -> StepRecord:
         """The record of a scheduled step, before it runs (counts read before the scheduler advances), with
-        no duration yet."""
-        decodes = sum(1 for chunk in out.chunks if _is_decode(chunk))
+        no duration yet. One pass over the chunks: it runs every step, 512 chunks at a big batch."""
+        decodes = prefill_tokens = 0
+        for chunk in out.chunks:
+            r = chunk.request
+            computed, n = r.num_computed_tokens, chunk.num_tokens
+            prompt_left = len(r.prompt_token_ids) - computed
+            if prompt_left > 0:
+                prefill_tokens += min(n, prompt_left)
+            # A decode: one token after everything else is computed, for a request that already has output.
+            elif n == 1 and r.output_token_ids and computed == r.num_tokens - 1:
+                decodes += 1
         return cls(
             duration_s=0.0,
             num_tokens=out.num_tokens,
-            prefill_tokens=sum(_prompt_tokens(chunk) for chunk in out.chunks),
+            prefill_tokens=prefill_tokens,
             num_prefill=len(out.chunks) - decodes,
             num_decode=decodes,
             num_preempted=len(out.preempted),
         )
-
-
-def _prompt_tokens(chunk: ScheduledChunk) -> int:
-    left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
-    return max(0, min(chunk.num_tokens, left))
-
-
-def _is_decode(chunk: ScheduledChunk) -> bool:
-    """One token after everything else is computed, for a request that already has output."""
-    r = chunk.request
-    return chunk.num_tokens == 1 and r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1
