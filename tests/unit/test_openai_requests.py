@@ -1,0 +1,115 @@
+"""The OpenAI adapter's translation, from plain values: JSON bodies -> the router's GenerateRequest, and the
+router's gRPC errors -> HTTP statuses with OpenAI's error object (router/openai_api/requests.py, errors.py)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from router.errors import RouterError
+from router.openai_api.errors import ApiError, from_router_error, openai_param
+from router.openai_api.requests import parse_chat, parse_completion
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_completion_becomes_the_same_internal_request_a_grpc_client_sends() -> None:
+    r = parse_completion(
+        {"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.9, "top_k": 5, "seed": 3,
+         "stop": "\n", "logprobs": 2, "stream": True, "stream_options": {"include_usage": True}, "user": "u",
+         "some_future_field": {"x": 1}}
+    )  # fmt: skip
+    m = r.message
+    assert (m.model, m.text, m.WhichOneof("input")) == ("m", "hi", "text")
+    s = m.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, list(s.stop), s.logprobs) == (
+        7, 0.0, pytest.approx(0.9), 5, 3, ["\n"], 2,
+    )  # fmt: skip
+    assert (r.chat, r.stream, r.include_usage, r.logprobs) == (False, True, True, 2)
+    assert m.request_id.startswith("cmpl-")
+    assert not m.sampling.HasField("ignore_eos") or not m.sampling.ignore_eos
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3]]])
+def test_token_id_prompts(prompt: list) -> None:
+    assert list(parse_completion({"prompt": prompt}).message.token_ids.ids) == [1, 2, 3]
+
+
+def test_a_chat_takes_text_parts_the_developer_role_and_max_completion_tokens_first() -> None:
+    r = parse_chat(
+        {"messages": [{"role": "developer", "content": "be brief"},
+                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_completion_tokens": 4, "max_tokens": 99, "logprobs": True, "top_logprobs": 3}
+    )  # fmt: skip
+    roles = [(m.role, m.content) for m in r.message.chat.messages]
+    assert roles == [("system", "be brief"), ("user", "ab")]
+    assert r.message.sampling.max_tokens == 4 and r.max_tokens_field == "max_completion_tokens"
+    assert r.logprobs == 3 and r.message.sampling.logprobs == 3
+    assert r.message.request_id.startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param", "message"),
+    [
+        (parse_completion, {"prompt": "a", "temperature": "hot"}, "temperature", "must be a number, got a string"),
+        (parse_completion, {"prompt": "a", "max_tokens": True}, "max_tokens", "must be an integer, got a boolean"),
+        (parse_completion, {"prompt": "a", "max_tokens": 1.5}, "max_tokens", "must be an integer, got a number"),
+        (parse_completion, {"prompt": "a", "max_tokens": 0}, "max_tokens", "must be an integer >= 1, got 0"),
+        (parse_completion, {"prompt": "a", "seed": -1}, "seed", "-1 is out of range"),
+        (parse_completion, {"prompt": "a", "n": 2}, "n", "only 1 choice per request is supported"),
+        (parse_completion, {"prompt": "a", "echo": True}, "echo", "is not supported"),
+        (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
+        (parse_completion, {"prompt": "a", "stop": [1]}, "stop", "must be a string or a list of strings"),
+        (parse_completion, {"prompt": [-1]}, "prompt", "token id -1 is outside the vocabulary"),
+        (parse_completion, {}, "prompt", "is required"),
+        (parse_chat, {"messages": []}, "messages", "must be a non-empty list"),
+        (parse_chat, {"messages": [{"role": 1, "content": "a"}]}, "messages[0].role", "must be a string"),
+        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0]", "only text parts are supported, got 'image_url'"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs",
+         "needs logprobs: true"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+         "response_format", "only {'type': 'text'} is supported"),
+    ],
+)  # fmt: skip
+def test_wrong_types_and_unsupported_fields_are_a_400_naming_the_field(parse, body, param, message) -> None:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    error = info.value
+    assert (error.status, error.param) == (400, param)
+    assert error.message.startswith(f"{param}: {message}"), error.message
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "chat", "status", "param", "message"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p: must be in (0, 1]", False, 400, "top_p",
+         "top_p: must be in (0, 1]"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "input: 9000 tokens leave no room", True, 400, "messages",
+         "messages: 9000 tokens leave no room"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "input.chat.messages[1].role: must be one of", True, 400,
+         "messages[1].role", "messages[1].role: must be one of"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: must be in [0, 20]", True, 400, "top_logprobs",
+         "top_logprobs: must be in [0, 20]"),
+        (grpc.StatusCode.NOT_FOUND, "model: unknown model 'x'", False, 404, "model", "model: unknown model 'x'"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "router is full", False, 429, None, "router is full"),
+        (grpc.StatusCode.UNAVAILABLE, "no worker can take the request now", False, 503, None,
+         "no worker can take the request now"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed", False, 504, None,
+         "the request's deadline passed"),
+        (grpc.StatusCode.INTERNAL, "router error: KeyError", False, 500, None, "router error: KeyError"),
+    ],
+)  # fmt: skip
+def test_router_errors_map_to_openai_statuses(code, details, chat, status, param, message) -> None:
+    error = from_router_error(RouterError(code, details), chat)
+    assert (error.status, error.param, error.message) == (status, param, message)
+    body = error.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    retry = error.headers().get("Retry-After")
+    assert retry == ("1" if status in (429, 503) else None)
+
+
+def test_the_max_tokens_field_the_client_used_is_the_one_named() -> None:
+    details = "sampling.max_tokens: 9000 plus the prompt's 3 tokens exceed"
+    assert openai_param(details, True, "max_completion_tokens")[1] == "max_completion_tokens"
+    assert openai_param("a message naming no field", False) == ("a message naming no field", None)
