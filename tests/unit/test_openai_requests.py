@@ -27,7 +27,7 @@ def test_a_completion_becomes_the_same_internal_request_a_grpc_client_sends() ->
     )  # fmt: skip
     assert (r.chat, r.stream, r.include_usage, r.logprobs) == (False, True, True, 2)
     assert m.request_id.startswith("cmpl-")
-    assert not m.sampling.HasField("ignore_eos") or not m.sampling.ignore_eos
+    assert m.sampling.ignore_eos is False and not m.sampling.stop_token_ids
 
 
 @pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3]]])
