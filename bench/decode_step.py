@@ -217,6 +217,16 @@ def weight_bytes_read(runner: ModelRunner) -> int:
     return total - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
 
 
+def fused_ops(kernels: str):
+    """A model_runtime.fused name, or "triton:cublas": the Triton kernels with every projection on cuBLAS
+    (the A/B for the small-M weight-streaming matmul)."""
+    if kernels == "triton:cublas":
+        from model_runtime.fused.triton_ops import TritonOps
+
+        return TritonOps(small_m_matmul=False)
+    return make_fused_ops(kernels, "cuda")
+
+
 def load_model(model: str):
     source = resolve_model(model)
     mc = load_model_config(source)
@@ -240,7 +250,7 @@ def build_runner(
         TritonAttention(),
         max_context + 1,
         max_num_seqs=max_num_seqs,
-        ops=make_fused_ops(kernels, "cuda"),
+        ops=fused_ops(kernels),
     )
     torch.cuda.synchronize()
     start_s = time.perf_counter() - t0
@@ -350,7 +360,11 @@ def main() -> None:
     parser.add_argument("--model", default="dummy:llama-3-8b")
     parser.add_argument("--batches", default="1,8,32,128,256,512")
     parser.add_argument("--contexts", default="512,2048")
-    parser.add_argument("--kernels", default="triton", help="fused-op implementations, comma-separated")
+    parser.add_argument(
+        "--kernels",
+        default="triton",
+        help="fused-op implementations, comma-separated (triton, triton:cublas, torch, compile)",
+    )
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the graph step")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=40)

@@ -7,6 +7,8 @@ implementation may run as one kernel:
     add_rms_norm   residual' = x + residual; out = RMSNorm(residual')         (before attention and the MLP)
     rotary         q, k rotated by their positions (neox halves)              (after the qkv matmul)
     silu_mul       silu(gate) * up over the fused gate_up output              (between the MLP matmuls)
+    linear         x @ weight^T (+ bias): the projections, which an implementation may stream itself at
+                   small batch, where a matmul is a read of its weight matrix
 
 Numerics contract (every implementation): the result is what the torch reference computes, the
 reference's roundings included: a residual sum is rounded to the activation dtype before it is normed,
@@ -20,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 
 class FusedOps(ABC):
@@ -45,3 +48,7 @@ class FusedOps(ABC):
     @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N]; the default is torch's (cuBLAS on a GPU)."""
+        return F.linear(x, weight, bias)

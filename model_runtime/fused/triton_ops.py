@@ -11,10 +11,12 @@ results match TorchOps except for float32 summation order in the norm.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from model_runtime.fused.base import FusedOps
+from model_runtime.fused.skinny_matmul import MAX_ROWS, skinny_matmul
 
 SILU_BLOCK = 1024
 
@@ -119,7 +121,21 @@ def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 class TritonOps(FusedOps):
+    """`small_m_matmul`: projections of at most 16 rows (decode at small batch) through the weight-streaming
+    kernel (fused/skinny_matmul.py) instead of cuBLAS; larger ones always go to cuBLAS."""
+
     name = "triton"
+
+    def __init__(self, small_m_matmul: bool = True) -> None:
+        self.small_m_matmul = small_m_matmul
+        if not small_m_matmul:
+            self.name = "triton:cublas"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.small_m_matmul or x.shape[0] > MAX_ROWS or x.shape[0] == 0 or x.stride(-1) != 1:
+            return F.linear(x, weight, bias)
+        out = skinny_matmul(x, weight)
+        return out if bias is None else out + bias
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows("rms_norm", x, weight)

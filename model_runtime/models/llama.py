@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
@@ -103,7 +102,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.ops.linear(hidden, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rope(
             self.ops,
             positions,
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
         )
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -126,7 +126,8 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.ops.silu_mul(self.gate_up(x)))
+        gate_up = self.ops.linear(x, self.gate_up.weight)
+        return self.ops.linear(self.ops.silu_mul(gate_up), self.down.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -203,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt the canonical fused tensors from model_runtime.weights (no copy); a missing or extra name, or

@@ -100,9 +100,25 @@ def _case_silu_mul() -> tuple[bool, str]:
     return _close("silu_mul", TritonOps().silu_mul(gate_up), torch_ops.silu_mul(gate_up))
 
 
+def _case_small_m_linear() -> tuple[bool, str]:
+    """The weight-streaming matmul for <= 16 rows (with a bias, odd sizes); more rows fall back to torch."""
+    from model_runtime.fused.triton_ops import TritonOps
+
+    gen = torch.Generator().manual_seed(6)
+    w, b = torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
+    results = []
+    for rows in (1, 5, 16, 17):
+        x = torch.randn(rows, 300, generator=gen)
+        results.append(
+            _close(f"rows {rows}", TritonOps().linear(x, w, b), torch.nn.functional.linear(x, w, b))
+        )
+    return _all(*results)
+
+
 def _case_model_logits_and_kv() -> tuple[bool, str]:
     """A tiny Llama (random norm weights too) run eagerly over a prefill and a decode step: TritonOps
-    against TorchOps, same logits and the same KV written."""
+    against TorchOps, same logits and the same KV written. The projections stay on torch here (the small-M
+    matmul has its own case; interpreted over the tiny model's vocabulary it would take minutes)."""
     from model_runtime.attention.torch_ref import TorchAttention
     from model_runtime.fused.torch_ops import TorchOps
     from model_runtime.fused.triton_ops import TritonOps
@@ -122,7 +138,7 @@ def _case_model_logits_and_kv() -> tuple[bool, str]:
     results = []
     runners = [
         ModelRunner(config, weights, layout, "cpu", TorchAttention(), 64, ops=ops)
-        for ops in (TorchOps(), TritonOps())
+        for ops in (TorchOps(), TritonOps(small_m_matmul=False))
     ]
     prompt = torch.randint(0, config.vocab_size, (11,), generator=gen).tolist()
     for step, (computed, n) in enumerate([(0, 11), (11, 1)]):
@@ -142,6 +158,7 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "add_rms_norm_in_place": _case_add_rms_norm,
     "rotary_strided_gqa": _case_rotary_strided_gqa,
     "silu_mul_partial_block": _case_silu_mul,
+    "small_m_linear": _case_small_m_linear,
     "model_logits_and_kv": _case_model_logits_and_kv,
 }
 
