@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine, StepOutput
-from model_runtime.request import SchedulerOutput
 from model_runtime.weights import ModelLoadError
 from model_runtime.weights.source import DUMMY_PREFIX, EMBEDDED_FILE, EMBEDDED_PACKAGE, embedded_model_path
 
@@ -335,37 +334,28 @@ class StepSplit:
 
 
 class StepProbe:
-    """Times engine steps and sees what each one scheduled, by wrapping this engine instance's
-    scheduler.schedule() until close(). Use probe.step() in place of engine.step()."""
+    """Times engine steps and classifies each from the engine's own StepRecord (engine.last_step): a step that
+    ran any prompt chunk or preemption recompute counts as prefill. Use probe.step() in place of engine.step()."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.split, self._has_prefill = engine, StepSplit(), False
-        self._schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = self._record  # type: ignore[method-assign]
-
-    def _record(self) -> SchedulerOutput:
-        out = self._schedule()
-        # Classified here, before advance() moves num_computed_tokens past the chunk.
-        self._has_prefill = any(
-            c.num_tokens > 1 or c.request.num_computed_tokens < c.request.num_prompt_tokens
-            for c in out.chunks
-        )
-        self.split.peak_running = max(self.split.peak_running, len(out.chunks))
-        self.split.preempted += len(out.preempted)
-        return out
+        self.engine, self.split = engine, StepSplit()
 
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         outputs = self.engine.step()  # ends in the sampler's .tolist(): the step's GPU work is done
-        seconds, s = time.perf_counter() - t0, self.split
-        if self._has_prefill:
+        seconds, s, record = time.perf_counter() - t0, self.split, self.engine.last_step
+        if record is None:  # nothing was runnable
+            return outputs
+        s.peak_running = max(s.peak_running, record.batch_size)
+        s.preempted += record.num_preempted
+        if record.num_prefill:
             s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
         else:
             s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
         return outputs
 
     def close(self) -> None:
-        del self.engine.scheduler.schedule  # the instance attribute: the class's method shows through again
+        """Nothing to undo (the probe only reads the engine); kept so callers can release it explicitly."""
 
 
 def ensure_dummy_tokenizer(model: str) -> str:
