@@ -185,6 +185,17 @@ class BlockPool:
             return []
         return self.match_hashes(self.hash_blocks(token_ids))
 
+    def cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `block_hashes` the cache holds now (a lookup: no reference is taken)."""
+        if not self.enable_prefix_caching:
+            return 0
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._block_of_hash:
+                break
+            count += 1
+        return count
+
     def match_hashes(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Like match_prefix, from precomputed chained hashes. The caller owns one reference per returned id."""
         if not self.enable_prefix_caching:

@@ -59,9 +59,10 @@ class Scheduler:
         self._running: list[Request] = []  # admission order; the tail is preempted first
         self._hashes: dict[str, list[bytes]] = {}  # chained full-block hashes per request
         self._pending: SchedulerOutput | None = None  # scheduled, not yet advanced
-        self.cached_tokens_total = (
-            0  # prompt tokens taken from the prefix cache at first admission, all requests
-        )
+        # Prompt tokens taken from the prefix cache at first admission, over all requests.
+        self.cached_tokens_total = 0
+        # request id -> prompt tokens add() found in the prefix cache, until the request is admitted
+        self._expected_hits: dict[str, int] = {}
 
     # --- queries ---------------------------------------------------------------------------------------
     def get(self, request_id: str) -> Request | None:
@@ -84,8 +85,13 @@ class Scheduler:
         return tuple(self._running)
 
     def uncomputed_prompt_tokens(self) -> int:
-        """Prompt tokens still to compute over every request held (the prefill placement signal)."""
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._requests.values())
+        """Prompt tokens still to compute over every request held (the prefill placement signal). A request not
+        admitted yet counts without the prefix-cache hit it found when it was added: a prompt whose every block
+        but the last is cached is a few tokens of work, not its whole length."""
+        return sum(
+            max(0, r.num_prompt_tokens - max(r.num_computed_tokens, self._expected_hits.get(rid, 0)))
+            for rid, r in self._requests.items()
+        )
 
     def token_cap(self, request: Request) -> int:
         """Most tokens (prompt + output) the request may ever hold: max_tokens, capped by max_model_len."""
@@ -102,6 +108,9 @@ class Scheduler:
             )
         self._requests[request.request_id] = request
         self._waiting.append(request)
+        if self.pool.enable_prefix_caching:  # the hashes are kept for _admit's match
+            hashes = self._block_hashes(request, 0, (request.num_tokens - 1) // self.block_size)
+            self._expected_hits[request.request_id] = self.pool.cached_prefix_blocks(hashes) * self.block_size
 
     def add_running(self, request: Request) -> None:
         """Take a request whose KV already sits in its blocks (allocated from this pool) for decoding."""
@@ -277,6 +286,7 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = num_computed
             self.cached_tokens_total += num_computed
+            self._expected_hits.pop(request.request_id, None)
         request.status = RequestStatus.RUNNING
         return n
 
@@ -333,6 +343,7 @@ class Scheduler:
         rid = request.request_id
         del self._requests[rid]
         self._hashes.pop(rid, None)
+        self._expected_hits.pop(rid, None)
         for queue in (self._running, self._preempted, self._waiting, self._ready):
             _remove_by_identity(queue, request)
 

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from model_runtime.block_pool import BlockPool
+from model_runtime.config import SchedulerConfig
+from model_runtime.request import Request, SamplingParams
+from model_runtime.scheduler import Scheduler
 from router.prefix import PromptHashes, cached_prefix_tokens
 from tandem_api.tandem.v1 import admin_pb2
 from tests.polling import wait_until
@@ -81,3 +84,18 @@ def _commit(pool: BlockPool, tokens: list[int]) -> list[int]:
     ids = pool.allocate(len(tokens) // BS)
     pool.commit_full_blocks(ids, tokens, len(tokens))
     return ids
+
+
+def test_a_queued_prompt_counts_only_its_uncached_tokens_as_prefill_work() -> None:
+    """The placement signal (queued prefill tokens) of a prompt still waiting for admission: a prompt whose
+    blocks are in the prefix cache is a few tokens of work, not its whole length."""
+    pool = BlockPool(32, BS)
+    system = list(range(100, 116))  # four full blocks
+    pool.free(_commit(pool, system))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), pool, BS, max_model_len=128)
+    sched.add(Request("hit", [*system, 1, 2], SamplingParams(max_tokens=2)))
+    sched.add(Request("miss", [9, *system, 1], SamplingParams(max_tokens=2)))
+    assert sched.uncomputed_prompt_tokens() == (18 - 16) + 18
+    sched.advance(sched.schedule())
+    assert sched.get("hit").num_cached_tokens == 16  # type: ignore[union-attr]
+    assert sched.uncomputed_prompt_tokens() == 0
