@@ -26,7 +26,7 @@ from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError, SamplingParams
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
-from worker_host.host import take_blocks
+from worker_host.host import OpenCalls, take_blocks
 from worker_host.rpc import CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 def token_batch(out: StepOutput) -> worker_pb2.TokenBatch:
     lps = [logprob_proto(t, lp) for t, lp in zip(out.token_ids, out.logprobs or [])]
-    return worker_pb2.TokenBatch(token_ids=out.token_ids, logprobs=lps)
+    return worker_pb2.TokenBatch(
+        token_ids=out.token_ids, logprobs=lps, num_cached_tokens=out.num_cached_tokens
+    )
 
 
 def finished_event(out: StepOutput) -> worker_pb2.DecodeEvent:
@@ -63,6 +65,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_wait_timeout_s = kv_wait_timeout_s
         self.address = ""
         self.draining = threading.Event()
+        self.open_calls = OpenCalls()  # drain waits until none is open
         self._landed: dict[str, queue.Queue[TransferResult]] = {}
         self._lock = threading.Lock()
 
@@ -77,6 +80,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     # --- RPCs ------------------------------------------------------------------------------------------
     def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext) -> Iterator:
+        with self.open_calls.track():
+            yield from self._decode(request, context)
+
+    def _decode(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext) -> Iterator:
         rid = request.request_id
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")

@@ -7,6 +7,14 @@ router who is alive. It is the only owner of worker membership.
         heartbeat unanswered MISSED_LIMIT checks in a row -> kill and replace it (a hung or stopped process;
                                             one slow answer on a loaded host is not enough)
     Membership changes are pushed to the router as a whole set with an increasing generation.
+
+Pool sizes change at run time (`scale`, behind Admin.Scale and `tandem scale`); every round the watcher brings
+each pool to its target:
+    too few   -> new slots (the next indexes); each joins the membership once its worker serves
+    too many  -> slots that are still starting are stopped first; then the highest-indexed serving ones are
+                 marked draining in the membership (routers place nothing new on them), drained on their own
+                 thread (the worker refuses new calls and waits for its open ones, KV handoffs included, up to
+                 drain_timeout_s), taken out of the membership, stopped and killed
 """
 
 from __future__ import annotations
@@ -15,66 +23,30 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from deploy.actors import WorkerProcess
 from deploy.config import DeployConfig
+from deploy.slots import Member, Slot, worker_spec
 from model_runtime.roles import WorkerRole
-from worker_host.host import WorkerSpec
+from router.scaling import PoolSize
+
+__all__ = [
+    "Controller",
+    "Member",
+    "Publish",
+    "Slot",
+    "worker_spec",
+]  # Member, Slot, worker_spec: deploy.slots
 
 log = logging.getLogger(__name__)
 RAY_START_ATTEMPTS = 2  # a local Ray node that timed out starting gets one more try
 STAGE_POLL_S = 5.0  # while workers load: how often their start-up stage is asked for (shown on change)
 MISSED_LIMIT = 2  # consecutive unanswered heartbeats that make a live actor count as hung
+MAX_POOL_SIZE = 1024  # a sanity bound on one pool's target
 
 Publish = Callable[[list["Member"], int], object]
-
-
-@dataclass(frozen=True)
-class Member:
-    worker_id: str
-    role: WorkerRole
-    address: str
-    metrics_address: str = ""  # host:port of the worker's /metrics ("" when it serves none)
-
-
-@dataclass
-class Slot:
-    role: WorkerRole
-    index: int
-    spec: WorkerSpec
-    num_gpus: float
-    resources: dict[str, float]
-    actor: Any = None
-    address: str = ""
-    metrics_address: str = ""
-    restarts: int = 0
-    given_up: bool = False
-    missed: int = 0  # consecutive heartbeat checks that timed out
-
-    @property
-    def worker_id(self) -> str:
-        return self.spec.worker_id
-
-
-def worker_spec(config: DeployConfig, role: WorkerRole, index: int) -> WorkerSpec:
-    """The spec of worker `index` of the `role` pool: its pool's engine and metrics ports, the cluster's settings."""
-    pool = config.pools()[role]
-    host = "127.0.0.1" if config.ray.address is None else "0.0.0.0"  # a joined cluster: reachable from peers
-    return WorkerSpec(
-        host=host,
-        worker_id=f"{role}-{index}",
-        role=role,
-        engine=pool.engine,
-        transfer=config.transfer,
-        drain_timeout_s=config.controller.drain_timeout_s,
-        prefill_timeout_s=config.controller.prefill_timeout_s,
-        kv_wait_timeout_s=config.controller.kv_wait_timeout_s,
-        metrics_port=pool.metrics_port,
-        metrics_port_count=pool.metrics_port_count,
-    )
 
 
 class Controller:
@@ -85,8 +57,13 @@ class Controller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.slots: list[Slot] = []
+        self.slots: list[Slot] = []  # changed under _lock; other threads read copies
         self._actor_class: Any = None
+        pools = config.pools()
+        self._targets = {role: pool.replicas for role, pool in pools.items()}
+        self._next_index = {role: pool.replicas for role, pool in pools.items()}
+        self._wake = threading.Event()  # scale() wakes the watcher at once
+        self._drainers: list[threading.Thread] = []
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -188,8 +165,11 @@ class Controller:
         import ray
 
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        for drainer in self._drainers:  # slots being removed finish draining first (bounded by the drain)
+            drainer.join(timeout=self.config.controller.drain_timeout_s + 20)
         actors = [s.actor for s in self.slots if s.actor is not None]
         if drain and actors:
             self._quiet_get([a.drain.remote() for a in actors], self.config.controller.drain_timeout_s + 5)
@@ -212,9 +192,9 @@ class Controller:
     # --- membership ------------------------------------------------------------------------------------
     def members(self) -> list[Member]:
         return [
-            Member(s.worker_id, s.role, s.address, s.metrics_address)
+            Member(s.worker_id, s.role, s.address, s.metrics_address, s.draining)
             for s in self.slots
-            if s.actor is not None and s.address
+            if s.actor is not None and s.address and s.starting is None
         ]
 
     def _announce(self) -> None:
@@ -226,15 +206,149 @@ class Controller:
     # --- health ----------------------------------------------------------------------------------------
     def _watch(self) -> None:
         interval = self.config.controller.health_interval_s
-        while not self._stop.wait(interval):
-            changed = False
-            for slot in self.slots:
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            changed = self._resize()
+            for slot in [s for s in self.slots if s.serving]:
                 if self._stop.is_set():
                     return
-                if slot.actor is not None and not self._healthy(slot):
+                if not self._healthy(slot):
                     changed |= self._replace(slot)
             if changed:
                 self._announce()
+
+    # --- pool sizes ------------------------------------------------------------------------------------
+    def scale(self, targets: Mapping[WorkerRole, int]) -> list[PoolSize]:
+        """Set pools' targets (router.scaling.Scaler); the watcher adds or drains workers right away."""
+        pools = self.config.pools()
+        for role, replicas in targets.items():
+            if role not in pools:
+                names = ", ".join(r.value for r in pools)
+                raise ValueError(f"{role.value}: this deployment runs {self.config.mode}, with pools {names}")
+            if not 1 <= replicas <= MAX_POOL_SIZE:
+                raise ValueError(f"{role.value}: replicas must be in [1, {MAX_POOL_SIZE}], got {replicas}")
+        with self._lock:
+            self._targets.update(targets)
+        log.warning("scale: %s", ", ".join(f"{role.value} -> {n}" for role, n in targets.items()))
+        self._wake.set()
+        return self.pool_sizes()
+
+    def pool_sizes(self) -> list[PoolSize]:
+        with self._lock:
+            slots, targets = list(self.slots), dict(self._targets)
+        sizes = []
+        for role, target in targets.items():
+            mine = [s for s in slots if s.role is role and not s.given_up]
+            ready = sum(s.serving for s in mine)
+            draining = sum(s.draining for s in mine)
+            sizes.append(PoolSize(role, target, ready, len(mine) - ready - draining, draining))
+        return sizes
+
+    def _resize(self) -> bool:
+        """One round towards the targets; True when the membership changed (workers that started serving)."""
+        changed = self._collect_started()
+        with self._lock:
+            targets = dict(self._targets)
+        for role, target in targets.items():
+            with self._lock:
+                live = [s for s in self.slots if s.role is role and not s.draining and not s.given_up]
+            for _ in range(target - len(live)):
+                self._add_slot(role)
+            surplus = len(live) - target
+            if surplus > 0:
+                # Starting ones first (nothing runs there yet), then the newest serving ones.
+                victims = sorted(live, key=lambda s: (s.serving, -s.index))[:surplus]
+                self._remove(victims)
+        return changed
+
+    def _add_slot(self, role: WorkerRole) -> None:
+        pool = self.config.pools()[role]
+        index = self._next_index[role]
+        self._next_index[role] += 1
+        slot = Slot(
+            role, index, worker_spec(self.config, role, index), pool.num_gpus, dict(pool.ray_resources)
+        )
+        slot.starting = self._launch(slot)
+        with self._lock:
+            self.slots.append(slot)
+        log.warning("worker %s starting (scale up)", slot.worker_id)
+
+    def _collect_started(self) -> bool:
+        """Slots added at run time whose worker now serves join the membership; a failed start is dropped
+        (the next round starts another)."""
+        import ray
+
+        changed = False
+        for slot in [s for s in self.slots if s.starting is not None]:
+            ready, _ = ray.wait([slot.starting], timeout=0)
+            if not ready:
+                continue
+            ref, slot.starting = slot.starting, None
+            try:
+                slot.address = ray.get(ref)
+            except Exception as exc:
+                log.error("worker %s failed to start: %s", slot.worker_id, exc)
+                self._forget(slot)
+                continue
+            slot.metrics_address = self._metrics_address(slot)
+            log.warning("worker %s joined on %s", slot.worker_id, slot.address)
+            changed = True
+        return changed
+
+    def _remove(self, victims: list[Slot]) -> None:
+        """Stop slots that do not serve yet at once; drain the serving ones: routers learn they are draining
+        before the worker refuses new calls."""
+        draining = []
+        for slot in victims:
+            if slot.serving:
+                slot.draining = True
+                draining.append(slot)
+            else:
+                self._forget(slot)
+        if not draining:
+            return
+        self._announce()
+        for slot in draining:
+            log.warning("worker %s draining (scale down)", slot.worker_id)
+            thread = threading.Thread(target=self._retire, args=(slot,), name=f"drain-{slot.worker_id}")
+            self._drainers = [t for t in self._drainers if t.is_alive()] + [thread]
+            thread.start()
+
+    def _retire(self, slot: Slot) -> None:
+        """On its own thread: drain the worker, take it out of the membership, stop and kill it."""
+        import ray
+
+        actor = slot.actor
+        try:
+            drained = ray.get(actor.drain.remote(), timeout=self.config.controller.drain_timeout_s + 5)
+        except Exception as exc:
+            drained = False
+            log.warning("worker %s did not drain: %s", slot.worker_id, exc)
+        if not drained:
+            log.warning(
+                "worker %s: requests still open after the drain; they resume elsewhere", slot.worker_id
+            )
+        self._forget(slot, stop=True)
+        log.warning("worker %s removed", slot.worker_id)
+
+    def _forget(self, slot: Slot, stop: bool = False) -> None:
+        """Take the slot out (and out of the membership), then stop its worker and kill its actor."""
+        import ray
+
+        actor = slot.actor
+        with self._lock:
+            slot.actor = None
+            if slot in self.slots:
+                self.slots.remove(slot)
+        if stop:
+            self._announce()
+        if actor is not None:
+            if stop:
+                self._quiet_get([actor.stop.remote()], 15)
+            ray.kill(actor, no_restart=True)
 
     def _healthy(self, slot: Slot) -> bool:
         import ray

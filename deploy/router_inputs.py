@@ -38,5 +38,8 @@ def router_config(config: DeployConfig) -> RouterConfig:
 
 def endpoints(members: list[Member]) -> list[worker_pb2.WorkerEndpoint]:
     return [
-        worker_pb2.WorkerEndpoint(worker_id=m.worker_id, role=m.role.wire, address=m.address) for m in members
+        worker_pb2.WorkerEndpoint(
+            worker_id=m.worker_id, role=m.role.wire, address=m.address, draining=m.draining
+        )
+        for m in members
     ]

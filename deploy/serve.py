@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from deploy.config import DeployConfig, load_config
-from deploy.controller import Controller
+from deploy.controller import Controller, Member
 from model_runtime.config import ConfigError
 
 log = logging.getLogger("tandem.serve")
@@ -83,12 +83,15 @@ async def serve(config: DeployConfig) -> int:
     else:
         from router.server import RouterServer
 
-        router = RouterServer(router_config(config), metrics=metrics.router_metrics)
-        address = await router.start()
-        in_process = router
-        controller = Controller(
-            config, metrics.wrap(lambda members, gen: in_process.set_workers(endpoints(members), gen))
+        def publish(members: list[Member], generation: int) -> object:
+            return in_process.set_workers(endpoints(members), generation)
+
+        # The controller is the router's Scaler (Admin.Scale, `tandem scale`); it publishes to the router.
+        controller = Controller(config, metrics.wrap(publish))
+        router = in_process = RouterServer(
+            router_config(config), metrics=metrics.router_metrics, scaler=controller
         )
+        address = await router.start()
     try:
         controller.connect()
     except Exception as exc:

@@ -53,8 +53,7 @@ class StepOutput:
     # prefill_only engines: the request's blocks, still allocated, and its prompt length.
     kv_block_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
-    # Prompt tokens this engine took from its prefix cache for the request (set on its last output, and on a
-    # prefill_only engine's one output).
+    # Prompt tokens this engine took from its prefix cache for the request (on every output).
     num_cached_tokens: int = 0
 
 
@@ -307,7 +306,9 @@ class Engine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
             )
-        return StepOutput(request.request_id, [token], verdict.text_delta, lps)
+        return StepOutput(
+            request.request_id, [token], verdict.text_delta, lps, num_cached_tokens=request.num_cached_tokens
+        )
 
     # --- introspection ---------------------------------------------------------------------------------
     @property

@@ -27,6 +27,7 @@ from model_runtime.request import SamplingError
 from model_runtime.scheduler import RequestRejected
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
+from worker_host.host import OpenCalls
 from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.prefill_timeout_s = prefill_timeout_s
         self.address = ""
         self.draining = threading.Event()
+        self.open_calls = OpenCalls()  # drain waits until none is open
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> Iterator:
+        with self.open_calls.track():
+            yield from self._prefill(request, context)
+
+    def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> Iterator:
         rid = request.request_id
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is draining")

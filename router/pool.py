@@ -3,6 +3,7 @@
 Membership comes from outside (the controller through RouterControl.SetWorkers, or `RouterServer.set_workers`
 in-process); this module never invents workers. Each worker's state as placement sees it:
 
+    marked draining by the controller    DRAINING  (skipped; its requests finish there)
     never answered a poll            STARTING  (skipped)
     answered                         what it reported (only READY takes requests)
     failed `dead_after` polls in a row   DEAD  (skipped until a poll succeeds again)
@@ -43,6 +44,12 @@ class Endpoint:
     worker_id: str
     role: WorkerRole
     address: str
+    draining: bool = False  # leaving its pool: nothing new is placed on it
+
+    @property
+    def identity(self) -> tuple[str, WorkerRole, str]:
+        """What makes it the same worker: a change of `draining` alone keeps its channel and history."""
+        return (self.worker_id, self.role, self.address)
 
 
 def endpoints_from_proto(workers: Sequence[worker_pb2.WorkerEndpoint]) -> list[Endpoint]:
@@ -62,7 +69,7 @@ def endpoints_from_proto(workers: Sequence[worker_pb2.WorkerEndpoint]) -> list[E
         if not host or not port.isdigit():
             raise invalid(f"workers[{i}].address", f"must be host:port, got {w.address!r}")
         seen.add(w.worker_id)
-        result.append(Endpoint(w.worker_id, role, w.address))
+        result.append(Endpoint(w.worker_id, role, w.address, w.draining))
     return result
 
 
@@ -113,6 +120,8 @@ class WorkerHandle:
     def state(self, dead_after: int) -> int:
         if self.failed_polls >= dead_after:
             return admin_pb2.WORKER_STATE_DEAD
+        if self.endpoint.draining:
+            return admin_pb2.WORKER_STATE_DRAINING
         if self.info is None:
             return admin_pb2.WORKER_STATE_STARTING
         return int(self.info.state)
@@ -193,9 +202,12 @@ class WorkerPool:
         current = self._workers
         before = set(current)
         self._workers, retired = {}, []
+        changed = False
         for ep in endpoints:
             old = current.pop(ep.worker_id, None)
-            if old is not None and old.endpoint == ep:
+            if old is not None and old.endpoint.identity == ep.identity:
+                changed |= old.endpoint != ep  # it started (or stopped) draining
+                old.endpoint = ep
                 self._workers[ep.worker_id] = old
                 continue
             if old is not None:  # same id, new address or role: a new worker as far as we know
@@ -205,8 +217,10 @@ class WorkerPool:
             task = asyncio.create_task(self._close_when_idle(handle))
             self._closers.add(task)
             task.add_done_callback(self._closers.discard)
-        if retired or current or set(self._workers) != before:  # the controller resends unchanged sets
-            names = ", ".join(f"{e.worker_id}({e.role.value})" for e in endpoints)
+        if changed or retired or current or set(self._workers) != before:  # unchanged sets are resent
+            names = ", ".join(
+                f"{e.worker_id}({e.role.value}{', draining' if e.draining else ''})" for e in endpoints
+            )
             log.info("membership: %s", names or "empty")
             self._wake.set()  # poll the new members now rather than at the next tick
             self._on_change()

@@ -120,6 +120,8 @@ class Relay:
     async def _on_decode_event(self, message: Any) -> None:
         kind = message.WhichOneof("kind")
         if kind == "tokens":
+            if self._prefill is None:  # this worker computed the prompt: its engine's prefix-cache hit
+                self.out.cached_prompt_tokens = message.tokens.num_cached_tokens
             await self._write(self.out.add(message.tokens.token_ids, message.tokens.logprobs))
             return
         done = message.finished

@@ -37,6 +37,7 @@ from router.pipeline import RequestPipeline
 from router.placement import can_serve
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
 from router.prometheus import PrometheusRouterMetrics
+from router.scaling import Scaler
 from router.servicers import AdminService, GenerationService, RouterControlService, add_generation_service
 from tandem_api.tandem.v1 import (
     admin_pb2,
@@ -61,9 +62,15 @@ class RouterServer:
     start() loads config.model's tokenizer. `metrics` receives the router's counting hooks."""
 
     def __init__(
-        self, config: RouterConfig, *, model: ServedModel | None = None, metrics: RouterMetrics | None = None
+        self,
+        config: RouterConfig,
+        *,
+        model: ServedModel | None = None,
+        metrics: RouterMetrics | None = None,
+        scaler: Scaler | None = None,
     ) -> None:
         self.config = config
+        self._scaler = scaler  # the controller beside this router, for Admin.Scale (None: standalone)
         self.metrics = metrics or RouterMetrics()
         self._model = model
         self._pool = WorkerPool(
@@ -162,7 +169,8 @@ class RouterServer:
             ]
         )
         add_generation_service(GenerationService(pipeline), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self._pool, self._admission), server)
+        admin = AdminService(self._pool, self._admission, self._scaler)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         services = (GENERATION_SERVICE, ADMIN_SERVICE, ROUTER_CONTROL_SERVICE, HEALTH_SERVICE)

@@ -19,6 +19,7 @@ from router.admission import Admission
 from router.errors import RouterError
 from router.pipeline import Protocol, RequestPipeline
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
+from router.scaling import Scaler, targets_from_proto
 from tandem_api.tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -105,15 +106,41 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
+    """Status of the router and its workers; Scale when a controller runs beside the router (`scaler`)."""
+
+    def __init__(self, pool: WorkerPool, admission: Admission, scaler: Scaler | None = None) -> None:
         self._pool = pool
         self._admission = admission
+        self._scaler = scaler
 
     async def Status(self, request: admin_pb2.StatusRequest, context: Any) -> Any:
         router = admin_pb2.RouterInfo(
             queued_requests=self._admission.queued, in_flight_requests=self._admission.in_flight
         )
-        return admin_pb2.ClusterStatus(workers=self._pool.status(), router=router)
+        pools = [] if self._scaler is None else await asyncio.to_thread(self._scaler.pool_sizes)
+        return admin_pb2.ClusterStatus(
+            workers=self._pool.status(), router=router, pools=[p.to_proto() for p in pools]
+        )
+
+    async def Scale(self, request: admin_pb2.ScaleRequest, context: Any) -> Any:
+        if self._scaler is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this router runs without a controller beside it (a standalone router): send Scale to the "
+                "router of `tandem serve` or `deploy.job`, which runs the controller",
+            )
+        try:
+            targets = targets_from_proto(request.targets)
+        except RouterError as exc:
+            await context.abort(exc.code, exc.details)
+        scaler = self._scaler
+        assert scaler is not None
+        try:
+            pools = await asyncio.to_thread(scaler.scale, targets)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("scale: %s", ", ".join(f"{p.role.value} -> {p.target}" for p in pools))
+        return admin_pb2.ScaleReply(pools=[p.to_proto() for p in pools])
 
 
 class RouterControlService(worker_pb2_grpc.RouterControlServicer):

@@ -1,4 +1,4 @@
-"""The `tandem` command line: generate (against a server or offline), status, serve, bench (tandem_cli.bench).
+"""The `tandem` command line: generate (against a server or offline), status, serve, scale, bench (tandem_cli.bench).
 
 Exit codes: 0 success, 1 runtime failure (server unreachable, deadline, engine error), 2 bad input (flags,
 JSONL lines, rejected requests). Expected errors print one line on stderr, never a traceback.
@@ -20,6 +20,7 @@ from tandem_cli.inputs import (
 )
 from tandem_cli.offline import DEFAULT_MODEL, EngineUnavailable, run_offline
 from tandem_cli.output import OutputRecord, status_json, status_table, write_atomic
+from tandem_cli.scale import add_scale_parser
 from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
 from tandem_client.client import Client
 from tandem_client.errors import InvalidArgument, TandemError
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_status(commands)
     _add_serve(commands)
+    add_scale_parser(commands)
     add_bench_parser(commands)
     return parser
 

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from tandem_client.types import ClusterStatus, GenerationResult, TokenLogprob
+from tandem_client.types import ClusterStatus, GenerationResult, PoolInfo, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,22 @@ def status_table(status: ClusterStatus) -> str:
         lines.append("(no workers)")
     router = status.router
     lines.append(f"router: {router.queued_requests} queued, {router.in_flight_requests} in flight")
+    if status.pools:
+        lines += ["", pools_table(status.pools)]
     return "\n".join(lines)
+
+
+_POOL_COLUMNS = ("POOL", "TARGET", "READY", "STARTING", "DRAINING")
+
+
+def pools_table(pools: Iterable[PoolInfo]) -> str:
+    """One row per pool: the size asked for (`tandem scale`) and where its workers are."""
+    rows = [(str(p.role), str(p.target), str(p.ready), str(p.starting), str(p.draining)) for p in pools]
+    widths = [max(len(cell) for cell in column) for column in zip(_POOL_COLUMNS, *rows)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in [_POOL_COLUMNS, *rows]
+    )
 
 
 def status_json(status: ClusterStatus) -> str:

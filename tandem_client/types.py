@@ -228,6 +228,18 @@ class RouterInfo:
 
 
 @dataclass(frozen=True)
+class PoolInfo:
+    """One pool as the controller sees it: the size asked for (`tandem scale`) and where its workers are."""
+
+    role: WorkerRole
+    target: int
+    ready: int
+    starting: int
+    draining: int
+
+
+@dataclass(frozen=True)
 class ClusterStatus:
     workers: tuple[WorkerInfo, ...]
     router: RouterInfo
+    pools: tuple[PoolInfo, ...] = ()  # empty from a router without a controller beside it

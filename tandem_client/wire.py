@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import fields
 
 import grpc
@@ -14,6 +15,7 @@ from tandem_client.types import (
     GenerationDelta,
     GenerationResult,
     ModelInfo,
+    PoolInfo,
     Prompt,
     RouterInfo,
     Sampling,
@@ -183,6 +185,14 @@ def _worker(message: admin_pb2.WorkerInfo) -> WorkerInfo:
     )
 
 
+def pools_from_proto(pools: Iterable[admin_pb2.PoolSize]) -> tuple[PoolInfo, ...]:
+    return tuple(
+        PoolInfo(_ROLES.get(p.role, WorkerRole.UNSPECIFIED), p.target, p.ready, p.starting, p.draining)
+        for p in pools
+    )
+
+
 def status_from_proto(message: admin_pb2.ClusterStatus) -> ClusterStatus:
     router = RouterInfo(message.router.queued_requests, message.router.in_flight_requests)
-    return ClusterStatus(workers=tuple(_worker(w) for w in message.workers), router=router)
+    workers = tuple(_worker(w) for w in message.workers)
+    return ClusterStatus(workers=workers, router=router, pools=pools_from_proto(message.pools))

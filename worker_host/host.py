@@ -3,7 +3,8 @@
     WorkerSpec            everything a worker process needs, built by the controller from the deploy config
     EngineLoopAllocator   the engine's block pool as kv_transfer's BlockAllocator (calls run on the loop thread)
     start_grpc            a sync gRPC server (a thread per open stream) with the standard health service
-    wait_idle             drain: wait until the engine holds no request
+    OpenCalls             the request streams a service has open; drain waits until none is left
+    wait_idle             drain: wait until no request stream is open and the engine holds no request
 
 Lifecycle (worker_host.lifecycle.WorkerLifecycle; stop is safe twice or on a half-started worker):
     start:  engine (weights, KV cache) -> loop thread -> role-specific parts (KV sender/receiver) -> gRPC
@@ -15,9 +16,11 @@ Lifecycle (worker_host.lifecycle.WorkerLifecycle; stop is safe twice or on a hal
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -102,11 +105,35 @@ def start_grpc(
     return server, port, health_servicer
 
 
-def wait_idle(loop: EngineLoop, timeout_s: float) -> bool:
-    """Drain: wait until the engine holds no request (True) or the timeout passes (False)."""
+class OpenCalls:
+    """Request streams (Prefill / Decode calls) open on a service. A call's whole life counts, not only the
+    part the engine sees: a decode call waiting for its KV, a prefill call whose KV is still being shipped."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        with self._lock:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+
+
+def wait_idle(loop: EngineLoop, calls: OpenCalls, timeout_s: float) -> bool:
+    """Drain: wait until no request stream is open and the engine holds no request (True), or the timeout
+    passes (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not loop.call(lambda e: e.has_unfinished()):
+        if calls.count == 0 and not loop.call(lambda e: e.has_unfinished()):
             return True
         time.sleep(0.05)
     return False

@@ -12,7 +12,7 @@ import threading
 from typing import Any, Protocol
 
 from model_runtime.engine_loop import EngineLoop
-from worker_host.host import WorkerSpec, wait_idle
+from worker_host.host import OpenCalls, WorkerSpec, wait_idle
 from worker_host.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 class Drainable(Protocol):
     draining: threading.Event
+    open_calls: OpenCalls
 
 
 class Closable(Protocol):
@@ -50,12 +51,13 @@ class WorkerLifecycle:
         raise NotImplementedError
 
     def drain(self) -> bool:
-        """Refuse new requests and wait for running ones (True when all finished in time)."""
+        """Refuse new requests and wait for running ones, their KV handoffs included (True when all finished
+        in time)."""
         service = self._drainable()
         if service is None or self.loop is None:
             return True
         service.draining.set()
-        return wait_idle(self.loop, self.spec.drain_timeout_s)
+        return wait_idle(self.loop, service.open_calls, self.spec.drain_timeout_s)
 
     def stop(self) -> None:
         if self.metrics is not None:

@@ -20,6 +20,7 @@ HTTP path adds no thread hop; it parses HTTP, limits the body (client_max_size) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -151,7 +152,8 @@ class OpenAIServer:
             error = from_router_error(exc, parsed.chat, parsed.max_tokens_field)
             if not stream.started:
                 raise error from None
-            await stream.send(error.body())  # headers are gone: the error is the stream's last event
+            with contextlib.suppress(ClientGone):  # headers are gone: the error is the stream's last event
+                await stream.send(error.body())
             return stream.response
         if parsed.stream:
             return await stream.done()

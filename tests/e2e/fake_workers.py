@@ -193,7 +193,10 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker lost its GPU")
             chunk = tokens[i : i + self.script.batch]
             lps = [lp for t in chunk if (lp := logprob(t, request.sampling)) is not None]
-            yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenBatch(token_ids=chunk, logprobs=lps))
+            batch = worker_pb2.TokenBatch(
+                token_ids=chunk, logprobs=lps, num_cached_tokens=self.script.num_cached_tokens
+            )
+            yield worker_pb2.DecodeEvent(tokens=batch)
         finished = worker_pb2.DecodeFinished(
             finish_reason=reason, num_cached_tokens=self.script.num_cached_tokens
         )

@@ -48,4 +48,4 @@ def test_public_services_are_in_the_stubs() -> None:
     services = generate_pb2.DESCRIPTOR.services_by_name
     assert set(services["Generation"].methods_by_name) == {"Generate", "ListModels"}
     assert services["Generation"].methods_by_name["Generate"].server_streaming
-    assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {"Status"}
+    assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {"Status", "Scale"}

@@ -31,17 +31,53 @@ WORKER_STATE_READY: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_DEAD: WorkerState
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("targets",)
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[PoolTarget]
+    def __init__(self, targets: _Optional[_Iterable[_Union[PoolTarget, _Mapping]]] = ...) -> None: ...
+
+class PoolTarget(_message.Message):
+    __slots__ = ("role", "replicas")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    replicas: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleReply(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolSize]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolSize, _Mapping]]] = ...) -> None: ...
+
+class PoolSize(_message.Message):
+    __slots__ = ("role", "target", "ready", "starting", "draining")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    target: int
+    ready: int
+    starting: int
+    draining: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., target: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("workers", "router")
+    __slots__ = ("workers", "router", "pools")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     router: RouterInfo
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router: _Optional[_Union[RouterInfo, _Mapping]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolSize]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router: _Optional[_Union[RouterInfo, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolSize, _Mapping]]] = ...) -> None: ...
 
 class RouterInfo(_message.Message):
     __slots__ = ("queued_requests", "in_flight_requests")

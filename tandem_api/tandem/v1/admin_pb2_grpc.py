@@ -39,6 +39,11 @@ class AdminStub:
                 request_serializer=tandem_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_admin__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/tandem.v1.Admin/Scale',
+                request_serializer=tandem_dot_v1_dot_admin__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_admin__pb2.ScaleReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -51,6 +56,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Set pools' sizes while serving (`tandem scale`): new workers join once ready, removed ones drain first.
+        Served by a router whose controller runs in the same process (`tandem serve`, `deploy.job`); a standalone
+        router answers FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +72,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=tandem_dot_v1_dot_admin__pb2.StatusRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_admin__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=tandem_dot_v1_dot_admin__pb2.ScaleRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_admin__pb2.ScaleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +106,33 @@ class Admin:
             '/tandem.v1.Admin/Status',
             tandem_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
             tandem_dot_v1_dot_admin__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/Scale',
+            tandem_dot_v1_dot_admin__pb2.ScaleRequest.SerializeToString,
+            tandem_dot_v1_dot_admin__pb2.ScaleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -100,12 +100,14 @@ class DecodeEvent(_message.Message):
     def __init__(self, reserved: _Optional[_Union[_kv_pb2.KVTarget, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "num_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
     __slots__ = ("finish_reason", "stop_token_id", "num_cached_tokens")
@@ -124,14 +126,16 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self, known_prefix_version: _Optional[int] = ...) -> None: ...
 
 class WorkerEndpoint(_message.Message):
-    __slots__ = ("worker_id", "role", "address")
+    __slots__ = ("worker_id", "role", "address", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _admin_pb2.WorkerRole
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_admin_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_admin_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class WorkerSet(_message.Message):
     __slots__ = ("workers", "generation")

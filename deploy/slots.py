@@ -1,0 +1,63 @@
+"""A worker slot as the controller keeps it, the membership entry it publishes, and the spec a slot's worker
+is started with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.config import DeployConfig
+from model_runtime.roles import WorkerRole
+from worker_host.host import WorkerSpec
+
+
+@dataclass(frozen=True)
+class Member:
+    worker_id: str
+    role: WorkerRole
+    address: str
+    metrics_address: str = ""  # host:port of the worker's /metrics ("" when it serves none)
+    draining: bool = False  # leaving its pool: routers place nothing new on it
+
+
+@dataclass
+class Slot:
+    role: WorkerRole
+    index: int
+    spec: WorkerSpec
+    num_gpus: float
+    resources: dict[str, float]
+    actor: Any = None
+    address: str = ""
+    metrics_address: str = ""
+    restarts: int = 0
+    given_up: bool = False
+    missed: int = 0  # consecutive heartbeat checks that timed out
+    starting: Any = None  # ObjectRef of start() while a slot added at run time loads
+    draining: bool = False  # being drained before it is removed
+
+    @property
+    def serving(self) -> bool:
+        return self.actor is not None and bool(self.address) and self.starting is None and not self.draining
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+
+def worker_spec(config: DeployConfig, role: WorkerRole, index: int) -> WorkerSpec:
+    """The spec of worker `index` of the `role` pool: its pool's engine and metrics ports, the cluster's settings."""
+    pool = config.pools()[role]
+    host = "127.0.0.1" if config.ray.address is None else "0.0.0.0"  # a joined cluster: reachable from peers
+    return WorkerSpec(
+        host=host,
+        worker_id=f"{role}-{index}",
+        role=role,
+        engine=pool.engine,
+        transfer=config.transfer,
+        drain_timeout_s=config.controller.drain_timeout_s,
+        prefill_timeout_s=config.controller.prefill_timeout_s,
+        kv_wait_timeout_s=config.controller.kv_wait_timeout_s,
+        metrics_port=pool.metrics_port,
+        metrics_port_count=pool.metrics_port_count,
+    )

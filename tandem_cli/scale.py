@@ -1,0 +1,68 @@
+"""`tandem scale`: set pool sizes while the cluster serves (Admin.Scale on the router of `tandem serve` or
+`deploy.job`, whose controller adds workers, which join once ready, and drains the ones it removes).
+
+    tandem scale --prefill 3 --decode 1          # prints every pool: target, ready, starting, draining
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+import grpc
+
+from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem_cli.inputs import InputError
+from tandem_cli.output import pools_table
+from tandem_client import wire
+from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
+from tandem_client.errors import error_from_rpc
+
+ROLES = {
+    "prefill": admin_pb2.WORKER_ROLE_PREFILL,
+    "decode": admin_pb2.WORKER_ROLE_DECODE,
+    "colocated": admin_pb2.WORKER_ROLE_COLOCATED,
+}
+
+
+def _replicas(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def add_scale_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("scale", help="set pool sizes while serving (new workers join once ready)")
+    p.add_argument(
+        "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
+    )
+    for role in ROLES:
+        p.add_argument(f"--{role}", type=_replicas, metavar="N", help=f"workers in the {role} pool")
+    p.add_argument("--json", action="store_true", help="print the pools as JSON")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S")
+    p.set_defaults(handler=cmd_scale)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    targets = [
+        admin_pb2.PoolTarget(role=wire_role, replicas=getattr(args, role))
+        for role, wire_role in ROLES.items()
+        if getattr(args, role) is not None
+    ]
+    if not targets:
+        raise InputError("give at least one of --prefill, --decode, --colocated")
+    with grpc.insecure_channel(resolve_address(args.server)) as channel:
+        try:
+            reply = admin_pb2_grpc.AdminStub(channel).Scale(
+                admin_pb2.ScaleRequest(targets=targets), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+    pools = wire.pools_from_proto(reply.pools)
+    print(json.dumps([asdict(p) for p in pools]) if args.json else pools_table(pools))
+    return 0
