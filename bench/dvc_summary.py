@@ -1,0 +1,154 @@
+"""bench/disagg_vs_colocated.py's summary: capacities per deployment and workload, disaggregated vs colocated at
+equal load, scaling from 2 GPUs to more, goal checks, tables and plots, rebuilt from the saved point files."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from tandem_cli.bench import SLO
+from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
+from tandem_cli.bench.sweep import capacity, equal_load
+
+TARGET_SHARE = 0.90
+BASES = ("disagg", "colocated")  # the two 2-GPU configs: sized variants compare with these
+WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed")
+
+
+def share_points(points: list[dict]) -> list[tuple[float, float]]:
+    return [(p["settings"]["rate"], p["goodput"]["share"]) for p in points]
+
+
+def tails(point: dict) -> dict:
+    return {"ttft_p90": point["ttft"]["p90"], "ttft_p99": point["ttft"]["p99"], "tpot_p99": point["tpot"]["p99"],
+            "itl_p99": point["itl"]["p99"], "slo_share": point["goodput"]["share"],
+            "kv_transfer_mean_s": (point["kv_transfer"] or {}).get("mean_s")}  # fmt: skip
+
+
+def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path) -> dict:
+    out: dict = {"workload": name}
+    for dep, run in runs.items():
+        cap = capacity(share_points(run["points"]), TARGET_SHARE)
+        out[dep] = {
+            "gpus": run["gpus"], "capacity_rps": cap, "capacity_rps_per_gpu": cap / run["gpus"], "card": run["card"]
+        }  # fmt: skip
+    series = {
+        d: [(p["settings"]["rate"], 100 * p["goodput"]["share"]) for p in r["points"]]
+        for d, r in runs.items()
+    }
+    plot_goodput_vs_rate(series, out_dir / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
+    out["scaling"] = scaling(out, runs)
+    if not set(BASES) <= set(runs):
+        return out
+    dis, col = runs["disagg"]["points"], runs["colocated"]["points"]
+    rate = equal_load(share_points(dis), share_points(col), TARGET_SHARE)
+    if rate is None:
+        return out
+    at = {d: next(p for p in runs[d]["points"] if p["settings"]["rate"] == rate) for d in runs}
+    out["equal_load_rps"] = rate
+    out["at_equal_load"] = {d: tails(p) for d, p in at.items()}
+    cap_col = out["colocated"]["capacity_rps"]
+    out["capacity_ratio"] = out["disagg"]["capacity_rps"] / cap_col if cap_col else None
+    itl_dis, itl_col = at["disagg"]["itl"]["p99"], at["colocated"]["itl"]["p99"]
+    out["itl_p99_ratio_colocated_over_disagg"] = itl_col / itl_dis if itl_dis and itl_col else None
+    samples = {d: LatencySamples(**{k: tuple(v) for k, v in p["samples"].items()}) for d, p in at.items()}
+    plot_latency_cdfs(
+        samples, out_dir / f"latency_cdf_{name}.png", slo=slo, title=f"{name} at {rate:g} req/s"
+    )
+    return out
+
+
+def scaling(out: dict, runs: dict[str, dict]) -> dict:
+    """Each sized deployment's capacity over its 2-GPU base's (colocated-4 over colocated, disagg-3p1d over
+    disagg): the "capacity grows with GPUs" check (issue 14: >= 1.8x from 2 to 4 GPUs)."""
+    result = {}
+    for dep, run in runs.items():
+        base = (
+            "colocated" if dep.startswith("colocated-") else "disagg" if dep.startswith("disagg-") else None
+        )
+        if base is None or base not in runs or not out[base]["capacity_rps"]:
+            continue
+        result[dep] = {
+            "base": base,
+            "gpus": run["gpus"],
+            "base_gpus": runs[base]["gpus"],
+            "capacity_ratio": out[dep]["capacity_rps"] / out[base]["capacity_rps"],
+        }
+    return result
+
+
+def capacity_table(rows: list[dict]) -> str:
+    """Every deployment's capacity, per GPU, and the ratio to its 2-GPU base."""
+    lines = [
+        "| workload | deployment | GPUs | capacity (req/s) | per GPU | vs 2-GPU base |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for dep, cap in row.items():
+            if not isinstance(cap, dict) or "capacity_rps" not in cap:
+                continue
+            ratio = row.get("scaling", {}).get(dep, {}).get("capacity_ratio")
+            lines.append(
+                f"| {row['workload']} | {dep} | {cap['gpus']} | {cap['capacity_rps']} | "
+                f"{cap['capacity_rps_per_gpu']:.2f} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
+            )
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| workload | disagg cap. (req/s/GPU) | colocated cap. (req/s/GPU) | ratio | equal load | "
+             "ITL p99 disagg / coloc (ms) | TTFT p99 disagg / coloc (ms) | KV transfer (ms) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    for r in rows:
+        d, c, eq = r.get("disagg", {}), r.get("colocated", {}), r.get("at_equal_load", {})
+        ratio = r.get("capacity_ratio")
+        dt, ct = eq.get("disagg", {}), eq.get("colocated", {})
+        lines.append(
+            f"| {r['workload']} | {d.get('capacity_rps_per_gpu', '-')} | {c.get('capacity_rps_per_gpu', '-')} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r.get('equal_load_rps', '-')} req/s | "
+            f"{ms(dt.get('itl_p99'))} / {ms(ct.get('itl_p99'))} | {ms(dt.get('ttft_p99'))} / "
+            f"{ms(ct.get('ttft_p99'))} | {ms(dt.get('kv_transfer_mean_s'))} |"
+        )
+    return "\n".join(lines)
+
+
+def goal_checks(rows: list[dict]) -> dict:
+    """On prefill-heavy: issue 6's targets (capacity >= 1.5x colocated, p99 ITL >= 2x lower at equal load) and
+    issue 14's (a deployment on twice the GPUs serves >= 1.8x its 2-GPU base)."""
+    row = next((r for r in rows if r["workload"] == "prefill-heavy"), {})
+    ratio, itl = row.get("capacity_ratio"), row.get("itl_p99_ratio_colocated_over_disagg")
+    grow = {
+        dep: s["capacity_ratio"]
+        for dep, s in row.get("scaling", {}).items()
+        if s["gpus"] == 2 * s["base_gpus"]
+    }
+    return {"goodput_ratio": ratio, "goodput_goal_met": ratio is not None and ratio >= 1.5,
+            "itl_p99_ratio": itl, "itl_goal_met": itl is not None and itl >= 2.0,
+            # issue 14: twice the GPUs serve >= 1.8x (colocated-4 over colocated, disagg-2p2d/3p1d over disagg)
+            "doubling": grow, "doubling_goal_met": {dep: r >= 1.8 for dep, r in grow.items()}}  # fmt: skip
+
+
+def summarize(slo: SLO, out_dir: Path) -> None:
+    rows = []
+    for name in WORKLOAD_NAMES:
+        runs = {
+            p.name.split("_")[0]: json.loads(p.read_text()) for p in sorted(out_dir.glob(f"*_{name}.json"))
+        }
+        if runs:
+            rows.append(summarize_workload(name, runs, slo, out_dir))
+    summary = {
+        "slo": asdict(slo),
+        "target_share": TARGET_SHARE,
+        "workloads": rows,
+        "goals": goal_checks(rows),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = markdown(rows) + "\n\n" + capacity_table(rows)
+    (out_dir / "summary.md").write_text(table + "\n")
+    print(table)
+    print(json.dumps(summary["goals"]))
