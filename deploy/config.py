@@ -11,6 +11,7 @@ colocated:{replicas, num_gpus, engine: {...}}   # mode: colocated
 transfer: {kind: tcp | nccl | cuda_ipc, ...}     # kv_transfer.TransferConfig
 ray:      {address: null | auto | ray://..., namespace}
 controller: {health_interval_s, heartbeat_timeout_s, restart_limit, drain_timeout_s}
+autoscaler: {enabled, interval_s, window_s, ttft_s, tpot_s, prefill: {min, max}, ...}  # deploy/autoscaler/settings.py
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from deploy.autoscaler.settings import AutoscalerSettings, parse_autoscaler
 from kv_transfer import TransferConfig
 from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
 from model_runtime.roles import WorkerRole
@@ -175,6 +177,7 @@ class DeployConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     ray: RaySettings = field(default_factory=RaySettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+    autoscaler: AutoscalerSettings = field(default_factory=AutoscalerSettings)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -187,6 +190,7 @@ class DeployConfig:
             )
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ConfigError("colocated.replicas: colocated mode needs at least one worker")
+        self.autoscaler.check_pools({role: pool.replicas for role, pool in self.pools().items()})
 
     def pools(self) -> dict[WorkerRole, PoolSettings]:
         """role -> pool, for the roles this mode runs."""
@@ -196,7 +200,18 @@ class DeployConfig:
 
 
 POOL_KEYS = ("engine", "metrics_port", "metrics_port_count", "num_gpus", "ray_resources", "replicas")
-TOP_KEYS = {"model", "mode", "router", "prefill", "decode", "colocated", "transfer", "ray", "controller"}
+TOP_KEYS = {
+    "model",
+    "mode",
+    "router",
+    "prefill",
+    "decode",
+    "colocated",
+    "transfer",
+    "ray",
+    "controller",
+    "autoscaler",
+}
 
 
 def parse_config(data: Any, source: str = "config") -> DeployConfig:
@@ -222,6 +237,7 @@ def parse_config(data: Any, source: str = "config") -> DeployConfig:
             raise ConfigError("controller.routers: must be a list of host:port strings")
         controller["routers"] = tuple(routers)
     kwargs["controller"] = dataclass_from_dict(ControllerSettings, controller, "controller")
+    kwargs["autoscaler"] = parse_autoscaler(data.get("autoscaler"))
     defaults = {"prefill": 1, "decode": 1, "colocated": 0}
     for role, replicas in defaults.items():
         kwargs[role] = _pool(data.get(role) or {}, role, model, replicas)

@@ -63,6 +63,8 @@ class Controller:
         self._targets = {role: pool.replicas for role, pool in pools.items()}
         self._next_index = {role: pool.replicas for role, pool in pools.items()}
         self._wake = threading.Event()  # scale() wakes the watcher at once
+        # The SLO autoscaler's last decision (set by `tandem serve` when it runs one), for `tandem status`.
+        self.autoscaler_status: Callable[[], str] = lambda: ""
         self._drainers: list[threading.Thread] = []
 
     # --- lifecycle -------------------------------------------------------------------------------------

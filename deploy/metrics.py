@@ -111,6 +111,13 @@ class ServeMetrics:
         self._settings = settings
         serve_router = in_process_router and settings.metrics_port != 0
         self.router_metrics = PrometheusRouterMetrics(config.model) if serve_router else None
+        # What router.metrics_port serves from this process: the in-process router's metrics; beside standalone
+        # routers (Kubernetes), only the autoscaler's when it is on (the routers serve their own).
+        self.registry: CollectorRegistry | None = None
+        if self.router_metrics is not None:
+            self.registry = self.router_metrics.registry
+        elif config.autoscaler.enabled and settings.metrics_port != 0:
+            self.registry = CollectorRegistry()
         self.file_sd = Path(settings.metrics_file_sd) if settings.metrics_file_sd else None
         self._server: MetricsHTTPServer | None = None
         self._lock = threading.Lock()
@@ -118,15 +125,20 @@ class ServeMetrics:
 
     @property
     def router_address(self) -> str:
-        """host:port of the router's /metrics ("" when not served)."""
+        """host:port of the in-process router's /metrics ("" when not served)."""
+        return self._server.address if self._server is not None and self.router_metrics else ""
+
+    @property
+    def address(self) -> str:
+        """host:port of this process's /metrics (the router's, or beside standalone routers the autoscaler's)."""
         return self._server.address if self._server is not None else ""
 
     def start(self) -> None:
         """Serve the router's /metrics (if any) and write the first target list. Raises OSError naming the
         address or path when either cannot be had."""
-        if self.router_metrics is not None and self._server is None:
+        if self.registry is not None and self._server is None:
             s = self._settings
-            self._server = MetricsHTTPServer(s.host, s.metrics_port, self.router_metrics.registry)
+            self._server = MetricsHTTPServer(s.host, s.metrics_port, self.registry)
         if self.file_sd is not None:
             self.file_sd.parent.mkdir(parents=True, exist_ok=True)
             self._write(strict=True)

@@ -16,10 +16,15 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from deploy.config import DeployConfig, load_config
 from deploy.controller import Controller, Member
 from model_runtime.config import ConfigError
+
+if TYPE_CHECKING:
+    from deploy.autoscaler.loop import Autoscaler
+    from deploy.metrics import ServeMetrics
 
 log = logging.getLogger("tandem.serve")
 _SERVING_WAIT_S = 30.0
@@ -104,6 +109,7 @@ async def serve(config: DeployConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = loop.run_in_executor(None, controller.start, _say)
+    autoscaler = None
     code = 0
     try:
         stopped: asyncio.Future = asyncio.ensure_future(stop.wait())
@@ -113,6 +119,7 @@ async def serve(config: DeployConfig) -> int:
             started.result()
             if router is not None:  # the workers are up; the router knows once its first polls answer
                 await _until_serving(router, _SERVING_WAIT_S)
+            autoscaler = _start_autoscaler(config, controller, router, metrics)
             print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
             if router is not None and router.http_address:
                 print(f"OpenAI-compatible API on {router.http_address}/v1", flush=True)
@@ -123,9 +130,31 @@ async def serve(config: DeployConfig) -> int:
         print(f"tandem serve: start-up failed: {exc}", file=sys.stderr)
         code = 1
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()
         await _shutdown(router, publisher, controller, config)
         metrics.close()
     return code
+
+
+def _start_autoscaler(
+    config: DeployConfig, controller: Controller, router, metrics: ServeMetrics
+) -> Autoscaler | None:
+    """The SLO autoscaler (autoscaler.enabled): it reads the in-process router's latency window, or asks the
+    standalone routers (controller.routers) for theirs, and asks this controller for pool sizes. Its decisions
+    are counted on router.metrics_port's /metrics served from this process."""
+    if not config.autoscaler.enabled:
+        return None
+    from deploy.autoscaler.loop import Autoscaler, LatencySource
+    from deploy.autoscaler.routers import RouterLatency
+
+    latency: LatencySource = (
+        router.metrics.recent.stats if router is not None else RouterLatency(config.controller.routers)
+    )
+    autoscaler = Autoscaler(config.autoscaler, controller, latency, metrics.registry)
+    controller.autoscaler_status = lambda: autoscaler.last_decision
+    autoscaler.start()
+    return autoscaler
 
 
 async def _until_serving(router, timeout_s: float) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from router.recent_latency import RecentLatency
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -34,6 +36,8 @@ class RouterMetrics:
         self.placements: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        # The last minutes' TTFT/TPOT per request, for the SLO autoscaler (deploy.autoscaler).
+        self.recent = RecentLatency()
 
     def request_done(self, record: RequestRecord) -> None:
         """Once per request that passed validation and admission."""
@@ -41,6 +45,17 @@ class RouterMetrics:
         self.protocols[record.protocol] += 1
         self.prompt_tokens += record.prompt_tokens
         self.completion_tokens += record.completion_tokens
+        self._record_recent(record)
+
+    def _record_recent(self, record: RequestRecord) -> None:
+        ttft = record.ttft_seconds
+        if ttft is None:
+            if record.outcome != "deadline_exceeded":
+                return  # cancelled or failed before its first token: says nothing about the SLOs
+            ttft = record.e2e_seconds  # never got a first token: its TTFT is at least its whole time
+        gaps = record.completion_tokens - 1
+        tpot = (record.e2e_seconds - ttft) / gaps if gaps >= 1 and record.ttft_seconds is not None else None
+        self.recent.record(ttft, None if tpot is None else max(0.0, tpot))
 
     def request_rejected(self, code: str, protocol: str = "grpc") -> None:
         """A request refused before it reached a worker (bad input, unknown model, router full)."""

@@ -43,6 +43,10 @@ class Scaler(Protocol):
 
     def pool_sizes(self) -> list[PoolSize]: ...
 
+    def autoscaler_status(self) -> str:
+        """The autoscaler's last decision, for `tandem status` ("" when none runs or none was made)."""
+        ...
+
 
 def targets_from_proto(targets: Sequence[admin_pb2.PoolTarget]) -> dict[WorkerRole, int]:
     """Checked targets; a bad entry raises INVALID_ARGUMENT naming it ("targets[1].role: ...")."""

@@ -169,7 +169,7 @@ class RouterServer:
             ]
         )
         add_generation_service(GenerationService(pipeline), server)
-        admin = AdminService(self._pool, self._admission, self._scaler)
+        admin = AdminService(self._pool, self._admission, self._scaler, self.metrics.recent)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

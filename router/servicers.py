@@ -19,6 +19,7 @@ from router.admission import Admission
 from router.errors import RouterError
 from router.pipeline import Protocol, RequestPipeline
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
+from router.recent_latency import RecentLatency
 from router.scaling import Scaler, targets_from_proto
 from tandem_api.tandem.v1 import (
     admin_pb2,
@@ -106,20 +107,35 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    """Status of the router and its workers; Scale when a controller runs beside the router (`scaler`)."""
+    """Status of the router and its workers (and, when asked, its recent latency window: the SLO autoscaler's
+    input); Scale when a controller runs beside the router (`scaler`)."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission, scaler: Scaler | None = None) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        admission: Admission,
+        scaler: Scaler | None = None,
+        recent: RecentLatency | None = None,
+    ) -> None:
         self._pool = pool
         self._admission = admission
         self._scaler = scaler
+        self._recent = recent
 
     async def Status(self, request: admin_pb2.StatusRequest, context: Any) -> Any:
         router = admin_pb2.RouterInfo(
             queued_requests=self._admission.queued, in_flight_requests=self._admission.in_flight
         )
+        window_s = request.latency_window_seconds
+        if self._recent is not None and window_s > 0:  # NaN and negatives ask for nothing
+            router.recent_latency.CopyFrom(self._recent.counts(window_s).to_proto())
         pools = [] if self._scaler is None else await asyncio.to_thread(self._scaler.pool_sizes)
+        autoscaler = "" if self._scaler is None else self._scaler.autoscaler_status()
         return admin_pb2.ClusterStatus(
-            workers=self._pool.status(), router=router, pools=[p.to_proto() for p in pools]
+            workers=self._pool.status(),
+            router=router,
+            pools=[p.to_proto() for p in pools],
+            autoscaler=autoscaler,
         )
 
     async def Scale(self, request: admin_pb2.ScaleRequest, context: Any) -> Any:

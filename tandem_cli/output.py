@@ -91,6 +91,8 @@ def status_table(status: ClusterStatus) -> str:
     lines.append(f"router: {router.queued_requests} queued, {router.in_flight_requests} in flight")
     if status.pools:
         lines += ["", pools_table(status.pools)]
+    if status.autoscaler:
+        lines.append(f"autoscaler: {status.autoscaler}")
     return "\n".join(lines)
 
 

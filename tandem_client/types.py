@@ -243,3 +243,4 @@ class ClusterStatus:
     workers: tuple[WorkerInfo, ...]
     router: RouterInfo
     pools: tuple[PoolInfo, ...] = ()  # empty from a router without a controller beside it
+    autoscaler: str = ""  # the SLO autoscaler's last decision ("" when off or none yet)

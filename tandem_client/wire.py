@@ -195,4 +195,9 @@ def pools_from_proto(pools: Iterable[admin_pb2.PoolSize]) -> tuple[PoolInfo, ...
 def status_from_proto(message: admin_pb2.ClusterStatus) -> ClusterStatus:
     router = RouterInfo(message.router.queued_requests, message.router.in_flight_requests)
     workers = tuple(_worker(w) for w in message.workers)
-    return ClusterStatus(workers=workers, router=router, pools=pools_from_proto(message.pools))
+    return ClusterStatus(
+        workers=workers,
+        router=router,
+        pools=pools_from_proto(message.pools),
+        autoscaler=message.autoscaler,
+    )

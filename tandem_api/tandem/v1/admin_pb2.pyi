@@ -66,26 +66,42 @@ class PoolSize(_message.Message):
     def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., target: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("latency_window_seconds",)
+    LATENCY_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    latency_window_seconds: float
+    def __init__(self, latency_window_seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("workers", "router", "pools")
+    __slots__ = ("workers", "router", "pools", "autoscaler")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALER_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     router: RouterInfo
     pools: _containers.RepeatedCompositeFieldContainer[PoolSize]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router: _Optional[_Union[RouterInfo, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolSize, _Mapping]]] = ...) -> None: ...
+    autoscaler: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router: _Optional[_Union[RouterInfo, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolSize, _Mapping]]] = ..., autoscaler: _Optional[str] = ...) -> None: ...
 
 class RouterInfo(_message.Message):
-    __slots__ = ("queued_requests", "in_flight_requests")
+    __slots__ = ("queued_requests", "in_flight_requests", "recent_latency")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_LATENCY_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     in_flight_requests: int
-    def __init__(self, queued_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ...) -> None: ...
+    recent_latency: RecentLatency
+    def __init__(self, queued_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., recent_latency: _Optional[_Union[RecentLatency, _Mapping]] = ...) -> None: ...
+
+class RecentLatency(_message.Message):
+    __slots__ = ("window_seconds", "ttft_counts", "tpot_counts")
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    window_seconds: float
+    ttft_counts: _containers.RepeatedScalarFieldContainer[int]
+    tpot_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, window_seconds: _Optional[float] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., tpot_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size", "prefix_cache_version", "cached_block_hashes", "cached_prompt_tokens_total", "indexed_prefix_blocks")

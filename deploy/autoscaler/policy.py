@@ -1,0 +1,217 @@
+"""The SLO autoscaler's policy: from one window's latency p90s and the pools' sizes to new pool targets.
+
+Pure: no clock, no Ray, no I/O; the loop (deploy.autoscaler.loop) feeds it and applies what it returns. Its
+only memory is the hysteresis (streaks of evaluations, and the time before which it does not act).
+
+Each evaluation grades each signal against its target (the p90 over the window, when the window has at least
+min_requests samples of it):
+
+    miss         p90 > target                  TTFT -> the prefill pool, TPOT -> the decode pool
+    inside       margin * target < p90 <= target
+    comfortable  p90 <= margin * target
+    (no grade)   too few samples: no evidence either way, every streak of that signal restarts
+
+Disaggregated:
+  - a signal that missed scale_up_patience evaluations in a row grows its pool by one (worst miss first);
+    at the budget (max_total_workers), the other pool gives one worker if its own signal does not miss and it is
+    above its min ("moved"); otherwise the miss is reported as blocked (at_max, at_budget) and its streak restarts
+  - with no pending miss, a pool whose signal was comfortable scale_down_patience evaluations in a row shrinks by one
+Colocated: replicas grow after scale_up_patience evaluations in a row with either signal missing, and shrink after
+  scale_down_patience evaluations with both comfortable.
+
+After a change nothing happens for max(cooldown_s, window_s); and while any pool is not settled (ready != target,
+or workers starting or draining) streaks stay at zero and the quiet time extends to one window past it, so every
+window that counts was measured wholly on the current pool sizes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deploy.autoscaler.settings import AutoscalerSettings
+from model_runtime.roles import WorkerRole
+from router.recent_latency import WindowStats
+from router.scaling import PoolSize
+
+
+class Direction(enum.StrEnum):
+    UP = "up"
+    DOWN = "down"
+    BLOCKED = "blocked"  # a persistent miss that min/max or the budget keeps from growing its pool
+
+
+class Grade(enum.Enum):
+    NONE = 0  # too few samples
+    COMFORTABLE = 1
+    INSIDE = 2
+    MISS = 3
+
+
+@dataclass(frozen=True)
+class Change:
+    role: WorkerRole
+    direction: Direction
+    reason: str  # ttft_miss, tpot_miss, ttft_inside, tpot_inside, slo_inside, moved, at_max, at_budget
+    before: int
+    after: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    changes: tuple[Change, ...] = ()
+    hold: str = ""  # why no evidence was taken this time: "settling", "cooldown" ("" when it was)
+
+    def targets(self) -> dict[WorkerRole, int]:
+        """The pools to resize (empty: none)."""
+        return {c.role: c.after for c in self.changes if c.direction is not Direction.BLOCKED}
+
+
+SIGNAL_ROLE = {"ttft": WorkerRole.PREFILL, "tpot": WorkerRole.DECODE}
+
+
+class AutoscalePolicy:
+    def __init__(self, settings: AutoscalerSettings) -> None:
+        self.settings = settings
+        self._streaks: Counter[str] = Counter()
+        self._quiet_until = float("-inf")
+
+    def evaluate(self, window: WindowStats, pools: Mapping[WorkerRole, PoolSize], now: float) -> Decision:
+        """One evaluation at time `now` (seconds, any monotonic origin)."""
+        s = self.settings
+        if not all(p.ready == p.target and not p.starting and not p.draining for p in pools.values()):
+            self._streaks.clear()
+            self._quiet_until = max(self._quiet_until, now + s.window_s)
+            return Decision(hold="settling")
+        if now < self._quiet_until:
+            return Decision(hold="cooldown")
+        grades = self._grade(window)
+        self._count(grades)
+        sizes = {role: p.target for role, p in pools.items()}
+        if WorkerRole.COLOCATED in sizes:
+            changes = self._colocated(grades, sizes[WorkerRole.COLOCATED])
+        else:
+            changes = self._grow(grades, self._overshoot(window), sizes) or self._shrink(sizes)
+        if any(c.direction is not Direction.BLOCKED for c in changes):
+            self._streaks.clear()
+            self._quiet_until = now + max(s.cooldown_s, s.window_s)
+        return Decision(tuple(changes))
+
+    # --- grading ---------------------------------------------------------------------------------------
+    def _grade(self, w: WindowStats) -> dict[str, Grade]:
+        s = self.settings
+        return {
+            "ttft": self._one(w.ttft_p90_s, w.requests, s.ttft_s),
+            "tpot": self._one(w.tpot_p90_s, w.tpot_requests, s.tpot_s),
+        }
+
+    def _overshoot(self, w: WindowStats) -> dict[str, float]:
+        """p90 / target of each signal (0 without a p90): which miss is worse."""
+        s = self.settings
+        return {"ttft": (w.ttft_p90_s or 0.0) / s.ttft_s, "tpot": (w.tpot_p90_s or 0.0) / s.tpot_s}
+
+    def _one(self, p90: float | None, samples: int, target: float) -> Grade:
+        if p90 is None or samples < self.settings.min_requests:
+            return Grade.NONE
+        if p90 > target:
+            return Grade.MISS
+        return Grade.COMFORTABLE if p90 <= self.settings.scale_down_margin * target else Grade.INSIDE
+
+    def _count(self, grades: dict[str, Grade]) -> None:
+        """Extend or restart each streak."""
+        conditions = {
+            "ttft_miss": grades["ttft"] is Grade.MISS,
+            "tpot_miss": grades["tpot"] is Grade.MISS,
+            "ttft_comfortable": grades["ttft"] is Grade.COMFORTABLE,
+            "tpot_comfortable": grades["tpot"] is Grade.COMFORTABLE,
+            "any_miss": Grade.MISS in grades.values(),
+            "all_comfortable": all(g is Grade.COMFORTABLE for g in grades.values()),
+        }
+        for name, holds in conditions.items():
+            self._streaks[name] = self._streaks[name] + 1 if holds else 0
+
+    # --- disaggregated ---------------------------------------------------------------------------------
+    def _grow(
+        self, grades: dict[str, Grade], overshoot: dict[str, float], sizes: dict[WorkerRole, int]
+    ) -> list[Change]:
+        """Grow the pools whose signal missed long enough, worst miss first (the first gets the budget)."""
+        s = self.settings
+        due = [signal for signal in SIGNAL_ROLE if self._streaks[f"{signal}_miss"] >= s.scale_up_patience]
+        due.sort(key=lambda signal: -overshoot[signal])
+        changes: list[Change] = []
+        budget = s.budget(tuple(sizes))
+        for signal in due:
+            role, reason = SIGNAL_ROLE[signal], f"{signal}_miss"
+            self._streaks[reason] = 0  # acted on (or reported blocked): the next needs a fresh streak
+            n = sizes[role]
+            if n >= s.bounds(role).max:
+                changes.append(Change(role, Direction.BLOCKED, "at_max", n, n))
+            elif sum(sizes.values()) < budget:
+                sizes[role] = n + 1
+                changes.append(Change(role, Direction.UP, reason, n, n + 1))
+            elif (donor := self._donor(role, grades, sizes)) is not None:
+                changes.append(Change(donor, Direction.DOWN, "moved", sizes[donor], sizes[donor] - 1))
+                sizes[donor] -= 1
+                sizes[role] = n + 1
+                changes.append(Change(role, Direction.UP, reason, n, n + 1))
+            else:
+                changes.append(Change(role, Direction.BLOCKED, "at_budget", n, n))
+        return changes
+
+    def _donor(
+        self, role: WorkerRole, grades: dict[str, Grade], sizes: dict[WorkerRole, int]
+    ) -> WorkerRole | None:
+        """The other pool, when it can give a worker: its own signal does not miss, and it is above its min."""
+        for signal, other in SIGNAL_ROLE.items():
+            if other is not role and grades[signal] is not Grade.MISS and sizes[other] > self._min(other):
+                return other
+        return None
+
+    def _shrink(self, sizes: dict[WorkerRole, int]) -> list[Change]:
+        changes = []
+        for signal, role in SIGNAL_ROLE.items():
+            if self._streaks[f"{signal}_comfortable"] >= self.settings.scale_down_patience:
+                n = sizes[role]
+                if n > self._min(role):
+                    changes.append(Change(role, Direction.DOWN, f"{signal}_inside", n, n - 1))
+        return changes
+
+    def _min(self, role: WorkerRole) -> int:
+        return self.settings.bounds(role).min
+
+    # --- colocated -------------------------------------------------------------------------------------
+    def _colocated(self, grades: dict[str, Grade], n: int) -> list[Change]:
+        s, role = self.settings, WorkerRole.COLOCATED
+        if self._streaks["any_miss"] >= s.scale_up_patience:
+            self._streaks["any_miss"] = 0
+            # The streak just grew, so this window missed: name the signal that did.
+            reason = next(f"{signal}_miss" for signal, grade in grades.items() if grade is Grade.MISS)
+            if n >= min(s.bounds(role).max, s.budget((role,))):
+                at = "at_max" if n >= s.bounds(role).max else "at_budget"
+                return [Change(role, Direction.BLOCKED, at, n, n)]
+            return [Change(role, Direction.UP, reason, n, n + 1)]
+        if self._streaks["all_comfortable"] >= s.scale_down_patience and n > self._min(role):
+            return [Change(role, Direction.DOWN, "slo_inside", n, n - 1)]
+        return []
+
+
+def describe(window: WindowStats, settings: AutoscalerSettings, decision: Decision) -> str:
+    """One log line: the measured p90s against their targets, then each change."""
+
+    def p90(value: float | None, samples: int, target: float) -> str:
+        measured = "-" if value is None else f"{value:.3f}s"
+        return f"p90 {measured} (target {target:g}s, {samples} requests)"
+
+    measured = (
+        f"ttft {p90(window.ttft_p90_s, window.requests, settings.ttft_s)}, "
+        f"tpot {p90(window.tpot_p90_s, window.tpot_requests, settings.tpot_s)} over {window.window_s:g}s"
+    )
+    changes = ", ".join(
+        f"{c.role.value} {c.before} -> {c.after} ({c.reason})"
+        if c.direction is not Direction.BLOCKED
+        else f"{c.role.value} stays {c.before} ({c.reason})"
+        for c in decision.changes
+    )
+    return f"{measured}: {changes or decision.hold or 'no change'}"

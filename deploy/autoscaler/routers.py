@@ -1,0 +1,47 @@
+"""The latency window of standalone routers (Kubernetes: every pod behind the routers' headless Service).
+
+Each evaluation asks every router, over Admin.Status with latency_window_seconds, for its window's bucket counts
+(router.recent_latency) and adds them up: the p90 is then that of all the requests the routers served, as if one
+router had served them. A router that does not answer is left out of that window (and logged); with none
+answering, the window is empty, which the policy takes as no evidence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from deploy.publish import resolve_all
+from router.recent_latency import LatencyCounts, WindowStats
+from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
+
+log = logging.getLogger("tandem.autoscaler")
+
+
+class RouterLatency:
+    """A LatencySource over the routers `targets` ("host:port"; a name may resolve to several pods)."""
+
+    def __init__(self, targets: Sequence[str], timeout_s: float = 2.0) -> None:
+        self.targets = tuple(targets)
+        self.timeout_s = timeout_s
+
+    def __call__(self, window_s: float) -> WindowStats:
+        total = LatencyCounts(window_s)
+        for target in self.targets:
+            for address in resolve_all(target):
+                counts = self._ask(address, window_s)
+                if counts is not None:
+                    total = total.merged(counts)
+        return total.stats()
+
+    def _ask(self, address: str, window_s: float) -> LatencyCounts | None:
+        request = admin_pb2.StatusRequest(latency_window_seconds=window_s)
+        try:
+            with grpc.insecure_channel(address) as channel:
+                status = admin_pb2_grpc.AdminStub(channel).Status(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            log.info("router %s gave no latency window: %s", address, exc.code())
+            return None
+        return LatencyCounts.from_proto(status.router.recent_latency, f"router {address}")

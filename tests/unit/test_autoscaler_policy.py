@@ -1,0 +1,207 @@
+"""deploy.autoscaler.policy from plain values: each rule of the SLO autoscaler, one evaluation per second."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from deploy.autoscaler.policy import AutoscalePolicy, Decision, Direction, describe
+from deploy.autoscaler.settings import AutoscalerSettings, PoolBounds
+from model_runtime.roles import WorkerRole
+from router.recent_latency import WindowStats
+from router.scaling import PoolSize
+
+pytestmark = pytest.mark.unit
+
+P, D, C = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.COLOCATED
+SETTINGS = AutoscalerSettings(
+    enabled=True,
+    interval_s=1.0,
+    window_s=5.0,
+    min_requests=5,
+    ttft_s=1.0,
+    tpot_s=0.05,
+    scale_up_patience=2,
+    scale_down_patience=3,
+    scale_down_margin=0.5,
+    cooldown_s=20.0,
+    prefill=PoolBounds(1, 3),
+    decode=PoolBounds(1, 3),
+    colocated=PoolBounds(1, 3),
+)
+OK = {"ttft": 0.7, "tpot": 0.04}  # inside both targets, not comfortably
+SLOW_TTFT = {"ttft": 1.5, "tpot": 0.04}
+SLOW_TPOT = {"ttft": 0.7, "tpot": 0.08}
+QUIET = {"ttft": 0.3, "tpot": 0.02}  # comfortably inside both
+
+
+def window(ttft: float, tpot: float, requests: int = 20) -> WindowStats:
+    return WindowStats(SETTINGS.window_s, requests, ttft, requests, tpot)
+
+
+class Cluster:
+    """The policy against pools that reach their targets at once; one evaluation per second."""
+
+    def __init__(self, settings: AutoscalerSettings = SETTINGS, **sizes: int) -> None:
+        self.policy = AutoscalePolicy(settings)
+        self.sizes = {WorkerRole(role): n for role, n in sizes.items()}
+        self.now = 0.0
+        self.starting: dict[WorkerRole, int] = {}
+
+    def step(self, latency: dict[str, float], requests: int = 20) -> Decision:
+        self.now += 1.0
+        pools = {
+            role: PoolSize(role, n, ready=n - self.starting.get(role, 0), starting=self.starting.get(role, 0))
+            for role, n in self.sizes.items()
+        }
+        decision = self.policy.evaluate(window(latency["ttft"], latency["tpot"], requests), pools, self.now)
+        self.sizes.update(decision.targets())
+        return decision
+
+    def run(self, latency: dict[str, float], steps: int) -> list[Decision]:
+        return [self.step(latency) for _ in range(steps)]
+
+
+def changes(decisions: list[Decision]) -> list[tuple[str, str, str, int, int]]:
+    return [
+        (c.role.value, c.direction.value, c.reason, c.before, c.after) for d in decisions for c in d.changes
+    ]
+
+
+def test_a_ttft_miss_that_persists_grows_prefill_and_only_prefill() -> None:
+    cluster = Cluster(prefill=1, decode=1)
+    first = cluster.step(SLOW_TTFT)
+    assert first.changes == () and first.targets() == {}
+    second = cluster.step(SLOW_TTFT)
+    assert changes([second]) == [("prefill", "up", "ttft_miss", 1, 2)]
+    assert second.targets() == {P: 2} and cluster.sizes == {P: 2, D: 1}
+
+
+def test_a_tpot_miss_that_persists_grows_decode() -> None:
+    cluster = Cluster(prefill=1, decode=1)
+    assert changes(cluster.run(SLOW_TPOT, 2)) == [("decode", "up", "tpot_miss", 1, 2)]
+    assert cluster.sizes == {P: 1, D: 2}
+
+
+def test_one_noisy_window_at_a_time_changes_nothing() -> None:
+    cluster = Cluster(prefill=2, decode=2)
+    decisions = []
+    for _ in range(10):
+        decisions += [cluster.step(SLOW_TTFT), cluster.step(OK), cluster.step(SLOW_TPOT), cluster.step(OK)]
+    assert changes(decisions) == [] and cluster.sizes == {P: 2, D: 2}
+
+
+def test_a_window_with_too_few_requests_is_no_evidence_and_breaks_a_streak() -> None:
+    cluster = Cluster(prefill=1, decode=1)
+    decisions = [cluster.step({"ttft": 9.0, "tpot": 9.0}, requests=4) for _ in range(5)]
+    decisions += [cluster.step(SLOW_TTFT), cluster.step(SLOW_TTFT, requests=0), cluster.step(SLOW_TTFT)]
+    assert changes(decisions) == []
+    assert changes([cluster.step(SLOW_TTFT)]) == [("prefill", "up", "ttft_miss", 1, 2)]
+
+
+def test_after_a_change_the_policy_waits_out_the_cooldown_then_needs_a_fresh_streak() -> None:
+    cluster = Cluster(prefill=1, decode=1)
+    decisions = cluster.run(SLOW_TTFT, 2 + 25)
+    assert changes(decisions[:21]) == [("prefill", "up", "ttft_miss", 1, 2)]  # at t = 2 s; quiet until 22 s
+    assert {d.hold for d in decisions[2:21]} == {"cooldown"}
+    # t = 22 s is the first window counted again, t = 23 s the second: the next change.
+    assert decisions[21].hold == "" and decisions[21].changes == ()
+    assert changes([decisions[22]]) == [("prefill", "up", "ttft_miss", 2, 3)]
+    assert changes(decisions[23:]) == []  # cooling down again
+
+
+def test_while_a_pool_is_settling_nothing_counts_until_one_window_after() -> None:
+    cluster = Cluster(prefill=1, decode=1)
+    cluster.starting = {D: 1}  # a decode worker still loading
+    decisions = cluster.run(SLOW_TTFT, 4)
+    assert {d.hold for d in decisions} == {"settling"}
+    cluster.starting = {}
+    # Settled at t = 5 s; the last settling evaluation (t = 4 s) keeps it quiet until 9 s.
+    decisions = cluster.run(SLOW_TTFT, 6)
+    assert [d.hold for d in decisions[:4]] == ["cooldown"] * 4
+    assert changes(decisions) == [("prefill", "up", "ttft_miss", 1, 2)]
+    assert decisions[5].changes  # t = 10 s: the second window counted after settling
+
+
+def test_a_pool_at_its_max_is_blocked_and_reported_once_per_streak() -> None:
+    cluster = Cluster(prefill=3, decode=1)
+    decisions = cluster.run(SLOW_TTFT, 4)
+    assert changes(decisions) == [("prefill", "blocked", "at_max", 3, 3)] * 2
+    assert [bool(d.changes) for d in decisions] == [False, True, False, True]
+    assert all(d.targets() == {} for d in decisions) and cluster.sizes == {P: 3, D: 1}
+
+
+def test_at_the_budget_the_other_pool_gives_a_worker_when_its_own_slo_holds() -> None:
+    settings = replace(SETTINGS, max_total_workers=3)
+    cluster = Cluster(settings, prefill=1, decode=2)
+    decisions = cluster.run(SLOW_TTFT, 2)
+    assert changes(decisions) == [("decode", "down", "moved", 2, 1), ("prefill", "up", "ttft_miss", 1, 2)]
+    assert cluster.sizes == {P: 2, D: 1}
+
+
+def test_at_the_budget_a_pool_at_its_min_or_missing_its_own_slo_gives_nothing() -> None:
+    settings = replace(SETTINGS, max_total_workers=3)
+    at_min = Cluster(settings, prefill=2, decode=1)
+    assert changes(at_min.run(SLOW_TTFT, 2)) == [("prefill", "blocked", "at_budget", 2, 2)]
+    both_miss = Cluster(settings, prefill=1, decode=2)
+    assert changes(both_miss.run({"ttft": 1.5, "tpot": 0.08}, 2)) == [  # the worse miss (TPOT) first
+        ("decode", "blocked", "at_budget", 2, 2),
+        ("prefill", "blocked", "at_budget", 1, 1),
+    ]
+    assert both_miss.sizes == {P: 1, D: 2}
+
+
+def test_when_both_miss_the_worse_miss_takes_the_last_worker_of_the_budget() -> None:
+    settings = replace(SETTINGS, max_total_workers=3)
+    cluster = Cluster(settings, prefill=1, decode=1)
+    decisions = cluster.run({"ttft": 1.2, "tpot": 0.15}, 2)  # TTFT 1.2x its target, TPOT 3x
+    assert changes(decisions) == [
+        ("decode", "up", "tpot_miss", 1, 2),
+        ("prefill", "blocked", "at_budget", 1, 1),
+    ]
+    below_budget = Cluster(prefill=1, decode=1)
+    assert below_budget.run({"ttft": 1.2, "tpot": 0.15}, 2)[1].targets() == {D: 2, P: 2}
+
+
+def test_a_pool_shrinks_only_when_comfortably_inside_long_enough_and_never_below_its_min() -> None:
+    cluster = Cluster(prefill=2, decode=2)
+    assert changes(cluster.run(OK, 30)) == []  # inside both targets, but not by the margin
+    decisions = cluster.run({"ttft": 0.3, "tpot": 0.04}, 3)  # TTFT comfortable, TPOT only inside
+    assert changes(decisions) == [("prefill", "down", "ttft_inside", 2, 1)]
+    assert changes(cluster.run(QUIET, 60)) == [("decode", "down", "tpot_inside", 2, 1)]
+    assert cluster.sizes == {P: 1, D: 1}
+
+
+def test_a_miss_wins_over_a_comfortable_pool_shrinking() -> None:
+    cluster = Cluster(prefill=2, decode=1)
+    decisions = cluster.run({"ttft": 0.3, "tpot": 0.08}, 3)
+    assert changes(decisions) == [("decode", "up", "tpot_miss", 1, 2)]
+    assert cluster.sizes == {P: 2, D: 2}
+
+
+def test_colocated_replicas_grow_on_either_miss_and_shrink_only_when_both_are_comfortable() -> None:
+    cluster = Cluster(colocated=1)
+    decisions = [cluster.step(SLOW_TTFT), cluster.step(SLOW_TPOT)]  # a miss in each window, not the same one
+    assert changes(decisions) == [("colocated", "up", "tpot_miss", 1, 2)]
+    cluster.now += SETTINGS.cooldown_s
+    assert changes(cluster.run({"ttft": 0.3, "tpot": 0.04}, 20)) == []  # TPOT not comfortable
+    assert changes(cluster.run(QUIET, 3)) == [("colocated", "down", "slo_inside", 2, 1)]
+    cluster.now += SETTINGS.cooldown_s
+    assert changes(cluster.run(QUIET, 20)) == []  # at its min
+
+
+def test_colocated_replicas_stop_at_the_budget() -> None:
+    cluster = Cluster(replace(SETTINGS, max_total_workers=2), colocated=2)
+    assert changes(cluster.run(SLOW_TTFT, 2)) == [("colocated", "blocked", "at_budget", 2, 2)]
+
+
+def test_the_log_line_names_the_p90s_the_targets_and_the_change() -> None:
+    cluster = Cluster(prefill=1, decode=1)
+    decision = cluster.run(SLOW_TTFT, 2)[1]
+    line = describe(window(1.5, 0.04), SETTINGS, decision)
+    assert line == (
+        "ttft p90 1.500s (target 1s, 20 requests), tpot p90 0.040s (target 0.05s, 20 requests) over 5s: "
+        "prefill 1 -> 2 (ttft_miss)"
+    )
+    assert Direction.BLOCKED.value == "blocked"
