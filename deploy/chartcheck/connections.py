@@ -20,6 +20,7 @@ from deploy.chartcheck.objects import (
 )
 from deploy.chartcheck.render import Manifest, Rendering, object_name
 from deploy.config import DeployConfig, parse_config
+from model_runtime.roles import WorkerRole
 
 CONFIG_DIR = "/etc/tandem"
 CONFIG_KEY = "tandem.yaml"
@@ -69,7 +70,20 @@ def check_config(r: Rendering) -> list[str]:
             found.append(f"{role}: workers need {pool.num_gpus * pool.replicas} GPUs, the group has {gpus}")
         if pool.num_gpus == 0 and config.transfer.kind != "tcp":
             found.append(f"{role}: CPU workers with transfer.kind {config.transfer.kind} (needs GPUs)")
+        found += _autoscaler_problems(role, config, group)
     return found + _router_config_problems(r, config)
+
+
+def _autoscaler_problems(role: WorkerRole, config: DeployConfig, group: dict[str, Any]) -> list[str]:
+    """The SLO autoscaler never asks for more workers than the group's pods can ever hold."""
+    if not config.autoscaler.enabled:
+        return []
+    per_pod = group_custom_resources(group).get(f"tandem_{role}", 0)
+    most = per_pod * group["maxReplicas"]
+    bounds = config.autoscaler.bounds(role)
+    if bounds.max > most:
+        return [f"autoscaler.{role}.max is {bounds.max} workers, the group holds at most {most}"]
+    return []
 
 
 def _router_config_problems(r: Rendering, config: DeployConfig) -> list[str]:

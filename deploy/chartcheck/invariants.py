@@ -128,7 +128,8 @@ def _dashboard_problems(cm: Manifest) -> list[str]:
 
 
 def check_ray_cluster(r: Rendering) -> list[str]:
-    """String rayStartParams, a GPU-free head, and worker groups sized exactly as the values say."""
+    """String rayStartParams, a GPU-free head, and worker groups sized exactly as the values say (a fixed size,
+    or with ray.autoscaling.enabled the pool's minReplicas..maxReplicas)."""
     cluster = r.one("RayCluster")
     spec = cluster["spec"]
     found = []
@@ -147,19 +148,22 @@ def check_ray_cluster(r: Rendering) -> list[str]:
         found.append(
             f"RayCluster worker groups {sorted(worker_groups(r))}, want {sorted(roles)} for mode {r.values['mode']}"
         )
+    autoscaling = bool((r.values["ray"].get("autoscaling") or {}).get("enabled"))
+    if spec.get("enableInTreeAutoscaling", False) is not autoscaling:
+        found.append(f"enableInTreeAutoscaling is {spec.get('enableInTreeAutoscaling')}, want {autoscaling}")
     for role, group in worker_groups(r).items():
         if role in roles:
-            found += _group_problems(role, group, r.values[role])
+            found += _group_problems(role, group, r.values[role], autoscaling)
     return found
 
 
-def _group_problems(role: str, group: dict[str, Any], values: dict[str, Any]) -> list[str]:
+def _group_problems(role: str, group: dict[str, Any], values: dict[str, Any], autoscaling: bool) -> list[str]:
     gpus, replicas = values["gpusPerWorker"], values["replicas"]
-    found = [
-        f"{role}: {k} is {group.get(k)}, want {replicas}"
-        for k in ("replicas", "minReplicas", "maxReplicas")
-        if group.get(k) != replicas
-    ]
+    want = {"replicas": replicas, "minReplicas": replicas, "maxReplicas": replicas}
+    if autoscaling:
+        want["minReplicas"] = values.get("minReplicas") or replicas
+        want["maxReplicas"] = values.get("maxReplicas") or replicas
+    found = [f"{role}: {k} is {group.get(k)}, want {v}" for k, v in want.items() if group.get(k) != v]
     if group.get("rayStartParams", {}).get("num-gpus") != str(gpus):
         found.append(
             f"{role}: rayStartParams.num-gpus is {group.get('rayStartParams', {}).get('num-gpus')!r}, want {str(gpus)!r}"

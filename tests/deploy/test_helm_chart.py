@@ -196,8 +196,39 @@ def test_worker_pods_expose_and_the_pod_monitor_scrapes_the_config_metrics_ports
         assert [e["port"] for e in monitor["podMetricsEndpoints"]] == [w["name"] for w in want]
         assert monitor["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
     head_ports = r.one("RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
-    assert not [p for p in head_ports if p["name"].endswith("-metrics")]
+    assert not [p for p in head_ports if re.fullmatch(r"w\d+-metrics", p["name"])]  # no worker on the head
     assert check_all(r) == []
+
+
+def test_autoscaling_values_let_the_groups_range_and_carry_the_slo_autoscaler() -> None:
+    r = rendered("autoscaler-values.yaml")
+    spec = r.one("RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True and spec["autoscalerOptions"] == {
+        "idleTimeoutSeconds": 120
+    }
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert [(g["replicas"], g["minReplicas"], g["maxReplicas"]) for g in groups.values()] == [
+        (1, 1, 3),
+        (2, 1, 3),
+    ]
+    config = rendered_config(r)
+    a = config.autoscaler
+    assert a.enabled and (a.ttft_s, a.tpot_s, a.max_total_workers) == (0.5, 0.025, 8)
+    assert (a.prefill.min, a.prefill.max, a.decode.min, a.decode.max) == (
+        2,
+        6,
+        2,
+        6,
+    )  # workers: pods * 2 GPUs
+    assert (config.prefill.replicas, config.decode.replicas) == (2, 4)
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "tandem-metrics", "containerPort": 9464} in head
+    monitor = next(m for m in r.objects("PodMonitor") if m["metadata"]["name"] == "demo-tandem-controller")
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["tandem-metrics"]
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+    defaults = rendered("defaults").one("RayCluster")["spec"]
+    assert defaults["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in defaults
+    assert rendered_config(rendered("defaults")).autoscaler.enabled is False
 
 
 def test_workers_metrics_port_moves_the_whole_range() -> None:
@@ -227,6 +258,12 @@ BAD_VALUES = [
     ({"workers": {"metricsPort": 443}}, "/workers/metricsPort"),  # privileged: the pods run as uid 1000
     ({"workers": {"metricsPort": 40000}}, "/workers/metricsPort"),  # Linux's ephemeral range
     ({"workers": {"metricsPorts": 9465}}, "'metricsPorts'"),
+    ({"prefill": {"maxReplicas": 0}}, "/prefill/maxReplicas"),
+    ({"ray": {"autoscaling": {"enabled": 1}}}, "/ray/autoscaling/enabled"),
+    ({"autoscaler": {"ttftSeconds": 0}}, "/autoscaler/ttftSeconds"),
+    ({"autoscaler": {"scaleDownMargin": 1}}, "/autoscaler/scaleDownMargin"),
+    ({"autoscaler": {"windowSeconds": 900}}, "/autoscaler/windowSeconds"),
+    ({"autoscaler": {"targetTtft": 1}}, "'targetTtft'"),
 ]
 
 
@@ -251,6 +288,17 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
         (
             {"workers": {"metricsPort": 9995}, "decode": {"gpusPerWorker": 8}},
             "workers.metricsPort: the decode pods' worker metrics ports 9995-10002 overlap",
+        ),
+        (
+            {"decode": {"maxReplicas": 3}},
+            "decode.maxReplicas: 3 pods, above decode.replicas (1), need ray.autoscaling",
+        ),
+        (
+            {
+                "prefill": {"replicas": 2, "minReplicas": 3, "maxReplicas": 4},
+                "ray": {"autoscaling": {"enabled": True}},
+            },
+            "prefill.minReplicas / prefill.maxReplicas: must range around prefill.replicas (2), got 3..4",
         ),
     ],
 )

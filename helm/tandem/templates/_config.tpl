@@ -28,6 +28,27 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- toJson $config -}}
 {{- end -}}
 
+{{/* The deploy config's `autoscaler` section (deploy/autoscaler/settings.py); pool bounds count workers. */}}
+{{- define "tandem.autoscalerConfig" -}}
+{{- $a := .Values.autoscaler -}}
+{{- $out := dict "enabled" true "interval_s" $a.intervalSeconds "window_s" $a.windowSeconds -}}
+{{- $_ := set $out "min_requests" (int $a.minRequests) -}}
+{{- $_ := set $out "ttft_s" $a.ttftSeconds -}}
+{{- $_ := set $out "tpot_s" $a.tpotSeconds -}}
+{{- $_ := set $out "scale_up_patience" (int $a.scaleUpPatience) -}}
+{{- $_ := set $out "scale_down_patience" (int $a.scaleDownPatience) -}}
+{{- $_ := set $out "scale_down_margin" $a.scaleDownMargin -}}
+{{- $_ := set $out "cooldown_s" $a.cooldownSeconds -}}
+{{- $_ := set $out "max_total_workers" (int $a.maxTotalWorkers) -}}
+{{- range $role := include "tandem.roles" . | fromJsonArray -}}
+{{- $pool := index $.Values $role -}}
+{{- $per := int (include "tandem.enginesPerPod" $pool) -}}
+{{- $min := mul (int (include "tandem.minPods" $pool)) $per -}}
+{{- $_ := set $out $role (dict "min" $min "max" (mul (int (include "tandem.maxPods" $pool)) $per)) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
 {{- define "tandem.config" -}}
 {{- $v := .Values -}}
 {{- $router := dict "host" "0.0.0.0" "port" (int $v.router.grpcPort) "metrics_port" (int $v.router.metricsPort) -}}
@@ -45,6 +66,9 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $_ := set $controller "drain_timeout_s" $v.controller.drainTimeoutSeconds -}}
 {{- $config := dict "model" $v.model "mode" $v.mode "router" $router "transfer" $transfer -}}
 {{- $_ := set $config "controller" $controller -}}
+{{- if $v.autoscaler.enabled -}}
+{{- $_ := set $config "autoscaler" (include "tandem.autoscalerConfig" . | fromJson) -}}
+{{- end -}}
 {{- $_ := set $config "ray" (dict "address" "auto" "namespace" "tandem") -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- $_ := set $config $role (include "tandem.poolConfig" (dict "ctx" $ "role" $role) | fromJson) -}}

@@ -67,6 +67,13 @@ and the group's custom resource amount both derive from it, so the controller as
 {{- define "tandem.enginesPerPod" -}}{{ max 1 (int .gpusPerWorker) }}{{- end -}}
 
 {{/*
+A pool's range of pods: minReplicas..maxReplicas, each replicas when unset. The worker group ranges over it when
+ray.autoscaling.enabled; the SLO autoscaler keeps the pool's workers within it (times enginesPerPod).
+*/}}
+{{- define "tandem.minPods" -}}{{ int (default .replicas .minReplicas) }}{{- end -}}
+{{- define "tandem.maxPods" -}}{{ int (default .replicas .maxReplicas) }}{{- end -}}
+
+{{/*
 Container port name of a pod's i-th Tandem worker's /metrics (port workers.metricsPort + i). Port names are at
 most 15 characters and unique in a pod, hence one short name per index: w0-metrics .. w15-metrics.
 */}}
@@ -133,6 +140,14 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- $last := add $first (int (include "tandem.enginesPerPod" $pool)) -1 }}
 {{- if or (and (le $first 8080) (ge $last 8080)) (and (le $first 19999) (ge $last 10002)) }}
 {{- fail (printf "workers.metricsPort: the %s pods' worker metrics ports %d-%d overlap Ray's metrics port 8080 or its worker ports 10002-19999" $role $first $last) }}
+{{- end }}
+{{- $min := int (include "tandem.minPods" $pool) }}
+{{- $max := int (include "tandem.maxPods" $pool) }}
+{{- if or (gt $min (int $pool.replicas)) (lt $max (int $pool.replicas)) }}
+{{- fail (printf "%s.minReplicas / %s.maxReplicas: must range around %s.replicas (%d), got %d..%d" $role $role $role (int $pool.replicas) $min $max) }}
+{{- end }}
+{{- if and (gt $max (int $pool.replicas)) (not (dig "autoscaling" "enabled" false $.Values.ray)) }}
+{{- fail (printf "%s.maxReplicas: %d pods, above %s.replicas (%d), need ray.autoscaling.enabled: without it no pod would ever hold the workers past the running ones" $role $max $role (int $pool.replicas)) }}
 {{- end }}
 {{- if and (eq (int $pool.gpusPerWorker) 0) (ne $.Values.transfer.kind "tcp") }}
 {{- fail (printf "transfer.kind: %s needs GPUs, but %s.gpusPerWorker is 0; use tcp for CPU pools" $.Values.transfer.kind $role) }}
