@@ -3,6 +3,7 @@ policy, logs one line, counts tandem_autoscaler_decisions_total and asks the sca
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 
@@ -16,6 +17,9 @@ from model_runtime.config import ConfigError
 from model_runtime.roles import WorkerRole
 from router.recent_latency import RecentLatency
 from router.scaling import PoolSize
+from tandem_api.tandem.v1 import admin_pb2
+from tandem_cli.output import status_json, status_table
+from tandem_client import wire
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +116,7 @@ def test_a_step_logs_counts_and_applies_a_persistent_miss(caplog: pytest.LogCapt
     assert decisions(pool="prefill", direction="up", reason="ttft_miss") == 1
     (line,) = [r.getMessage() for r in caplog.records]
     assert "ttft p90 1.9" in line and "target 0.5s" in line and "prefill 1 -> 2 (ttft_miss)" in line
-    assert autoscaler.last_decision.endswith(line.removeprefix("autoscaler: "))
+    assert autoscaler.last_decision.endswith(line)
     for _ in range(4):  # still missing, now at the pool's max: blocked every 2nd step, counted, nothing asked
         now[0] += 11  # past the quiet time after the change (one window), and past the old samples
         for _ in range(5):
@@ -121,3 +125,24 @@ def test_a_step_logs_counts_and_applies_a_persistent_miss(caplog: pytest.LogCapt
     assert pools.calls == [{WorkerRole.PREFILL: 2}]
     assert decisions(pool="prefill", direction="blocked", reason="at_max") == 2
     assert decisions(pool="decode", direction="up", reason="tpot_miss") is None
+
+
+def test_tandem_status_prints_the_last_decision_after_the_pools() -> None:
+    line = (
+        "12:00:05 ttft p90 1.500s (target 1s, 20 requests), tpot p90 ... over 5s: prefill 1 -> 2 (ttft_miss)"
+    )
+    message = admin_pb2.ClusterStatus(
+        router=admin_pb2.RouterInfo(),
+        pools=[admin_pb2.PoolSize(role=admin_pb2.WORKER_ROLE_PREFILL, target=2, ready=1, starting=1)],
+        autoscaler=line,
+    )
+    status = wire.status_from_proto(message)
+    assert status.autoscaler == line
+    assert status_table(status).splitlines()[-3:] == [
+        "POOL     TARGET  READY  STARTING  DRAINING",
+        "prefill  2       1      1         0",
+        f"autoscaler: {line}",
+    ]
+    assert json.loads(status_json(status))["autoscaler"] == line
+    quiet = wire.status_from_proto(admin_pb2.ClusterStatus(router=admin_pb2.RouterInfo()))
+    assert "autoscaler" not in status_table(quiet)
