@@ -10,9 +10,10 @@ from collections.abc import Mapping
 import pytest
 from prometheus_client import CollectorRegistry
 
-from deploy.autoscaler.loop import Autoscaler
+from deploy.autoscaler.loop import Autoscaler, AutoscalerMetrics
 from deploy.autoscaler.settings import AutoscalerSettings, PoolBounds
 from deploy.config import parse_config
+from deploy.metrics import ServeMetrics
 from model_runtime.config import ConfigError
 from model_runtime.roles import WorkerRole
 from router.recent_latency import RecentLatency
@@ -20,6 +21,8 @@ from router.scaling import PoolSize
 from tandem_api.tandem.v1 import admin_pb2
 from tandem_cli.output import status_json, status_table
 from tandem_client import wire
+from tests.loopback import free_port
+from tests.unit.metrics_support import scrape
 
 pytestmark = pytest.mark.unit
 
@@ -146,3 +149,25 @@ def test_tandem_status_prints_the_last_decision_after_the_pools() -> None:
     assert json.loads(status_json(status))["autoscaler"] == line
     quiet = wire.status_from_proto(admin_pb2.ClusterStatus(router=admin_pb2.RouterInfo()))
     assert "autoscaler" not in status_table(quiet)
+
+
+def test_beside_standalone_routers_the_controller_serves_the_autoscaler_counter(tmp_path) -> None:
+    port = free_port()
+    config = parse_config(
+        {
+            "router": {"metrics_port": port, "metrics_file_sd": str(tmp_path / "targets.json")},
+            "controller": {"routers": ["router.example:50051"]},
+            "autoscaler": {"enabled": True},
+        }
+    )
+    metrics = ServeMetrics(config, in_process_router=False)
+    assert metrics.router_metrics is None and metrics.registry is not None
+    AutoscalerMetrics(metrics.registry)
+    metrics.start()
+    try:
+        assert "tandem_autoscaler_decisions_total" in scrape(metrics.address)
+        assert json.loads((tmp_path / "targets.json").read_text()) == []  # no router target: it is not one
+    finally:
+        metrics.close()
+    off = parse_config({"controller": {"routers": ["router.example:50051"]}})
+    assert ServeMetrics(off, in_process_router=False).registry is None
