@@ -94,10 +94,10 @@ class Autoscaler:
         decision = self.policy.evaluate(window, pools, self._clock())
         line = describe(window, self.settings, decision)
         if not decision.changes:
-            log.debug("autoscaler: %s", line)
+            log.debug("%s", line)
             return decision
         self.last_decision = f"{time.strftime('%H:%M:%S')} {line}"
-        log.warning("autoscaler: %s", line)
+        log.warning("%s", line)
         self.metrics.count(decision)
         targets = decision.targets()
         if targets:
