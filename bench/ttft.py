@@ -197,7 +197,6 @@ def main(argv: list[str] | None = None) -> Path:
     run = gpu.BenchRun("ttft", BENCHMARK, args, where, deadline)
     cost = gpu.ModelCost.from_config(mc, where.dtype_bytes)
     run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
-    run.doc["tokenizer"] = gpu.ensure_dummy_tokenizer(model)
     setup = Setup(run.measure_rates(where), cost, run)
     longest = max(args.lens)
     # A few sequences only: TTFT runs one request at a time (and fewer decode graphs to capture).

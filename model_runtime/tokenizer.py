@@ -6,7 +6,8 @@
 
 Hugging Face directories use tokenizer.json (+ tokenizer_config.json / chat_template.jinja for the template and
 the special tokens); GGUF files use the tokenizer in their metadata (model_runtime.weights.gguf_vocab); dummy
-shapes borrow the embedded SmolLM2 tokenizer (ids past its vocabulary decode to nothing).
+shapes use a byte-level tokenizer built in code (model_runtime.weights.dummy_vocab: no files, ids past its 258
+decode to nothing), so serving `dummy:llama-3-8b` needs no embedded model.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from model_runtime.weights import dummy_vocab
 from model_runtime.weights.errors import ModelLoadError
 from model_runtime.weights.gguf_vocab import tokenizer_from_gguf
-from model_runtime.weights.source import EMBEDDED_MODEL, ModelSource, SourceFormat, read_json, resolve_model
+from model_runtime.weights.source import ModelSource, SourceFormat, read_json, resolve_model
 
 
 class ChatTemplateError(ValueError):
@@ -86,7 +88,13 @@ class Tokenizer:
                 name=source.name,
             )
         if source.format is SourceFormat.DUMMY:
-            return cls.from_source(resolve_model(EMBEDDED_MODEL))
+            return cls(
+                dummy_vocab.byte_level_backend(),
+                bos_token=dummy_vocab.BOS_TOKEN,
+                eos_token=dummy_vocab.EOS_TOKEN,
+                chat_template=dummy_vocab.CHAT_TEMPLATE,
+                name=source.name,
+            )
         return _from_hf_dir(source.require_path(), source.name)
 
     @classmethod

