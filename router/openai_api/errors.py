@@ -11,6 +11,7 @@ path to the JSON field the client sent ("temperature"), so the message and `para
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -44,12 +45,18 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after_s: float | None = None  # the router's own delay (a key's quota); else RETRY_AFTER_S
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+        if self.status == 401:
+            return {"WWW-Authenticate": 'Bearer realm="tandem"'}
+        if self.status not in (429, 503):
+            return {}
+        wait = RETRY_AFTER_S if self.retry_after_s is None else max(1, math.ceil(self.retry_after_s))
+        return {"Retry-After": str(wait)}  # whole seconds: RFC 9110 delay-seconds
 
 
 def bad_request(param: str | None, problem: str) -> ApiError:
@@ -60,10 +67,15 @@ def bad_request(param: str | None, problem: str) -> ApiError:
 def from_router_error(exc: RouterError, chat: bool, max_tokens_field: str = "max_tokens") -> ApiError:
     status, kind = _STATUS.get(exc.code, (500, "server_error"))
     message, param = openai_param(exc.details, chat, max_tokens_field)
-    code = {404: "model_not_found", 429: "overloaded", 503: "unavailable", 504: "deadline_exceeded"}.get(
-        status
-    )
-    return ApiError(status, message, kind, param if status in (400, 404) else None, code)
+    code = {
+        401: "invalid_api_key",
+        404: "model_not_found",
+        429: "rate_limit_exceeded" if exc.quota else "overloaded",
+        503: "unavailable",
+        504: "deadline_exceeded",
+    }.get(status)
+    param = param if status in (400, 404) else None
+    return ApiError(status, message, kind, param, code, exc.retry_after_s)
 
 
 def openai_param(details: str, chat: bool, max_tokens_field: str = "max_tokens") -> tuple[str, str | None]:
