@@ -1,5 +1,10 @@
 """bench/disagg_vs_colocated.py's summary: capacities per deployment and workload, disaggregated vs colocated at
-equal load, scaling from 2 GPUs to more, goal checks, tables and plots, rebuilt from the saved point files."""
+equal load, scaling from 2 GPUs to more, goal checks, tables and plots, rebuilt from the saved point files.
+
+A results file holds every run of every rate ("repeats" runs each; files without the field hold one). Each rate
+stands for its worse run (the lower share within the SLOs): capacity needs every run to meet the target, and
+the tails at equal load are the worse run's. A rate with fewer runs than "repeats" (a sweep cut short by its
+budget) is left out."""
 
 from __future__ import annotations
 
@@ -16,36 +21,58 @@ BASES = ("disagg", "colocated")  # the two 2-GPU configs: sized variants compare
 WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed")
 
 
+def share(point: dict) -> float:
+    return float(point["goodput"]["share"]) if point["goodput"] else 0.0
+
+
 def share_points(points: list[dict]) -> list[tuple[float, float]]:
-    return [(p["settings"]["rate"], p["goodput"]["share"]) for p in points]
+    return [(p["settings"]["rate"], share(p)) for p in points]
+
+
+def rate_points(run: dict) -> list[dict]:
+    """One point per rate, in sweep order: the worse of its runs, for rates with all of their runs."""
+    by_rate: dict[float, list[dict]] = {}
+    for point in run["points"]:
+        by_rate.setdefault(point["settings"]["rate"], []).append(point)
+    complete = [runs for runs in by_rate.values() if len(runs) >= run.get("repeats", 1)]
+    return [min(runs, key=share) for runs in complete]
+
+
+def repeat_spread(run: dict) -> float | None:
+    """The largest difference in share between two runs of one rate (how noisy the sweep was); None with one run."""
+    by_rate: dict[float, list[float]] = {}
+    for point in run["points"]:
+        by_rate.setdefault(point["settings"]["rate"], []).append(share(point))
+    spreads = [max(s) - min(s) for s in by_rate.values() if len(s) > 1]
+    return max(spreads) if spreads else None
 
 
 def tails(point: dict) -> dict:
     return {"ttft_p90": point["ttft"]["p90"], "ttft_p99": point["ttft"]["p99"], "tpot_p99": point["tpot"]["p99"],
-            "itl_p99": point["itl"]["p99"], "slo_share": point["goodput"]["share"],
+            "itl_p99": point["itl"]["p99"], "slo_share": share(point),
             "kv_transfer_mean_s": (point["kv_transfer"] or {}).get("mean_s")}  # fmt: skip
 
 
 def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path) -> dict:
     out: dict = {"workload": name}
+    points = {dep: rate_points(run) for dep, run in runs.items()}
     for dep, run in runs.items():
-        cap = capacity(share_points(run["points"]), TARGET_SHARE)
+        cap = capacity(share_points(points[dep]), TARGET_SHARE)
         out[dep] = {
-            "gpus": run["gpus"], "capacity_rps": cap, "capacity_rps_per_gpu": cap / run["gpus"], "card": run["card"]
+            "gpus": run["gpus"], "capacity_rps": cap, "capacity_rps_per_gpu": cap / run["gpus"], "card": run["card"],
+            "repeats": run.get("repeats", 1), "repeat_spread": repeat_spread(run),
         }  # fmt: skip
-    series = {
-        d: [(p["settings"]["rate"], 100 * p["goodput"]["share"]) for p in r["points"]]
-        for d, r in runs.items()
-    }
+    series = {d: [(rate, 100 * s) for rate, s in share_points(p)] for d, p in points.items()}
     plot_goodput_vs_rate(series, out_dir / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
     out["scaling"] = scaling(out, runs)
     if not set(BASES) <= set(runs):
         return out
-    dis, col = runs["disagg"]["points"], runs["colocated"]["points"]
+    dis, col = points["disagg"], points["colocated"]
     rate = equal_load(share_points(dis), share_points(col), TARGET_SHARE)
     if rate is None:
         return out
-    at = {d: next(p for p in runs[d]["points"] if p["settings"]["rate"] == rate) for d in runs}
+    # Every deployment's point at that rate (a sized one may not have run it).
+    at = {d: p for d, ps in points.items() for p in ps if p["settings"]["rate"] == rate}
     out["equal_load_rps"] = rate
     out["at_equal_load"] = {d: tails(p) for d, p in at.items()}
     cap_col = out["colocated"]["capacity_rps"]

@@ -1,0 +1,154 @@
+"""bench/disagg_vs_colocated.py's deployments: the deploy config of each name (the two bench configs and their
+sized variants, colocated-N and disagg-PpDd), the same config shrunk onto a CPU box for --smoke, and `Server`,
+which runs one with `tandem serve` on free loopback ports and reads its prefill workers' KV transfer totals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tandem_client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_LINE = "Tandem is serving"
+
+DEPLOYMENTS = {
+    "disagg": ROOT / "deploy" / "configs" / "bench-disagg.yaml",
+    "colocated": ROOT / "deploy" / "configs" / "bench-colocated.yaml",
+}
+# Sized variants of the two configs, one GPU a worker: "colocated-4" (4 replicas), "disagg-3p1d" (3 prefill +
+# 1 decode). The plain names are the configs as written (2 replicas; 1 prefill + 1 decode).
+SIZED = re.compile(r"(?:colocated-(?P<replicas>[1-8])|disagg-(?P<prefill>[1-8])p(?P<decode>[1-8])d)")
+
+
+def deployment_config(name: str) -> dict:
+    """The deploy config of a deployment name (see DEPLOYMENTS and SIZED)."""
+    if name in DEPLOYMENTS:
+        return yaml.safe_load(DEPLOYMENTS[name].read_text())
+    match = SIZED.fullmatch(name)
+    if match is None:
+        sized = "colocated-N, disagg-PpDd (N, P, D in 1-8)"
+        raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
+    if match["replicas"]:
+        config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
+        config["colocated"]["replicas"] = int(match["replicas"])
+        return config
+    config = yaml.safe_load(DEPLOYMENTS["disagg"].read_text())
+    config["prefill"]["replicas"], config["decode"]["replicas"] = int(match["prefill"]), int(match["decode"])
+    return config
+
+
+def config_gpus(config: dict) -> int:
+    """GPUs a deployment config asks for (every pool's replicas x num_gpus)."""
+    pools = [config[p] for p in ("prefill", "decode", "colocated") if p in config]
+    return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) for p in pools))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def smoke_config(config: dict) -> dict:
+    """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches."""
+    engine = {
+        "device": {"device": "cpu", "dtype": "float32"},
+        "cache": {"block_size": 16, "num_blocks": 256},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048},
+    }
+    out = dict(config, model="smollm2-135m-instruct", transfer={"kind": "tcp"})
+    for pool in ("prefill", "decode", "colocated"):
+        if pool in out:
+            out[pool] = dict(out[pool], num_gpus=0, engine=engine)
+    return out
+
+
+class Server:
+    """`tandem serve` for one deployment config, on free loopback ports, logging under `log_dir`."""
+
+    def __init__(self, name: str, start_timeout_s: float, log_dir: Path, smoke: bool = False) -> None:
+        self.name, self.start_timeout_s = name, start_timeout_s
+        self.work = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
+        config = deployment_config(name)
+        self.gpus = config_gpus(config)
+        if smoke:
+            config = smoke_config(config)
+        self.port = free_port()
+        self.file_sd = self.work / "targets.json"
+        config["router"].update(port=self.port, metrics_port=free_port(), metrics_file_sd=str(self.file_sd))
+        self.config = config
+        self.config_path = self.work / "tandem.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"disagg_vs_colocated_{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)]
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        while READY_LINE not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log_path.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"tandem serve ({self.name}) did not become ready; log tail:\n{tail}")
+            time.sleep(1.0)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_quiet(self, timeout_s: float = 120.0) -> None:
+        """Between points: the router has nothing in flight, so one point's tail never loads the next."""
+        deadline = time.monotonic() + timeout_s
+        with Client(self.address, timeout=10) as client:
+            while client.status().router.in_flight_requests and time.monotonic() < deadline:
+                time.sleep(0.5)
+
+    def kv_transfer_totals(self) -> tuple[float, float, float] | None:
+        """(seconds sum, transfers, bytes) over the prefill workers' /metrics; None without prefill workers."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
+        targets = [t for g in groups if g["labels"].get("component") == "prefill" for t in g["targets"]]
+        if not targets:
+            return None
+        total = {"tandem_kv_transfer_seconds_sum": 0.0, "tandem_kv_transfer_seconds_count": 0.0,
+                 "tandem_kv_transfer_bytes_total": 0.0}  # fmt: skip
+        for target in targets:
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in total:
+                        total[sample.name] += sample.value
+        return tuple(total.values())  # type: ignore[return-value]

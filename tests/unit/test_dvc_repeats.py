@@ -1,0 +1,52 @@
+"""bench/disagg_vs_colocated.py's repeated points: every run is kept, a rate counts by the worse of its runs, a
+rate cut short (fewer runs than --repeats) is left out, and warm-up rounds and repeats get prompts of their own."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.disagg_vs_colocated import WARM_UP_SEED_BLOCK, parse_args, point_seed
+from bench.dvc_summary import rate_points, repeat_spread, share_points
+from tandem_cli.bench.sweep import capacity
+
+pytestmark = pytest.mark.unit
+
+
+def _point(rate: float, share: float, repeat: int = 0) -> dict:
+    return {"settings": {"rate": rate}, "goodput": {"share": share}, "repeat": repeat}
+
+
+def test_a_rate_counts_by_its_worse_run_and_an_incomplete_rate_is_left_out() -> None:
+    run = {
+        "repeats": 2,
+        "points": [
+            _point(1, 1.0), _point(1, 0.97, 1),
+            _point(2, 0.95), _point(2, 0.85, 1),  # the second run misses the 90% target
+            _point(3, 0.99),  # cut short by the budget: one run of two
+        ],
+    }  # fmt: skip
+    assert share_points(rate_points(run)) == [(1, 0.97), (2, 0.85)]
+    assert capacity(share_points(rate_points(run)), 0.9) == 1  # 2 req/s held in one run only: not a capacity
+    assert repeat_spread(run) == pytest.approx(0.10)
+
+
+def test_files_without_repeats_hold_one_run_a_rate() -> None:
+    run = {"points": [_point(1, 1.0), _point(2, 0.5)]}
+    assert share_points(rate_points(run)) == [(1, 1.0), (2, 0.5)] and repeat_spread(run) is None
+
+
+def test_every_run_and_warm_up_round_gets_fresh_prompts() -> None:
+    rates = (0.5, 1, 1.5, 2, 20, 99.5)
+    seeds = [point_seed(0, r, k) for r in rates for k in (*range(WARM_UP_SEED_BLOCK), WARM_UP_SEED_BLOCK)]
+    assert len(set(seeds)) == len(seeds)
+    assert point_seed(3, 1.5, 0) == 300_150  # repeat 0: the seed earlier runs of the script used
+
+
+def test_repeats_and_warm_up_defaults_by_mode() -> None:
+    gpu = parse_args(["--deployments", "colocated"])
+    assert (gpu.repeats, gpu.warm_up_s) == (2, 5.0)
+    smoke = parse_args(["--smoke", "--out", "/tmp/unused"])
+    assert (smoke.repeats, smoke.warm_up_s) == (1, 2.0)
+    for bad in (["--repeats", "0"], ["--repeats", str(WARM_UP_SEED_BLOCK)], ["--rates", "1,100"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
