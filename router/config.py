@@ -44,6 +44,10 @@ class RouterConfig:
     http_port: where the OpenAI-compatible HTTP API listens, on `host` (router.openai_api); None: not served,
       0: any free port (RouterServer.http_address says which).
     http_max_body_bytes: largest HTTP request body; a larger one gets 413.
+    api_keys_file: the API key file (router.auth.keys: names, secrets, quotas, priority classes); None: no keys
+      are asked for. When set, Generation (gRPC) and /v1 (HTTP) need `authorization: Bearer <key>`, and
+      Admin.Scale needs an admin key.
+    api_keys_reload_s: how often the key file's mtime is checked; a changed, valid file replaces the keys.
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +70,8 @@ class RouterConfig:
     local_prefill_max_queued_tokens: int = 2048
     http_port: int | None = None
     http_max_body_bytes: int = DEFAULT_HTTP_MAX_BODY_BYTES
+    api_keys_file: str | None = None
+    api_keys_reload_s: float = 2.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
@@ -96,9 +102,15 @@ class RouterConfig:
             "poll_timeout_s",
             "lease_ttl_s",
             "worker_rpc_timeout_s",
+            "api_keys_reload_s",
         ):
             value = getattr(self, name)
             _check(_is_number(value) and value > 0, name, "must be a finite number of seconds > 0")
+        _check(
+            self.api_keys_file is None or (isinstance(self.api_keys_file, str) and bool(self.api_keys_file)),
+            "api_keys_file",
+            "must be None (no API keys) or the path of the key file",
+        )
         _check(self.lease_ttl_s * 1000 < 2**32, "lease_ttl_s", "must fit in uint32 milliseconds")
 
     @property

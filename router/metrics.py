@@ -24,6 +24,8 @@ class RequestRecord:
     queue_seconds: float | None = None
     ttft_seconds: float | None = None
     protocol: str = "grpc"  # the front door: "grpc" or "http" (router.pipeline.Protocol)
+    key: str = ""  # the API key's name ("" when the router asks for no keys)
+    priority: str = "interactive"  # the key's class (router.admission.Priority)
 
 
 class RouterMetrics:
@@ -34,6 +36,9 @@ class RouterMetrics:
         self.worker_failures: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
         self.placements: Counter[str] = Counter()
+        self.auth_failures: Counter[str] = Counter()  # by reason: missing, invalid, revoked, not_admin
+        self.key_rejections: Counter[str] = Counter()  # "key:reason"
+        self.priorities: Counter[str] = Counter()  # accepted requests by class
         self.prompt_tokens = 0
         self.completion_tokens = 0
         # The last minutes' TTFT/TPOT per request, for the SLO autoscaler (deploy.autoscaler).
@@ -43,6 +48,7 @@ class RouterMetrics:
         """Once per request that passed validation and admission."""
         self.outcomes[record.outcome] += 1
         self.protocols[record.protocol] += 1
+        self.priorities[record.priority] += 1
         self.prompt_tokens += record.prompt_tokens
         self.completion_tokens += record.completion_tokens
         self._record_recent(record)
@@ -60,6 +66,16 @@ class RouterMetrics:
     def request_rejected(self, code: str, protocol: str = "grpc") -> None:
         """A request refused before it reached a worker (bad input, unknown model, router full)."""
         self.rejections[code] += 1
+
+    def auth_failed(self, reason: str, protocol: str = "grpc") -> None:
+        """A request refused with UNAUTHENTICATED (also counted by request_rejected): its key was missing,
+        invalid, revoked, or not an admin key where one is needed."""
+        self.auth_failures[reason] += 1
+
+    def key_rejected(self, key: str, priority: str, reason: str) -> None:
+        """An authenticated request refused: "requests", "tokens", "concurrency" (the key's own quota),
+        "overload" (the router was full), "shed" (a queued batch request gave its place to an interactive one)."""
+        self.key_rejections[f"{key}:{reason}"] += 1
 
     def worker_failed(self, worker_id: str, code: str) -> None:
         """A worker call or poll failed (the worker, not the request, is at fault)."""

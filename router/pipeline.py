@@ -1,6 +1,6 @@
 """`RequestPipeline`: the one path a request takes through the router, whichever front door it came in by.
 
-    admitted = pipeline.admit(message, Protocol.GRPC)     # fields checked, a place in admission; or RouterError
+    admitted = pipeline.admit(message, Protocol.GRPC, authorization)  # key, quota, fields, a place; or RouterError
     await pipeline.run(admitted, deadline, write)          # tokenize, wait for a slot, dispatch; or RouterError
 
 Both front doors build the same `tandem.v1.GenerateRequest` (the gRPC server receives it; the OpenAI HTTP API
@@ -8,6 +8,8 @@ translates its JSON into one) and read the same `GenerateResponse` messages thro
 validation, placement, deadlines, cancellation and metrics exist once. A failure is a RouterError whose gRPC
 code each front door turns into its own status; a cancelled task (the client went away) cancels the worker
 calls on its way out. Every accepted request records exactly one outcome, every refused one a rejection.
+With API keys on (router.auth), the key is checked first: a request without a valid key is refused before its
+fields are read and never reaches a worker; then the key's quota, then admission in the key's priority class.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from router.admission import Admission, Ticket
+from router.admission import Admission, Priority, Ticket
+from router.auth import ApiKey, AuthGate, Grant, QuotaExceeded, Unauthenticated
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.errors import ClientGone, RouterError
@@ -59,6 +62,17 @@ class Admitted:
     ticket: Ticket
     clock: RequestClock
     protocol: Protocol
+    grant: Grant | None = None  # the key's hold on its quota (None: the router asks for no keys)
+
+    @property
+    def key_name(self) -> str:
+        return "" if self.grant is None else self.grant.key.name
+
+    def close(self) -> None:
+        """Give back the admission place and the key's concurrency; idempotent."""
+        self.ticket.close()
+        if self.grant is not None:
+            self.grant.release()
 
 
 class RequestPipeline:
@@ -70,6 +84,7 @@ class RequestPipeline:
         dispatcher: Dispatcher,
         metrics: RouterMetrics,
         executor: Executor,
+        gate: AuthGate | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -77,18 +92,47 @@ class RequestPipeline:
         self._dispatcher = dispatcher
         self._metrics = metrics
         self._executor = executor
+        self.gate = gate
 
-    def admit(self, message: generate_pb2.GenerateRequest, protocol: Protocol) -> Admitted:
-        """Check the fields (not the prompt's length: that needs tokenizing) and take a place in admission.
-        Raises RouterError (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE), counted as rejected."""
+    def admit(
+        self, message: generate_pb2.GenerateRequest, protocol: Protocol, authorization: str | None = None
+    ) -> Admitted:
+        """Check the API key (when the router asks for keys) and its quota, the fields (not the prompt's length:
+        that needs tokenizing), and take a place in admission. Raises RouterError (UNAUTHENTICATED,
+        INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE), counted as rejected."""
         clock = RequestClock(arrival=time.monotonic())
+        key = self.authenticate(authorization, protocol)
+        priority = Priority.INTERACTIVE if key is None else key.priority
+        grant: Grant | None = None
         try:
             parsed = parse_request(message, self.model, self.config)
-            ticket = self._admission.enter()
+            grant = None if self.gate is None or key is None else self.gate.quotas.acquire(key)
+            ticket = self._admission.enter(priority)
         except RouterError as exc:
+            if grant is not None:
+                grant.release()
+            if key is not None and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                reason = exc.reason if isinstance(exc, QuotaExceeded) else "overload"
+                self._metrics.key_rejected(key.name, priority.value, reason)
             self.reject(exc.code, protocol)
             raise
-        return Admitted(parsed, ticket, clock, protocol)
+        return Admitted(parsed, ticket, clock, protocol, grant)
+
+    def authenticate(
+        self, authorization: str | None, protocol: Protocol, admin: bool = False
+    ) -> ApiKey | None:
+        """The caller's key (None when the router asks for no keys); UNAUTHENTICATED, counted, when it has none
+        that serves (`admin`: an admin key)."""
+        if self.gate is None:
+            return None
+        try:
+            if admin:
+                return self.gate.authenticate_admin(authorization)
+            return self.gate.authenticate(authorization)
+        except Unauthenticated as exc:
+            self._metrics.auth_failed(exc.reason, protocol.value)
+            self.reject(exc.code, protocol)
+            raise
 
     def reject(self, code: grpc.StatusCode, protocol: Protocol) -> None:
         """Count a request refused before admission (also one the front door could not even parse)."""
@@ -97,45 +141,51 @@ class RequestPipeline:
     async def run(self, admitted: Admitted, deadline: float, write: Write) -> ResponseBuilder:
         """Tokenize, wait for a slot, dispatch, all before `deadline` (loop time); the Deltas and the Final go
         through `write`. Returns the finished request's builder. Raises RouterError (DEADLINE_EXCEEDED once the
-        deadline passed, INTERNAL for a router bug); CancelledError and ClientGone pass through as a cancel."""
+        deadline passed, RESOURCE_EXHAUSTED when shed, INTERNAL for a router bug); CancelledError and ClientGone
+        pass through as a cancel. The admission place and the key's hold end here, however it ends."""
+        try:
+            return await self._run(admitted, deadline, write)
+        finally:
+            admitted.close()
+
+    async def _run(self, admitted: Admitted, deadline: float, write: Write) -> ResponseBuilder:
         outcome = grpc.StatusCode.CANCELLED.name.lower()  # unless something below says otherwise
         out: ResponseBuilder | None = None
-        with admitted.ticket:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    out = ResponseBuilder(await self._validate(admitted.parsed), self.model, admitted.clock)
-                    await admitted.ticket.start()
-                    await self._dispatcher.run(out.request, out, deadline, write)
-                outcome = _finish_name(out)
-                return out
-            except TimeoutError:
-                outcome = grpc.StatusCode.DEADLINE_EXCEEDED.name.lower()
-                sent = (
-                    f"after {len(out.token_ids)} tokens"
-                    if out and out.token_ids
-                    else "before the first token"
-                )
-                raise RouterError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed {sent}"
-                ) from None
-            except RouterError as exc:
-                outcome = exc.code.name.lower()
-                raise
-            except (asyncio.CancelledError, ClientGone):  # the client went away, or its deadline cancelled it
-                outcome = _cancelled_outcome(out, deadline)
-                raise
-            except Exception as exc:  # a router bug: say so instead of a bare UNKNOWN
-                log.exception("request %s failed inside the router", admitted.parsed.request_id)
-                outcome = grpc.StatusCode.INTERNAL.name.lower()
-                raise RouterError(
-                    grpc.StatusCode.INTERNAL, f"router error: {type(exc).__name__}: {exc}"
-                ) from exc
-            finally:
-                if out is None and outcome == "invalid_argument":
-                    # the prompt itself was refused (length, template)
-                    self._metrics.request_rejected(outcome, admitted.protocol.value)
-                else:
-                    self._record(outcome, out, admitted)
+        try:
+            async with asyncio.timeout_at(deadline):
+                out = ResponseBuilder(await self._validate(admitted.parsed), self.model, admitted.clock)
+                if admitted.grant is not None:
+                    admitted.grant.charge_prompt(len(out.request.prompt_token_ids))
+                await admitted.ticket.start()
+                await self._dispatcher.run(out.request, out, deadline, write)
+            outcome = _finish_name(out)
+            return out
+        except TimeoutError:
+            outcome = grpc.StatusCode.DEADLINE_EXCEEDED.name.lower()
+            sent = f"after {len(out.token_ids)} tokens" if out and out.token_ids else "before the first token"
+            raise RouterError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed {sent}"
+            ) from None
+        except RouterError as exc:
+            outcome = exc.code.name.lower()
+            if admitted.ticket.shed and admitted.grant is not None:
+                self._metrics.key_rejected(admitted.key_name, admitted.ticket.priority.value, "shed")
+            raise
+        except (asyncio.CancelledError, ClientGone):  # the client went away, or its deadline cancelled it
+            outcome = _cancelled_outcome(out, deadline)
+            raise
+        except Exception as exc:  # a router bug: say so instead of a bare UNKNOWN
+            log.exception("request %s failed inside the router", admitted.parsed.request_id)
+            outcome = grpc.StatusCode.INTERNAL.name.lower()
+            raise RouterError(grpc.StatusCode.INTERNAL, f"router error: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if out is None and outcome == "invalid_argument":
+                # the prompt itself was refused (length, template)
+                self._metrics.request_rejected(outcome, admitted.protocol.value)
+            else:
+                self._record(outcome, out, admitted)
+            if admitted.grant is not None and out is not None:
+                admitted.grant.charge_output(len(out.token_ids))
 
     async def _validate(self, parsed: ParsedRequest) -> ValidatedRequest:
         tokenizer = self.model.tokenizer
@@ -157,6 +207,8 @@ class RequestPipeline:
                 queue_seconds=None if clock.started is None else clock.started - clock.arrival,
                 ttft_seconds=None if clock.first_token is None else clock.first_token - clock.arrival,
                 protocol=admitted.protocol.value,
+                key=admitted.key_name,
+                priority=admitted.ticket.priority.value,
             )
         )
 

@@ -6,7 +6,8 @@
 
 Every metric is in one private registry (tests and several routers in one process do not collide). Labels are
 bounded: model, protocol ("grpc" or "http": the front door), status (a gRPC status name or "ok"), finish_reason,
-reason, worker, code; never a request id.
+reason, worker, code, priority ("interactive", "batch"), key (an API key's name from the key file: as many as
+the operator wrote, never the secret); never a request id.
 
 Inter-token latency: the hooks see a request once, when it ends, so each request adds its decode time
 (end - first token) spread evenly over its completion_tokens - 1 gaps. Count and sum are exact; quantiles are
@@ -53,6 +54,7 @@ LATENCY_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort")
 OK = "ok"
 PROTOCOLS = ("grpc", "http")  # router.pipeline.Protocol
+PRIORITIES = ("interactive", "batch")  # router.admission.Priority
 
 
 class AdmissionState(Protocol):
@@ -78,6 +80,7 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._admission: AdmissionState | None = None
         self._define_request_metrics()
+        self._define_key_metrics()
         self._define_latency_metrics()
         self.registry.register(_AdmissionCollector(self))
         # Present (at 0) from the start, so rate() and the dashboard see the first request.
@@ -87,6 +90,8 @@ class PrometheusRouterMetrics(RouterMetrics):
             self._e2e.labels(model, protocol)
         for metric in (self._prompt_tokens, self._generation_tokens, self._queue):
             metric.labels(model)
+        for priority in PRIORITIES:
+            self._priority_requests.labels(model, priority, OK)
 
     def _define_request_metrics(self) -> None:
         r = self.registry
@@ -131,6 +136,34 @@ class PrometheusRouterMetrics(RouterMetrics):
             registry=r,
         )
 
+    def _define_key_metrics(self) -> None:
+        r = self.registry
+        self._auth_failures = Counter(
+            "tandem_auth_failures_total",
+            "Requests refused UNAUTHENTICATED, by why: missing, invalid, revoked (key), not_admin",
+            ["model", "protocol", "reason"],
+            registry=r,
+        )
+        self._key_requests = Counter(
+            "tandem_key_requests_total",
+            "Accepted requests by API key (its name), class and final status",
+            ["model", "key", "priority", "status"],
+            registry=r,
+        )
+        self._key_rejections = Counter(
+            "tandem_key_rejections_total",
+            "Authenticated requests refused RESOURCE_EXHAUSTED: requests, tokens, concurrency (the key's quota), "
+            "overload (router full), shed (a queued batch request gave its place to an interactive one)",
+            ["model", "key", "priority", "reason"],
+            registry=r,
+        )
+        self._priority_requests = Counter(
+            "tandem_priority_requests_total",
+            "Accepted requests by priority class and final status (interactive without API keys)",
+            ["model", "priority", "status"],
+            registry=r,
+        )
+
     def _define_latency_metrics(self) -> None:
         def histogram(name: str, doc: str, labels: tuple[str, ...] = ("model",)) -> Histogram:
             return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -164,8 +197,11 @@ class PrometheusRouterMetrics(RouterMetrics):
     # --- RouterMetrics hooks ---------------------------------------------------------------------------
     def request_done(self, record: RequestRecord) -> None:
         super().request_done(record)
-        m, protocol = self.model, record.protocol
-        self._requests.labels(m, protocol, status_label(record.outcome)).inc()
+        m, protocol, status = self.model, record.protocol, status_label(record.outcome)
+        self._requests.labels(m, protocol, status).inc()
+        self._priority_requests.labels(m, record.priority, status).inc()
+        if record.key:
+            self._key_requests.labels(m, record.key, record.priority, status).inc()
         if record.outcome in FINISH_REASONS:
             self._success.labels(m, protocol, record.outcome).inc()
         self._prompt_tokens.labels(m).inc(record.prompt_tokens)
@@ -186,6 +222,14 @@ class PrometheusRouterMetrics(RouterMetrics):
     def request_rejected(self, code: str, protocol: str = "grpc") -> None:
         super().request_rejected(code, protocol)
         self._requests.labels(self.model, protocol, code.upper()).inc()
+
+    def auth_failed(self, reason: str, protocol: str = "grpc") -> None:
+        super().auth_failed(reason, protocol)
+        self._auth_failures.labels(self.model, protocol, reason).inc()
+
+    def key_rejected(self, key: str, priority: str, reason: str) -> None:
+        super().key_rejected(key, priority, reason)
+        self._key_rejections.labels(self.model, key, priority, reason).inc()
 
     def worker_failed(self, worker_id: str, code: str) -> None:
         super().worker_failed(worker_id, code)

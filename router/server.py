@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 import grpc.aio
@@ -27,13 +28,14 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from router.admission import Admission
+from router.auth import AuthGate
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_api import OpenAIServer
-from router.pipeline import RequestPipeline
+from router.pipeline import Protocol, RequestPipeline
 from router.placement import can_serve
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
 from router.prometheus import PrometheusRouterMetrics
@@ -82,6 +84,9 @@ class RouterServer:
             on_change=self._mark_health_dirty,
         )
         self._admission = Admission(config.max_inflight, config.max_queue)
+        self._gate = (
+            AuthGate(config.api_keys_file, config.api_keys_reload_s) if config.api_keys_file else None
+        )
         if isinstance(self.metrics, PrometheusRouterMetrics):  # running/waiting gauges read admission
             self.metrics.track_admission(self._admission)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
@@ -121,13 +126,19 @@ class RouterServer:
         """Load the tokenizer (unless given), bind, start serving and polling; returns the bound host:port."""
         if self._server is not None:
             return self._address
+        if self._gate is not None:
+            self._gate.load()  # a bad key file fails start (KeyFileError) before anything loads or binds
         model = self._model
         if model is None:
             model = await asyncio.to_thread(ServedModel.load, self.config.model, self.config.max_model_len)
             self._model = model
         cfg = self.config
+        if self._gate is not None:
+            await self._gate.start()  # polls the key file for changes
         dispatcher = Dispatcher(self._pool, cfg, self.metrics)
-        pipeline = RequestPipeline(cfg, model, self._admission, dispatcher, self.metrics, self._executor)
+        pipeline = RequestPipeline(
+            cfg, model, self._admission, dispatcher, self.metrics, self._executor, self._gate
+        )
         server = self._grpc_server(pipeline)
         port = server.add_insecure_port(self.config.bind_address)
         if port == 0:
@@ -169,7 +180,10 @@ class RouterServer:
             ]
         )
         add_generation_service(GenerationService(pipeline), server)
-        admin = AdminService(self._pool, self._admission, self._scaler, self.metrics.recent)
+        check_admin = None
+        if self._gate is not None:
+            check_admin = partial(pipeline.authenticate, protocol=Protocol.GRPC, admin=True)
+        admin = AdminService(self._pool, self._admission, self._scaler, self.metrics.recent, check_admin)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -191,6 +205,8 @@ class RouterServer:
             await server.stop(grace)
         if self._health_task is not None:
             self._health_task.cancel()
+        if self._gate is not None:
+            await self._gate.stop()
         await self._pool.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -1,7 +1,13 @@
 """The router's gRPC services: tandem.v1.Generation, tandem.v1.Admin and tandem.v1.RouterControl.
 
 Generate sets the request's deadline (the client's, else request_timeout_s) and hands it to the shared request
-pipeline (router.pipeline), which the OpenAI HTTP API uses too; a RouterError becomes the call's status here.
+pipeline (router.pipeline), which the OpenAI HTTP API uses too; a RouterError becomes the call's status here,
+with its retry delay as trailing metadata `retry-after-ms` (RESOURCE_EXHAUSTED: router full, a key's quota).
+
+With API keys on, Generate and ListModels need `authorization: Bearer <key>` metadata, and Admin.Scale an admin
+key; Admin.Status (read-only counters, which the controller's autoscaler polls), RouterControl (the
+controller's membership pushes), health and reflection stay open: they are for the cluster's network, which
+mutual TLS is to close (issue 17), not for API clients.
 """
 
 from __future__ import annotations
@@ -88,17 +94,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         timeout = remaining if remaining is not None else self._pipeline.config.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
         try:
-            admitted = self._pipeline.admit(request, Protocol.GRPC)
+            admitted = self._pipeline.admit(request, Protocol.GRPC, authorization(context))
         except RouterError as exc:
-            await context.abort(exc.code, exc.details)
+            await abort(context, exc)
             return
         _cancel_on_client_cancel(context)
         try:
             await self._pipeline.run(admitted, deadline, context.write)
         except RouterError as exc:
-            await context.abort(exc.code, exc.details)
+            await abort(context, exc)
 
     async def ListModels(self, request: generate_pb2.ListModelsRequest, context: Any) -> Any:
+        try:
+            self._pipeline.authenticate(authorization(context), Protocol.GRPC)
+        except RouterError as exc:
+            await abort(context, exc)
         model = self._pipeline.model
         info = generate_pb2.ModelInfo(
             id=model.id, max_model_len=model.max_model_len, vocab_size=model.vocab_size
@@ -108,7 +118,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
 class AdminService(admin_pb2_grpc.AdminServicer):
     """Status of the router and its workers (and, when asked, its recent latency window: the SLO autoscaler's
-    input); Scale when a controller runs beside the router (`scaler`)."""
+    input); Scale when a controller runs beside the router (`scaler`). `check_admin` (API keys on) raises
+    RouterError unless the call's `authorization` names an admin key; Scale asks it."""
 
     def __init__(
         self,
@@ -116,11 +127,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         admission: Admission,
         scaler: Scaler | None = None,
         recent: RecentLatency | None = None,
+        check_admin: Callable[[str | None], object] | None = None,
     ) -> None:
         self._pool = pool
         self._admission = admission
         self._scaler = scaler
         self._recent = recent
+        self._check_admin = check_admin
 
     async def Status(self, request: admin_pb2.StatusRequest, context: Any) -> Any:
         router = admin_pb2.RouterInfo(
@@ -139,6 +152,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
 
     async def Scale(self, request: admin_pb2.ScaleRequest, context: Any) -> Any:
+        if self._check_admin is not None:
+            try:
+                self._check_admin(authorization(context))
+            except RouterError as exc:
+                await abort(context, exc)
         if self._scaler is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -172,6 +190,19 @@ class RouterControlService(worker_pb2_grpc.RouterControlServicer):
             await context.abort(exc.code, exc.details)
         self._apply(endpoints, request.generation)
         return worker_pb2.SetWorkersReply()
+
+
+def authorization(context: Any) -> str | None:
+    """The call's `authorization` metadata (gRPC keys are lower case), or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else None
+    return None
+
+
+async def abort(context: Any, exc: RouterError) -> None:
+    """End the call with the error's status, details and retry delay."""
+    await context.abort(exc.code, exc.details, trailing_metadata=exc.trailing_metadata())
 
 
 def _cancel_on_client_cancel(context: Any) -> None:

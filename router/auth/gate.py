@@ -60,6 +60,7 @@ class AuthGate:
         log.info("API keys: %d loaded from %s (%s)", len(self.keys), self.path, _names(self.keys))
 
     async def start(self) -> None:
+        """Load the file unless load() did, and start polling it."""
         if self._signature is None:
             self.load()
         if self._task is None:

@@ -4,6 +4,9 @@
     GET  /v1/models, GET /v1/models/{id}               -> the served model
     GET  /health                                       -> 200 while a request could be placed, else 503
 
+With API keys on (router.auth), every /v1 route needs `Authorization: Bearer <key>` (401 in OpenAI's error
+shape otherwise; a key over its quota gets 429 with Retry-After); /health stays open.
+
 Each request is translated into the router's own GenerateRequest and runs through the same admission,
 validation, placement, deadlines and metrics as a gRPC call; no second router. The deadline is the
 `X-Request-Timeout` header (seconds) or the router's request_timeout_s.
@@ -41,6 +44,7 @@ from tandem_api.tandem.v1 import generate_pb2
 log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+AUTHORIZATION = "Authorization"
 # stop() comes after the router's drain (RouterServer.drain waits for every admitted request, HTTP ones
 # included): what still runs then gets this long before it is cancelled.
 STOP_GRACE_S = 2.0
@@ -100,10 +104,18 @@ class OpenAIServer:
             return web.json_response({"status": "serving"})
         return web.json_response({"status": "not serving"}, status=503)
 
+    def _authenticate(self, request: web.Request) -> None:
+        try:
+            self._pipeline.authenticate(request.headers.get(AUTHORIZATION), Protocol.HTTP)
+        except RouterError as exc:
+            raise from_router_error(exc, chat=False) from None
+
     async def _models(self, request: web.Request) -> web.Response:
+        self._authenticate(request)
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def _model(self, request: web.Request) -> web.Response:
+        self._authenticate(request)
         name = request.match_info["model"]
         if name != self._pipeline.model.id:
             raise ApiError(404, f"model: unknown model {name!r}; serving {self._pipeline.model.id!r}",
@@ -130,6 +142,7 @@ class OpenAIServer:
     async def _generate(
         self, request: web.Request, parse: Callable[[Mapping[str, Any]], OpenAIRequest]
     ) -> web.StreamResponse:
+        self._authenticate(request)  # before the body: without a key, a bad body is still a 401
         try:
             parsed = parse(await self._read_json(request))
             timeout = _timeout(request, self._pipeline.config.request_timeout_s)
@@ -138,7 +151,7 @@ class OpenAIServer:
             raise
         deadline = asyncio.get_running_loop().time() + timeout
         try:
-            admitted = self._pipeline.admit(parsed.message, Protocol.HTTP)
+            admitted = self._pipeline.admit(parsed.message, Protocol.HTTP, request.headers.get(AUTHORIZATION))
         except RouterError as exc:
             raise from_router_error(exc, parsed.chat, parsed.max_tokens_field) from None
         answer = Answer(parsed, self._pipeline.model.id, self._pipeline.model.tokenizer)

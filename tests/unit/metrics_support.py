@@ -82,6 +82,9 @@ def populated_router_metrics() -> PrometheusRouterMetrics:
     metrics.request_done(RequestRecord("stop", 10, 5, e2e_seconds=3.0, queue_seconds=0.5, ttft_seconds=1.0))
     metrics.request_done(RequestRecord("deadline_exceeded", 7, 0, e2e_seconds=9.0, queue_seconds=0.2))
     metrics.request_rejected("invalid_argument")
+    metrics.request_done(RequestRecord("length", 4, 2, e2e_seconds=1.0, key="team-a", priority="batch"))
+    metrics.auth_failed("invalid", "http")
+    metrics.key_rejected("team-a", "batch", "requests")
     metrics.worker_failed("decode-0", "unavailable")
     metrics.request_retried("no_room")
     return metrics
