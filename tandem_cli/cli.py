@@ -20,7 +20,7 @@ from tandem_cli.inputs import (
 )
 from tandem_cli.offline import DEFAULT_MODEL, EngineUnavailable, run_offline
 from tandem_cli.output import OutputRecord, status_json, status_table, write_atomic
-from tandem_cli.scale import add_scale_parser
+from tandem_cli.scale import add_api_key_flag, add_scale_parser
 from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
 from tandem_client.client import Client
 from tandem_client.errors import InvalidArgument, TandemError
@@ -58,6 +58,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
     )
     where.add_argument("--offline", action="store_true", help="run the engine in this process, no server")
+    add_api_key_flag(p)
     p.add_argument(
         "--model",
         metavar="SPEC",
@@ -113,6 +114,7 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
     )
+    add_api_key_flag(p)
     p.add_argument("--json", action="store_true", help="print the status as one JSON object")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_STATUS_TIMEOUT, metavar="S")
     p.set_defaults(handler=cmd_status)
@@ -174,6 +176,7 @@ def _run(args: argparse.Namespace, inputs: list[GenerationInput]) -> list[Output
         concurrency=args.concurrency or DEFAULT_CONCURRENCY,
         timeout=args.timeout,
         progress=progress,
+        api_key=args.api_key,
     )
 
 
@@ -183,7 +186,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.offline and args.prompt is not None and not (args.json or args.output):
         from tandem_cli.remote import stream_text
 
-        stream_text(resolve_address(args.server), args.model, inputs[0], args.timeout, sys.stdout)
+        stream_text(
+            resolve_address(args.server), args.model, inputs[0], args.timeout, sys.stdout, args.api_key
+        )
         return 0
     records = _run(args, inputs)
     lines = [record.to_json() for record in records]
@@ -198,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with Client(resolve_address(args.server), timeout=args.timeout) as client:
+    with Client(resolve_address(args.server), timeout=args.timeout, api_key=args.api_key) as client:
         status = client.status()
     print(status_json(status) if args.json else status_table(status))
     return 0

@@ -46,9 +46,10 @@ def run_remote(
     concurrency: int,
     timeout: float | None,
     progress: bool,
+    api_key: str | None = None,
 ) -> list[OutputRecord]:
     check_requests(inputs, model)
-    return asyncio.run(_run_all(address, model, inputs, concurrency, timeout, progress))
+    return asyncio.run(_run_all(address, model, inputs, concurrency, timeout, progress, api_key))
 
 
 async def _run_all(
@@ -58,6 +59,7 @@ async def _run_all(
     concurrency: int,
     timeout: float | None,
     progress: bool,
+    api_key: str | None,
 ) -> list[OutputRecord]:
     results: list[GenerationResult | None] = [None] * len(inputs)
     slots = asyncio.Semaphore(concurrency)
@@ -73,7 +75,10 @@ async def _run_all(
         bar.update(1)
 
     try:
-        async with AsyncClient(address, timeout=timeout) as client, asyncio.TaskGroup() as group:
+        async with (
+            AsyncClient(address, timeout=timeout, api_key=api_key) as client,
+            asyncio.TaskGroup() as group,
+        ):
             for index in range(len(inputs)):
                 group.create_task(run_one(index, client))
     except ExceptionGroup as failures:
@@ -86,12 +91,17 @@ async def _run_all(
 
 
 def stream_text(
-    address: str, model: str | None, item: GenerationInput, timeout: float | None, out: TextIO
+    address: str,
+    model: str | None,
+    item: GenerationInput,
+    timeout: float | None,
+    out: TextIO,
+    api_key: str | None = None,
 ) -> GenerationResult:
     """Print one request's text to `out` as it is generated (for a single PROMPT without --json)."""
     check_requests([item], model)
     with (
-        Client(address, timeout=timeout) as client,
+        Client(address, timeout=timeout, api_key=api_key) as client,
         client.stream(item.prompt, sampling=item.sampling, model=model) as events,
     ):
         for event in events:

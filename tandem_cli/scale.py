@@ -16,7 +16,7 @@ from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tandem_cli.inputs import InputError
 from tandem_cli.output import pools_table
 from tandem_client import wire
-from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
+from tandem_client.channel import ADDRESS_ENV, API_KEY_ENV, DEFAULT_ADDRESS, auth_metadata, resolve_address
 from tandem_client.errors import error_from_rpc
 
 ROLES = {
@@ -45,7 +45,17 @@ def add_scale_parser(commands: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{role}", type=_replicas, metavar="N", help=f"workers in the {role} pool")
     p.add_argument("--json", action="store_true", help="print the pools as JSON")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S")
+    add_api_key_flag(p, "an admin key (admin: true in the router's key file)")
     p.set_defaults(handler=cmd_scale)
+
+
+def add_api_key_flag(p: argparse.ArgumentParser, which: str = "the router's API key") -> None:
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"{which}, when the router asks for keys (default: ${API_KEY_ENV}; the variable keeps it out of "
+        "the process list)",
+    )
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -59,7 +69,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(resolve_address(args.server)) as channel:
         try:
             reply = admin_pb2_grpc.AdminStub(channel).Scale(
-                admin_pb2.ScaleRequest(targets=targets), timeout=args.timeout
+                admin_pb2.ScaleRequest(targets=targets),
+                timeout=args.timeout,
+                metadata=auth_metadata(args.api_key),
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from exc

@@ -109,9 +109,10 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[ChannelOption] = (),
+        api_key: str | None = None,
     ) -> None:
         self._config = make_config(
-            address, timeout, max_message_bytes, retries, credentials, metadata, options
+            address, timeout, max_message_bytes, retries, credentials, metadata, options, api_key
         )
         self._channel: grpc.aio.Channel | None = None
 

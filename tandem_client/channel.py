@@ -1,4 +1,4 @@
-"""Connection settings shared by Client and AsyncClient: address, deadlines, message sizes, retries."""
+"""Connection settings shared by Client and AsyncClient: address, API key, deadlines, message sizes, retries."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "TANDEM_SERVER"
+API_KEY_ENV = "TANDEM_API_KEY"
 # gRPC's default receive limit is 4 MiB; a long prompt's token ids plus logprobs can pass that.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _RETRIED_SERVICES = ("tandem.v1.Generation", "tandem.v1.Admin")
@@ -21,6 +22,21 @@ ChannelOption = tuple[str, int | str]
 def resolve_address(address: str | None) -> str:
     """An explicit address, else $TANDEM_SERVER, else 127.0.0.1:50051."""
     return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """An explicit key, else $TANDEM_API_KEY, else None (the router asks for none)."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries `api_key` (resolved as resolve_api_key does); () without one."""
+    key = resolve_api_key(api_key)
+    if key is None:
+        return ()
+    if key != key.strip() or not key.isprintable():
+        raise ValueError("api_key: must be printable, without surrounding spaces")
+    return (("authorization", f"Bearer {key}"),)
 
 
 @dataclass(frozen=True)
@@ -78,13 +94,17 @@ def make_config(
     credentials: grpc.ChannelCredentials | None,
     metadata: Sequence[tuple[str, str]],
     options: Sequence[ChannelOption],
+    api_key: str | None = None,
 ) -> ChannelConfig:
+    """`api_key` (else $TANDEM_API_KEY) goes as `authorization: Bearer <key>` on every call, unless `metadata`
+    already carries an authorization of its own."""
+    own = any(name.lower() == "authorization" for name, _ in metadata)
     return ChannelConfig(
         address=resolve_address(address),
         timeout=timeout,
         max_message_bytes=max_message_bytes,
         retries=retries,
         credentials=credentials,
-        metadata=tuple(metadata),
+        metadata=tuple(metadata) + (() if own else auth_metadata(api_key)),
         options=tuple(options),
     )

@@ -95,7 +95,8 @@ class Client:
 
     timeout: default deadline in seconds for every call (None: no deadline); each call may pass its own.
     retries: how often UNAVAILABLE is retried before the server has answered (never once tokens flowed).
-    metadata: sent with every call (for example ("authorization", "Bearer ...")).
+    metadata: sent with every call.
+    api_key: the router's API key, sent as `authorization: Bearer <key>`; default $TANDEM_API_KEY, else none.
     options: extra gRPC channel options, appended after the SDK's own.
     """
 
@@ -109,9 +110,10 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[ChannelOption] = (),
+        api_key: str | None = None,
     ) -> None:
         self._config = make_config(
-            address, timeout, max_message_bytes, retries, credentials, metadata, options
+            address, timeout, max_message_bytes, retries, credentials, metadata, options, api_key
         )
         cfg = self._config
         if cfg.credentials is None:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import grpc
 
+RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata the router sends with RESOURCE_EXHAUSTED
+
 
 class TandemError(Exception):
-    """A failed call. `code` is the gRPC status code, `details` the server's (or the SDK's) explanation."""
+    """A failed call. `code` is the gRPC status code, `details` the server's (or the SDK's) explanation,
+    `retry_after_s` the delay the server asked for before a retry (None when it named none)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code.name}: {details}" if details else code.name)
         self.code = code
         self.details = details
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(TandemError, ValueError):
@@ -27,7 +31,8 @@ class NotFound(TandemError):
 
 
 class ResourceExhausted(TandemError):
-    """No capacity now, or a message exceeded the size limit. Retry later or send less."""
+    """No capacity now, the API key is over its quota, or a message exceeded the size limit. Retry after
+    `retry_after_s` when the server gave one, or send less."""
 
 
 class Unavailable(TandemError, ConnectionError):
@@ -47,7 +52,7 @@ class Aborted(TandemError):
 
 
 class Unauthenticated(TandemError):
-    """Missing or bad credentials."""
+    """Missing or bad credentials (no API key, a wrong or revoked one, or not an admin key for Scale)."""
 
 
 class Internal(TandemError):
@@ -70,13 +75,24 @@ _BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {
 }
 
 
-def error_for_status(code: grpc.StatusCode, details: str) -> TandemError:
+def error_for_status(code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> TandemError:
     """The exception for a status code; codes without a class of their own give a plain TandemError."""
-    return _BY_CODE.get(code, TandemError)(code, details)
+    return _BY_CODE.get(code, TandemError)(code, details, retry_after_s)
 
 
 def error_from_rpc(error: grpc.RpcError) -> TandemError:
-    """Translate a grpc (or grpc.aio) RpcError, which carries code() and details()."""
+    """Translate a grpc (or grpc.aio) RpcError, which carries code(), details() and trailing_metadata()."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return error_for_status(code or grpc.StatusCode.UNKNOWN, details or "")
+    return error_for_status(code or grpc.StatusCode.UNKNOWN, details or "", _retry_after_s(error))
+
+
+def _retry_after_s(error: grpc.RpcError) -> float | None:
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_MS_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except (TypeError, ValueError):
+                return None  # a malformed value says nothing usable
+    return None

@@ -182,6 +182,52 @@ def test_metadata_reaches_the_server(server) -> None:
     assert ("authorization", "Bearer t0k") in server[1].metadata
 
 
+def test_api_key_goes_as_a_bearer_token_from_the_argument_or_the_environment(server, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_API_KEY", "tk-from-env")
+    with Client(server[0], timeout=10) as c:
+        c.generate("m")
+    assert ("authorization", "Bearer tk-from-env") in server[1].metadata
+    with Client(server[0], timeout=10, api_key="tk-explicit") as c:  # the argument wins over the variable
+        c.generate("m")
+    assert ("authorization", "Bearer tk-explicit") in server[1].metadata
+
+    async def scenario() -> None:
+        async with AsyncClient(server[0], timeout=10, api_key="tk-async") as c:
+            await c.generate("m")
+
+    asyncio.run(scenario())
+    assert ("authorization", "Bearer tk-async") in server[1].metadata
+    monkeypatch.delenv("TANDEM_API_KEY")
+    with Client(server[0], timeout=10) as c:
+        c.generate("m")
+    assert "authorization" not in dict(server[1].metadata)
+    with pytest.raises(ValueError, match="api_key"):
+        Client(server[0], api_key="tk with\nnewline")
+
+
+def test_a_retry_delay_in_trailing_metadata_reaches_the_error() -> None:
+    """What the router sends with RESOURCE_EXHAUSTED (retry-after-ms), read from a real RpcError."""
+
+    class Refuse(generate_pb2_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            context.set_trailing_metadata((("retry-after-ms", "2500"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "over quota")
+
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    generate_pb2_grpc.add_GenerationServicer_to_server(Refuse(), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        with (
+            Client(f"127.0.0.1:{port}", timeout=10, retries=0) as c,
+            pytest.raises(ResourceExhausted) as info,
+        ):
+            c.generate("m")
+        assert info.value.retry_after_s == 2.5 and info.value.details == "over quota"
+    finally:
+        grpc_server.stop(grace=None)
+
+
 def test_list_models_and_status_are_typed(client: Client) -> None:
     (model,) = client.list_models()
     assert (model.id, model.max_model_len, model.vocab_size) == ("echo", 2048, 256)
