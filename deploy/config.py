@@ -3,7 +3,8 @@
 model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shape>, or the embedded default)
 mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
 router:   {host, port, http_port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
-           default_max_tokens, local_prefill_max_tokens, local_prefill_max_queued_tokens, ...}
+           default_max_tokens, local_prefill_max_tokens, local_prefill_max_queued_tokens, ...,
+           auth: {api_keys_file, reload_interval_s}}   # API keys and quotas (router/auth); off without a file
 prefill:  {replicas, num_gpus, ray_resources, metrics_port, metrics_port_count,
            engine: {cache: {...}, scheduler: {...}, device: {...}}}
 decode:   {replicas, num_gpus, engine: {...}}
@@ -31,6 +32,26 @@ MODES = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True)
+class AuthSettings:
+    """router.auth: API keys on the router's public APIs (router/auth/keys.py documents the key file).
+    api_keys_file "" (the default) asks for no keys; reload_interval_s is how often its mtime is checked."""
+
+    api_keys_file: str = ""
+    reload_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.api_keys_file, str):
+            raise ConfigError(
+                f'router.auth.api_keys_file: must be the path of the API key file ("": no keys), '
+                f"got {self.api_keys_file!r}"
+            )
+        if not _is_number(self.reload_interval_s) or not self.reload_interval_s > 0:
+            raise ConfigError(
+                f"router.auth.reload_interval_s: must be a number of seconds > 0, got {self.reload_interval_s!r}"
+            )
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 50051
@@ -54,6 +75,7 @@ class RouterSettings:
     # setting; 0 turns it off (router/placement.py, LocalPrefill).
     local_prefill_max_tokens: int = 0
     local_prefill_max_queued_tokens: int = 2048
+    auth: AuthSettings = field(default_factory=AuthSettings)
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "poll_timeout_s", "worker_rpc_timeout_s"):
@@ -132,6 +154,10 @@ class PoolSettings:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is no port number
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
 
 
 @dataclass(frozen=True)
@@ -227,7 +253,7 @@ def parse_config(data: Any, source: str = "config") -> DeployConfig:
     if not isinstance(model, str) or not model:
         raise ConfigError(f"model: must be a non-empty string, got {model!r}")
     kwargs: dict[str, Any] = {"model": model, "mode": data.get("mode", DeployConfig.mode)}
-    kwargs["router"] = dataclass_from_dict(RouterSettings, data.get("router") or {}, "router")
+    kwargs["router"] = _router(data.get("router") or {})
     kwargs["transfer"] = dataclass_from_dict(TransferConfig, data.get("transfer") or {}, "transfer")
     kwargs["ray"] = dataclass_from_dict(RaySettings, data.get("ray") or {}, "ray")
     controller = dict(data.get("controller") or {})
@@ -242,6 +268,16 @@ def parse_config(data: Any, source: str = "config") -> DeployConfig:
     for role, replicas in defaults.items():
         kwargs[role] = _pool(data.get(role) or {}, role, model, replicas)
     return DeployConfig(**kwargs)
+
+
+def _router(data: Any) -> RouterSettings:
+    if not isinstance(data, dict):
+        raise ConfigError(f"router: must be a mapping, got {type(data).__name__}")
+    auth = data.get("auth") or {}
+    if not isinstance(auth, dict):
+        raise ConfigError(f"router.auth: must be a mapping (api_keys_file, reload_interval_s), got {auth!r}")
+    fields = {**data, "auth": dataclass_from_dict(AuthSettings, auth, "router.auth")}
+    return dataclass_from_dict(RouterSettings, fields, "router")  # type: ignore[no-any-return]
 
 
 def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSettings:

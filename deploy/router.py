@@ -20,6 +20,7 @@ from model_runtime.config import ConfigError
 
 
 async def run(config_path: str | None) -> int:
+    from router.auth import KeyFileError
     from router.server import RouterServer
 
     try:
@@ -32,7 +33,11 @@ async def run(config_path: str | None) -> int:
 
     metrics = PrometheusRouterMetrics(config.model) if config.router.metrics_port else None
     router = RouterServer(router_config(config), metrics=metrics)
-    address = await router.start()
+    try:
+        address = await router.start()
+    except KeyFileError as exc:  # router.auth.api_keys_file: missing or invalid
+        print(f"tandem router: router.auth.api_keys_file: {exc}", file=sys.stderr)
+        return 2
     http = (
         MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry)
         if metrics

@@ -86,6 +86,7 @@ async def serve(config: DeployConfig) -> int:
         controller = Controller(config, metrics.wrap(publisher.publish))
         address = ", ".join(config.controller.routers)
     else:
+        from router.auth import KeyFileError
         from router.server import RouterServer
 
         def publish(members: list[Member], generation: int) -> object:
@@ -96,7 +97,12 @@ async def serve(config: DeployConfig) -> int:
         router = in_process = RouterServer(
             router_config(config), metrics=metrics.router_metrics, scaler=controller
         )
-        address = await router.start()
+        try:
+            address = await router.start()
+        except KeyFileError as exc:  # router.auth.api_keys_file: missing or invalid
+            metrics.close()
+            print(f"tandem serve: router.auth.api_keys_file: {exc}", file=sys.stderr)
+            return 2
     try:
         controller.connect()
     except Exception as exc:

@@ -3,6 +3,7 @@ out with the prompt tokenized and every sampling value resolved. Uses a tiny wor
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +228,47 @@ def test_router_entry_point_maps_the_deploy_config_onto_the_router(
     bad.write_text("router:\n  max_queue: -1\n")
     assert main(["--config", str(bad)]) == 2
     assert capsys.readouterr().err.strip() == "tandem router: router.max_queue: must be >= 1, got -1"
+
+
+@pytest.mark.parametrize(
+    ("router", "message"),
+    [
+        ({"auth": {"api_keys_file": 7}}, "router.auth.api_keys_file: must be the path of the API key file"),
+        (
+            {"auth": {"reload_interval_s": 0}},
+            "router.auth.reload_interval_s: must be a number of seconds > 0",
+        ),
+        ({"auth": {"keys": []}}, "router.auth.keys: unknown key; allowed: api_keys_file, reload_interval_s"),
+        ({"auth": "keys.yaml"}, "router.auth: must be a mapping"),
+    ],
+)
+def test_router_auth_config_errors_name_the_field(router: dict[str, object], message: str) -> None:
+    from deploy.config import parse_config
+    from model_runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        parse_config({"router": router})
+
+
+def test_router_auth_maps_onto_the_router_and_a_bad_key_file_stops_the_standalone_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.config import parse_config
+    from deploy.router import main
+    from deploy.router_inputs import router_config
+
+    assert router_config(parse_config({})).api_keys_file is None  # off by default
+    keys = tmp_path / "keys.yaml"
+    c = router_config(
+        parse_config({"router": {"auth": {"api_keys_file": str(keys), "reload_interval_s": 0.5}}})
+    )
+    assert (c.api_keys_file, c.api_keys_reload_s) == (str(keys), 0.5)
+    keys.write_text("keys:\n  - name: a\n    secret: too-short\n")
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        f"router:\n  port: 0\n  http_port: 0\n  metrics_port: 0\n  auth: {{api_keys_file: {keys}}}\n"
+    )
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem router: router.auth.api_keys_file: ") and "keys[0].secret: must be" in err
+    assert "too-short" not in err
