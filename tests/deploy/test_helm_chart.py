@@ -81,6 +81,24 @@ def test_the_openai_http_port_is_served_exposed_and_can_be_turned_off() -> None:
     assert "/v1/completions" not in off.notes
 
 
+def test_api_keys_come_from_a_secret_mounted_as_a_directory_on_the_routers() -> None:
+    assert rendered_config(rendered("defaults")).router.auth.api_keys_file == ""  # off by default
+    r = render(
+        {"router": {"apiKeys": {"secretName": "tandem-keys", "reloadIntervalSeconds": 5}}}, label="keys"
+    )
+    assert check_all(r) == [] and validate_rendering(r) == []
+    auth = rendered_config(r).router.auth
+    assert (auth.api_keys_file, auth.reload_interval_s) == ("/etc/tandem-keys/api_keys.yaml", 5)
+    spec = next(d for d in r.objects("Deployment") if d["metadata"]["name"].endswith("-router"))["spec"]
+    pod = spec["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "tandem-keys"
+    assert volume["secret"]["items"] == [{"key": "api_keys.yaml", "path": "api_keys.yaml"}]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
+    # a subPath mount would never see an edited Secret, and the reload would never happen
+    assert mount == {"name": "api-keys", "mountPath": "/etc/tandem-keys", "readOnly": True}
+
+
 def test_monitoring_values_add_monitors_and_dashboard() -> None:
     r = rendered("monitoring-values.yaml")
     assert len(r.objects("ServiceMonitor")) == 1
@@ -264,6 +282,8 @@ BAD_VALUES = [
     ({"autoscaler": {"scaleDownMargin": 1}}, "/autoscaler/scaleDownMargin"),
     ({"autoscaler": {"windowSeconds": 900}}, "/autoscaler/windowSeconds"),
     ({"autoscaler": {"targetTtft": 1}}, "'targetTtft'"),
+    ({"router": {"apiKeys": {"secretKey": "../keys"}}}, "/router/apiKeys/secretKey"),
+    ({"router": {"apiKeys": {"reloadIntervalSeconds": 0}}}, "/router/apiKeys/reloadIntervalSeconds"),
 ]
 
 

@@ -49,6 +49,9 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- toJson $out -}}
 {{- end -}}
 
+{{/* Where router pods mount router.apiKeys.secretName: a directory, not a subPath, so Secret updates arrive. */}}
+{{- define "tandem.apiKeysDir" -}}/etc/tandem-keys{{- end -}}
+
 {{- define "tandem.config" -}}
 {{- $v := .Values -}}
 {{- $router := dict "host" "0.0.0.0" "port" (int $v.router.grpcPort) "metrics_port" (int $v.router.metricsPort) -}}
@@ -57,6 +60,13 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $_ := set $router "max_inflight" (int $v.router.maxInflight) -}}
 {{- $_ := set $router "request_timeout_s" $v.router.requestTimeoutSeconds -}}
 {{- $_ := set $router "default_max_tokens" (int $v.router.defaultMaxTokens) -}}
+{{- with $v.router.apiKeys -}}
+{{- if .secretName -}}
+{{- $auth := dict "api_keys_file" (printf "%s/%s" (include "tandem.apiKeysDir" $) .secretKey) -}}
+{{- $_ := set $auth "reload_interval_s" .reloadIntervalSeconds -}}
+{{- $_ := set $router "auth" $auth -}}
+{{- end -}}
+{{- end -}}
 {{- $transfer := dict "kind" $v.transfer.kind "transfer_timeout_s" $v.transfer.transferTimeoutSeconds -}}
 {{- $_ := set $transfer "pair_setup_timeout_s" $v.transfer.pairSetupTimeoutSeconds -}}
 {{- $routers := list (printf "%s.%s.svc:%d" (include "tandem.routerHeadlessName" .) .Release.Namespace (int $v.router.grpcPort)) -}}
