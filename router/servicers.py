@@ -83,6 +83,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest | UndecodableRequest, context: Any
     ) -> None:
         if isinstance(request, UndecodableRequest):
+            try:  # without a valid key, the caller learns nothing about its bytes
+                self._pipeline.authenticate(authorization(context), Protocol.GRPC)
+            except RouterError as exc:
+                await abort(context, exc)
+                return
             self._pipeline.reject(grpc.StatusCode.INVALID_ARGUMENT, Protocol.GRPC)
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
