@@ -123,12 +123,24 @@ def test_missing_wrong_and_revoked_keys_are_refused_and_reach_no_worker(
             error = reply["error"]
             assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
             assert says in error["message"]
+    # bytes that are no GenerateRequest (field 1, the model name, holding invalid UTF-8): the key comes first
+    with grpc.insecure_channel(harness.address) as channel:
+        call = channel.unary_stream("/tandem.v1.Generation/Generate")
+        for metadata, code in (
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+            (ALPHA, grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            sent = () if metadata is None else (("authorization", f"Bearer {metadata}"),)
+            with pytest.raises(grpc.RpcError) as raw:
+                list(call(b"\x0a\x02\xff\xfe", metadata=sent, timeout=5))
+            assert raw.value.code() == code
     with pytest.raises(openai.AuthenticationError) as info:  # what the openai package makes of it
         http_api(harness, BRAVO).completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert info.value.status_code == 401
     assert worker_calls(harness) == 0, "a request without a valid key reached a worker"
-    assert harness.router.metrics.auth_failures == {"missing": 4, "invalid": 5, "revoked": 4}
-    assert harness.router.metrics.rejections["unauthenticated"] == 13
+    assert harness.router.metrics.auth_failures == {"missing": 5, "invalid": 5, "revoked": 4}
+    assert harness.router.metrics.rejections["unauthenticated"] == 14
+    assert harness.router.metrics.rejections["invalid_argument"] == 1
     # the key in force works on both front doors, and health stays open
     with sdk(harness, ALPHA) as client:
         assert len(client.generate("hi", max_tokens=3, temperature=0).token_ids) == 3
@@ -140,11 +152,22 @@ def test_missing_wrong_and_revoked_keys_are_refused_and_reach_no_worker(
     assert harness.status().router.in_flight_requests == 0  # Admin.Status needs no key
 
 
-def test_the_env_variable_carries_the_key(make: Callable[..., RouterHarness], monkeypatch) -> None:
+def test_the_cli_and_sdk_take_the_key_from_the_env_variable_or_the_flag(
+    make: Callable[..., RouterHarness], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     harness = make(BASE_KEYS)
     monkeypatch.setenv("TANDEM_API_KEY", ALPHA)
     with Client(harness.address, timeout=10.0, retries=0) as client:
         assert client.list_models()[0].id == MODEL
+    generate = ["generate", "--server", harness.address, "--max-tokens", "2", "--json", "hi"]
+    assert main(generate) == 0
+    assert json.loads(capsys.readouterr().out)["finish_reason"] == "length"
+    assert main([*generate, "--api-key", GONE]) == EXIT_RUNTIME  # the flag wins over the variable
+    assert "was revoked" in capsys.readouterr().err
+    monkeypatch.delenv("TANDEM_API_KEY")
+    assert main(generate) == EXIT_RUNTIME
+    assert "requires an API key" in capsys.readouterr().err
+    assert main([*generate, "--api-key", ALPHA]) == 0
 
 
 def test_a_key_added_to_the_file_works_and_a_revoked_one_stops_without_a_restart(

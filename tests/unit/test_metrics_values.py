@@ -61,6 +61,34 @@ def test_a_finished_request_counts_once_with_its_tokens_and_latencies() -> None:
     assert m.outcomes["length"] == 1 and m.completion_tokens == 5  # the base class's counters still count
 
 
+def test_requests_and_refusals_count_per_api_key_and_per_priority_class() -> None:
+    m = PrometheusRouterMetrics(MODEL)
+    m.request_done(RequestRecord("stop", 3, 2, e2e_seconds=1.0, key="web", priority="interactive"))
+    m.request_done(
+        RequestRecord("resource_exhausted", 3, 0, e2e_seconds=1.0, key="nightly", priority="batch")
+    )
+    m.request_done(RequestRecord("stop", 3, 2, e2e_seconds=1.0))  # no keys: interactive, no key series
+    m.key_rejected("nightly", "batch", "shed")
+    m.key_rejected("web", "interactive", "requests")
+    m.auth_failed("revoked", "http")
+    r = m.registry
+    assert value(r, "tandem_key_requests_total", key="web", priority="interactive", status="ok") == 1
+    assert (
+        value(r, "tandem_key_requests_total", key="nightly", priority="batch", status="RESOURCE_EXHAUSTED")
+        == 1
+    )
+    assert value(r, "tandem_priority_requests_total", priority="interactive", status="ok") == 2
+    assert value(r, "tandem_priority_requests_total", priority="batch", status="RESOURCE_EXHAUSTED") == 1
+    assert (
+        value(r, "tandem_priority_requests_total", priority="batch", status="ok") == 0
+    )  # present from the start
+    assert value(r, "tandem_key_rejections_total", key="nightly", reason="shed") == 1
+    assert value(r, "tandem_key_rejections_total", key="web", reason="requests") == 1
+    assert value(r, "tandem_auth_failures_total", protocol="http", reason="revoked") == 1
+    keys = {labels for (name, labels), _ in samples(r).items() if name == "tandem_key_requests_total"}
+    assert {dict(ls)["key"] for ls in keys} == {"web", "nightly"}
+
+
 def test_requests_count_under_the_protocol_they_came_in_by() -> None:
     m = PrometheusRouterMetrics(MODEL)
     m.request_done(RequestRecord("stop", 3, 2, e2e_seconds=1.0, ttft_seconds=0.5, protocol="http"))
