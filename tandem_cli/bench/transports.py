@@ -22,6 +22,7 @@ import grpc
 
 from tandem_cli.bench.workload import RequestSpec
 from tandem_client.aio import AsyncClient
+from tandem_client.channel import auth_metadata
 from tandem_client.errors import TandemError
 from tandem_client.types import GenerationDelta, GenerationResult, ModelInfo
 
@@ -92,8 +93,13 @@ class OpenAITransport:
         import aiohttp
 
         self._base = base_url.rstrip("/") if "://" in base_url else f"http://{base_url}"
+        # $TANDEM_API_KEY, as the gRPC transport's AsyncClient sends it, for a router that asks for keys
+        auth = dict(auth_metadata(None))
+        headers = {"Authorization": auth["authorization"]} if auth else None
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None),
+            headers=headers,
         )
         self._model: ModelInfo | None = None
 

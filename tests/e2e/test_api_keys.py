@@ -5,6 +5,7 @@ with a retry delay while another key is served, and a full admission queue serve
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import urllib.error
@@ -20,6 +21,7 @@ import pytest
 
 from router.model import ServedModel
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem_cli.bench.transports import OpenAITransport
 from tandem_cli.cli import EXIT_RUNTIME, main
 from tandem_client import Client, ResourceExhausted, Unauthenticated
 from tests.e2e.fake_workers import FakeDecode, FakePrefill, LoopThread, RouterHarness, Script
@@ -97,6 +99,14 @@ def http(url: str, body: dict | None, headers: dict[str, str]) -> tuple[int, Any
         return exc.code, json.loads(exc.read()), exc.headers
 
 
+async def bench_model(base_url: str) -> str:
+    transport = OpenAITransport(base_url)
+    try:
+        return (await transport.served_model()).id
+    finally:
+        await transport.close()
+
+
 def worker_calls(harness: RouterHarness) -> int:
     return sum(len(w.requests) for w in harness.workers)
 
@@ -164,6 +174,7 @@ def test_the_cli_and_sdk_take_the_key_from_the_env_variable_or_the_flag(
     assert json.loads(capsys.readouterr().out)["finish_reason"] == "length"
     assert main([*generate, "--api-key", GONE]) == EXIT_RUNTIME  # the flag wins over the variable
     assert "was revoked" in capsys.readouterr().err
+    assert asyncio.run(bench_model(harness.router.http_address)) == MODEL  # tandem bench --protocol openai
     monkeypatch.delenv("TANDEM_API_KEY")
     assert main(generate) == EXIT_RUNTIME
     assert "requires an API key" in capsys.readouterr().err
