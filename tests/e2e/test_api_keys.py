@@ -300,3 +300,32 @@ def test_admin_scale_needs_an_admin_key(make: Callable[..., RouterHarness]) -> N
             assert info.value.code() == code, info.value.details()
     assert main(["scale", "--server", harness.address, "--decode", "2", "--api-key", ALPHA]) == EXIT_RUNTIME
     assert harness.router.metrics.auth_failures == {"not_admin": 2, "missing": 1}
+
+
+def test_under_overload_interactive_requests_keep_their_ttft_while_batch_requests_wait(
+    make: Callable[..., RouterHarness],
+) -> None:
+    """Two classes with numbers: a backlog of batch requests several times the router's slots, and interactive
+    requests arriving behind it. Each request holds a slot for about 5 fake decode steps (0.1 s), so an
+    interactive request waits for at most one slot to free, while the batch backlog drains at 2 per 0.1 s."""
+    keys = [{"name": "alpha", "secret": ALPHA}, {"name": "nightly", "secret": NIGHTLY, "priority": "batch"}]
+    harness = make(keys, step_s=0.02, max_inflight=2, max_queue=64)
+    alpha, nightly = sdk(harness, ALPHA), sdk(harness, NIGHTLY)
+    pool = ThreadPoolExecutor(max_workers=24)
+    try:
+        backlog = [pool.submit(nightly.generate, "hi", max_tokens=5, timeout=60) for _ in range(24)]
+        wait_until(lambda: harness.status().router.queued_requests >= 16, what="a batch backlog")
+        interactive = [alpha.generate("hi", max_tokens=5).timings for _ in range(6)]  # one after another
+        batch = [f.result(timeout=60).timings for f in backlog]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        alpha.close()
+        nightly.close()
+    worst_interactive = max(t.time_to_first_token_seconds for t in interactive)
+    batch_ttfts = sorted(t.time_to_first_token_seconds for t in batch)
+    median_batch = batch_ttfts[len(batch_ttfts) // 2]
+    print(
+        f"TTFT interactive max {worst_interactive:.3f}s; batch median {median_batch:.3f}s, max {batch_ttfts[-1]:.3f}s"
+    )
+    assert worst_interactive < 0.6, interactive  # about one slot's service time, whatever the backlog
+    assert median_batch > 2 * worst_interactive and batch_ttfts[-1] > 0.8, batch_ttfts
