@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tandem_client import ChatMessage, Client
 from tests.e2e.cluster import ServeProcess, make_cluster
+from tests.e2e.load import Load
 from tests.loopback import free_port
 from tests.polling import wait_until
 
@@ -162,46 +162,6 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(clust
         what="three requests on decode-0",
     )
     assert sum(view[w].requests_total - before[w] for w in before if w.startswith("prefill")) == 1, view
-
-
-class Load:
-    """Closed-loop clients sending short requests until stopped; every outcome is kept."""
-
-    def __init__(self, address: str, clients: int = 3) -> None:
-        self.address = address
-        self.ok = 0
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(120)
-
-    def _run(self, client_index: int) -> None:
-        with Client(self.address) as client:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                prompt = f"Client {client_index}, request {n}: list three colours of the rainbow."
-                try:
-                    result = client.generate(
-                        prompt, max_tokens=6, ignore_eos=True, temperature=0, timeout=120
-                    )
-                    assert len(result.token_ids) == 6, result
-                except Exception as exc:  # every failure is a lost request: the test reports them all
-                    with self._lock:
-                        self.errors.append(repr(exc))
-                    continue
-                with self._lock:
-                    self.ok += 1
 
 
 def tandem(*args: str) -> str:
