@@ -13,16 +13,26 @@ Calibration (the 2-core CI box, 4 clients, p90 over 8 s windows, as the autoscal
 TTFT 0.75-0.83 s and TPOT 0.24-0.29 s; prefill-heavy TTFT 4.6-8.2 s. The TTFT target (2 s) sits between the
 phases with a margin of 2x on each side; the TPOT target (0.05 s) is 5x below any CPU decode step measured, and
 prefill-heavy requests have no TPOT sample at all (one token), so each phase misses exactly one signal. The whole
-test took 105-115 s there, most of it starting the cluster and the two workers.
+test took 105-125 s there, most of it starting the cluster and the two workers.
+
+Beside standalone routers (Kubernetes' layout, here on one host: `python -m deploy.router` and `tandem serve` with
+controller.routers naming it), the controller asks the router over Admin.Status for its latency window and
+decides from it (about 45 s).
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
@@ -140,3 +150,63 @@ def test_the_pools_follow_a_load_that_shifts_from_decode_to_prefill_and_back(tmp
     assert re.match(r"\d\d:\d\d:\d\d ttft p90 .* tpot p90 .*: (prefill|decode) ", last), last
     assert counted[("prefill", "up", "ttft_miss")] == counted[("decode", "up", "tpot_miss")] == 1
     assert counted[("decode", "down", "moved")] == counted[("prefill", "down", "moved")] == 1
+
+
+@contextmanager
+def standalone_router(config_path: Path) -> Iterator[None]:
+    """`python -m deploy.router` (the Kubernetes router Deployment's command) on its config, until SIGTERM."""
+    log = config_path.with_suffix(".log")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.router", "--config", str(config_path)], stdout=out, stderr=out
+        )
+    try:
+        wait_until(
+            lambda: "Tandem router serving" in log.read_text() or proc.poll() is not None,
+            60,
+            "the standalone router",
+        )
+        assert proc.poll() is None, log.read_text()
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_beside_standalone_routers_the_controller_reads_their_latency_over_admin_status(tmp_path) -> None:
+    """Kubernetes' layout on one host: a standalone router, and `tandem serve` with controller.routers naming it
+    (it pushes membership there, runs no router, and serves only the autoscaler's counter on its metrics port)."""
+    controller_metrics, router_metrics = free_port(), free_port()
+    bounds = {
+        "min": 1,
+        "max": 1,
+    }  # every persistent miss is blocked: the test watches what the controller reads
+    autoscaler = {**AUTOSCALER, "prefill": bounds, "decode": bounds, "max_total_workers": 2}
+    serve = make_cluster(
+        tmp_path, prefill=1, decode=1, metrics_port=controller_metrics, extra={"autoscaler": autoscaler}
+    )
+    config = yaml.safe_load(serve.config_path.read_text())
+    config["controller"]["routers"] = [serve.address]
+    serve.config_path.write_text(yaml.safe_dump(config))
+    router_config = tmp_path / "router.yaml"
+    router_config.write_text(
+        yaml.safe_dump({**config, "router": {**config["router"], "metrics_port": router_metrics}})
+    )
+    with standalone_router(router_config), serve, Load(serve.address, clients=3, kind=DECODE_HEAVY) as load:
+        counted = wait_until(
+            lambda: decisions(f"127.0.0.1:{controller_metrics}").get(("decode", "blocked", "at_max")),
+            60,
+            "the controller to see the router's TPOT miss",
+            lambda: "".join(serve.lines[-15:]),
+            every_s=0.5,
+        )
+        assert (
+            "tandem_autoscaler_decisions_total"
+            not in urllib.request.urlopen(f"http://127.0.0.1:{router_metrics}/metrics", timeout=5)
+            .read()
+            .decode()
+        )
+    assert counted >= 1 and load.errors == [], load.errors[:5]
+    (line, *_) = [line for line in serve.lines if "decode stays 1 (at_max)" in line]
+    requests = int(re.search(r"tpot p90 [\d.]+s \(target 0.05s, (\d+) requests\)", line).group(1))
+    assert requests >= AUTOSCALER["min_requests"], line
