@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,23 @@ def settled(address: str, **expected: int) -> dict[str, admin_pb2.WorkerInfo]:
         return view if all(view[w].requests_total == n for w, n in expected.items()) else None
 
     return wait_until(check, 10, f"requests_total {expected}", lambda: str(workers(address)))
+
+
+def quiet_view(address: str) -> dict[str, admin_pb2.WorkerInfo]:
+    """The router's view once its polls stop changing (two reads 1.5 s apart, three polls, agree on every
+    worker's requests_total): an earlier test's requests may still be on their way into the counts."""
+    last: dict[str, int] = {}
+
+    def check() -> dict[str, admin_pb2.WorkerInfo] | None:
+        nonlocal last
+        view = workers(address)
+        counts = {w: info.requests_total for w, info in view.items()}
+        same, last = counts == last, counts
+        if not same:
+            time.sleep(1.5)
+        return view if same else None
+
+    return wait_until(check, 30, "a settled view of the workers", lambda: str(workers(address)))
 
 
 def counter(file_sd: Path, component: str, name: str, **labels: str) -> list[float]:
@@ -136,7 +154,7 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(clust
         return sum(counter(file_sd, "router", "tandem_placements", reason=reason))
 
     long_prompt = [(7 * i) % 5000 + 100 for i in range(25 * BLOCK)]  # 400 raw token ids: 25 full blocks
-    view = workers(cluster.address)
+    view = quiet_view(cluster.address)
     before = {w: info.requests_total for w, info in view.items()}
     indexed_before = view["decode-0"].indexed_prefix_blocks  # the earlier tests' prompts may be there too
     local_before = {r: placements(r) for r in ("local_short", "local_cached", "prefill_worker")}
@@ -159,6 +177,7 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(clust
     # Only the long prompt reached a prefill worker; all three ran on the decode worker.
     view = wait_until(
         lambda: (v := workers(cluster.address))["decode-0"].requests_total == before["decode-0"] + 3 and v,
+        timeout_s=20,
         what="three requests on decode-0",
     )
     assert sum(view[w].requests_total - before[w] for w in before if w.startswith("prefill")) == 1, view
