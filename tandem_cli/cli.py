@@ -14,6 +14,7 @@ from tandem_cli.bench.cli import add_bench_parser
 from tandem_cli.inputs import (
     GenerationInput,
     InputError,
+    positive_int,
     prompt_from_text,
     read_jsonl,
     sampling_from_flags,
@@ -29,16 +30,6 @@ EXIT_RUNTIME = 1
 EXIT_INPUT = 2
 DEFAULT_CONCURRENCY = 8
 DEFAULT_STATUS_TIMEOUT = 10.0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -66,7 +57,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         metavar="N",
         help="most tokens per request (default 64)",
@@ -98,7 +89,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--output", metavar="FILE.jsonl", help="write the JSON lines to FILE (atomically)")
     p.add_argument(
         "--concurrency",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help=f"requests in flight (server mode, default {DEFAULT_CONCURRENCY})",
     )

@@ -9,6 +9,7 @@ Ranges (top_p <= 1, ...) are the engine's or the server's to check; here: types 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -22,6 +23,17 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 class InputError(ValueError):
     """The user's input is unusable; the message names the line (in --input files) and the key."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count flag (--concurrency, --prefill, ...): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import grpc
 
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
-from tandem_cli.inputs import InputError
+from tandem_cli.inputs import InputError, positive_int
 from tandem_cli.output import pools_table
 from tandem_client import wire
 from tandem_client.channel import ADDRESS_ENV, API_KEY_ENV, DEFAULT_ADDRESS, auth_metadata, resolve_address
@@ -26,23 +26,13 @@ ROLES = {
 }
 
 
-def _replicas(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def add_scale_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("scale", help="set pool sizes while serving (new workers join once ready)")
     p.add_argument(
         "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
     )
     for role in ROLES:
-        p.add_argument(f"--{role}", type=_replicas, metavar="N", help=f"workers in the {role} pool")
+        p.add_argument(f"--{role}", type=positive_int, metavar="N", help=f"workers in the {role} pool")
     p.add_argument("--json", action="store_true", help="print the pools as JSON")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S")
     add_api_key_flag(p, "an admin key (admin: true in the router's key file)")
