@@ -128,8 +128,6 @@ class Relay:
         if kind != "finished" or done.finish_reason not in _FINISH_REASONS:
             problem = f"finish reason {done.finish_reason}" if kind == "finished" else f"event {kind!r}"
             raise self._decode.error(grpc.StatusCode.INTERNAL, f"sent an unexpected {problem}")
-        if self._prefill is None:
-            self.out.cached_prompt_tokens = done.num_cached_tokens
         stop = done.stop_token_id if done.HasField("stop_token_id") else None
         await self._write_if(self.out.end(done.finish_reason, stop))
 
@@ -140,8 +138,7 @@ class Relay:
     async def await_streams_end(self, merger: StreamMerger) -> None:
         """Once the request is finished, let worker streams that are ending anyway end on their own (a cancel
         reaching a worker that is wrapping up makes it log an abort for nothing); the caller cancels whatever is
-        still open after this short, bounded wait. A colocated worker's DecodeFinished also brings the
-        prefix-cache count when the router's rules ended the request first."""
+        still open after this short, bounded wait."""
         pending = {s for s in self._ending_streams() if not s.ended}
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(FINISH_GRACE_S):
@@ -149,8 +146,6 @@ class Relay:
                     item = await merger.get()
                     if item.error is not None or item.message is None:
                         pending.discard(item.source)
-                    elif self._prefill is None and item.message.WhichOneof("kind") == "finished":
-                        self.out.cached_prompt_tokens = item.message.finished.num_cached_tokens
 
     def _ending_streams(self) -> list[WorkerStream]:
         """The streams that end by themselves now: none after a stop string (workers do not know it); the

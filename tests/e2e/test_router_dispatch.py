@@ -162,7 +162,7 @@ def test_colocated_worker_computes_the_prompt_itself(make, served_model: ServedM
         result = client.generate(messages=[ChatMessage("user", PROMPT)], max_tokens=64)
     assert result.text == REPLY and result.finish_reason == FinishReason.STOP
     assert list(result.prompt_token_ids) == served_model.tokenizer.encode_chat([ChatMessage("user", PROMPT)])
-    assert result.usage.cached_prompt_tokens == 3  # from the worker's DecodeFinished
+    assert result.usage.cached_prompt_tokens == 3  # from the worker's first TokenBatch
     (request,) = worker.requests
     assert request.local_prefill and worker.cancelled == []
 
