@@ -32,14 +32,6 @@ from deploy.slots import Member, Slot, worker_spec
 from model_runtime.roles import WorkerRole
 from router.scaling import PoolSize
 
-__all__ = [
-    "Controller",
-    "Member",
-    "Publish",
-    "Slot",
-    "worker_spec",
-]  # Member, Slot, worker_spec: deploy.slots
-
 log = logging.getLogger(__name__)
 RAY_START_ATTEMPTS = 2  # a local Ray node that timed out starting gets one more try
 STAGE_POLL_S = 5.0  # while workers load: how often their start-up stage is asked for (shown on change)

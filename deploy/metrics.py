@@ -27,7 +27,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from deploy.config import DeployConfig
-from deploy.controller import Member, Publish
+from deploy.controller import Publish
+from deploy.slots import Member
 from model_runtime.roles import WorkerRole
 from router.prometheus import PrometheusRouterMetrics
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import grpc
 
-from deploy.controller import Member
 from deploy.router_inputs import endpoints
+from deploy.slots import Member
 from tandem_api.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ controller's live workers as RouterControl endpoints)."""
 from __future__ import annotations
 
 from deploy.config import DeployConfig
-from deploy.controller import Member
+from deploy.slots import Member
 from router.config import RouterConfig
 from tandem_api.tandem.v1 import worker_pb2
 

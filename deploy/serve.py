@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from deploy.config import DeployConfig, load_config
-from deploy.controller import Controller, Member
+from deploy.controller import Controller
+from deploy.slots import Member
 from model_runtime.config import ConfigError
 
 if TYPE_CHECKING:

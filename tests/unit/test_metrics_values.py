@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from deploy.config import DeployConfig, RouterSettings, parse_config
-from deploy.controller import Member
 from deploy.metrics import MetricsHTTPServer, ServeMetrics, TargetGroup, target_groups, write_file_sd
+from deploy.slots import Member
 from kv_transfer import FailureReason
 from model_runtime.config import ConfigError, EngineConfig
 from router.admission import Admission

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.config import PoolSettings, parse_config
-from deploy.controller import worker_spec
+from deploy.slots import worker_spec
 from model_runtime.config import ConfigError
 from model_runtime.engine_loop import EngineLoop
 from tests.loopback import consecutive_free_ports
