@@ -13,6 +13,7 @@ transfer: {kind: tcp | nccl | cuda_ipc, ...}     # kv_transfer.TransferConfig
 ray:      {address: null | auto | ray://..., namespace}
 controller: {health_interval_s, heartbeat_timeout_s, restart_limit, drain_timeout_s}
 autoscaler: {enabled, interval_s, window_s, ttft_s, tpot_s, prefill: {min, max}, ...}  # deploy/autoscaler/settings.py
+tls:      {router: {cert, key, client_ca, require_client_cert}, cluster: {ca, cert, key, server_name}}  # deploy/tls.py
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from deploy.autoscaler.settings import AutoscalerSettings, parse_autoscaler
+from deploy.tls import TLSSettings, parse_tls
 from kv_transfer import TransferConfig
 from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
 from model_runtime.roles import WorkerRole
@@ -204,6 +206,7 @@ class DeployConfig:
     ray: RaySettings = field(default_factory=RaySettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     autoscaler: AutoscalerSettings = field(default_factory=AutoscalerSettings)
+    tls: TLSSettings = field(default_factory=TLSSettings)  # absent: plaintext everywhere
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -237,6 +240,7 @@ TOP_KEYS = {
     "ray",
     "controller",
     "autoscaler",
+    "tls",
 }
 
 
@@ -264,6 +268,7 @@ def parse_config(data: Any, source: str = "config") -> DeployConfig:
         controller["routers"] = tuple(routers)
     kwargs["controller"] = dataclass_from_dict(ControllerSettings, controller, "controller")
     kwargs["autoscaler"] = parse_autoscaler(data.get("autoscaler"))
+    kwargs["tls"] = parse_tls(data.get("tls"))
     defaults = {"prefill": 1, "decode": 1, "colocated": 0}
     for role, replicas in defaults.items():
         kwargs[role] = _pool(data.get(role) or {}, role, model, replicas)
@@ -315,4 +320,6 @@ def load_config(path: str | Path | None) -> DeployConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    return parse_config(data, str(p))
+    config = parse_config(data, str(p))
+    config.tls.check_files()  # a missing or unreadable certificate stops start-up, naming its field
+    return config

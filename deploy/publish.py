@@ -3,6 +3,8 @@
 The controller calls `publish(members, generation)` on every change; a background thread re-sends the last set
 every `interval_s`, so a router pod that starts later (or restarted) learns the membership within one interval.
 Each target "name:port" is resolved on every round, so new pods behind a headless name are reached.
+With TLS on the routers (deploy config tls.router), each pod is dialled by IP and its certificate is checked
+for the target's name, as a client dialling the name would (`RouterDialer`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 from deploy.router_inputs import endpoints
 from deploy.slots import Member
 from tandem_api.tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem_client.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +36,31 @@ def resolve_all(target: str) -> list[str]:
     return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addrs]
 
 
+class RouterDialer:
+    """Channels to router pods: plaintext, or with `tls` (read once, here) a TLS channel that checks the pod's
+    certificate for the name it was resolved from (tls.server_name, when set, wins)."""
+
+    def __init__(self, tls: TLSFiles | None) -> None:
+        self._tls = tls
+        self._credentials = tls.channel_credentials() if tls is not None else None
+
+    def channel(self, address: str, target: str) -> grpc.Channel:
+        if self._tls is None or self._credentials is None:
+            return grpc.insecure_channel(address)
+        host = target.rpartition(":")[0].strip("[]")
+        return grpc.secure_channel(address, self._credentials, options=self._tls.channel_options(host))
+
+
 class RouterPublisher:
-    def __init__(self, targets: Sequence[str], interval_s: float = 2.0, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        tls: TLSFiles | None = None,
+    ) -> None:
         self.targets = tuple(targets)
+        self._dialer = RouterDialer(tls)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._last: worker_pb2.WorkerSet | None = None
@@ -64,11 +89,11 @@ class RouterPublisher:
             return
         for target in self.targets:
             for address in resolve_all(target):
-                self._send(address, message)
+                self._send(address, target, message)
 
-    def _send(self, address: str, message: worker_pb2.WorkerSet) -> None:
+    def _send(self, address: str, target: str, message: worker_pb2.WorkerSet) -> None:
         try:
-            with grpc.insecure_channel(address) as channel:
+            with self._dialer.channel(address, target) as channel:
                 worker_pb2_grpc.RouterControlStub(channel).SetWorkers(message, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             log.info("router %s did not take the membership: %s", address, exc.code())

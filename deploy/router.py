@@ -22,6 +22,7 @@ from model_runtime.config import ConfigError
 async def run(config_path: str | None) -> int:
     from router.auth import KeyFileError
     from router.server import RouterServer
+    from tandem_client.tls import TLSError
 
     try:
         config = load_config(config_path)
@@ -37,6 +38,9 @@ async def run(config_path: str | None) -> int:
         address = await router.start()
     except KeyFileError as exc:  # router.auth.api_keys_file: missing or invalid
         print(f"tandem router: router.auth.api_keys_file: {exc}", file=sys.stderr)
+        return 2
+    except TLSError as exc:  # a certificate file went missing since the config was loaded
+        print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     http = (
         MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry)

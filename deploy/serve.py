@@ -83,12 +83,15 @@ async def serve(config: DeployConfig) -> int:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     if config.controller.routers:
-        publisher = RouterPublisher(config.controller.routers, config.controller.health_interval_s)
+        publisher = RouterPublisher(
+            config.controller.routers, config.controller.health_interval_s, tls=config.tls.router_client()
+        )
         controller = Controller(config, metrics.wrap(publisher.publish))
         address = ", ".join(config.controller.routers)
     else:
         from router.auth import KeyFileError
         from router.server import RouterServer
+        from tandem_client.tls import TLSError
 
         def publish(members: list[Member], generation: int) -> object:
             return in_process.set_workers(endpoints(members), generation)
@@ -103,6 +106,10 @@ async def serve(config: DeployConfig) -> int:
         except KeyFileError as exc:  # router.auth.api_keys_file: missing or invalid
             metrics.close()
             print(f"tandem serve: router.auth.api_keys_file: {exc}", file=sys.stderr)
+            return 2
+        except TLSError as exc:  # a certificate file went missing since the config was loaded
+            metrics.close()
+            print(f"tandem serve: {exc}", file=sys.stderr)
             return 2
     try:
         controller.connect()
@@ -156,7 +163,9 @@ def _start_autoscaler(
     from deploy.autoscaler.routers import RouterLatency
 
     latency: LatencySource = (
-        router.metrics.recent.stats if router is not None else RouterLatency(config.controller.routers)
+        router.metrics.recent.stats
+        if router is not None
+        else RouterLatency(config.controller.routers, tls=config.tls.router_client())
     )
     autoscaler = Autoscaler(config.autoscaler, controller, latency, metrics.registry)
     controller.autoscaler_status = lambda: autoscaler.last_decision

@@ -60,4 +60,5 @@ def worker_spec(config: DeployConfig, role: WorkerRole, index: int) -> WorkerSpe
         kv_wait_timeout_s=config.controller.kv_wait_timeout_s,
         metrics_port=pool.metrics_port,
         metrics_port_count=pool.metrics_port_count,
+        tls=config.tls.cluster.worker_server() if config.tls.cluster else None,
     )

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from model_runtime.weights.source import EMBEDDED_MODEL
+from tandem_client.tls import ServerTLS, TLSFiles
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts' ids plus logprobs pass gRPC's 4 MiB default
 # A JSON request body holds a prompt as text or token ids: 8 MiB is a 128k-token prompt several times over.
@@ -48,6 +49,10 @@ class RouterConfig:
       are asked for. When set, Generation (gRPC) and /v1 (HTTP) need `authorization: Bearer <key>`, and
       Admin.Scale needs an admin key.
     api_keys_reload_s: how often the key file's mtime is checked; a changed, valid file replaces the keys.
+    tls: the public gRPC and HTTP APIs' certificate (and client CA); None: plaintext (a warning when `host` is
+      not loopback).
+    worker_tls: how the router dials workers (the cluster CA, its cluster certificate, the workers' certificate
+      name); None: plaintext.
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +77,8 @@ class RouterConfig:
     http_max_body_bytes: int = DEFAULT_HTTP_MAX_BODY_BYTES
     api_keys_file: str | None = None
     api_keys_reload_s: float = 2.0
+    tls: ServerTLS | None = None
+    worker_tls: TLSFiles | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
@@ -110,6 +117,12 @@ class RouterConfig:
             self.api_keys_file is None or (isinstance(self.api_keys_file, str) and bool(self.api_keys_file)),
             "api_keys_file",
             "must be None (no API keys) or the path of the key file",
+        )
+        _check(self.tls is None or isinstance(self.tls, ServerTLS), "tls", "must be None or a ServerTLS")
+        _check(
+            self.worker_tls is None or isinstance(self.worker_tls, TLSFiles),
+            "worker_tls",
+            "must be None or TLSFiles",
         )
         _check(self.lease_ttl_s * 1000 < 2**32, "lease_ttl_s", "must fit in uint32 milliseconds")
 

@@ -33,6 +33,7 @@ from router.metrics import RouterMetrics
 from router.placement import WorkerLoad
 from router.prefix import PromptHashes, cached_prefix_tokens
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
+from tandem_client.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ class Charge:
 class WorkerHandle:
     """One member: its endpoint, channel and stub, and what the last polls said."""
 
-    def __init__(self, endpoint: Endpoint, channel_options: list[tuple[str, int]]) -> None:
+    def __init__(self, endpoint: Endpoint, channel: grpc.aio.Channel) -> None:
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(endpoint.address, options=channel_options)
+        self.channel = channel
         # Decode and colocated workers serve DecodeWorker (Decode + Status), prefill workers PrefillWorker.
         self.stub: Any = (
             worker_pb2_grpc.PrefillWorkerStub(self.channel)
@@ -181,14 +182,18 @@ class WorkerPool:
         max_message_bytes: int,
         metrics: RouterMetrics,
         on_change: Callable[[], None] = lambda: None,
+        tls: TLSFiles | None = None,
     ) -> None:
         self._interval = poll_interval_s
         self._poll_timeout = poll_timeout_s
         self.dead_after = dead_after_failed_polls
-        self._options = [
+        self._options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+        # Mutual TLS to the workers (tls.cluster): the files are read once, at the first channel.
+        self._tls = tls
+        self._credentials: grpc.ChannelCredentials | None = None
         self._metrics = metrics
         self._on_change = on_change
         self._workers: dict[str, WorkerHandle] = {}
@@ -212,7 +217,7 @@ class WorkerPool:
                 continue
             if old is not None:  # same id, new address or role: a new worker as far as we know
                 retired.append(old)
-            self._workers[ep.worker_id] = WorkerHandle(ep, self._options)
+            self._workers[ep.worker_id] = WorkerHandle(ep, self._open_channel(ep.address))
         for handle in [*retired, *current.values()]:
             task = asyncio.create_task(self._close_when_idle(handle))
             self._closers.add(task)
@@ -224,6 +229,14 @@ class WorkerPool:
             log.info("membership: %s", names or "empty")
             self._wake.set()  # poll the new members now rather than at the next tick
             self._on_change()
+
+    def _open_channel(self, address: str) -> grpc.aio.Channel:
+        if self._tls is None:
+            return grpc.aio.insecure_channel(address, options=self._options)
+        if self._credentials is None:
+            self._credentials = self._tls.channel_credentials()
+        options = self._options + list(self._tls.channel_options())
+        return grpc.aio.secure_channel(address, self._credentials, options=options)
 
     async def _close_when_idle(self, handle: WorkerHandle) -> None:
         while handle.active_calls:

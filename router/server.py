@@ -48,6 +48,7 @@ from tandem_api.tandem.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tandem_client.tls import plaintext_warning
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class RouterServer:
             max_message_bytes=config.max_message_bytes,
             metrics=self.metrics,
             on_change=self._mark_health_dirty,
+            tls=config.worker_tls,
         )
         self._admission = Admission(config.max_inflight, config.max_queue)
         self._gate = (
@@ -110,7 +112,7 @@ class RouterServer:
 
     @property
     def http_address(self) -> str:
-        """http://host:port of the OpenAI-compatible API ("" before start, or when config.http_port is None)."""
+        """http(s)://host:port of the OpenAI-compatible API ("" before start, or when config.http_port is None)."""
         return self._http.address if self._http is not None else ""
 
     @property
@@ -128,6 +130,9 @@ class RouterServer:
             return self._address
         if self._gate is not None:
             self._gate.load()  # a bad key file fails start (KeyFileError) before anything loads or binds
+        for tls in (self.config.tls, self.config.worker_tls):
+            if tls is not None:
+                tls.check()  # a missing or bad certificate fails start (TLSError naming it), before binding
         model = self._model
         if model is None:
             model = await asyncio.to_thread(ServedModel.load, self.config.model, self.config.max_model_len)
@@ -140,7 +145,7 @@ class RouterServer:
             cfg, model, self._admission, dispatcher, self.metrics, self._executor, self._gate
         )
         server = self._grpc_server(pipeline)
-        port = server.add_insecure_port(self.config.bind_address)
+        port = self._bind(server)
         if port == 0:
             raise OSError(f"cannot bind the router to {self.config.bind_address}")
         await self._set_health(False)  # the health servicer starts out SERVING; no worker is known yet
@@ -161,6 +166,7 @@ class RouterServer:
                 cfg.http_port,
                 max_body_bytes=cfg.http_max_body_bytes,
                 serving=lambda: self.serving,
+                ssl_context=cfg.tls.ssl_context() if cfg.tls is not None else None,
             )
             try:
                 await http.start()
@@ -170,6 +176,17 @@ class RouterServer:
             self._http = http
         log.info("router serving %s on %s %s", model.id, self._address, self.http_address)
         return self._address
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        """The public port: TLS with config.tls, else plaintext (warned about beyond loopback)."""
+        cfg = self.config
+        if cfg.tls is not None:
+            return server.add_secure_port(cfg.bind_address, cfg.tls.server_credentials())
+        apis = "gRPC and HTTP APIs" if cfg.http_port is not None else "gRPC API"
+        warning = plaintext_warning(f"the router's {apis}", cfg.host)
+        if warning:
+            log.warning(warning)
+        return server.add_insecure_port(cfg.bind_address)
 
     def _grpc_server(self, pipeline: RequestPipeline) -> grpc.aio.Server:
         cfg = self.config

@@ -22,9 +22,11 @@ from tandem_cli.inputs import (
 from tandem_cli.offline import DEFAULT_MODEL, EngineUnavailable, run_offline
 from tandem_cli.output import OutputRecord, status_json, status_table, write_atomic
 from tandem_cli.scale import add_api_key_flag, add_scale_parser
+from tandem_cli.tls_flags import add_tls_flags, tls_from_args
 from tandem_client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, resolve_address
 from tandem_client.client import Client
 from tandem_client.errors import InvalidArgument, TandemError
+from tandem_client.tls import TLSError
 
 EXIT_RUNTIME = 1
 EXIT_INPUT = 2
@@ -50,6 +52,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     )
     where.add_argument("--offline", action="store_true", help="run the engine in this process, no server")
     add_api_key_flag(p)
+    add_tls_flags(p)
     p.add_argument(
         "--model",
         metavar="SPEC",
@@ -106,6 +109,7 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
         "--server", metavar="HOST:PORT", help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})"
     )
     add_api_key_flag(p)
+    add_tls_flags(p)
     p.add_argument("--json", action="store_true", help="print the status as one JSON object")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_STATUS_TIMEOUT, metavar="S")
     p.set_defaults(handler=cmd_status)
@@ -168,6 +172,7 @@ def _run(args: argparse.Namespace, inputs: list[GenerationInput]) -> list[Output
         timeout=args.timeout,
         progress=progress,
         api_key=args.api_key,
+        tls=tls_from_args(args),
     )
 
 
@@ -177,8 +182,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.offline and args.prompt is not None and not (args.json or args.output):
         from tandem_cli.remote import stream_text
 
+        address = resolve_address(args.server)
         stream_text(
-            resolve_address(args.server), args.model, inputs[0], args.timeout, sys.stdout, args.api_key
+            address, args.model, inputs[0], args.timeout, sys.stdout, args.api_key, tls_from_args(args)
         )
         return 0
     records = _run(args, inputs)
@@ -194,7 +200,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with Client(resolve_address(args.server), timeout=args.timeout, api_key=args.api_key) as client:
+    address = resolve_address(args.server)
+    with Client(address, timeout=args.timeout, api_key=args.api_key, tls=tls_from_args(args)) as client:
         status = client.status()
     print(status_json(status) if args.json else status_table(status))
     return 0
@@ -219,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except (InputError, InvalidArgument) as exc:
+    except (InputError, InvalidArgument, TLSError) as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     except (TandemError, EngineUnavailable, OSError) as exc:

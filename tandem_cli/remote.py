@@ -15,6 +15,7 @@ from tandem_client import wire
 from tandem_client.aio import AsyncClient
 from tandem_client.client import Client
 from tandem_client.errors import InvalidArgument, TandemError
+from tandem_client.tls import TLSFiles
 from tandem_client.types import GenerationDelta, GenerationResult
 
 
@@ -47,9 +48,10 @@ def run_remote(
     timeout: float | None,
     progress: bool,
     api_key: str | None = None,
+    tls: TLSFiles | None = None,
 ) -> list[OutputRecord]:
     check_requests(inputs, model)
-    return asyncio.run(_run_all(address, model, inputs, concurrency, timeout, progress, api_key))
+    return asyncio.run(_run_all(address, model, inputs, concurrency, timeout, progress, api_key, tls))
 
 
 async def _run_all(
@@ -60,6 +62,7 @@ async def _run_all(
     timeout: float | None,
     progress: bool,
     api_key: str | None,
+    tls: TLSFiles | None,
 ) -> list[OutputRecord]:
     results: list[GenerationResult | None] = [None] * len(inputs)
     slots = asyncio.Semaphore(concurrency)
@@ -76,7 +79,7 @@ async def _run_all(
 
     try:
         async with (
-            AsyncClient(address, timeout=timeout, api_key=api_key) as client,
+            AsyncClient(address, timeout=timeout, api_key=api_key, tls=tls) as client,
             asyncio.TaskGroup() as group,
         ):
             for index in range(len(inputs)):
@@ -97,11 +100,12 @@ def stream_text(
     timeout: float | None,
     out: TextIO,
     api_key: str | None = None,
+    tls: TLSFiles | None = None,
 ) -> GenerationResult:
     """Print one request's text to `out` as it is generated (for a single PROMPT without --json)."""
     check_requests([item], model)
     with (
-        Client(address, timeout=timeout, api_key=api_key) as client,
+        Client(address, timeout=timeout, api_key=api_key, tls=tls) as client,
         client.stream(item.prompt, sampling=item.sampling, model=model) as events,
     ):
         for event in events:

@@ -15,9 +15,11 @@ import grpc
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tandem_cli.inputs import InputError, positive_int
 from tandem_cli.output import pools_table
+from tandem_cli.tls_flags import add_tls_flags, tls_from_args
 from tandem_client import wire
 from tandem_client.channel import ADDRESS_ENV, API_KEY_ENV, DEFAULT_ADDRESS, auth_metadata, resolve_address
 from tandem_client.errors import error_from_rpc
+from tandem_client.tls import TLSFiles
 
 ROLES = {
     "prefill": admin_pb2.WORKER_ROLE_PREFILL,
@@ -36,6 +38,7 @@ def add_scale_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the pools as JSON")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S")
     add_api_key_flag(p, "an admin key (admin: true in the router's key file)")
+    add_tls_flags(p)
     p.set_defaults(handler=cmd_scale)
 
 
@@ -56,7 +59,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     ]
     if not targets:
         raise InputError("give at least one of --prefill, --decode, --colocated")
-    with grpc.insecure_channel(resolve_address(args.server)) as channel:
+    with router_channel(resolve_address(args.server), tls_from_args(args) or TLSFiles.from_env()) as channel:
         try:
             reply = admin_pb2_grpc.AdminStub(channel).Scale(
                 admin_pb2.ScaleRequest(targets=targets),
@@ -68,3 +71,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
     pools = wire.pools_from_proto(reply.pools)
     print(json.dumps([asdict(p) for p in pools]) if args.json else pools_table(pools))
     return 0
+
+
+def router_channel(address: str, tls: TLSFiles | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())

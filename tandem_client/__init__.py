@@ -19,6 +19,7 @@ from tandem_client.errors import (
     Unauthenticated,
     Unavailable,
 )
+from tandem_client.tls import TLSError, TLSFiles, tls_credentials
 from tandem_client.types import (
     ChatMessage,
     ClusterStatus,
@@ -64,6 +65,8 @@ __all__ = [
     "ResourceExhausted",
     "RouterInfo",
     "Sampling",
+    "TLSError",
+    "TLSFiles",
     "TandemError",
     "Timings",
     "TokenLogprob",
@@ -74,4 +77,5 @@ __all__ = [
     "WorkerInfo",
     "WorkerRole",
     "WorkerState",
+    "tls_credentials",
 ]

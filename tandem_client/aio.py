@@ -22,6 +22,7 @@ from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, genera
 from tandem_client import wire
 from tandem_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelOption, make_config
 from tandem_client.errors import error_from_rpc
+from tandem_client.tls import TLSFiles
 from tandem_client.types import (
     ClusterStatus,
     GenerationDelta,
@@ -110,9 +111,10 @@ class AsyncClient:
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[ChannelOption] = (),
         api_key: str | None = None,
+        tls: TLSFiles | None = None,
     ) -> None:
         self._config = make_config(
-            address, timeout, max_message_bytes, retries, credentials, metadata, options, api_key
+            address, timeout, max_message_bytes, retries, credentials, metadata, options, api_key, tls
         )
         self._channel: grpc.aio.Channel | None = None
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem_client.tls import TLSFiles
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "TANDEM_SERVER"
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -95,10 +97,20 @@ def make_config(
     metadata: Sequence[tuple[str, str]],
     options: Sequence[ChannelOption],
     api_key: str | None = None,
+    tls: TLSFiles | None = None,
 ) -> ChannelConfig:
     """`api_key` (else $TANDEM_API_KEY) goes as `authorization: Bearer <key>` on every call, unless `metadata`
-    already carries an authorization of its own."""
+    already carries an authorization of its own. `tls` (else $TANDEM_TLS_CA / _CERT / _KEY / _SERVER_NAME,
+    unless `credentials` are given) makes the channel TLS: its files are read here."""
     own = any(name.lower() == "authorization" for name, _ in metadata)
+    if tls is not None and credentials is not None:
+        raise ValueError("tls, credentials: give one of them (tls builds the credentials from PEM files)")
+    if tls is None and credentials is None:
+        tls = TLSFiles.from_env()
+    extra: tuple[ChannelOption, ...] = ()
+    if tls is not None:
+        credentials = tls.channel_credentials()
+        extra = tuple(tls.channel_options())
     return ChannelConfig(
         address=resolve_address(address),
         timeout=timeout,
@@ -106,5 +118,5 @@ def make_config(
         retries=retries,
         credentials=credentials,
         metadata=tuple(metadata) + (() if own else auth_metadata(api_key)),
-        options=tuple(options),
+        options=extra + tuple(options),
     )

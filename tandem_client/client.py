@@ -19,6 +19,7 @@ from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, genera
 from tandem_client import wire
 from tandem_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelOption, make_config
 from tandem_client.errors import error_from_rpc
+from tandem_client.tls import TLSFiles
 from tandem_client.types import (
     ClusterStatus,
     GenerationDelta,
@@ -97,6 +98,9 @@ class Client:
     retries: how often UNAVAILABLE is retried before the server has answered (never once tokens flowed).
     metadata: sent with every call.
     api_key: the router's API key, sent as `authorization: Bearer <key>`; default $TANDEM_API_KEY, else none.
+    tls: TLS from PEM files (TLSFiles(ca=..., cert=..., key=..., server_name=...)): the roots that sign the
+      router's certificate and a client certificate for a router that asks for one; default $TANDEM_TLS_CA /
+      _CERT / _KEY / _SERVER_NAME, else plaintext. `credentials` (grpc's own) is the alternative.
     options: extra gRPC channel options, appended after the SDK's own.
     """
 
@@ -111,9 +115,10 @@ class Client:
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[ChannelOption] = (),
         api_key: str | None = None,
+        tls: TLSFiles | None = None,
     ) -> None:
         self._config = make_config(
-            address, timeout, max_message_bytes, retries, credentials, metadata, options, api_key
+            address, timeout, max_message_bytes, retries, credentials, metadata, options, api_key, tls
         )
         cfg = self._config
         if cfg.credentials is None:

@@ -31,6 +31,7 @@ from model_runtime.config import EngineConfig
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.roles import WorkerRole
+from tandem_client.tls import ServerTLS, plaintext_warning
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class WorkerSpec:
     # (deploy.config.PoolSettings says when to use which).
     metrics_port: int = 0
     metrics_port_count: int = 1
+    # Mutual TLS on the gRPC server (deploy tls.cluster): only peers with a cluster certificate get a call
+    # through. Paths, read on the worker's own node when it starts; None: plaintext.
+    tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", WorkerRole.parse(self.role))
@@ -85,7 +89,8 @@ class EngineLoopAllocator:
 def start_grpc(
     spec: WorkerSpec, register: Callable[[grpc.Server], None], service_names: Sequence[str]
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A sync gRPC server (one thread per open stream) with the standard health service."""
+    """A sync gRPC server (one thread per open stream) with the standard health service; with spec.tls it
+    takes only TLS connections from peers that present a certificate from the cluster CA."""
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(
             spec.max_concurrent_rpcs, thread_name_prefix=f"{spec.worker_id}-rpc"
@@ -96,13 +101,23 @@ def start_grpc(
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{spec.host}:{spec.port}")
+    port = _bind(server, spec)
     if port == 0:
         raise RuntimeError(f"worker {spec.worker_id}: cannot listen on {spec.host}:{spec.port}")
     server.start()
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+def _bind(server: grpc.Server, spec: WorkerSpec) -> int:
+    address = f"{spec.host}:{spec.port}"
+    if spec.tls is not None:
+        return server.add_secure_port(address, spec.tls.server_credentials())
+    warning = plaintext_warning(f"worker {spec.worker_id}'s gRPC server", spec.host)
+    if warning:
+        log.warning(warning)
+    return server.add_insecure_port(address)
 
 
 class OpenCalls:

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from deploy.publish import resolve_all
+from deploy.publish import RouterDialer, resolve_all
 from router.recent_latency import LatencyCounts, WindowStats
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem_client.tls import TLSFiles
 
 log = logging.getLogger("tandem.autoscaler")
 
@@ -23,23 +24,24 @@ log = logging.getLogger("tandem.autoscaler")
 class RouterLatency:
     """A LatencySource over the routers `targets` ("host:port"; a name may resolve to several pods)."""
 
-    def __init__(self, targets: Sequence[str], timeout_s: float = 2.0) -> None:
+    def __init__(self, targets: Sequence[str], timeout_s: float = 2.0, tls: TLSFiles | None = None) -> None:
         self.targets = tuple(targets)
         self.timeout_s = timeout_s
+        self._dialer = RouterDialer(tls)  # TLS to the routers' public port (deploy config tls.router)
 
     def __call__(self, window_s: float) -> WindowStats:
         total = LatencyCounts(window_s)
         for target in self.targets:
             for address in resolve_all(target):
-                counts = self._ask(address, window_s)
+                counts = self._ask(address, target, window_s)
                 if counts is not None:
                     total = total.merged(counts)
         return total.stats()
 
-    def _ask(self, address: str, window_s: float) -> LatencyCounts | None:
+    def _ask(self, address: str, target: str, window_s: float) -> LatencyCounts | None:
         request = admin_pb2.StatusRequest(latency_window_seconds=window_s)
         try:
-            with grpc.insecure_channel(address) as channel:
+            with self._dialer.channel(address, target) as channel:
                 status = admin_pb2_grpc.AdminStub(channel).Status(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             log.info("router %s gave no latency window: %s", address, exc.code())

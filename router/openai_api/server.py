@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import math
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -61,14 +62,16 @@ class OpenAIServer:
         *,
         max_body_bytes: int,
         serving: Callable[[], bool],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._host, self._port = host, port
         self._max_body_bytes = max_body_bytes
         self._serving = serving
+        self._ssl_context = ssl_context  # None: plaintext HTTP
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
-        self.address = ""  # http://host:port once started
+        self.address = ""  # http(s)://host:port once started
 
     async def start(self) -> str:
         app = web.Application(client_max_size=self._max_body_bytes, middlewares=[_openai_errors])
@@ -80,7 +83,7 @@ class OpenAIServer:
         # access_log None: no log line per request on the router's loop (the metrics count them).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_S)
         await runner.setup()
-        site = web.TCPSite(runner, self._host, self._port, reuse_address=True)
+        site = web.TCPSite(runner, self._host, self._port, reuse_address=True, ssl_context=self._ssl_context)
         try:
             await site.start()
         except OSError as exc:
@@ -89,7 +92,8 @@ class OpenAIServer:
         self._runner = runner
         port = runner.addresses[0][1]
         host = f"[{self._host}]" if ":" in self._host else self._host
-        self.address = f"http://{host}:{port}"
+        scheme = "https" if self._ssl_context is not None else "http"
+        self.address = f"{scheme}://{host}:{port}"
         return self.address
 
     async def stop(self) -> None:
