@@ -84,7 +84,30 @@ def error_from_rpc(error: grpc.RpcError) -> TandemError:
     """Translate a grpc (or grpc.aio) RpcError, which carries code(), details() and trailing_metadata()."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return error_for_status(code or grpc.StatusCode.UNKNOWN, details or "", _retry_after_s(error))
+    return error_for_status(code or grpc.StatusCode.UNKNOWN, tls_hint(details or ""), _retry_after_s(error))
+
+
+# What gRPC says when a TLS handshake fails: on this side (the server's certificate or name was not accepted),
+# or on the server's, which just closes the connection ("Socket closed") and says why only in its own log.
+_SERVER_REJECTED = ("CERTIFICATE_VERIFY_FAILED", "Hostname Verification", "Tls handshake failed")
+TLS_HINT_SERVER = (
+    " [TLS: the server's certificate was not accepted: check the CA (--tls-ca, $TANDEM_TLS_CA) and the name "
+    "the certificate carries (--tls-server-name)]"
+)
+TLS_HINT_CLOSED = (
+    " [the server closed the connection before answering: if it serves TLS, connect with --tls-ca "
+    "($TANDEM_TLS_CA); if it requires client certificates, with --tls-cert/--tls-key from its client CA, "
+    "unexpired; the server's log names the reason]"
+)
+
+
+def tls_hint(details: str) -> str:
+    """`details` with what to check when they show a failed TLS handshake (unchanged otherwise)."""
+    if any(marker in details for marker in _SERVER_REJECTED):
+        return details + TLS_HINT_SERVER
+    if details.endswith("Socket closed"):
+        return details + TLS_HINT_CLOSED
+    return details
 
 
 def _retry_after_s(error: grpc.RpcError) -> float | None:
