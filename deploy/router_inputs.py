@@ -35,7 +35,7 @@ def router_config(config: DeployConfig) -> RouterConfig:
         lease_ttl_s=config.transfer.lease_ttl_s,
         api_keys_file=r.auth.api_keys_file or None,  # "": no keys
         api_keys_reload_s=r.auth.reload_interval_s,
-        tls=config.tls.router,
+        tls=config.tls.router_server(),
         worker_tls=config.tls.cluster.worker_client() if config.tls.cluster else None,
     )
 

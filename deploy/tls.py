@@ -24,14 +24,14 @@ node reads its copy when it starts (on Kubernetes every pod mounts the same Secr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from model_runtime.config import ConfigError
-from tandem_client.tls import ServerTLS, TLSError, TLSFiles, field_names
+from tandem_client.tls import ServerTLS, TLSError, TLSFiles
 
 DEFAULT_WORKER_NAME = "tandem-worker"
-ROUTER_KEYS = field_names(ServerTLS)
+ROUTER_KEYS = ("cert", "key", "client_ca", "require_client_cert")
 CLUSTER_KEYS = ("ca", "cert", "key", "server_name")
 
 
@@ -66,6 +66,13 @@ class TLSSettings:
     router: ServerTLS | None = None
     cluster: ClusterTLS | None = None
 
+    def router_server(self) -> ServerTLS | None:
+        """The routers' public port: tls.router, whose client certificates may also come from the cluster CA
+        (the controller's pushes and the in-pod health probes hold cluster certificates)."""
+        if self.router is None or self.cluster is None or not self.router.client_ca:
+            return self.router
+        return replace(self.router, cluster_ca=self.cluster.ca)
+
     def router_client(self) -> TLSFiles | None:
         """How the controller dials the routers' public port: None (plaintext) unless tls.router is set;
         then the cluster CA and certificate when tls.cluster is set, else the system's roots."""
@@ -77,9 +84,10 @@ class TLSSettings:
 
     def check_files(self) -> None:
         """Read every configured file once; ConfigError naming the first one missing, unreadable or not PEM."""
+        router = self.router_server()
         try:
-            if self.router is not None:
-                self.router.check()
+            if router is not None:
+                router.check()
             if self.cluster is not None:
                 self.cluster.worker_server().check()
                 self.cluster.worker_client().check()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import grpc
 
@@ -108,6 +108,8 @@ class TLSFiles:
 class ServerTLS:
     """A TLS server: its certificate chain and key, and with `client_ca` the roots that client certificates must
     chain to; `require_client_cert` refuses every handshake without a valid one (it needs client_ca).
+    `cluster_ca`, with client_ca, is a second bundle client certificates may chain to: a router that requires
+    client certificates still lets in the controller and in-pod health checks, which hold cluster ones.
 
     gRPC's Python server either asks for a client certificate and requires it, or does not ask at all, so a
     client_ca without require_client_cert checks client certificates only on the HTTP API (which asks for one
@@ -117,9 +119,11 @@ class ServerTLS:
     key: str = ""
     client_ca: str = ""
     require_client_cert: bool = False
+    cluster_ca: str = ""
     where: str = "tls"
 
     def __post_init__(self) -> None:
+        _check_path(self.cluster_ca, "tls.cluster.ca", "a CA bundle")
         _check_path(self.cert, f"{self.where}.cert", "a certificate")
         _check_path(self.key, f"{self.where}.key", "a private key")
         _check_path(self.client_ca, f"{self.where}.client_ca", "a CA bundle")
@@ -142,10 +146,16 @@ class ServerTLS:
     def server_credentials(self) -> grpc.ServerCredentials:
         """Reads the files now; TLSError names the field of one that is missing or not PEM."""
         require = self.require_client_cert
-        roots = read_pem(self.client_ca, f"{self.where}.client_ca") if self.client_ca and require else None
+        roots = self._client_roots() if require else None
         return grpc.ssl_server_credentials(
             [self._pair()], root_certificates=roots, require_client_auth=require
         )
+
+    def _client_roots(self) -> bytes:
+        roots = read_pem(self.client_ca, f"{self.where}.client_ca")
+        if self.cluster_ca:
+            roots += b"\n" + read_pem(self.cluster_ca, "tls.cluster.ca")
+        return roots
 
     def ssl_context(self) -> ssl.SSLContext:
         """The same policy for an HTTP server (TLS 1.2+): with client_ca a client certificate is asked for and
@@ -160,7 +170,7 @@ class ServerTLS:
                 f"{self.where}.key: does not match {self.where}.cert or is unusable ({exc})"
             ) from None
         if self.client_ca:
-            context.load_verify_locations(cafile=self.client_ca)
+            context.load_verify_locations(cadata=self._client_roots().decode("ascii", errors="replace"))
             context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
         return context
 
@@ -188,11 +198,6 @@ def plaintext_warning(what: str, host: str) -> str | None:
         f"{what} listens on {host} without TLS: anyone who can reach it can read and send its traffic "
         "(set the deploy config's tls section; docs/operations.md, Security)"
     )
-
-
-def field_names(cls: type) -> tuple[str, ...]:
-    """The settings a config file may give for `cls` (its fields but `where`)."""
-    return tuple(f.name for f in fields(cls) if f.name != "where")
 
 
 def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:

@@ -70,11 +70,11 @@ class TestPKI:
 
     __test__ = False  # not a test class, whatever pytest's name matching says
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, name: str = "Tandem test cluster CA") -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self.ca = CA.create("Tandem test cluster CA")
-        self.other = CA.create("Someone else's CA")
+        self.ca = CA.create(name)  # CAs with one name would be mistaken for one another when chains are built
+        self.other = CA.create(f"Someone else's CA (not {name})")
         self.ca_file = self._write("ca.crt", self.ca.pem())
         self.other_ca_file = self._write("other-ca.crt", self.other.pem())
 

@@ -95,6 +95,31 @@ def test_a_worker_serves_only_peers_with_a_cluster_certificate(pki: TestPKI) -> 
         server.stop(None)
 
 
+def test_a_router_port_that_checks_client_certificates_also_takes_cluster_ones(pki: TestPKI) -> None:
+    """tls.router.client_ca from the clients' CA, tls.cluster.ca beside it: both kinds get in, a third not."""
+    clients = TestPKI(Path(pki.ca_file).parent / "clients", name="Tandem test clients CA")
+    server_tls = ServerTLS(
+        *pki.issue("router-door"), client_ca=clients.ca_file, require_client_cert=True, cluster_ca=pki.ca_file
+    )
+    spec = WorkerSpec("door", "decode", EngineConfig(), tls=server_tls)  # any server built from a ServerTLS
+    server, port, _ = start_grpc(spec, lambda s: None, ())
+    address = f"127.0.0.1:{port}"
+    try:
+        for ca, files, served in (
+            (clients.ca, clients.issue("user"), True),
+            (pki.ca, pki.issue("controller"), True),
+            (pki.other, pki.issue("stranger-door", ca=pki.other), False),
+        ):
+            client = TLSFiles(pki.ca_file, *files)
+            if served:
+                assert health_check(address, client) == health_pb2.HealthCheckResponse.SERVING, ca.name
+            else:
+                with pytest.raises(Unavailable):
+                    health_check(address, client)
+    finally:
+        server.stop(None)
+
+
 def test_a_plaintext_listener_beyond_loopback_is_warned_about(
     pki: TestPKI, caplog: pytest.LogCaptureFixture
 ) -> None:

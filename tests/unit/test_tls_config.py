@@ -53,6 +53,11 @@ def test_a_tls_section_reaches_the_router_the_workers_and_the_controller(tmp_pat
     assert router.worker_tls == TLSFiles(f["ca"], f["cert"], f["key"], "tandem-worker", where="tls.cluster")
     spec = worker_spec(config, WorkerRole.PREFILL, 0)
     assert spec.tls == ServerTLS(f["cert"], f["key"], f["ca"], require_client_cert=True, where="tls.cluster")
+    # a router that checks client certificates also takes cluster ones (the controller's, the health probes')
+    checked = parse_config(
+        {"tls": {**tls_section(f), "router": {**tls_section(f)["router"], "client_ca": f["ca"]}}}
+    )
+    assert router_config(checked).tls.cluster_ca == f["ca"]  # type: ignore[union-attr]
     # the controller dials routers with the cluster certificate and checks theirs against the cluster CA
     assert config.tls.router_client() == TLSFiles(f["ca"], f["cert"], f["key"], where="tls.cluster")
 
