@@ -9,6 +9,9 @@ the same size: CuPy NCCL send/recv, torch.distributed NCCL send/recv, and a CUDA
 Self-checking: after each size the decode side's landed blocks and the prefill side's source blocks are compared
 by checksum (random bf16 data, scattered block ids on both sides); a mismatch aborts the run.
 
+The raw baselines run first, so a run cut short by a time limit still has them. Each handoff row also gives
+the median time of each phase on both sides (SendResult.phases, TransferResult.phases): where the time goes.
+
 Usage: python bench/kv_transfer.py [--quick] [--transports nccl,cuda_ipc,tcp] [--tokens 128,512,...]; prints
 a table and writes bench/results/kv_transfer_<gpu-name>.json (medians over --reps after --warmup).
 """
@@ -108,7 +111,7 @@ def decode_handoffs(
     receiver: KVReceiver, landing: Landing, alloc: FreeList, cache: torch.Tensor, peer, tokens: int, runs: int
 ) -> tuple[list[float], str]:
     """Reserve -> KVTarget to the prefill process -> landed, `runs` times; the landed blocks' checksum."""
-    times, ids = [], []
+    times, ids, phases = [], [], []
     for _ in range(runs):
         landing.event.clear()
         start = time.perf_counter()
@@ -117,10 +120,11 @@ def decode_handoffs(
         if not landing.event.wait(300) or not landing.result.ok:
             raise RuntimeError(f"handoff failed: {landing.result}")
         times.append(time.perf_counter() - start)
+        phases.append(landing.result.phases)
         ids = list(lease.block_ids)
         alloc.free(ids)  # the blocks are ours after landing; hand them back for the next rep
     peer.send(b"")
-    return times, kv_checksum(cache, ids)
+    return times, kv_checksum(cache, ids), phases
 
 
 def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
@@ -147,13 +151,14 @@ def prefill_handoffs(sender: KVSender, cache: torch.Tensor, peer, tokens: int) -
     """Serve KVTargets from the decode process until it says stop; the source blocks' checksum."""
     n = -(-tokens // 16)
     ids = random.Random(tokens).sample(range(1, cache.shape[2]), n)
-    times = []
+    times, phases = [], []
     while target := peer.recv():
         result = sender.send(kv_pb2.KVTarget.FromString(target), ids, tokens, FirstToken(1, -0.1)).result(300)
         if not result.ok:
             raise RuntimeError(f"send failed: {result.failure} {result.message}")
         times.append(result.seconds)
-    return times, kv_checksum(cache, ids)
+        phases.append(result.phases)
+    return times, kv_checksum(cache, ids), phases
 
 
 def prefill_main(ctl, peer, device_index: int, max_tokens: int) -> None:
@@ -205,6 +210,23 @@ def setup_comm(kind: str, rank: int, peer, device: torch.device, state: dict, po
             "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device
         )
         state["torch"] = True
+    # NCCL connects a pair inside its first send/recv, and that first receive blocks the host until the send
+    # arrives: one exchange now, so the timed loop's "posted" handshake cannot deadlock on it.
+    probe = torch.zeros(1, dtype=torch.uint8, device=device)
+    if kind == "cupy":
+        op = state["cupy"].send if rank == 0 else state["cupy"].recv
+        op(
+            probe.data_ptr(),
+            1,
+            state["nccl"].NCCL_UINT8,
+            1 - rank,
+            torch.cuda.current_stream(device).cuda_stream,
+        )
+    elif rank == 0:
+        torch.distributed.send(probe, dst=1)
+    else:
+        torch.distributed.recv(probe, src=0)
+    torch.cuda.synchronize(device)
 
 
 def nccl_p2p(
@@ -293,10 +315,11 @@ def run(args) -> dict:
         proc.start()
     layout = llama3_8b_layout(top)
     try:
+        raw = run_raw(args, layout, ctl_d, ctl_p, gpus)  # first: a run cut short still has its baselines
+        print_raw(raw)
         rows = [
             row for kind in args.transports for row in run_handoffs(args, kind, layout, ctl_d, ctl_p, gpus)
         ]
-        raw = run_raw(args, layout, ctl_d, ctl_p, gpus)
     finally:
         for ctl in (ctl_d, ctl_p):
             ctl.send(None)
@@ -316,19 +339,38 @@ def run_handoffs(args, kind: str, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> 
         runs = args.warmup + (args.reps if kind != "tcp" else max(3, args.reps // 4))
         for ctl in (ctl_d, ctl_p):
             ctl.send(("handoff", kind, tokens, runs))
-        (d_times, d_sum), (p_times, p_sum) = ctl_d.recv(), ctl_p.recv()
+        (d_times, d_sum, d_phases), (p_times, p_sum, p_phases) = ctl_d.recv(), ctl_p.recv()
         if d_sum != p_sum:
             raise SystemExit(f"CHECKSUM MISMATCH: {kind} at {tokens} tokens")
         nbytes = layout.bytes_per_block * -(-tokens // 16)
         handoff, handoff_gbps = median_rate(d_times, args.warmup, nbytes)
         send, send_gbps = median_rate(p_times, args.warmup, nbytes)
+        phases = dict(
+            sender=median_phases(p_phases[args.warmup :]), receiver=median_phases(d_phases[args.warmup :])
+        )
         rows.append(dict(transport=kind, tokens=tokens, bytes=nbytes, handoff_s=handoff, handoff_gbps=handoff_gbps,
-                         send_to_ack_s=send, send_to_ack_gbps=send_gbps, checksum_ok=True))  # fmt: skip
+                         send_to_ack_s=send, send_to_ack_gbps=send_gbps, checksum_ok=True, phases_s=phases,
+                         cold_handoff_s=d_times[0]))  # fmt: skip
+        spent = " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases["sender"].items())
         print(
-            f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s",
+            f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s "
+            f"(first {d_times[0] * 1e3:.1f} ms); sender ms: {spent}",
             flush=True,
         )
     return rows
+
+
+def median_phases(samples: list[dict[str, float]]) -> dict[str, float]:
+    names = {name for sample in samples for name in sample}
+    return {name: statistics.median(s.get(name, 0.0) for s in samples) for name in sorted(names)}
+
+
+def print_raw(raw: list[dict]) -> None:
+    for row in raw:
+        rates = " ".join(
+            f"{k} {row[f'{k}_gbps']:.1f}" for k in ("cupy", "torch", "ipc") if f"{k}_gbps" in row
+        )
+        print(f"raw {row['tokens']:6d} tokens ({row['bytes'] / 2**20:.0f} MiB): GB/s {rates}", flush=True)
 
 
 def run_raw(args, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:

@@ -53,6 +53,9 @@ class TransferConfig:
     chunk_bytes: tcp data is written in chunks of at most this size; aborts are seen between chunks.
     max_connections: open control connections a receiver serves at once; more are refused (RECEIVER_BUSY).
     max_inflight_sends: transfers a sender runs at once; more wait in its queue (their deadlines still run).
+    idle_timeout_s: a receiver closes a control connection that carried no transfer this long; a sender stops
+        reusing one after half of it (connections are kept open between transfers: a warm handoff is one
+        round trip).
     """
 
     kind: str = "tcp"
@@ -67,6 +70,7 @@ class TransferConfig:
     chunk_bytes: int = 4 * 2**20
     max_connections: int = 64
     max_inflight_sends: int = 16
+    idle_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.kind not in TRANSPORT_KINDS:
@@ -78,7 +82,13 @@ class TransferConfig:
         if self.host in WILDCARD_HOSTS and not self.advertise_host:
             _fail("advertise_host", f"required when host is the wildcard {self.host!r}: peers cannot dial it")
         _check_int("port", self.port, 0, 65535)
-        for name in ("connect_timeout_s", "transfer_timeout_s", "lease_ttl_s", "pair_setup_timeout_s"):
+        for name in (
+            "connect_timeout_s",
+            "transfer_timeout_s",
+            "lease_ttl_s",
+            "pair_setup_timeout_s",
+            "idle_timeout_s",
+        ):
             _check_seconds(name, getattr(self, name))
         _check_seconds("poll_interval_s", self.poll_interval_s, upper=1.0)
         _check_int("chunk_bytes", self.chunk_bytes, 256, 2**30)

@@ -111,6 +111,8 @@ class TransferResult:
     first_token: FirstToken | None = None
     num_bytes: int = 0
     seconds: float = 0.0  # from the sender's claim (KVBegin) to landing; 0 when never claimed
+    # seconds by phase: "stream" (KVBegin read -> KVDone read), "land" (KVDone -> every write complete)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
@@ -128,3 +130,8 @@ class SendResult:
     message: str = ""
     num_bytes: int = 0
     seconds: float = 0.0  # from send()/open() to the receiver's ack (or the failure)
+    # seconds by phase, summing to `seconds`: "queue" (waiting for a transfer thread), "connect" (a new
+    # channel: connect, handshake, pair setup) or "channel" (a warm one, or the turn on it), "layers" (waiting
+    # for the caller's layer groups), "stream" (frames and data out, KVDone included), "ack" (KVDone -> KVAck),
+    # "release" (our reads of the blocks complete)
+    phases: dict[str, float] = field(default_factory=dict)

@@ -15,8 +15,8 @@ import torch
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.frames import FrameConnection, Watch, frame_failure
 
-SPIN_S = 200e-6  # poll without sleeping this long first: small transfers finish within it
-MAX_SLEEP_S = 1e-3
+SPIN_S = 50e-6  # poll without sleeping this long first: a spinning thread holds the GIL the engine needs
+MAX_SLEEP_S = 250e-6  # then sleep (GIL released) at most this long between polls: the overshoot of a wait
 
 
 def bind_device(device: torch.device) -> None:

@@ -15,7 +15,7 @@ run; rows repeat every K|V plane:
     copy run (s..s+k) -> (d..d+k): width k*S2, height 2*(l1-l0), pitches S1 (sender) and S1' (receiver)
 
 The sender's `ready` event is waited on the host before KVPart goes out, since the receiver copies as soon as it
-reads it. Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as
+reads it. The receiver queues each part's copies as its frame arrives and waits once, at KVDone, for the last. Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as
 long as the prefill worker); a mapping stays open until the receiver closes.
 """
 
@@ -33,7 +33,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
-from kv_transfer.transport import PartJob, ReceiverTransport, SenderTransport, part_frame
+from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, SenderTransport, part_frame
 from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
@@ -194,9 +194,13 @@ class IpcReceiverTransport(ReceiverTransport):
             )
         return mapping
 
-    def receive_part(self, job: PartJob) -> None:
+    def sink(self, peer_id: bytes) -> PartSink:
+        return _IpcSink(self, peer_id)
+
+    def _start_part(self, job: PartJob, peer_id: bytes) -> Any:
+        """Queue the part's copies on our stream; the event after them."""
         with self._lock:
-            mapping = self._mappings.get(job.peer_id)
+            mapping = self._mappings.get(peer_id)
         if mapping is None:
             raise TransferFailed(FailureReason.PAIR_SETUP_FAILED, "no mapped cache for this sender")
         try:
@@ -207,19 +211,12 @@ class IpcReceiverTransport(ReceiverTransport):
         try:
             self._enqueue_copies(job, mapping)
         except Exception as exc:
-            self._stream.synchronize()  # copies already enqueued finish before the blocks may be freed
             raise TransferFailed(
                 FailureReason.TRANSPORT_ERROR, f"CUDA copy: {type(exc).__name__}: {exc}"
             ) from None
         copied = torch.cuda.Event()
         copied.record(self._stream)
-        try:
-            # A local copy always finishes; the sender pipelines its Done frame behind the part, so reading the
-            # connection here would mistake Done for an abort (seen in the H200 bench).
-            wait_event(copied, job.watch, None, FailureReason.SENDER_ABORTED)
-        except TransferFailed:
-            copied.synchronize()  # local copies always finish; the contract: no write pending on return
-            raise
+        return copied
 
     def _enqueue_copies(self, job: PartJob, mapping: _Mapping) -> None:
         runtime = _runtime()
@@ -248,3 +245,22 @@ class IpcReceiverTransport(ReceiverTransport):
             self._mappings, self._retired = {}, []
         for mapping in mappings:
             runtime.ipcCloseMemHandle(mapping.mapped_ptr)
+
+
+class _IpcSink(PartSink):
+    def __init__(self, transport: IpcReceiverTransport, peer_id: bytes) -> None:
+        self._t = transport
+        self._peer_id = peer_id
+        self._last: Any = None
+
+    def part(self, job: PartJob) -> None:
+        self._last = self._t._start_part(job, self._peer_id)
+
+    def finish(self, watch: Watch, conn: FrameConnection) -> None:
+        if self._last is not None:
+            # A local copy always finishes; only our own deadline and cancellation count. The connection is
+            # not read here: the next thing on it may be the sender's next transfer.
+            wait_event(self._last, watch, None, FailureReason.SENDER_ABORTED)
+
+    def abandon(self) -> None:
+        self._t._stream.synchronize()  # local copies always finish: no write pending on return

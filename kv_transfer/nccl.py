@@ -4,22 +4,22 @@ Pair setup (once, or again after an abort): the sender (rank 0) draws a unique i
 the receiver (rank 1) acks, and both sides init the communicator in a helper thread joined with a timeout (a
 blocked init cannot be aborted; if the peer never joins, the helper is abandoned and the pair fails).
 
-Per part, under the pair's lock on both sides so at most one part is in flight per communicator and the send
-and receive post orders cannot diverge:
+Transfers to one receiver share one control connection (SenderTransport.exclusive), so both sides see the parts
+in one order. Each part is cut into slices (kv_transfer.slicing) that both sides derive alike; each slice is one
+NCCL send matched by one NCCL receive, posted in that order, with no reply per part. Everything is queued on
+the GPU without host waits, through a ring of RING_SLOTS staging buffers per pair:
 
-    sender                                        receiver
-    KVPart ------------------------------------>  staging = empty(...); comm.recv(staging); event
-           <------------------------------------  KVPartReady
-    gather cache[l0:l1, :, src] into staging
-    (on its own stream, after the `ready` event)
-    comm.send(staging); event                      poll event; scatter staging into cache[l0:l1, :, dst]
-    poll event                                     wait for the scatter; only then may the blocks be freed
+    sender    gather stream: [wait `ready`] [wait slot free] gather cache[l0:l1, :, src] -> slot
+              send stream:   [wait gathered] ncclSend(slot) -> slot free again
+    receiver  recv stream:   [wait slot free] ncclRecv(slot)
+              scatter stream: [wait received] scatter slot -> cache[l0:l1, :, dst] -> slot free again
 
-Bytes travel as NCCL_UINT8 (CuPy's NCCL has no bfloat16; bytes are bit-exact for any dtype). Nothing ever
-blocks on communication: events are polled against the transfer's deadline and the control socket. On expiry,
-abort, or a peer's KVAbort, the side aborts its communicator and drops the pair (every transfer on it fails with
-a clear reason; the next transfer builds a new one). Staging buffers of an aborted receive are kept alive
-(quarantined) because the aborted kernel's last writes into them cannot be ruled out.
+so gathering and scattering overlap the link. The receiver's host waits once, at KVDone, for the last scatter;
+the sender's once, after KVAck, for its last send. Bytes travel as NCCL_UINT8 (CuPy's NCCL has no bfloat16;
+bytes are bit-exact for any dtype). Waits poll events against the transfer's deadline and the control socket.
+On expiry, abort, or a peer's KVAbort, the side aborts its communicator (NCCL kernels of an aborted communicator
+exit), waits for its streams to drain so no write or read is pending, and drops the pair: the next transfer
+builds a new one.
 """
 
 from __future__ import annotations
@@ -36,11 +36,20 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import bind_device, block_index, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
-from kv_transfer.transport import PartJob, ReceiverTransport, SenderTransport, part_frame
+from kv_transfer.slicing import ring_bytes, slices
+from kv_transfer.transport import (
+    PartJob,
+    PartSink,
+    PartSource,
+    ReceiverTransport,
+    SenderTransport,
+    part_frame,
+)
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
+RING_SLOTS = 4  # staging buffers per pair and side: slices in flight at once
 
 
 def _nccl() -> Any:
@@ -118,13 +127,34 @@ def init_comm(
 
 @dataclass
 class _Pair:
+    """A communicator and its GPU plumbing. `first` (gather or recv) and `second` (send or scatter) are the two
+    streams of the pipeline; ring[k] is free again once `released[k]` (recorded on `second`) completed."""
+
     comm: Any
-    stream: torch.cuda.Stream
+    first: torch.cuda.Stream
+    second: torch.cuda.Stream
+    ring: list[torch.Tensor]
+    released: list[Any] = field(default_factory=lambda: [None] * RING_SLOTS)
+    slot: int = 0
     created_at: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @classmethod
+    def build(cls, comm: Any, device: torch.device, layout: KVLayout) -> _Pair:
+        size = ring_bytes(layout)
+        ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(RING_SLOTS)]
+        return cls(comm, torch.cuda.Stream(device), torch.cuda.Stream(device), ring)
+
+    def next_slot(self) -> int:
+        k, self.slot = self.slot, (self.slot + 1) % RING_SLOTS
+        return k
+
     def abort(self) -> None:
+        """Abort the communicator, then wait until nothing of ours is queued (aborted NCCL kernels exit; the
+        gathers, scatters and copies are local and always finish)."""
         self.comm.abort()
+        self.first.synchronize()
+        self.second.synchronize()
 
 
 class _Pairs:
@@ -179,6 +209,8 @@ def _live_pair(pairs: _Pairs, peer_id: bytes) -> _Pair:
 
 
 class NcclSenderTransport(SenderTransport):
+    exclusive = True
+
     def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
         self._device = require_cuda(cache, "nccl")
         self._layout = layout
@@ -201,36 +233,62 @@ class NcclSenderTransport(SenderTransport):
             conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
             expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
             comm = init_comm(uid, SENDER_RANK, self._device, self._config.pair_setup_timeout_s, watch)
-            self._pairs.put(peer_id, _Pair(comm, torch.cuda.Stream(self._device)))
+            self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout))
 
-    def send_part(self, job: PartJob) -> None:
-        nccl = _nccl()
-        pair = _live_pair(self._pairs, job.peer_id)
-        with pair.lock:
-            job.conn.send_frame(part_frame(job), job.watch)
-            expect(job.conn.read_frame(job.watch), "part_ready", FailureReason.RECEIVER_ABORTED)
-            try:  # the receiver posted its receive: any failure from here leaves the communicator unusable
-                with torch.cuda.stream(pair.stream):
-                    if job.ready is not None:
-                        pair.stream.wait_event(job.ready)
-                    ids = block_index(job.block_ids, self._device)
-                    staging = torch.index_select(self._cache[job.layer_begin : job.layer_end], 2, ids)
-                    pair.comm.send(
-                        staging.data_ptr(),
-                        job.num_bytes,
-                        nccl.NCCL_UINT8,
-                        RECEIVER_RANK,
-                        pair.stream.cuda_stream,
-                    )
-                    sent = torch.cuda.Event()
-                    sent.record(pair.stream)
-                wait_event(sent, job.watch, job.conn, FailureReason.RECEIVER_ABORTED)
-            except Exception as exc:
-                self._pairs.drop(job.peer_id, pair)
-                raise _as_failure(exc) from None
+    def source(self, peer_id: bytes) -> PartSource:
+        return _NcclSource(self, peer_id)
 
     def close(self) -> None:
         self._pairs.close()
+
+
+class _NcclSource(PartSource):
+    def __init__(self, transport: NcclSenderTransport, peer_id: bytes) -> None:
+        self._t = transport
+        self._peer_id = peer_id
+        self._pair: _Pair | None = None
+        self._last: Any = None  # the event after this transfer's last send
+
+    def part(self, job: PartJob) -> None:
+        t, nccl = self._t, _nccl()
+        pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
+        job.conn.send_frame(part_frame(job), job.watch)
+        try:  # from here the receiver posts receives for these slices: any failure must drop the pair
+            bind_device(t._device)
+            with pair.lock, torch.cuda.stream(pair.first):
+                if job.ready is not None:
+                    pair.first.wait_event(job.ready)
+                ids = block_index(job.block_ids, t._device)
+                for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
+                    k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
+                    if pair.released[k] is not None:
+                        pair.first.wait_event(pair.released[k])
+                    staging = pair.ring[k][:nbytes].view(t._cache.dtype).view(piece.shape(t._layout))
+                    source = t._cache[piece.layer_begin : piece.layer_end]
+                    torch.index_select(source, 2, ids[piece.block_begin : piece.block_end], out=staging)
+                    gathered = torch.cuda.Event()
+                    gathered.record(pair.first)
+                    pair.second.wait_event(gathered)
+                    pair.comm.send(
+                        pair.ring[k].data_ptr(),
+                        nbytes,
+                        nccl.NCCL_UINT8,
+                        RECEIVER_RANK,
+                        pair.second.cuda_stream,
+                    )
+                    sent = torch.cuda.Event()
+                    sent.record(pair.second)
+                    pair.released[k] = self._last = sent
+        except Exception as exc:
+            raise _as_failure(exc) from None
+
+    def finish(self, watch: Watch) -> None:
+        if self._last is not None:  # the receiver acked, so the sends completed: this returns at once
+            wait_event(self._last, watch, None, FailureReason.RECEIVER_ABORTED)
+
+    def abandon(self) -> None:
+        if self._pair is not None:
+            self._t._pairs.drop(self._peer_id, self._pair)
 
 
 class NcclReceiverTransport(ReceiverTransport):
@@ -240,7 +298,6 @@ class NcclReceiverTransport(ReceiverTransport):
         self._cache = cache
         self._config = config
         self._pairs = _Pairs()
-        self._quarantine: list[torch.Tensor] = []
 
     def pair_ready(self, peer_id: bytes) -> bool:
         return self._pairs.get(peer_id) is not None
@@ -258,36 +315,52 @@ class NcclReceiverTransport(ReceiverTransport):
         comm = init_comm(
             bytes(setup.nccl.unique_id), RECEIVER_RANK, self._device, self._config.pair_setup_timeout_s, watch
         )
-        self._pairs.put(peer_id, _Pair(comm, torch.cuda.Stream(self._device)))
+        self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout))
 
-    def receive_part(self, job: PartJob) -> None:
-        nccl = _nccl()
-        bind_device(self._device)
-        pair = _live_pair(self._pairs, job.peer_id)
-        shape = self._layout.staging_shape(len(job.block_ids), (job.layer_begin, job.layer_end))
-        with pair.lock, torch.cuda.stream(pair.stream):
-            staging = torch.empty(shape, dtype=self._cache.dtype, device=self._device)
-            try:  # from here on a failure may leave a receive posted: the communicator must go
-                # PartReady goes out before the receive is posted: the first send/recv on a pair sets up the
-                # p2p connection inside the call, and ncclRecv then blocks until the peer's ncclSend arrives
-                # (seen on NCCL 2.28). The sender posts its send only after PartReady, so the reverse order
-                # deadlocks until both deadlines fire.
-                job.conn.send_frame(kv_pb2.KVFrame(part_ready=kv_pb2.KVPartReady()), job.watch)
-                pair.comm.recv(
-                    staging.data_ptr(), job.num_bytes, nccl.NCCL_UINT8, SENDER_RANK, pair.stream.cuda_stream
-                )
-                received = torch.cuda.Event()
-                received.record(pair.stream)
-                wait_event(received, job.watch, job.conn, FailureReason.SENDER_ABORTED)
-            except Exception as exc:
-                self._quarantine.append(staging)  # the aborted receive may still touch it: never reuse
-                self._pairs.drop(job.peer_id, pair)
-                raise _as_failure(exc) from None
-            ids = block_index(job.block_ids, self._device)
-            self._cache[job.layer_begin : job.layer_end].index_copy_(2, ids, staging)
-            scattered = torch.cuda.Event()
-            scattered.record(pair.stream)
-        scattered.synchronize()  # local work; the contract: no write pending when we return
+    def sink(self, peer_id: bytes) -> PartSink:
+        return _NcclSink(self, peer_id)
 
     def close(self) -> None:
         self._pairs.close()
+
+
+class _NcclSink(PartSink):
+    def __init__(self, transport: NcclReceiverTransport, peer_id: bytes) -> None:
+        self._t = transport
+        self._peer_id = peer_id
+        self._pair: _Pair | None = None
+        self._last: Any = None  # the event after this transfer's last scatter
+
+    def part(self, job: PartJob) -> None:
+        t, nccl = self._t, _nccl()
+        pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
+        try:  # a failure from here may leave a receive posted: the pair must go (abandon)
+            bind_device(t._device)
+            with pair.lock, torch.cuda.stream(pair.second):
+                ids = block_index(job.block_ids, t._device)
+                for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
+                    k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
+                    if pair.released[k] is not None:
+                        pair.first.wait_event(pair.released[k])
+                    pair.comm.recv(
+                        pair.ring[k].data_ptr(), nbytes, nccl.NCCL_UINT8, SENDER_RANK, pair.first.cuda_stream
+                    )
+                    received = torch.cuda.Event()
+                    received.record(pair.first)
+                    pair.second.wait_event(received)
+                    staging = pair.ring[k][:nbytes].view(t._cache.dtype).view(piece.shape(t._layout))
+                    target = t._cache[piece.layer_begin : piece.layer_end]
+                    target.index_copy_(2, ids[piece.block_begin : piece.block_end], staging)
+                    scattered = torch.cuda.Event()
+                    scattered.record(pair.second)
+                    pair.released[k] = self._last = scattered
+        except Exception as exc:
+            raise _as_failure(exc) from None
+
+    def finish(self, watch: Watch, conn: FrameConnection) -> None:
+        if self._last is not None:
+            wait_event(self._last, watch, conn, FailureReason.SENDER_ABORTED)
+
+    def abandon(self) -> None:
+        if self._pair is not None:  # abort, then wait for the streams: no write pending on return
+            self._t._pairs.drop(self._peer_id, self._pair)

@@ -10,7 +10,7 @@ from kv_transfer.contracts import FailureReason, TransferFailed
 from model_runtime.kv_layout import FORMAT_FIELDS, KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: reused connections, no KVBeginOk / KVPartReady
 HANDLE_BYTES = 16
 
 TRANSPORT_TO_PROTO = {

@@ -1,13 +1,15 @@
 """One control connection on the receiver, run on its own thread from accept to close.
 
     KVHello -> check layout/transport -> KVHello      (refuse: KVError, close)
-    KVBegin -> claim the lease, check counts -> KVBeginOk
+    then, until the sender closes or the connection idles out:
     [KVPairSetup -> transport builds the pair -> KVPairSetupAck]
-    KVPart* -> transport writes the layer group into the lease's blocks
-    KVDone  -> every layer arrived -> land (blocks now the caller's) -> KVAck, result
+    KVBegin -> claim the lease, check counts        (nothing is answered: the sender does not wait)
+    KVPart* -> the transport's sink starts writing each layer group into the lease's blocks
+    KVDone  -> every layer arrived and every write completed -> land (blocks now the caller's) -> KVAck, result
 
-While the lease is claimed this thread is the only writer into its blocks, so it is also the one that frees
-them when anything fails: after its last write, never before (see kv_transfer.leases).
+While a lease is claimed this thread is the only writer into its blocks, so it is also the one that frees
+them when anything fails: after the sink confirmed no write is pending, never before (see kv_transfer.leases).
+Any failure ends the connection too; only a transfer that landed leaves it open for the next.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kv_transfer.contracts import FailureReason, FirstToken, Lease, TransferFail
 from kv_transfer.frames import FrameConnection, Watch, error_frame, expect, frame_failure
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import check_hello, make_hello
-from kv_transfer.transport import PartJob, ReceiverTransport
+from kv_transfer.transport import PartJob, PartSink, ReceiverTransport
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
@@ -53,8 +55,10 @@ class ReceiveSession:
         self.core = core
         self.conn = conn
         self.lease: Lease | None = None  # claimed and not landed: ours to fail
+        self.sink: PartSink | None = None  # the claimed lease's writes, until they completed
         self.claimed_at = 0.0
         self.src_block_ids: tuple[int, ...] = ()
+        self.phases: dict[str, float] = {}
         self.watch = Watch(
             time.monotonic() + core.config.connect_timeout_s,
             FailureReason.DEADLINE_EXCEEDED,
@@ -65,8 +69,8 @@ class ReceiveSession:
     def run(self) -> None:
         try:
             peer_id = self._handshake()
-            self._claim()
-            self._serve(peer_id)
+            while self._next_transfer(peer_id):
+                pass
         except TransferFailed as failure:
             self._fail(failure)
         except Exception as exc:  # a bug: fail this lease closed, keep the receiver alive, say what happened
@@ -87,13 +91,41 @@ class ReceiveSession:
             self.core.device_uuid,
             pair_ready=ready,
         )
+        reply.hello.idle_timeout_ms = int(self.core.config.idle_timeout_s * 1000)
         self.conn.send_frame(reply, self.watch)
         return bytes(hello.instance_id)
 
-    def _claim(self) -> None:
-        begin = expect(self.conn.read_frame(self.watch), "begin", FailureReason.PROTOCOL_ERROR).begin
+    def _next_transfer(self, peer_id: bytes) -> bool:
+        """Serve the next frames up to one landed transfer; False when the connection ended quietly (the sender
+        closed it between transfers, it idled out, or the receiver is closing)."""
+        idle = Watch(
+            time.monotonic() + self.core.config.idle_timeout_s,
+            FailureReason.DEADLINE_EXCEEDED,
+            "idle connection",
+            cancelled=self.core.shutdown,
+        )
+        while True:
+            try:
+                frame = self.conn.read_frame(idle)
+            except TransferFailed as failure:
+                if failure.reason in (FailureReason.CONNECTION_LOST, FailureReason.DEADLINE_EXCEEDED):
+                    return False
+                raise
+            kind = frame.WhichOneof("body")
+            if kind == "pair_setup":
+                self.core.transport.setup_pair(peer_id, frame.pair_setup, self.conn, idle)
+            elif kind == "begin":
+                self._claim(frame.begin)
+                self._serve(peer_id)
+                return True
+            else:
+                raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
+                    FailureReason.PROTOCOL_ERROR, f"expected a begin frame, got {kind}"
+                )
+
+    def _claim(self, begin: kv_pb2.KVBegin) -> None:
         lease = self.core.table.claim(bytes(begin.handle), begin.request_id)
-        self.lease, self.claimed_at = lease, time.monotonic()
+        self.lease, self.claimed_at, self.phases = lease, time.monotonic(), {}
         self._check_begin(begin, lease)
         self.src_block_ids = tuple(begin.src_block_ids)
         table, handle = self.core.table, lease.handle
@@ -102,10 +134,6 @@ class ReceiveSession:
             FailureReason.LEASE_EXPIRED,
             f"lease of {lease.request_id!r}",
             cancelled=lambda: table.cancellation(handle) or self.core.shutdown(),
-        )
-        remaining_ms = max(0, int((lease.expires_at - time.monotonic()) * 1000))
-        self.conn.send_frame(
-            kv_pb2.KVFrame(begin_ok=kv_pb2.KVBeginOk(lease_remaining_ms=remaining_ms)), self.watch
         )
 
     def _check_begin(self, begin: kv_pb2.KVBegin, lease: Lease) -> None:
@@ -127,14 +155,14 @@ class ReceiveSession:
 
     def _serve(self, peer_id: bytes) -> None:
         covered: set[int] = set()
+        self.sink = self.core.transport.sink(peer_id)
         while True:
             frame = self.conn.read_frame(self.watch)
             kind = frame.WhichOneof("body")
-            if kind == "pair_setup":
-                self.core.transport.setup_pair(peer_id, frame.pair_setup, self.conn, self.watch)
-            elif kind == "part":
+            if kind == "part":
                 self._receive_part(peer_id, frame.part, covered)
             elif kind == "done":
+                self.phases["stream"] = time.monotonic() - self.claimed_at
                 self._land(frame.done, covered)
                 return
             else:
@@ -163,7 +191,8 @@ class ReceiveSession:
                 f"part num_bytes: expected {expected} for {n} blocks x {len(layers)} layers, "
                 f"got {part.num_bytes}",
             )
-        self.core.transport.receive_part(
+        assert self.sink is not None
+        self.sink.part(
             PartJob(
                 conn=self.conn,
                 watch=self.watch,
@@ -186,9 +215,13 @@ class ReceiveSession:
                 FailureReason.DESCRIPTOR_MISMATCH, f"KVDone with {missing} layers not received"
             )
         first = _first_token(done)
+        assert self.sink is not None
+        self.sink.finish(self.watch, self.conn)
+        self.sink = None  # every write completed
         lease = self.core.table.land(self.lease.handle)  # raises a cancellation that came first
         self.lease = None  # the blocks are the caller's now
         seconds = time.monotonic() - self.claimed_at
+        self.phases["land"] = seconds - self.phases.get("stream", 0.0)
         num_bytes = self.core.layout.bytes_per_block * len(lease.block_ids)
         notice = Watch(
             time.monotonic() + self.core.config.connect_timeout_s, FailureReason.DEADLINE_EXCEEDED, "ack"
@@ -200,11 +233,16 @@ class ReceiveSession:
         ) as exc:  # the KV landed: decode proceeds; the sender frees its blocks either way
             log.warning("request %r landed but the ack was not delivered: %s", lease.request_id, exc)
         self.core.deliver(
-            TransferResult(lease, True, first_token=first, num_bytes=num_bytes, seconds=seconds)
+            TransferResult(
+                lease, True, first_token=first, num_bytes=num_bytes, seconds=seconds, phases=dict(self.phases)
+            )
         )
 
     # --- failure ---------------------------------------------------------------------------------------
     def _fail(self, failure: TransferFailed) -> None:
+        if self.sink is not None:
+            self.sink.abandon()  # returns once no write of the transfer is pending
+            self.sink = None
         if self.lease is not None:  # free only now: this thread has made its last write
             self.core.table.fail_claimed(self.lease.handle, failure)
             self.lease = None

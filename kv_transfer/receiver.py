@@ -151,6 +151,10 @@ class KVReceiver:
     def stats(self) -> TransferStats:
         return self._stats.snapshot(active_leases=len(self._table))
 
+    def record_phase(self, name: str, seconds: float) -> None:
+        """Count a phase the caller timed after landing (the decode worker's "admit") with the transfer's own."""
+        self._stats.record_phase(name, seconds)
+
     def close(self) -> None:
         """Refuse new work, fail every lease (SHUTDOWN), wait for sessions to stop writing, release the pairs."""
         with self._lock:
@@ -237,7 +241,7 @@ class KVReceiver:
 
     def _deliver(self, result: TransferResult) -> None:
         if result.ok:
-            self._stats.record_ok(result.num_bytes, result.seconds)
+            self._stats.record_ok(result.num_bytes, result.seconds, result.phases)
         else:
             assert result.failure is not None
             self._stats.record_failure(result.failure)

@@ -1,28 +1,28 @@
-"""One transfer on the sender, run on a transfer thread from connect to ack.
+"""One transfer on the sender, run on a transfer thread from taking a channel to the receiver's ack.
 
-    connect -> KVHello + KVBegin (pipelined) -> KVHello, KVBeginOk -> [pair setup]
-            -> for each layer group the caller queues: KVPart + transport data
-            -> KVDone(first token) -> KVAck
+    channel (reused, or: connect -> KVHello both ways -> [pair setup])
+    -> KVBegin -> for each layer group the caller queues: KVPart + transport data -> KVDone  (no reply awaited)
+    -> KVAck
 
-It never raises: every outcome becomes a SendResult. A local stop (abort, deadline, shutdown) is announced to
-the receiver with KVAbort when the stream allows; whatever the receiver says while we stream (KVError,
-KVAbort) ends the transfer with the receiver's reason.
+It never raises: every outcome becomes a SendResult, with the time spent in each phase. A local stop (abort,
+deadline, shutdown) is announced to the receiver with KVAbort when the stream allows; whatever the receiver says
+while we stream (KVError, KVAbort) ends the transfer with the receiver's reason.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kv_transfer.channels import Channel, ChannelPool
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, SendResult, TransferFailed
 from kv_transfer.frames import FrameConnection, Watch, expect, frame_failure
-from kv_transfer.pairing import check_hello, check_target, make_hello
+from kv_transfer.pairing import check_target
 from kv_transfer.send_handle import DoneRequest, PartRequest, SendHandle
-from kv_transfer.transport import PartJob, SenderTransport
+from kv_transfer.transport import PartJob, PartSource, SenderTransport
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
@@ -38,8 +38,7 @@ class SenderCore:
     layout: KVLayout
     config: TransferConfig
     transport: SenderTransport
-    instance_id: bytes
-    device_uuid: str
+    channels: ChannelPool
     shutdown: Callable[[], TransferFailed | None]
     chunk_hook: Callable[[str, int], None] | None
 
@@ -48,7 +47,10 @@ class SendSession:
     def __init__(self, core: SenderCore, handle: SendHandle) -> None:
         self.core = core
         self.handle = handle
-        self.conn: FrameConnection | None = None
+        self.channel: Channel | None = None
+        self.source: PartSource | None = None
+        self.phases: dict[str, float] = {}
+        self._mark = handle.started_at
         self.watch = Watch(
             handle.deadline,
             FailureReason.DEADLINE_EXCEEDED,
@@ -57,8 +59,11 @@ class SendSession:
         )
 
     def run(self) -> SendResult:
+        self._phase("queue")
+        acked = False
         try:
             self._run()
+            acked = True
             num_bytes = self.core.layout.bytes_per_block * len(self.handle.src_block_ids)
             return self._result(True, None, "", num_bytes)
         except TransferFailed as failure:
@@ -68,8 +73,10 @@ class SendSession:
             log.exception("KV send of %r failed", self.handle.request_id)
             return self._result(False, FailureReason.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
-            if self.conn is not None:
-                self.conn.close()
+            if not acked and self.source is not None:
+                self.source.abandon()  # no read of our blocks may be pending once they are released
+            if self.channel is not None:
+                self.core.channels.release(self.channel, reusable=acked)
 
     def _run(self) -> None:
         target = self.handle.target
@@ -82,48 +89,31 @@ class SendSession:
                 f"send has {self.handle.num_tokens} tokens in {n} blocks",
             )
         self.watch.check()
-        self.conn = self._connect(target)
-        peer_id, peer_ready = self._handshake(self.conn, target)
-        self.core.transport.ensure_pair(peer_id, peer_ready, self.conn, self.watch, self.handle.started_at)
-        self._stream(self.conn, peer_id)
+        self.channel = self.core.channels.acquire(target, self.watch, self.handle.started_at)
+        self._phase("connect" if self.channel.transfers == 0 else "channel")
+        conn = self.channel.conn
+        conn.send_frame(kv_pb2.KVFrame(begin=self._begin()), self.watch)
+        self.source = self.core.transport.source(self.channel.peer_id)
+        self._stream(conn, self.channel.peer_id, self.source)
+        expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
+        self._phase("ack")
+        self.source.finish(self.watch)
+        self._phase("release")
 
-    # --- steps -----------------------------------------------------------------------------------------
-    def _connect(self, target: kv_pb2.KVTarget) -> FrameConnection:
-        timeout = max(0.001, min(self.core.config.connect_timeout_s, self.watch.remaining()))
-        try:
-            sock = socket.create_connection((target.host, target.port), timeout=timeout)
-        except OSError as exc:
-            raise TransferFailed(
-                FailureReason.CONNECT_FAILED, f"{target.host}:{target.port}: {exc}"
-            ) from None
-        return FrameConnection(sock, self.core.config.poll_interval_s)
-
-    def _handshake(self, conn: FrameConnection, target: kv_pb2.KVTarget) -> tuple[bytes, bool]:
+    def _begin(self) -> kv_pb2.KVBegin:
         core, handle = self.core, self.handle
-        deadline = min(handle.deadline, time.monotonic() + core.config.connect_timeout_s)
-        watch = Watch(deadline, FailureReason.DEADLINE_EXCEEDED, "KV handshake", cancelled=self.watch.failure)
         begin = kv_pb2.KVBegin(
-            handle=target.handle,
-            request_id=target.request_id,
+            handle=handle.target.handle,
+            request_id=handle.target.request_id,
             num_blocks=len(handle.src_block_ids),
             num_tokens=handle.num_tokens,
             num_bytes=core.layout.bytes_per_block * len(handle.src_block_ids),
         )
         if core.config.kind == "cuda_ipc":
             begin.src_block_ids.extend(handle.src_block_ids)
-        conn.send_frame(make_hello(core.layout, core.instance_id, core.config.kind, core.device_uuid), watch)
-        conn.send_frame(kv_pb2.KVFrame(begin=begin), watch)
-        hello = expect(conn.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
-        check_hello(core.layout, core.config.kind, core.device_uuid, hello)
-        if hello.instance_id != target.receiver_id:
-            raise TransferFailed(
-                FailureReason.UNKNOWN_HANDLE,
-                f"the receiver at {target.host}:{target.port} restarted since it issued the lease",
-            )
-        expect(conn.read_frame(watch), "begin_ok", FailureReason.PROTOCOL_ERROR)
-        return bytes(hello.instance_id), hello.pair_ready
+        return begin
 
-    def _stream(self, conn: FrameConnection, peer_id: bytes) -> None:
+    def _stream(self, conn: FrameConnection, peer_id: bytes, source: PartSource) -> None:
         core, handle = self.core, self.handle
         progress = None
         if core.chunk_hook is not None:
@@ -133,7 +123,7 @@ class SendSession:
             item = self._next_item(conn)
             if isinstance(item, PartRequest):
                 num_bytes = core.layout.bytes_per_block_layer * len(handle.src_block_ids) * item.num_layers
-                core.transport.send_part(
+                source.part(
                     PartJob(
                         conn=conn,
                         watch=self.watch,
@@ -147,30 +137,40 @@ class SendSession:
                         progress=progress,
                     )
                 )
+                self._phase("stream")
                 continue
             conn.send_frame(kv_pb2.KVFrame(done=kv_pb2.KVDone(first_token=_token_message(item))), self.watch)
-            expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
+            self._phase("stream")
             return
 
     def _next_item(self, conn: FrameConnection) -> PartRequest | DoneRequest:
         """The caller's next layer group (or the end), while watching our deadline and the receiver."""
-        while True:
-            item = self.handle.next_request(self.core.config.poll_interval_s)
-            if item is not None:
-                return item
-            self.watch.check()
-            if conn.frame_waiting():
-                frame = conn.read_frame(self.watch)
-                raise frame_failure(frame, FailureReason.RECEIVER_ABORTED) or TransferFailed(
-                    FailureReason.PROTOCOL_ERROR, f"unexpected {frame.WhichOneof('body')} frame"
-                )
+        item = self.handle.next_request(0.0)
+        if item is None:
+            while True:
+                item = self.handle.next_request(self.core.config.poll_interval_s)
+                if item is not None:
+                    break
+                self.watch.check()
+                if conn.frame_waiting():
+                    frame = conn.read_frame(self.watch)
+                    raise frame_failure(frame, FailureReason.RECEIVER_ABORTED) or TransferFailed(
+                        FailureReason.PROTOCOL_ERROR, f"unexpected {frame.WhichOneof('body')} frame"
+                    )
+        self._phase("layers")
+        return item
+
+    def _phase(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._mark
+        self._mark = now
 
     # --- outcome ---------------------------------------------------------------------------------------
     def _explain(self, failure: TransferFailed) -> TransferFailed:
         """Tell the receiver why we stop, or find out why it stopped us."""
-        conn = self.conn
-        if conn is None:
+        if self.channel is None:
             return failure
+        conn = self.channel.conn
         notice = Watch(
             time.monotonic() + min(1.0, self.core.config.connect_timeout_s),
             FailureReason.DEADLINE_EXCEEDED,
@@ -194,6 +194,7 @@ class SendSession:
             message,
             num_bytes,
             time.monotonic() - self.handle.started_at,
+            dict(self.phases),
         )
 
 

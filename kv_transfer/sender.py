@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kv_transfer.channels import ChannelPool
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, FirstToken, SendResult, TransferFailed
 from kv_transfer.send_handle import SendHandle
@@ -65,14 +66,11 @@ class KVSender:
         self._closed = False
         self._active = 0
         self._transport = make_sender_transport(self.config, layout, cache)
+        self._channels = ChannelPool(
+            layout, self.config, self._transport, self.instance_id, device_uuid(cache)
+        )
         self._core = SenderCore(
-            layout,
-            self.config,
-            self._transport,
-            self.instance_id,
-            device_uuid(cache),
-            self._shutdown_failure,
-            chunk_hook,
+            layout, self.config, self._transport, self._channels, self._shutdown_failure, chunk_hook
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(self.config.max_inflight_sends, "kv-send")
 
@@ -130,6 +128,7 @@ class KVSender:
             self._closed = True
         self._closing.set()
         self._executor.shutdown(wait=True)
+        self._channels.close()
         self._transport.close()
 
     def __enter__(self) -> KVSender:
@@ -161,7 +160,7 @@ class KVSender:
             except Exception:  # the prefill worker's callback: log it, the transfer itself is over
                 log.exception("on_release callback failed for request %r", result.request_id)
         if result.ok:
-            self._stats.record_ok(result.num_bytes, result.seconds)
+            self._stats.record_ok(result.num_bytes, result.seconds, result.phases)
         else:
             assert result.failure is not None
             self._stats.record_failure(result.failure)

@@ -5,8 +5,13 @@ receiver's. The control conversation (kv.proto) is shared; transports differ onl
     nccl      one 2-rank NCCL communicator per (sender GPU, receiver GPU) pair (kv_transfer.nccl)
     cuda_ipc  the receiver copies from the sender's cache, mapped once per pair (kv_transfer.cuda_ipc)
 
-Contract for every receiver transport: when receive_part returns or raises, nothing it started may still write
-into the receiver's cache. The lease table relies on it to free blocks safely.
+Per transfer a transport hands out a PartSource (sender) or PartSink (receiver). Parts may be left in flight
+(queued GPU work) so that the next part's frames are read and its work queued meanwhile; `finish` waits until
+every part is complete, `abandon` ends whatever is in flight after a failure.
+
+Contract for every receiver transport: when PartSink.finish or PartSink.abandon returns (or raises), nothing the
+sink started may still write into the receiver's cache; a sender's PartSource likewise stops reading the
+sender's blocks. The lease table and the prefill worker rely on it to free blocks safely.
 """
 
 from __future__ import annotations
@@ -42,7 +47,53 @@ class PartJob:
     progress: Callable[[int], None] | None = None  # sender, tcp: called with the bytes written so far
 
 
-class ReceiverTransport(ABC):
+class PartSink(ABC):
+    """One transfer's parts on the receiver, in wire order."""
+
+    @abstractmethod
+    def part(self, job: PartJob) -> None:
+        """Start writing the part into job.block_ids (it may still be in flight on return)."""
+
+    def finish(self, watch: Watch, conn: FrameConnection) -> None:  # noqa: B027 (optional hook)
+        """Return once every part landed; raise on the deadline or a peer's abort (then call abandon)."""
+
+    def abandon(self) -> None:  # noqa: B027 (optional hook)
+        """After a failure: return only when no write of this transfer is pending."""
+
+
+class PartSource(ABC):
+    """One transfer's parts on the sender, in the order the caller queued them."""
+
+    @abstractmethod
+    def part(self, job: PartJob) -> None:
+        """Send the KVPart frame and start shipping the part's bytes; raise TransferFailed on any failure."""
+
+    def finish(self, watch: Watch) -> None:  # noqa: B027 (optional hook)
+        """After the receiver's ack: return once no read of the sender's blocks is pending."""
+
+    def abandon(self) -> None:  # noqa: B027 (optional hook)
+        """After a failure: return only when no read of the sender's blocks is pending."""
+
+
+class _SyncSink(PartSink):
+    """A sink over a transport whose receive_part completes each part before returning (tcp)."""
+
+    def __init__(self, transport: ReceiverTransport) -> None:
+        self._transport = transport
+
+    def part(self, job: PartJob) -> None:
+        self._transport.receive_part(job)
+
+
+class _SyncSource(PartSource):
+    def __init__(self, transport: SenderTransport) -> None:
+        self._transport = transport
+
+    def part(self, job: PartJob) -> None:
+        self._transport.send_part(job)
+
+
+class ReceiverTransport:  # hooks with defaults: a transport overrides what it needs
     def pair_ready(self, peer_id: bytes) -> bool:
         """Whether per-pair state (communicator, mapped memory) with this sender is live."""
         return True
@@ -53,27 +104,39 @@ class ReceiverTransport(ABC):
         """Build per-pair state from the sender's KVPairSetup and answer KVPairSetupAck."""
         raise TransferFailed(FailureReason.PROTOCOL_ERROR, "this transport takes no pair setup")
 
-    @abstractmethod
-    def receive_part(self, job: PartJob) -> None:
-        """Write the part into job.block_ids; on return or raise no write may be pending."""
+    def sink(self, peer_id: bytes) -> PartSink:
+        """The parts of one transfer from this peer (default: each completes inside receive_part)."""
+        return _SyncSink(self)
 
-    def close(self) -> None:  # noqa: B027 (optional hook)
+    def receive_part(self, job: PartJob) -> None:
+        """Write the part into job.block_ids; on return or raise no write may be pending (for _SyncSink)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
         """Release per-pair state; the receiver calls it once, after its sessions ended."""
 
 
-class SenderTransport(ABC):
-    def ensure_pair(  # noqa: B027 (optional hook)
+class SenderTransport:  # hooks with defaults: a transport overrides what it needs
+    # True when transfers to one receiver must share one connection, one at a time (nccl: the receives must be
+    # posted in the order of the sends, and one connection's frame order is that order).
+    exclusive: bool = False
+
+    def ensure_pair(
         self, peer_id: bytes, peer_ready: bool, conn: FrameConnection, watch: Watch, since: float
     ) -> None:
         """Make per-pair state live before the first part, sending KVPairSetup when needed. peer_ready is the
         receiver's word in its KVHello; a pair this process set up after `since` (the monotonic time this
         transfer started) is fresher than that word, so concurrent first transfers set a pair up once."""
 
-    @abstractmethod
+    def source(self, peer_id: bytes) -> PartSource:
+        """The parts of one transfer to this peer (default: each completes inside send_part)."""
+        return _SyncSource(self)
+
     def send_part(self, job: PartJob) -> None:
         """Send the KVPart frame and ship the part's bytes; raise TransferFailed on any failure."""
+        raise NotImplementedError
 
-    def close(self) -> None:  # noqa: B027 (optional hook)
+    def close(self) -> None:
         """Release per-pair state; the sender calls it once, after its transfers ended."""
 
 

@@ -2,13 +2,14 @@
 
 nccl needs two GPUs (NCCL refuses two ranks on one GPU); cuda_ipc runs across two processes on one or two GPUs.
 "Rogue" peers speak the wire protocol by hand to misbehave where a real peer never would: a receiver that
-acknowledges a part without posting its receive (the sender's deadline must abort the communicator and the
-next transfer must build a new one), a sender that stalls after the receiver posted its receive (the lease
-must expire, the communicator be dropped, the blocks freed), a sender naming blocks outside its own cache.
+takes a transfer without posting its receives (the sender's deadline must abort the communicator and the next
+transfer must build a new one), a sender that stalls after the receiver posted its receive (the lease must
+expire, the communicator be dropped, the blocks freed), a sender naming blocks outside its own cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -244,9 +245,12 @@ def test_sender_killed_after_claim_frees_the_lease(kind):
 
 
 # --- rogue peers -----------------------------------------------------------------------------------------
-def _handshake(
-    fc: FrameConnection, watch: Watch, instance: bytes, kind: str, cache, target
-) -> kv_pb2.KVHello:
+def _hello(fc: FrameConnection, watch: Watch, instance: bytes, kind: str, cache) -> kv_pb2.KVHello:
+    fc.send_frame(make_hello(layout_of(), instance, kind, device_uuid(cache)), watch)
+    return expect(fc.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
+
+
+def _begin(kind: str, target) -> kv_pb2.KVFrame:
     n = target.num_blocks
     begin = kv_pb2.KVBegin(
         handle=target.handle,
@@ -259,11 +263,7 @@ def _handshake(
         begin.src_block_ids.extend(
             [NUM_BLOCKS - 1] * (n - 1) + [NUM_BLOCKS]
         )  # the last id is outside the cache
-    fc.send_frame(make_hello(layout_of(), instance, kind, device_uuid(cache)), watch)
-    fc.send_frame(kv_pb2.KVFrame(begin=begin), watch)
-    hello = expect(fc.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
-    expect(fc.read_frame(watch), "begin_ok", FailureReason.PROTOCOL_ERROR)
-    return hello
+    return kv_pb2.KVFrame(begin=begin)
 
 
 def _rogue_sender(conn, kind: str, device: str) -> None:
@@ -277,7 +277,7 @@ def _rogue_sender(conn, kind: str, device: str) -> None:
     target = kv_pb2.KVTarget.FromString(bytes.fromhex(conn.recv()))
     fc = FrameConnection(socket.create_connection((target.host, target.port)), 0.01)
     watch = Watch(time.monotonic() + 60, FailureReason.DEADLINE_EXCEEDED, "rogue")
-    _handshake(fc, watch, instance, kind, cache, target)
+    _hello(fc, watch, instance, kind, cache)
     if kind == "nccl":
         uid = _uid_bytes(_nccl().get_unique_id())
         fc.send_frame(
@@ -287,59 +287,65 @@ def _rogue_sender(conn, kind: str, device: str) -> None:
         _comm = init_comm(uid, SENDER_RANK, torch.device(device), 60)  # kept alive, never used
     else:
         IpcSenderTransport(layout_of(), cache, config(kind)).ensure_pair(b"", False, fc, watch, 0.0)
+    fc.send_frame(_begin(kind, target), watch)
     n = target.num_blocks
     part = kv_pb2.KVPart(layer_begin=0, layer_end=4, num_bytes=layout_of().bytes_per_block * n)
     fc.send_frame(kv_pb2.KVFrame(part=part), watch)
-    frames = [fc.read_frame(watch).WhichOneof("body")]  # nccl: part_ready; cuda_ipc: the refusal
+    last = fc.read_frame(watch)  # nccl: the receiver's verdict once its lease runs out; cuda_ipc: the refusal
+    frames = [f"{last.WhichOneof('body')}:{last.abort.reason or last.error.code}"]
     if kind == "nccl":
-        last = fc.read_frame(watch)  # the receiver's verdict once its lease runs out
-        frames.append(f"{last.WhichOneof('body')}:{last.abort.reason or last.error.code}")
         fc.close()
         fc = FrameConnection(socket.create_connection((target.host, target.port)), 0.01)
-        fc.send_frame(make_hello(layout_of(), instance, kind, device_uuid(cache)), watch)
-        hello = expect(fc.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
-        frames.append(f"pair_ready={hello.pair_ready}")
+        frames.append(f"pair_ready={_hello(fc, watch, instance, kind, cache).pair_ready}")
     conn.send(frames)
     conn.recv()
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rogue_sender_is_contained(kind):
-    """nccl: a sender stalling after the receive was posted; cuda_ipc: a sender naming blocks outside its cache."""
+    """nccl: a sender stalling after the receive was posted; cuda_ipc: a sender naming blocks outside its cache.
+    Nothing outside the lease is written, and nothing at all once its blocks are free (the aborted nccl receive
+    may leave garbage in the lease's own blocks before they are freed: they are free blocks then)."""
     cache, alloc = make_cache(99, devices(kind)[0]), FreeList(3)
     conn, proc = spawn(_rogue_sender, kind, devices(kind)[1])
     with KVReceiver(layout_of(), cache, alloc, config(kind, lease_ttl_s=6.0)) as receiver:
         try:
             assert conn.poll(90) and conn.recv() == "ready"
             lease = receiver.reserve("rogue", 112)
-            before = checksum(cache, range(1, NUM_BLOCKS))
+            others = sorted(set(range(1, NUM_BLOCKS)) - set(lease.block_ids))
+            before = checksum(cache, others)
             conn.send(receiver.target(lease).SerializeToString().hex())
             assert conn.poll(90)
             frames = conn.recv()
             (result,) = wait_results(receiver)
         finally:
             proc.kill()
-        assert checksum(cache, range(1, NUM_BLOCKS)) == before and alloc.all_free
+        assert checksum(cache, others) == before and alloc.all_free
+        cache[:, :, list(lease.block_ids)] = 3.0  # the blocks' next owner writes them
+        torch.cuda.synchronize()
+        time.sleep(0.3)
+        assert bool((cache[:, :, list(lease.block_ids)] == 3.0).all()), "a write landed after the free"
     if kind == "nccl":
         expired = FailureReason.LEASE_EXPIRED.value
-        assert frames == ["part_ready", f"abort:{expired}", "pair_ready=False"], frames
+        assert frames == [f"abort:{expired}", "pair_ready=False"], frames
         assert result.failure is FailureReason.LEASE_EXPIRED
     else:
-        assert frames == ["error"] and result.failure is FailureReason.DESCRIPTOR_MISMATCH
+        mismatch = FailureReason.DESCRIPTOR_MISMATCH.value
+        assert frames == [f"error:{mismatch}"] and result.failure is FailureReason.DESCRIPTOR_MISMATCH
 
 
 def _rogue_nccl_receiver(conn, device: str) -> None:
-    """Round 1 acks a part without posting its receive; round 2 behaves. Reports pair setups seen."""
+    """Round 1 takes a transfer without posting its receives; round 2 behaves. Reports pair setups seen."""
     from kv_transfer.nccl import RECEIVER_RANK, _nccl, init_comm
+    from kv_transfer.slicing import slices
 
     torch.cuda.set_device(device)
     cache, instance, layout = make_cache(5, device), secrets.token_bytes(16), layout_of()
     server = socket.create_server(("127.0.0.1", 0))
-    handle = secrets.token_bytes(16)
     target = kv_pb2.KVTarget(
         host="127.0.0.1",
         port=server.getsockname()[1],
-        handle=handle,
+        handle=secrets.token_bytes(16),
         request_id="r",
         layout_fingerprint=layout.fingerprint(),
         format=format_message(layout),
@@ -353,37 +359,33 @@ def _rogue_nccl_receiver(conn, device: str) -> None:
     for round_ in (1, 2):
         fc = FrameConnection(server.accept()[0], 0.01)
         watch = Watch(time.monotonic() + 60, FailureReason.DEADLINE_EXCEEDED, "rogue")
-        fc.read_frame(watch), fc.read_frame(watch)  # hello, begin
+        fc.read_frame(watch)  # hello
         fc.send_frame(
             make_hello(layout, instance, "nccl", device_uuid(cache), pair_ready=comm is not None), watch
         )
-        fc.send_frame(kv_pb2.KVFrame(begin_ok=kv_pb2.KVBeginOk()), watch)
-        frame = fc.read_frame(watch)
-        if frame.HasField("pair_setup"):
-            setups += 1
-            fc.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck()), watch)
-            if comm is not None:
-                comm.abort()  # its peer aborted: destroy() could wait on it
-            comm = init_comm(bytes(frame.pair_setup.nccl.unique_id), RECEIVER_RANK, torch.device(device), 60)
-            frame = fc.read_frame(watch)
-        staging = torch.empty(frame.part.num_bytes, dtype=torch.uint8, device=device)
-        if round_ == 2:
-            comm.recv(
-                staging.data_ptr(),
-                staging.numel(),
-                _nccl().NCCL_UINT8,
-                0,
-                torch.cuda.current_stream().cuda_stream,
-            )
-        fc.send_frame(kv_pb2.KVFrame(part_ready=kv_pb2.KVPartReady()), watch)
-        try:
-            frame = fc.read_frame(watch)  # round 1: the sender gives up (abort or close); round 2: done
-        except Exception:
-            frame = kv_pb2.KVFrame()
-        if round_ == 2:
+        received = []
+        while (frame := fc.read_frame(watch)).WhichOneof("body") != "done":
+            if frame.HasField("pair_setup"):
+                setups += 1
+                fc.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck()), watch)
+                if comm is not None:
+                    comm.abort()  # its peer aborted: destroy() could wait on it
+                comm = init_comm(
+                    bytes(frame.pair_setup.nccl.unique_id), RECEIVER_RANK, torch.device(device), 60
+                )
+            elif frame.HasField("part") and round_ == 2:
+                for piece in slices(layout, frame.part.layer_begin, frame.part.layer_end, 7):
+                    staging = torch.empty(piece.num_bytes(layout), dtype=torch.uint8, device=device)
+                    stream = torch.cuda.current_stream().cuda_stream
+                    comm.recv(staging.data_ptr(), staging.numel(), _nccl().NCCL_UINT8, 0, stream)
+                    received.append(staging)
+        if round_ == 1:
+            with contextlib.suppress(Exception):  # the sender gives up at its deadline (abort or close)
+                fc.read_frame(watch)
+        else:
             torch.cuda.synchronize()
             fc.send_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck()), watch)
-            digest = hashlib.sha256(staging.cpu().numpy().tobytes()).hexdigest()
+            digest = hashlib.sha256(torch.cat(received).cpu().numpy().tobytes()).hexdigest()
             conn.send((setups, digest))
         fc.close()
     conn.recv()

@@ -102,7 +102,7 @@ class KVTarget(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., receiver_id: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "instance_id", "format", "layout_fingerprint", "transports", "device_uuid", "pair_ready")
+    __slots__ = ("protocol_version", "instance_id", "format", "layout_fingerprint", "transports", "device_uuid", "pair_ready", "idle_timeout_ms")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class KVHello(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     PAIR_READY_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     instance_id: bytes
     format: KVFormat
@@ -117,7 +118,8 @@ class KVHello(_message.Message):
     transports: _containers.RepeatedScalarFieldContainer[KVTransport]
     device_uuid: str
     pair_ready: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[bytes] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[KVTransport, str]]] = ..., device_uuid: _Optional[str] = ..., pair_ready: _Optional[bool] = ...) -> None: ...
+    idle_timeout_ms: int
+    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[bytes] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[KVTransport, str]]] = ..., device_uuid: _Optional[str] = ..., pair_ready: _Optional[bool] = ..., idle_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class KVBegin(_message.Message):
     __slots__ = ("handle", "request_id", "num_blocks", "num_tokens", "num_bytes", "src_block_ids")
@@ -135,12 +137,6 @@ class KVBegin(_message.Message):
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class KVBeginOk(_message.Message):
-    __slots__ = ("lease_remaining_ms",)
-    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
-    lease_remaining_ms: int
-    def __init__(self, lease_remaining_ms: _Optional[int] = ...) -> None: ...
-
 class KVPart(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "num_bytes")
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -150,10 +146,6 @@ class KVPart(_message.Message):
     layer_end: int
     num_bytes: int
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
-
-class KVPartReady(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class KVTokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -230,27 +222,23 @@ class KVPairSetupAck(_message.Message):
     def __init__(self) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("hello", "begin", "begin_ok", "pair_setup", "pair_setup_ack", "part", "part_ready", "done", "ack", "abort", "error")
+    __slots__ = ("hello", "begin", "pair_setup", "pair_setup_ack", "part", "done", "ack", "abort", "error")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BEGIN_FIELD_NUMBER: _ClassVar[int]
-    BEGIN_OK_FIELD_NUMBER: _ClassVar[int]
     PAIR_SETUP_FIELD_NUMBER: _ClassVar[int]
     PAIR_SETUP_ACK_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
-    PART_READY_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     hello: KVHello
     begin: KVBegin
-    begin_ok: KVBeginOk
     pair_setup: KVPairSetup
     pair_setup_ack: KVPairSetupAck
     part: KVPart
-    part_ready: KVPartReady
     done: KVDone
     ack: KVAck
     abort: KVAbort
     error: KVError
-    def __init__(self, hello: _Optional[_Union[KVHello, _Mapping]] = ..., begin: _Optional[_Union[KVBegin, _Mapping]] = ..., begin_ok: _Optional[_Union[KVBeginOk, _Mapping]] = ..., pair_setup: _Optional[_Union[KVPairSetup, _Mapping]] = ..., pair_setup_ack: _Optional[_Union[KVPairSetupAck, _Mapping]] = ..., part: _Optional[_Union[KVPart, _Mapping]] = ..., part_ready: _Optional[_Union[KVPartReady, _Mapping]] = ..., done: _Optional[_Union[KVDone, _Mapping]] = ..., ack: _Optional[_Union[KVAck, _Mapping]] = ..., abort: _Optional[_Union[KVAbort, _Mapping]] = ..., error: _Optional[_Union[KVError, _Mapping]] = ...) -> None: ...
+    def __init__(self, hello: _Optional[_Union[KVHello, _Mapping]] = ..., begin: _Optional[_Union[KVBegin, _Mapping]] = ..., pair_setup: _Optional[_Union[KVPairSetup, _Mapping]] = ..., pair_setup_ack: _Optional[_Union[KVPairSetupAck, _Mapping]] = ..., part: _Optional[_Union[KVPart, _Mapping]] = ..., done: _Optional[_Union[KVDone, _Mapping]] = ..., ack: _Optional[_Union[KVAck, _Mapping]] = ..., abort: _Optional[_Union[KVAbort, _Mapping]] = ..., error: _Optional[_Union[KVError, _Mapping]] = ...) -> None: ...

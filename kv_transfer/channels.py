@@ -1,0 +1,156 @@
+"""The sender's control connections, kept open and reused: a warm handoff is one round trip.
+
+A channel is one TCP connection to one receiver, past its handshake (KVHello both ways, pair setup when the
+transport needs one). It carries one transfer at a time; after a transfer that ended with the receiver's KVAck
+it goes back to the pool, after any failure it is closed (a failed transfer never shares a connection with the
+next, so a half-read stream cannot confuse the two). Pools are keyed by the receiver's address and instance id:
+a restarted receiver is a new key.
+
+An exclusive transport (nccl) gets at most one channel per receiver, so transfers to one receiver take turns on
+it and the receiver posts its receives in the order the sender posted its sends. The others open as many
+channels as transfers run at once. A channel idle for longer than half the receiver's idle timeout is not reused
+(the receiver may be closing it at that moment).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.contracts import FailureReason, TransferFailed
+from kv_transfer.frames import FrameConnection, Watch, expect
+from kv_transfer.pairing import check_hello, make_hello
+from kv_transfer.transport import SenderTransport
+from model_runtime.kv_layout import KVLayout
+from tandem_api.tandem.v1 import kv_pb2
+
+Key = tuple[str, int, bytes]
+
+
+@dataclass
+class Channel:
+    key: Key
+    conn: FrameConnection
+    peer_id: bytes
+    reuse_within_s: float  # half the receiver's idle timeout
+    released_at: float = field(default_factory=time.monotonic)
+    transfers: int = 0  # completed on this channel; 0 while the first runs (a cold handoff)
+
+    def fresh(self, now: float) -> bool:
+        """Reusable: not idle too long, and the receiver has not closed it or spoken (it only would to go)."""
+        return now - self.released_at < self.reuse_within_s and not self.conn.frame_waiting()
+
+
+class ChannelPool:
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: TransferConfig,
+        transport: SenderTransport,
+        instance_id: bytes,
+        device_uuid: str,
+    ) -> None:
+        self._layout = layout
+        self._config = config
+        self._transport = transport
+        self._instance_id = instance_id
+        self._device_uuid = device_uuid
+        self._cond = threading.Condition()
+        self._idle: dict[Key, list[Channel]] = {}
+        self._busy: dict[Key, int] = {}
+        self._closed = False
+
+    def acquire(self, target: kv_pb2.KVTarget, watch: Watch, since: float) -> Channel:
+        """An idle channel to the target's receiver, or a new one (connect, handshake, pair setup). Waits for
+        its turn on an exclusive transport. `since`: when the transfer started (see ensure_pair)."""
+        key = (target.host, target.port, bytes(target.receiver_id))
+        stale: list[Channel] = []
+        try:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        raise TransferFailed(FailureReason.SHUTDOWN, "the sender is closing")
+                    idle, now = self._idle.get(key, []), time.monotonic()
+                    while idle:
+                        channel = idle.pop()
+                        if channel.fresh(now):
+                            self._busy[key] = self._busy.get(key, 0) + 1
+                            return channel
+                        stale.append(channel)
+                    if not self._transport.exclusive or self._busy.get(key, 0) == 0:
+                        self._busy[key] = self._busy.get(key, 0) + 1
+                        break
+                    self._cond.wait(self._config.poll_interval_s)
+                    watch.check()
+        finally:
+            for channel in stale:
+                channel.conn.close()
+        try:
+            return self._open(key, target, watch, since)
+        except BaseException:
+            self._done(key)
+            raise
+
+    def release(self, channel: Channel, reusable: bool) -> None:
+        """Back to the pool after a transfer that ended with KVAck, else closed."""
+        with self._cond:
+            keep = reusable and not self._closed
+            if keep:
+                channel.transfers += 1
+                channel.released_at = time.monotonic()
+                self._idle.setdefault(channel.key, []).append(channel)
+            self._busy[channel.key] -= 1
+            self._cond.notify_all()
+        if not keep:
+            channel.conn.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            channels = [c for idle in self._idle.values() for c in idle]
+            self._idle = {}
+            self._cond.notify_all()
+        for channel in channels:
+            channel.conn.close()
+
+    def _done(self, key: Key) -> None:
+        with self._cond:
+            self._busy[key] -= 1
+            self._cond.notify_all()
+
+    def _open(self, key: Key, target: kv_pb2.KVTarget, watch: Watch, since: float) -> Channel:
+        config = self._config
+        deadline = min(watch.deadline, time.monotonic() + config.connect_timeout_s)
+        handshake = Watch(deadline, FailureReason.DEADLINE_EXCEEDED, "KV handshake", cancelled=watch.failure)
+        timeout = max(0.001, handshake.remaining())
+        try:
+            sock = socket.create_connection((target.host, target.port), timeout=timeout)
+        except OSError as exc:
+            raise TransferFailed(
+                FailureReason.CONNECT_FAILED, f"{target.host}:{target.port}: {exc}"
+            ) from None
+        conn = FrameConnection(sock, config.poll_interval_s)
+        try:
+            hello = self._handshake(conn, target, handshake)
+            peer_id = bytes(hello.instance_id)
+            self._transport.ensure_pair(peer_id, hello.pair_ready, conn, watch, since)
+        except BaseException:
+            conn.close()
+            raise
+        idle_s = hello.idle_timeout_ms / 1000 if hello.idle_timeout_ms else config.idle_timeout_s
+        return Channel(key, conn, peer_id, reuse_within_s=idle_s / 2)
+
+    def _handshake(self, conn: FrameConnection, target: kv_pb2.KVTarget, watch: Watch) -> kv_pb2.KVHello:
+        layout, kind = self._layout, self._config.kind
+        conn.send_frame(make_hello(layout, self._instance_id, kind, self._device_uuid), watch)
+        hello = expect(conn.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
+        check_hello(layout, kind, self._device_uuid, hello)
+        if hello.instance_id != target.receiver_id:
+            raise TransferFailed(
+                FailureReason.UNKNOWN_HANDLE,
+                f"the receiver at {target.host}:{target.port} restarted since it issued the lease",
+            )
+        return hello
