@@ -19,6 +19,7 @@ from deploy.chartcheck.objects import (
     worker_groups,
 )
 from deploy.chartcheck.render import Manifest, Rendering, object_name
+from deploy.chartcheck.tls_checks import check_certificates, check_tls_mounts, check_tls_probes
 from deploy.config import DeployConfig, parse_config
 from model_runtime.roles import WorkerRole
 
@@ -109,8 +110,11 @@ def _router_config_problems(r: Rendering, config: DeployConfig) -> list[str]:
         found.append(
             f"router ports {ports} differ from the config's {want_ports} (router.port, metrics_port, http_port)"
         )
-    for probe in ("startupProbe", "readinessProbe"):
-        if (router.get(probe) or {}).get("grpc", {}).get("port") != config.router.port:
+    for probe in ("startupProbe", "readinessProbe"):  # TLS routers: tls_checks.check_tls_probes
+        if (
+            config.tls.router is None
+            and (router.get(probe) or {}).get("grpc", {}).get("port") != config.router.port
+        ):
             found.append(f"router {probe} must be a gRPC health probe on port {config.router.port}")
     # Liveness checks only that the router listens: health is NOT_SERVING while no worker pair is ready.
     if (router.get("livenessProbe") or {}).get("tcpSocket", {}).get("port") != config.router.port:
@@ -247,8 +251,15 @@ def _worker_monitor_problems(r: Rendering, role: str, group: Manifest, ports: li
     return found
 
 
+def check_tls(r: Rendering) -> list[str]:
+    """The certificate files the config names are mounted where they are read; probes and Certificates fit."""
+    config = rendered_config(r)
+    return check_tls_mounts(r, config) + check_tls_probes(r, config) + check_certificates(r, config)
+
+
 CONNECTION_CHECKS: tuple[Callable[[Rendering], list[str]], ...] = (
     check_config,
+    check_tls,
     check_controller,
     check_test_hook,
     check_ray_ports,

@@ -1,6 +1,7 @@
 """Schema validation of every rendered object: built-in kinds with kubernetes-validate (the Kubernetes OpenAPI
 schemas, strict: unknown fields are errors), Ray kinds against the KubeRay CRDs. Prometheus Operator kinds have no
-schema here; deploy.chartcheck.invariants checks what matters about them (selectors and ports)."""
+schema here; deploy.chartcheck.invariants checks what matters about them (selectors and ports), and
+deploy.chartcheck.tls_checks what matters about cert-manager's Certificates (their Secrets, names and issuer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from deploy.chartcheck.render import Manifest, Rendering, object_name
 
 # The chart's kubeVersion floor (gRPC probes are GA from 1.27) and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
-UNCHECKED_GROUPS = ("monitoring.coreos.com/",)
+UNCHECKED_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/")
 
 
 def validate_object(doc: Manifest) -> list[str]:

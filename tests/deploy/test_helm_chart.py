@@ -114,7 +114,7 @@ def test_monitoring_values_add_monitors_and_dashboard() -> None:
     dashboards = [c for c in r.objects("ConfigMap") if "grafana_dashboard" in c["metadata"]["labels"]]
     assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboards[0]["data"]["tandem.json"] == (CHART_DIR / "dashboards" / "tandem.json").read_text()
-    assert "TLS is not wired" in r.notes  # tls.routerSecretName is set there
+    assert "TLS" not in r.notes  # plaintext: no TLS note
 
 
 def test_tandem_targets_carry_the_job_and_component_the_alert_rules_select() -> None:

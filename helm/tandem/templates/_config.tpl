@@ -80,6 +80,10 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $_ := set $config "autoscaler" (include "tandem.autoscalerConfig" . | fromJson) -}}
 {{- end -}}
 {{- $_ := set $config "ray" (dict "address" "auto" "namespace" "tandem") -}}
+{{- $tls := include "tandem.tlsConfig" . | fromJson -}}
+{{- if $tls -}}
+{{- $_ := set $config "tls" $tls -}}
+{{- end -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- $_ := set $config $role (include "tandem.poolConfig" (dict "ctx" $ "role" $role) | fromJson) -}}
 {{- end -}}

@@ -160,4 +160,17 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- fail (printf "decode.engine.cache.blockSize: must equal prefill.engine.cache.blockSize (%d), got %d" (int $p) (int $d)) }}
 {{- end }}
 {{- end }}
+{{- include "tandem.validateTls" . }}
+{{- end -}}
+
+{{- define "tandem.validateTls" -}}
+{{- if and .Values.tls.clientCaSecretName (not (include "tandem.routerTlsSecret" .)) }}
+{{- fail "tls.clientCaSecretName: client certificates need TLS on the routers; set tls.routerSecretName (or tls.certManager.enabled)" }}
+{{- end }}
+{{- if and (include "tandem.routerTlsSecret" .) (not (include "tandem.clusterTlsSecret" .)) }}
+{{- fail "tls.routerSecretName: needs tls.internalSecretName (or tls.certManager.enabled): the controller and the health probes reach TLS routers with the cluster certificate" }}
+{{- end }}
+{{- if and .Values.tls.certManager.enabled (not .Values.tls.certManager.issuerName) }}
+{{- fail "tls.certManager.issuerName: the Issuer or ClusterIssuer that signs the certificates, required with tls.certManager.enabled" }}
+{{- end }}
 {{- end -}}
