@@ -138,6 +138,21 @@ def test_a_plaintext_listener_beyond_loopback_is_warned_about(
     assert not caplog.records, "loopback (the local default) is not warned about"
 
 
+def test_the_router_warns_about_plaintext_beyond_loopback(
+    router_loop: LoopThread, served_model: ServedModel, pki: TestPKI, caplog: pytest.LogCaptureFixture
+) -> None:
+    for tls, warned in ((None, True), (ServerTLS(*pki.issue("router-any")), False)):
+        caplog.clear()
+        harness = RouterHarness(router_loop, served_model, Script([1]), host="0.0.0.0", http_port=0, tls=tls)
+        with caplog.at_level(logging.WARNING, logger="router.server"):
+            router_loop.run(harness.router.start())
+        router_loop.run(harness.router.stop(grace=0))
+        messages = [r.getMessage() for r in caplog.records]
+        assert (
+            any("router's gRPC and HTTP APIs listens on 0.0.0.0 without TLS" in m for m in messages) == warned
+        )
+
+
 # --- the router ---------------------------------------------------------------------------------------------
 class TLSWorkerMixin:
     """A fake worker that requires the cluster certificate, as a real worker with tls.cluster does."""
