@@ -1,5 +1,5 @@
 """`tandem serve` with a TLS config, end to end: the router's public port requires a client certificate, the
-router reaches its worker over mutual TLS (tls.cluster), and `tandem generate` / `tandem status` connect with
+router reaches its worker over mutual TLS (tls.cluster), and `tandem generate` / `status` / `scale` connect with
 --tls-ca/--tls-cert/--tls-key. Without them, or at the worker's own port without a cluster certificate, the
 call is refused with an error that says what to check, and the cluster keeps serving.
 
@@ -60,6 +60,8 @@ def test_tandem_generate_and_status_over_tls(
     assert main(["status", "--server", cluster.address, *flags, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert [(w["role"], w["state"]) for w in status["workers"]] == [("colocated", "ready")]
+    assert main(["scale", "--server", cluster.address, *flags, "--colocated", "1", "--json"]) == 0  # a no-op
+    assert [p["target"] for p in json.loads(capsys.readouterr().out)] == [1]
 
 
 def test_clients_without_the_certificates_are_refused_and_the_cluster_keeps_serving(
