@@ -149,11 +149,31 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
     return data
 
 
-def kv_delta(before: tuple | None, after: tuple | None) -> dict | None:
-    if before is None or after is None or after[1] <= before[1]:
+def kv_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Means over one point: seconds and bytes per transfer, and the mean of each phase (seconds)."""
+    if before is None or after is None or after["transfers"] <= before["transfers"]:
         return None
-    n = after[1] - before[1]
-    return {"transfers": n, "mean_s": (after[0] - before[0]) / n, "mean_bytes": (after[2] - before[2]) / n}
+    n = after["transfers"] - before["transfers"]
+    phases = {}
+    for key in after:
+        if key.endswith(".count") and after[key] > before.get(key, 0.0):
+            name = key.removesuffix(".count")
+            count = after[key] - before.get(key, 0.0)
+            phases[name] = (after[f"{name}.sum"] - before.get(f"{name}.sum", 0.0)) / count
+    return {"transfers": n, "mean_s": (after["seconds"] - before["seconds"]) / n,
+            "mean_bytes": (after["bytes"] - before["bytes"]) / n, "phases_mean_s": phases}  # fmt: skip
+
+
+def handoff_line(point: dict) -> str:
+    """Where a disaggregated point's handoffs spent their time (means, ms) and the first token -> second token
+    gap a client saw (p50, ms)."""
+    kv = point.get("kv_transfer")
+    if not kv:
+        return ""
+    gaps = sorted(point["samples"].get("first_itl", []))
+    gap = f"; first->second token p50 {gaps[len(gaps) // 2] * 1e3:.1f} ms" if gaps else ""
+    phases = " ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(kv.get("phases_mean_s", {}).items()))
+    return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms ({phases}){gap}"
 
 
 def gpu_name() -> str:
@@ -194,7 +214,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
             shares.append(report.goodput.share if report.goodput else 0.0)
             print(f"[{deployment}/{name}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
-                  "met the SLOs", file=sys.stderr)  # fmt: skip
+                  f"met the SLOs{handoff_line(point)}", file=sys.stderr)  # fmt: skip
         misses += min(shares) < TARGET_SHARE
         if misses >= 2 or min(shares) < 0.5:
             break

@@ -134,21 +134,34 @@ class Server:
             while client.status().router.in_flight_requests and time.monotonic() < deadline:
                 time.sleep(0.5)
 
-    def kv_transfer_totals(self) -> tuple[float, float, float] | None:
-        """(seconds sum, transfers, bytes) over the prefill workers' /metrics; None without prefill workers."""
+    def kv_transfer_totals(self) -> dict[str, float] | None:
+        """Running sums over the workers' /metrics: the prefill workers' transfer seconds, count and bytes, and
+        both sides' phase sums and counts ("prefill.stream", "decode.admit", ...); None without prefill
+        workers."""
         from prometheus_client.parser import text_string_to_metric_families
 
         groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
-        targets = [t for g in groups if g["labels"].get("component") == "prefill" for t in g["targets"]]
-        if not targets:
+        targets = [(g["labels"].get("component"), t) for g in groups for t in g["targets"]]
+        if not any(component == "prefill" for component, _ in targets):
             return None
-        total = {"tandem_kv_transfer_seconds_sum": 0.0, "tandem_kv_transfer_seconds_count": 0.0,
-                 "tandem_kv_transfer_bytes_total": 0.0}  # fmt: skip
-        for target in targets:
+        total = {"seconds": 0.0, "transfers": 0.0, "bytes": 0.0}
+        names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",
+                 "tandem_kv_transfer_bytes_total": "bytes"}  # fmt: skip
+        for component, target in targets:
+            if component not in ("prefill", "decode"):
+                continue
             with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
                 text = reply.read().decode()
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if sample.name in total:
-                        total[sample.name] += sample.value
-        return tuple(total.values())  # type: ignore[return-value]
+                    if component == "prefill" and sample.name in names:
+                        total[names[sample.name]] += sample.value
+                    elif (
+                        sample.name.startswith("tandem_kv_transfer_phase_seconds_")
+                        and "phase" in sample.labels
+                    ):
+                        suffix = sample.name.rsplit("_", 1)[-1]
+                        if suffix in ("sum", "count"):
+                            key = f"{component}.{sample.labels['phase']}.{suffix}"
+                            total[key] = total.get(key, 0.0) + sample.value
+        return total

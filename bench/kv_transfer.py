@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig  # noqa: E402
+from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, cuda_ipc  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
 
@@ -133,14 +133,17 @@ def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
     layout = llama3_8b_layout(max_tokens)
     cache = torch.zeros(layout.cache_shape, dtype=torch.bfloat16, device=device)
     landing, alloc = Landing(), FreeList(layout.num_blocks)
-    receiver, state = None, {}
+    receiver, state, current = None, {}, ""
     while (cmd := ctl.recv()) is not None:
         if cmd[0] == "handoff":
             _, kind, tokens, runs = cmd
-            if receiver is None or receiver.config.kind != kind:
+            if receiver is None or current != kind:
                 if receiver is not None:
                     receiver.close()
-                receiver = KVReceiver(layout, cache, alloc, transfer_config(kind), on_result=landing.put)
+                base, _, variant = kind.partition("+")
+                cuda_ipc.COPY_ENGINE_MAX_RUNS = 10**9 if variant == "engine" else 0
+                config = transfer_config(base)
+                receiver, current = KVReceiver(layout, cache, alloc, config, on_result=landing.put), kind
             ctl.send(decode_handoffs(receiver, landing, alloc, cache, peer, tokens, runs))
         else:
             ctl.send(raw_times(cmd, 1, peer, device, state))
@@ -168,14 +171,14 @@ def prefill_main(ctl, peer, device_index: int, max_tokens: int) -> None:
     gen = torch.Generator(device=device).manual_seed(1)
     cache = torch.randn(layout.cache_shape, generator=gen, device=device).to(torch.bfloat16)  # never all-zero
     torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
-    sender, state = None, {}
+    sender, state, current = None, {}, ""
     while (cmd := ctl.recv()) is not None:
         if cmd[0] == "handoff":
             _, kind, tokens, _ = cmd
-            if sender is None or sender.config.kind != kind:
+            if sender is None or current != kind:
                 if sender is not None:
                     sender.close()
-                sender = KVSender(layout, cache, transfer_config(kind))
+                sender, current = KVSender(layout, cache, transfer_config(kind.partition("+")[0])), kind
             ctl.send(prefill_handoffs(sender, cache, peer, tokens))
         else:
             ctl.send(raw_times(cmd, 0, peer, device, state))
@@ -331,7 +334,7 @@ def run(args) -> dict:
 
 
 def run_handoffs(args, kind: str, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:
-    if kind == "nccl" and gpus < 2:
+    if kind.startswith("nccl") and gpus < 2:
         print("skipping nccl: needs two GPUs")
         return []
     rows = []
@@ -408,7 +411,11 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transports", default="nccl,cuda_ipc,tcp")
+    parser.add_argument(
+        "--transports",
+        default="nccl,cuda_ipc,tcp",
+        help="cuda_ipc+engine: cuda_ipc with copy-engine 2-D copies instead of the block-copy kernel",
+    )
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)

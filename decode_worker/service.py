@@ -139,9 +139,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         assert ft is not None
         first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
         blocks, offset = result.lease.block_ids, request.output_offset
+        landed = time.monotonic()
         done = self.loop.call(
             lambda e: e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset)
         )
+        receiver.record_phase("admit", time.monotonic() - landed)  # waits for the engine's step to end
         return finished_event(done).finished if done is not None else None
 
     def _reserve(self, rid: str, prompt: list[int], sampling: SamplingParams, ttl: float | None) -> Lease:

@@ -6,6 +6,10 @@ admit blocks on its own authority; a pushing sender that stalls or dies could le
 blocks the receiver has already handed to another request, and the receiver could never rule that out. Pull is
 one-sided, so it cannot hang on a missing peer, and the sender only reads: it keeps its blocks until KVAck.
 
+Copying: by default one kernel (kv_transfer.block_copy) whose SMs read the peer's blocks over NVLink and write
+ours, whatever the ids; COPY_ENGINE_MAX_RUNS > 0 switches parts with at most that many runs of consecutive
+blocks to the copy engines, one 2-D copy per run (bench/kv_transfer.py measures both):
+
 Pair setup: the sender exports the CUDA allocation that holds its cache (cudaIpcGetMemHandle of the
 allocation's base, plus the cache's offset in it and its num_blocks); the receiver opens it once and keeps it.
 Per part, for each run of consecutive (src, dst) block ids, one 2-D copy moves rows of one (layer, K|V) block
@@ -29,14 +33,19 @@ from typing import Any
 
 import torch
 
+from kv_transfer.block_copy import DevicePointer, copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
-from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
+from kv_transfer.cuda_events import bind_device, block_index, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
 from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, SenderTransport, part_frame
 from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
+
+COPY_ENGINE_MAX_RUNS = (
+    0  # parts with at most this many block runs use cudaMemcpy2DAsync instead of the kernel
+)
 
 
 def _runtime() -> Any:
@@ -127,7 +136,14 @@ class _Mapping:
     offset: int
     mapped_ptr: int  # what ipcOpenMemHandle returned (to close it)
     remote: KVLayout  # the sender's layout (its own num_blocks)
-    strides: tuple[int, ...]
+    strides: tuple[int, ...]  # bytes
+
+    def source(self) -> DevicePointer:
+        """The sender's cache as a kernel argument."""
+        dtype = getattr(torch, self.remote.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        elements = tuple(stride // itemsize for stride in self.strides)
+        return DevicePointer(self.cache_ptr, dtype, self.remote.cache_shape, elements)
 
     @property
     def cache_ptr(self) -> int:
@@ -209,7 +225,15 @@ class IpcReceiverTransport(ReceiverTransport):
             raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
         bind_device(self._device)
         try:
-            self._enqueue_copies(job, mapping)
+            runs = block_runs(job.remote_block_ids, job.block_ids)
+            if len(runs) <= COPY_ENGINE_MAX_RUNS:
+                self._enqueue_copies(job, mapping, runs)
+            else:
+                with torch.cuda.stream(self._stream):
+                    src_ids = block_index(job.remote_block_ids, self._device)
+                    dst_ids = block_index(job.block_ids, self._device)
+                    source = mapping.source().layers(job.layer_begin, job.layer_end)
+                    copy_blocks(source, self._cache[job.layer_begin : job.layer_end], src_ids, dst_ids)
         except Exception as exc:
             raise TransferFailed(
                 FailureReason.TRANSPORT_ERROR, f"CUDA copy: {type(exc).__name__}: {exc}"
@@ -218,7 +242,7 @@ class IpcReceiverTransport(ReceiverTransport):
         copied.record(self._stream)
         return copied
 
-    def _enqueue_copies(self, job: PartJob, mapping: _Mapping) -> None:
+    def _enqueue_copies(self, job: PartJob, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:
         runtime = _runtime()
         src, dst = mapping.strides, self._strides
         rows = 2 * (
@@ -226,7 +250,7 @@ class IpcReceiverTransport(ReceiverTransport):
         )  # (layer, K|V) planes, S0 == 2 * S1 for a contiguous cache
         src_base = mapping.cache_ptr + job.layer_begin * src[0]
         dst_base = self._cache.data_ptr() + job.layer_begin * dst[0]
-        for s, d, length in block_runs(job.remote_block_ids, job.block_ids):
+        for s, d, length in runs:
             runtime.memcpy2DAsync(
                 dst_base + d * dst[2],
                 dst[1],

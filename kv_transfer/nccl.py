@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kv_transfer.block_copy import copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import bind_device, block_index, require_cuda, wait_event
@@ -136,6 +137,7 @@ class _Pair:
     ring: list[torch.Tensor]
     released: list[Any] = field(default_factory=lambda: [None] * RING_SLOTS)
     slot: int = 0
+    _ids: torch.Tensor | None = None
     created_at: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -144,6 +146,13 @@ class _Pair:
         size = ring_bytes(layout)
         ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(RING_SLOTS)]
         return cls(comm, torch.cuda.Stream(device), torch.cuda.Stream(device), ring)
+
+    def arange(self, staging: torch.Tensor) -> torch.Tensor:
+        """0..n-1 on the device: the block ids of a staging buffer of n blocks (made once per size)."""
+        n = int(staging.shape[2])
+        if self._ids is None or self._ids.numel() < n:
+            self._ids = torch.arange(max(n, 1024), dtype=torch.long, device=staging.device)
+        return self._ids[:n]
 
     def next_slot(self) -> int:
         k, self.slot = self.slot, (self.slot + 1) % RING_SLOTS
@@ -265,7 +274,9 @@ class _NcclSource(PartSource):
                         pair.first.wait_event(pair.released[k])
                     staging = pair.ring[k][:nbytes].view(t._cache.dtype).view(piece.shape(t._layout))
                     source = t._cache[piece.layer_begin : piece.layer_end]
-                    torch.index_select(source, 2, ids[piece.block_begin : piece.block_end], out=staging)
+                    copy_blocks(
+                        source, staging, ids[piece.block_begin : piece.block_end], pair.arange(staging)
+                    )
                     gathered = torch.cuda.Event()
                     gathered.record(pair.first)
                     pair.second.wait_event(gathered)
@@ -350,7 +361,9 @@ class _NcclSink(PartSink):
                     pair.second.wait_event(received)
                     staging = pair.ring[k][:nbytes].view(t._cache.dtype).view(piece.shape(t._layout))
                     target = t._cache[piece.layer_begin : piece.layer_end]
-                    target.index_copy_(2, ids[piece.block_begin : piece.block_end], staging)
+                    copy_blocks(
+                        staging, target, pair.arange(staging), ids[piece.block_begin : piece.block_end]
+                    )
                     scattered = torch.cuda.Event()
                     scattered.record(pair.second)
                     pair.released[k] = self._last = scattered

@@ -142,6 +142,16 @@ class WorkerCollector(Collector):
         buckets = [(floatToGoString(bound), float(count)) for bound, count in stats.seconds_buckets]
         seconds.add_metric(self._labels, buckets, stats.seconds_sum)
         yield seconds
+        phases = HistogramMetricFamily(
+            "tandem_kv_transfer_phase_seconds",
+            "Where completed KV transfers spent their time, by phase (kv_transfer SendResult / TransferResult "
+            "phases; decode workers add admit: landed -> in the batch)",
+            labels=[*LABELS, "phase"],
+        )
+        for name, phase in sorted(stats.phases.items()):
+            bounds = [(floatToGoString(bound), float(count)) for bound, count in phase.buckets]
+            phases.add_metric([*self._labels, name], bounds, phase.seconds_sum)
+        yield phases
         yield self._counter(
             "tandem_kv_transfer_bytes_total", "KV bytes moved by completed transfers", stats.bytes_ok
         )

@@ -23,6 +23,7 @@ class LatencySamples:
     ttft: tuple[float, ...]
     tpot: tuple[float, ...]
     e2e: tuple[float, ...]
+    first_itl: tuple[float, ...] = ()  # first token -> second token
 
     @classmethod
     def from_report(cls, report: BenchReport) -> LatencySamples:
@@ -31,6 +32,7 @@ class LatencySamples:
             ttft=tuple(r.ttft for r in ok if r.ttft is not None),
             tpot=tuple(r.tpot for r in ok if r.tpot is not None),
             e2e=tuple(r.e2e for r in ok),
+            first_itl=tuple(r.first_itl for r in ok if r.first_itl is not None),
         )
 
 

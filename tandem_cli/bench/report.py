@@ -93,6 +93,7 @@ class RequestRow:
     ttft: float | None
     tpot: float | None
     e2e: float
+    first_itl: float | None = None  # first token -> second token: the KV handoff shows here in disaggregation
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def _row(record: RequestRecord, metrics: RequestMetrics) -> RequestRow:
         ttft=metrics.ttft,
         tpot=metrics.tpot,
         e2e=metrics.e2e,
+        first_itl=metrics.itls[0] if metrics.itls else None,
     )
 
 

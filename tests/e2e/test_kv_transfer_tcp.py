@@ -304,3 +304,65 @@ def test_garbage_on_the_control_port_is_refused_and_the_receiver_survives(peer):
             assert b"bad frame magic" in sock.recv(4096)
         lease = receiver.reserve("req", 4)
         assert peer.run(**send_cmd(receiver, lease, "float32", "all"))["ok"]
+
+
+# --- control connections are kept and reused -------------------------------------------------------------
+def _send_one(sender: KVSender, receiver: KVReceiver, cache, rid: str, forge: bool = False):
+    lease = receiver.reserve(rid, 11)
+    target = receiver.target(lease)
+    if forge:
+        target.handle = secrets.token_bytes(16)
+    ids = list(range(1, 1 + len(lease.block_ids)))
+    sent = sender.send(target, ids, 11, FIRST).result(timeout=20)
+    if forge:
+        assert receiver.abort(rid)
+    (landed,) = wait_results(receiver)
+    if landed.ok:
+        assert checksum(receiver_cache(receiver), lease.block_ids) == checksum(cache, ids)
+    return sent, landed
+
+
+def receiver_cache(receiver: KVReceiver):
+    return receiver._transport._cache  # type: ignore[attr-defined]
+
+
+def test_a_warm_channel_carries_the_next_transfer_and_a_failure_closes_it():
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 21), ShuffledFreeList(NUM_BLOCKS, 4)
+    with (
+        KVReceiver(layout, make_cache(layout, 22), alloc, config()) as receiver,
+        KVSender(layout, cache, config()) as sender,
+    ):
+        first, _ = _send_one(sender, receiver, cache, "a")
+        second, landed = _send_one(sender, receiver, cache, "b")
+        assert first.ok and second.ok and landed.ok
+        assert "connect" in first.phases and "channel" not in first.phases  # cold: connect + handshake
+        assert "channel" in second.phases and "connect" not in second.phases  # warm: the same connection
+        assert set(landed.phases) == {"stream", "land"}
+        assert abs(sum(second.phases.values()) - second.seconds) < 1e-3  # the phases account for the time
+        forged, failed = _send_one(sender, receiver, cache, "c", forge=True)
+        assert (
+            forged.failure is FailureReason.UNKNOWN_HANDLE
+            and failed.failure is FailureReason.RECEIVER_ABORTED
+        )
+        after, landed = _send_one(sender, receiver, cache, "d")
+        assert (
+            after.ok and landed.ok and "connect" in after.phases
+        )  # the failed transfer's connection was closed
+        stats = sender.stats()
+    assert (
+        stats.transfers_ok == 3 and stats.phases["channel"].count == 1 and stats.phases["connect"].count == 2
+    )
+
+
+def test_an_idle_channel_is_closed_by_the_receiver_and_replaced():
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 23), ShuffledFreeList(NUM_BLOCKS, 5)
+    with (
+        KVReceiver(layout, make_cache(layout, 24), alloc, config(idle_timeout_s=0.3)) as receiver,
+        KVSender(layout, cache, config()) as sender,
+    ):
+        first, _ = _send_one(sender, receiver, cache, "a")
+        time.sleep(0.6)  # past the receiver's idle timeout: it closed the connection
+        second, landed = _send_one(sender, receiver, cache, "b")
+    assert first.ok and second.ok and landed.ok and "connect" in second.phases

@@ -1,0 +1,116 @@
+"""copy_blocks: one Triton kernel that copies whole KV blocks, layer by layer, from one cache-shaped tensor into
+another by block id: the gather and scatter of the nccl transport and the cuda_ipc pull.
+
+    dst[l, kv, dst_ids[i]] = src[l, kv, src_ids[i]]     for every layer l, K|V plane kv and i
+
+A (layer, plane, block) chunk is contiguous (block_size x kv_heads x head_dim elements), so each program
+copies one chunk with wide loads and stores; one launch covers a whole part. It replaces torch's index_select /
+index_copy_ on the block dimension (two generic kernels, about half the HBM bandwidth in bench/kv_transfer.py)
+and, for cuda_ipc, a copy-engine call per run of consecutive blocks: with the sender's mapped cache as `src`
+the SMs read the peer's memory over NVLink directly into our blocks, scattered ids and all, with no staging.
+
+`src` and `dst` are tensors, or `DevicePointer`s for memory torch does not own (a peer's mapped cache); dims
+0-2 are (layer, K|V, block) and the rest must be contiguous. Block ids are int64 tensors on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CHUNK_ELEMENTS = 2048  # per inner step; 16 bytes per thread at 4 warps for 16-bit dtypes
+
+
+@dataclass(frozen=True)
+class DevicePointer:
+    """Memory that is not a torch tensor (a peer's mapped cache), as a Triton kernel argument: Triton takes
+    anything with data_ptr() and dtype. strides: the element strides of its cache shape."""
+
+    ptr: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def layers(self, begin: int, end: int) -> DevicePointer:
+        """Layers [begin, end), like tensor[begin:end]."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return DevicePointer(
+            self.ptr + begin * self.strides[0] * itemsize,
+            self.dtype,
+            (end - begin, *self.shape[1:]),
+            self.strides,
+        )
+
+
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_blocks_kernel(
+        src,
+        dst,
+        src_ids,
+        dst_ids,
+        num_blocks,
+        src_s0,
+        src_s1,
+        src_s2,
+        dst_s0,
+        dst_s1,
+        dst_s2,
+        chunk,
+        STEP: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        plane = pid // num_blocks
+        i = pid % num_blocks
+        layer = (plane // 2).to(tl.int64)
+        kv = (plane % 2).to(tl.int64)
+        s = tl.load(src_ids + i).to(tl.int64)
+        d = tl.load(dst_ids + i).to(tl.int64)
+        src_base = src + layer * src_s0 + kv * src_s1 + s * src_s2
+        dst_base = dst + layer * dst_s0 + kv * dst_s1 + d * dst_s2
+        for start in range(0, chunk, STEP):
+            offs = start + tl.arange(0, STEP)
+            mask = offs < chunk
+            tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+
+    return copy_blocks_kernel
+
+
+_COMPILED: list[Any] = []
+
+
+def copy_blocks(src: Any, dst: Any, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Queue the copy on the current stream. src and dst have the same number of layers (dim 0)."""
+    num = int(src_ids.numel())
+    if num != int(dst_ids.numel()):
+        raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.numel()} destination ids")
+    layers, chunk = int(src.shape[0]), _chunk_elements(src.shape)
+    if int(dst.shape[0]) != layers or _chunk_elements(dst.shape) != chunk:
+        raise ValueError(f"copy_blocks: shapes {tuple(src.shape)} and {tuple(dst.shape)} do not match")
+    if num == 0:
+        return
+    if not _COMPILED:
+        _COMPILED.append(_kernel())
+    ss, ds = src.stride(), dst.stride()
+    grid = (layers * 2 * num,)
+    _COMPILED[0][grid](
+        src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], chunk, STEP=CHUNK_ELEMENTS
+    )
+
+
+def _chunk_elements(shape: Any) -> int:
+    out = 1
+    for size in tuple(shape)[3:]:
+        out *= int(size)
+    return out
