@@ -50,7 +50,7 @@ from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
-RING_SLOTS = 4  # staging buffers per pair and side: slices in flight at once
+RING_SLOTS = 3  # staging buffers per pair and side (slices in flight at once): 192 MiB of GPU memory
 
 
 def _nccl() -> Any:

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from model_runtime.kv_layout import KVLayout
 
-SLICE_BYTES = 32 * 2**20  # NCCL send/recv between two H100s reaches its plateau from about 16 MiB
+# One NCCL send/recv between two H200s moved 225-250 GB/s at 16 MiB, 285-320 at 64 MiB and 340-365 at 256 MiB
+# to 1 GiB (bench/kv_transfer.py raw baselines): slices must be large for the link and small enough that the
+# gather and scatter of one slice (HBM speed, about ten times the link) hide behind the others.
+SLICE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
