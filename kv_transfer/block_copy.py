@@ -50,6 +50,24 @@ class DevicePointer:
         )
 
 
+def cache_pointer(cache: torch.Tensor) -> DevicePointer:
+    return DevicePointer(cache.data_ptr(), cache.dtype, tuple(cache.shape), tuple(cache.stride()))
+
+
+def staging_pointer(ptr: int, dtype: torch.dtype, shape: tuple[int, ...]) -> DevicePointer:
+    """A contiguous buffer of `shape` (KVLayout.staging_shape) at ptr."""
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= size
+    return DevicePointer(ptr, dtype, shape, tuple(reversed(strides)))
+
+
+def ids_pointer(ids: torch.Tensor, begin: int, end: int) -> DevicePointer:
+    """ids[begin:end] of a contiguous int64 device tensor, without a torch op (each one is a GIL round trip)."""
+    return DevicePointer(ids.data_ptr() + begin * 8, torch.int64, (end - begin,), (1,))
+
+
 def _kernel() -> Any:
     import triton
     import triton.language as tl
@@ -90,11 +108,11 @@ def _kernel() -> Any:
 _COMPILED: list[Any] = []
 
 
-def copy_blocks(src: Any, dst: Any, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
     """Queue the copy on the current stream. src and dst have the same number of layers (dim 0)."""
-    num = int(src_ids.numel())
-    if num != int(dst_ids.numel()):
-        raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.numel()} destination ids")
+    num = int(src_ids.shape[0])
+    if num != int(dst_ids.shape[0]):
+        raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.shape[0]} destination ids")
     layers, chunk = int(src.shape[0]), _chunk_elements(src.shape)
     if int(dst.shape[0]) != layers or _chunk_elements(dst.shape) != chunk:
         raise ValueError(f"copy_blocks: shapes {tuple(src.shape)} and {tuple(dst.shape)} do not match")

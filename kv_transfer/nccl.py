@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from kv_transfer.block_copy import copy_blocks
+from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks, ids_pointer, staging_pointer
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import bind_device, block_index, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
-from kv_transfer.slicing import ring_bytes, slices
+from kv_transfer.slicing import Slice, ring_bytes, slices
 from kv_transfer.transport import (
     PartJob,
     PartSink,
@@ -135,9 +135,9 @@ class _Pair:
     first: torch.cuda.Stream
     second: torch.cuda.Stream
     ring: list[torch.Tensor]
+    arange: torch.Tensor  # 0..num_blocks-1: the block ids of a staging buffer
     released: list[Any] = field(default_factory=lambda: [None] * RING_SLOTS)
     slot: int = 0
-    _ids: torch.Tensor | None = None
     created_at: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -145,18 +145,27 @@ class _Pair:
     def build(cls, comm: Any, device: torch.device, layout: KVLayout) -> _Pair:
         size = ring_bytes(layout)
         ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(RING_SLOTS)]
-        return cls(comm, torch.cuda.Stream(device), torch.cuda.Stream(device), ring)
-
-    def arange(self, staging: torch.Tensor) -> torch.Tensor:
-        """0..n-1 on the device: the block ids of a staging buffer of n blocks (made once per size)."""
-        n = int(staging.shape[2])
-        if self._ids is None or self._ids.numel() < n:
-            self._ids = torch.arange(max(n, 1024), dtype=torch.long, device=staging.device)
-        return self._ids[:n]
+        arange = torch.arange(layout.num_blocks, dtype=torch.long, device=device)
+        torch.cuda.synchronize(device)  # the buffers exist before any side stream uses them
+        return cls(comm, torch.cuda.Stream(device), torch.cuda.Stream(device), ring, arange)
 
     def next_slot(self) -> int:
         k, self.slot = self.slot, (self.slot + 1) % RING_SLOTS
         return k
+
+    def slice_views(
+        self, k: int, cache: DevicePointer, ids: torch.Tensor, piece: Slice, layout: KVLayout
+    ) -> tuple[DevicePointer, DevicePointer, DevicePointer, DevicePointer]:
+        """(cache layers, staging in slot k, the cache's block ids, the staging's) of one slice, as kernel
+        arguments built without torch ops: the per-slice work of a transfer thread stays off the GIL's queue."""
+        n = piece.block_end - piece.block_begin
+        staging = staging_pointer(self.ring[k].data_ptr(), cache.dtype, piece.shape(layout))
+        return (
+            cache.layers(piece.layer_begin, piece.layer_end),
+            staging,
+            ids_pointer(ids, piece.block_begin, piece.block_end),
+            ids_pointer(self.arange, 0, n),
+        )
 
     def abort(self) -> None:
         """Abort the communicator, then wait until nothing of ours is queued (aborted NCCL kernels exit; the
@@ -224,6 +233,7 @@ class NcclSenderTransport(SenderTransport):
         self._device = require_cuda(cache, "nccl")
         self._layout = layout
         self._cache = cache
+        self._cache_ptr = cache_pointer(cache)
         self._config = config
         self._pairs = _Pairs()
 
@@ -272,11 +282,10 @@ class _NcclSource(PartSource):
                     k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
                     if pair.released[k] is not None:
                         pair.first.wait_event(pair.released[k])
-                    staging = pair.ring[k][:nbytes].view(t._cache.dtype).view(piece.shape(t._layout))
-                    source = t._cache[piece.layer_begin : piece.layer_end]
-                    copy_blocks(
-                        source, staging, ids[piece.block_begin : piece.block_end], pair.arange(staging)
+                    cache, staging, cache_ids, staging_ids = pair.slice_views(
+                        k, t._cache_ptr, ids, piece, t._layout
                     )
+                    copy_blocks(cache, staging, cache_ids, staging_ids)
                     gathered = torch.cuda.Event()
                     gathered.record(pair.first)
                     pair.second.wait_event(gathered)
@@ -307,6 +316,7 @@ class NcclReceiverTransport(ReceiverTransport):
         self._device = require_cuda(cache, "nccl")
         self._layout = layout
         self._cache = cache
+        self._cache_ptr = cache_pointer(cache)
         self._config = config
         self._pairs = _Pairs()
 
@@ -359,11 +369,10 @@ class _NcclSink(PartSink):
                     received = torch.cuda.Event()
                     received.record(pair.first)
                     pair.second.wait_event(received)
-                    staging = pair.ring[k][:nbytes].view(t._cache.dtype).view(piece.shape(t._layout))
-                    target = t._cache[piece.layer_begin : piece.layer_end]
-                    copy_blocks(
-                        staging, target, pair.arange(staging), ids[piece.block_begin : piece.block_end]
+                    cache, staging, cache_ids, staging_ids = pair.slice_views(
+                        k, t._cache_ptr, ids, piece, t._layout
                     )
+                    copy_blocks(staging, cache, staging_ids, cache_ids)
                     scattered = torch.cuda.Event()
                     scattered.record(pair.second)
                     pair.released[k] = self._last = scattered

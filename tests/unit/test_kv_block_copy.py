@@ -39,12 +39,12 @@ def test_slices_cover_the_part_once_in_order_and_fit_the_ring(layers, num_blocks
     lay = layout()
     pieces = slices(lay, layers[0], layers[1], num_blocks)
     covered = [
-        (l, b)
+        (layer, b)
         for p in pieces
-        for l in range(p.layer_begin, p.layer_end)
+        for layer in range(p.layer_begin, p.layer_end)
         for b in range(p.block_begin, p.block_end)
     ]
-    expected = [(l, b) for l in range(*layers) for b in range(num_blocks)]
+    expected = [(layer, b) for layer in range(*layers) for b in range(num_blocks)]
     assert sorted(covered) == expected and len(covered) == len(expected)  # every (layer, block) exactly once
     assert covered == sorted(covered)  # wire order: layer-major, blocks ascending
     assert all(p.num_bytes(lay) <= ring_bytes(lay) for p in pieces)

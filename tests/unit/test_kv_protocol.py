@@ -117,13 +117,11 @@ def test_failure_enum_mirrors_proto_names_and_values():
 def test_expect_raises_the_peers_reason():
     frame = error_frame(FailureReason.HANDLE_REUSED, "used")
     assert (
-        reason_of(lambda: expect(frame, "ack", FailureReason.PROTOCOL_ERROR))
-        is FailureReason.HANDLE_REUSED
+        reason_of(lambda: expect(frame, "ack", FailureReason.PROTOCOL_ERROR)) is FailureReason.HANDLE_REUSED
     )
     hello = kv_pb2.KVFrame(hello=kv_pb2.KVHello())
     assert (
-        reason_of(lambda: expect(hello, "ack", FailureReason.PROTOCOL_ERROR))
-        is FailureReason.PROTOCOL_ERROR
+        reason_of(lambda: expect(hello, "ack", FailureReason.PROTOCOL_ERROR)) is FailureReason.PROTOCOL_ERROR
     )
 
 
