@@ -48,10 +48,13 @@ class NoRoom(KVTransferError):
 class TransferFailed(KVTransferError):
     """A transfer step failed for `reason`; raised inside sessions and transports, reported in results."""
 
-    def __init__(self, reason: FailureReason, message: str) -> None:
+    def __init__(self, reason: FailureReason, message: str, drained: bool = False) -> None:
         super().__init__(f"{reason.name}: {message}")
         self.reason = reason
         self.message = message
+        self.drained = (
+            drained  # the receiver's refusal consumed the transfer: connection and pair stay usable
+        )
 
 
 class BlockAllocator(Protocol):
@@ -132,6 +135,5 @@ class SendResult:
     seconds: float = 0.0  # from send()/open() to the receiver's ack (or the failure)
     # seconds by phase, summing to `seconds`: "queue" (waiting for a transfer thread), "connect" (a new
     # channel: connect, handshake, pair setup) or "channel" (a warm one, or the turn on it), "layers" (waiting
-    # for the caller's layer groups), "stream" (frames and data out, KVDone included), "ack" (KVDone -> KVAck),
-    # "release" (our reads of the blocks complete)
+    # for the caller's layer groups), "stream" (frames and data out, KVDone included), "ack" (KVDone -> KVAck)
     phases: dict[str, float] = field(default_factory=dict)

@@ -213,6 +213,9 @@ class IpcReceiverTransport(ReceiverTransport):
     def sink(self, peer_id: bytes) -> PartSink:
         return _IpcSink(self, peer_id)
 
+    def drain_sink(self, peer_id: bytes) -> PartSink | None:
+        return _IpcDrain()  # the receiver pulls: a refused transfer has sent no data to take in
+
     def _start_part(self, job: PartJob, peer_id: bytes) -> Any:
         """Queue the part's copies on our stream; the event after them."""
         with self._lock:
@@ -288,3 +291,11 @@ class _IpcSink(PartSink):
 
     def abandon(self) -> None:
         self._t._stream.synchronize()  # local copies always finish: no write pending on return
+
+
+class _IpcDrain(PartSink):
+    def part(self, job: PartJob) -> None:
+        raise TransferFailed(FailureReason.INTERNAL, "a drain sink takes no parts")
+
+    def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
+        pass

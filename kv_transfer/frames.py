@@ -67,8 +67,9 @@ def decode_frame(payload: bytes) -> kv_pb2.KVFrame:
     return frame
 
 
-def error_frame(reason: FailureReason, message: str) -> kv_pb2.KVFrame:
-    return kv_pb2.KVFrame(error=kv_pb2.KVError(code=failure_to_proto(reason), message=message))
+def error_frame(reason: FailureReason, message: str, drained: bool = False) -> kv_pb2.KVFrame:
+    error = kv_pb2.KVError(code=failure_to_proto(reason), message=message, drained=drained)
+    return kv_pb2.KVFrame(error=error)
 
 
 def abort_frame(reason: FailureReason, message: str) -> kv_pb2.KVFrame:
@@ -82,6 +83,7 @@ def frame_failure(frame: kv_pb2.KVFrame, default: FailureReason) -> TransferFail
         return TransferFailed(
             failure_from_proto(frame.error.code) if frame.error.code else default,
             f"peer: {frame.error.message}",
+            drained=frame.error.drained,
         )
     if kind == "abort":
         return TransferFailed(

@@ -341,6 +341,9 @@ class NcclReceiverTransport(ReceiverTransport):
     def sink(self, peer_id: bytes) -> PartSink:
         return _NcclSink(self, peer_id)
 
+    def drain_sink(self, peer_id: bytes) -> PartSink | None:
+        return _NcclSink(self, peer_id) if self._pairs.get(peer_id) is not None else None
+
     def close(self) -> None:
         self._pairs.close()
 
@@ -376,6 +379,27 @@ class _NcclSink(PartSink):
                     scattered = torch.cuda.Event()
                     scattered.record(pair.second)
                     pair.released[k] = self._last = scattered
+        except Exception as exc:
+            raise _as_failure(exc) from None
+
+    def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
+        """Post the receives a refused transfer's sends expect, into the ring, with no scatter: the
+        communicator stays in step and the cache is not touched."""
+        t, nccl = self._t, _nccl()
+        pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
+        try:
+            bind_device(t._device)
+            with pair.lock:
+                for piece in slices(t._layout, layer_begin, layer_end, num_blocks):
+                    k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
+                    if pair.released[k] is not None:
+                        pair.first.wait_event(pair.released[k])
+                    pair.comm.recv(
+                        pair.ring[k].data_ptr(), nbytes, nccl.NCCL_UINT8, SENDER_RANK, pair.first.cuda_stream
+                    )
+                    received = torch.cuda.Event()
+                    received.record(pair.first)
+                    pair.released[k] = self._last = received
         except Exception as exc:
             raise _as_failure(exc) from None
 

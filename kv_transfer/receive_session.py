@@ -115,13 +115,60 @@ class ReceiveSession:
             if kind == "pair_setup":
                 self.core.transport.setup_pair(peer_id, frame.pair_setup, self.conn, idle)
             elif kind == "begin":
-                self._claim(frame.begin)
+                try:
+                    self._claim(frame.begin)
+                except TransferFailed as refusal:
+                    if self.lease is not None or not self._drain(peer_id, frame.begin, refusal):
+                        raise
+                    return True
                 self._serve(peer_id)
                 return True
             else:
                 raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
                     FailureReason.PROTOCOL_ERROR, f"expected a begin frame, got {kind}"
                 )
+
+    def _drain(self, peer_id: bytes, begin: kv_pb2.KVBegin, refusal: TransferFailed) -> bool:
+        """The lease was refused (forged, cancelled, expired, already used) before any byte moved. The sender
+        did not wait for a reply, so its parts are on their way: take them in without touching the cache and
+        then refuse with KVError(drained), which keeps the connection and, on nccl, the communicator in step
+        (a refusal would otherwise cost the pair a new communicator). False when the transport cannot drain or
+        the counts are out of range: the caller closes the connection as for any failure."""
+        layout = self.core.layout
+        sink = self.core.transport.drain_sink(peer_id)
+        if (
+            sink is None
+            or refusal.reason is FailureReason.SHUTDOWN
+            or not 0 < begin.num_blocks <= layout.num_blocks
+        ):
+            return False
+        self.sink = sink  # a failure from here abandons it (nccl: the pair is dropped)
+        watch = Watch(
+            time.monotonic() + self.core.config.connect_timeout_s,
+            FailureReason.DEADLINE_EXCEEDED,
+            "draining a refused transfer",
+            cancelled=self.core.shutdown,
+        )
+        covered: set[int] = set()
+        while (frame := self.conn.read_frame(watch)).WhichOneof("body") == "part":
+            part = frame.part
+            layers = range(part.layer_begin, part.layer_end)
+            if not 0 <= part.layer_begin < part.layer_end <= layout.num_layers or covered.intersection(
+                layers
+            ):
+                raise TransferFailed(
+                    FailureReason.DESCRIPTOR_MISMATCH, "a refused transfer's parts are invalid"
+                )
+            covered.update(layers)
+            sink.discard(part.layer_begin, part.layer_end, begin.num_blocks)
+        if frame.WhichOneof("body") != "done":
+            raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
+                FailureReason.PROTOCOL_ERROR, f"expected a part or done frame, got {frame.WhichOneof('body')}"
+            )
+        sink.finish(watch, self.conn)
+        self.sink = None
+        self.conn.send_frame(error_frame(refusal.reason, refusal.message, drained=True), watch)
+        return True
 
     def _claim(self, begin: kv_pb2.KVBegin) -> None:
         lease = self.core.table.claim(bytes(begin.handle), begin.request_id)

@@ -60,23 +60,37 @@ class SendSession:
 
     def run(self) -> SendResult:
         self._phase("queue")
-        acked = False
+        in_step = False  # the receiver acked, or refused and drained: the channel and the pair stay usable
         try:
             self._run()
-            acked = True
+            in_step = True
             num_bytes = self.core.layout.bytes_per_block * len(self.handle.src_block_ids)
             return self._result(True, None, "", num_bytes)
         except TransferFailed as failure:
             failure = self._explain(failure)
+            in_step = failure.drained
             return self._result(False, failure.reason, failure.message)
         except Exception as exc:  # a bug: fail this transfer, keep the sender alive, say what happened
             log.exception("KV send of %r failed", self.handle.request_id)
             return self._result(False, FailureReason.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
-            if not acked and self.source is not None:
-                self.source.abandon()  # no read of our blocks may be pending once they are released
+            in_step = self._settle(in_step)
             if self.channel is not None:
-                self.core.channels.release(self.channel, reusable=acked)
+                self.core.channels.release(self.channel, reusable=in_step)
+
+    def _settle(self, in_step: bool) -> bool:
+        """No read of our blocks may be pending once they are released: after an ack or a drained refusal the
+        sends completed (wait for them), after anything else the source aborts what is in flight."""
+        if self.source is None:
+            return in_step
+        if in_step:
+            try:
+                self.source.finish(Watch(time.monotonic() + 5.0, FailureReason.DEADLINE_EXCEEDED, "sends"))
+                return True
+            except TransferFailed:
+                pass
+        self.source.abandon()
+        return False
 
     def _run(self) -> None:
         target = self.handle.target
@@ -97,8 +111,6 @@ class SendSession:
         self._stream(conn, self.channel.peer_id, self.source)
         expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
         self._phase("ack")
-        self.source.finish(self.watch)
-        self._phase("release")
 
     def _begin(self) -> kv_pb2.KVBegin:
         core, handle = self.core, self.handle

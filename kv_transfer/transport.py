@@ -60,6 +60,10 @@ class PartSink(ABC):
     def abandon(self) -> None:  # noqa: B027 (optional hook)
         """After a failure: return only when no write of this transfer is pending."""
 
+    def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
+        """Take in a part of a refused transfer without writing the cache (a drain sink only)."""
+        raise NotImplementedError
+
 
 class PartSource(ABC):
     """One transfer's parts on the sender, in the order the caller queued them."""
@@ -111,6 +115,11 @@ class ReceiverTransport:  # hooks with defaults: a transport overrides what it n
     def receive_part(self, job: PartJob) -> None:
         """Write the part into job.block_ids; on return or raise no write may be pending (for _SyncSink)."""
         raise NotImplementedError
+
+    def drain_sink(self, peer_id: bytes) -> PartSink | None:
+        """A sink that takes in a refused transfer (discard, then finish) so that the connection and the pair
+        stay in step, or None when this transport cannot (the connection is closed instead)."""
+        return None
 
     def close(self) -> None:
         """Release per-pair state; the receiver calls it once, after its sessions ended."""

@@ -156,6 +156,7 @@ def _sender_peer(conn, kind: str, device: str) -> None:
                     failure=result.failure.name if result.failure else "",
                     message=result.message,
                     checksum=checksum(cache, ids),
+                    phases=sorted(result.phases),
                 )
             )
 
@@ -219,10 +220,21 @@ def test_aborts_and_forged_handles_free_everything(sender_peer):
         target = receiver.target(lease)
         target.handle = secrets.token_bytes(16)
         forged["target"] = target.SerializeToString().hex()
-        assert ask(conn, forged)["failure"] == "UNKNOWN_HANDLE"
+        refused = ask(conn, forged)
+        assert refused["failure"] == "UNKNOWN_HANDLE"
         assert checksum(cache, range(1, NUM_BLOCKS)) == before
         assert receiver.abort("c")
         wait_results(receiver, 2)
+
+        # The refusals drained the transfer (nccl: the receiver posted the receives the sends expected), so the
+        # connection and the communicator carried on: the next transfer needs neither a connect nor a pair setup.
+        assert "channel" in refused["phases"] and "connect" not in refused["phases"], refused
+        lease = receiver.reserve("d", 112)
+        after = ask(conn, command(receiver, lease, "all"))
+        (landed,) = wait_results(receiver)
+        assert after["ok"] and landed.ok and checksum(cache, lease.block_ids) == after["checksum"]
+        assert "channel" in after["phases"] and "connect" not in after["phases"], after
+        alloc.free(lease.block_ids)
     assert alloc.all_free
 
 

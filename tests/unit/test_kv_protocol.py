@@ -24,6 +24,7 @@ from kv_transfer.frames import (
     expect,
     failure_from_proto,
     failure_to_proto,
+    frame_failure,
 )
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import check_format, check_hello, format_message, make_hello
@@ -373,3 +374,12 @@ def test_byte_strides_match_the_block_addresses_torch_uses():
         offset = (layer * strides[0] + kv * strides[1] + block * strides[2]) // 4
         assert cache[layer, kv, block].flatten()[0].item() == offset
         assert strides[2] == cache[layer, kv, block].numel() * 4
+
+
+def test_a_drained_refusal_says_so_and_a_plain_one_does_not():
+    drained = frame_failure(
+        error_frame(FailureReason.UNKNOWN_HANDLE, "forged", drained=True), FailureReason.INTERNAL
+    )
+    plain = frame_failure(error_frame(FailureReason.UNKNOWN_HANDLE, "forged"), FailureReason.INTERNAL)
+    assert drained is not None and drained.drained and drained.reason is FailureReason.UNKNOWN_HANDLE
+    assert plain is not None and not plain.drained

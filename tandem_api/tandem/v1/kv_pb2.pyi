@@ -186,12 +186,14 @@ class KVAbort(_message.Message):
     def __init__(self, reason: _Optional[_Union[KVFailure, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class KVError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "drained")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     code: KVFailure
     message: str
-    def __init__(self, code: _Optional[_Union[KVFailure, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    drained: bool
+    def __init__(self, code: _Optional[_Union[KVFailure, str]] = ..., message: _Optional[str] = ..., drained: _Optional[bool] = ...) -> None: ...
 
 class KVNcclSetup(_message.Message):
     __slots__ = ("unique_id",)
