@@ -41,6 +41,7 @@ class DecodeWorker(WorkerLifecycle):
                 EngineLoopAllocator(self.loop),
                 spec.transfer,
                 on_result=self.service.on_transfer_result,
+                tls=spec.tls.ssl_context() if spec.tls is not None else None,  # KV control connections too
             )
             self.service.receiver = self.receiver
         self._server, port, _ = start_grpc(

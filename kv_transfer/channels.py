@@ -15,6 +15,7 @@ channels as transfers run at once. A channel idle for longer than half the recei
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,8 +53,10 @@ class ChannelPool:
         transport: SenderTransport,
         instance_id: bytes,
         device_uuid: str,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._layout = layout
+        self._tls = tls
         self._config = config
         self._transport = transport
         self._instance_id = instance_id
@@ -132,6 +135,15 @@ class ChannelPool:
             raise TransferFailed(
                 FailureReason.CONNECT_FAILED, f"{target.host}:{target.port}: {exc}"
             ) from None
+        if self._tls is not None:
+            try:  # the handshake runs under the connect timeout set above
+                sock = self._tls.wrap_socket(sock)
+            except (OSError, ValueError) as exc:
+                sock.close()
+                raise TransferFailed(
+                    FailureReason.CONNECT_FAILED,
+                    f"TLS handshake with the KV receiver at {target.host}:{target.port} failed: {exc}",
+                ) from None
         conn = FrameConnection(sock, config.poll_interval_s)
         try:
             hello = self._handshake(conn, target, handshake)
@@ -146,7 +158,17 @@ class ChannelPool:
     def _handshake(self, conn: FrameConnection, target: kv_pb2.KVTarget, watch: Watch) -> kv_pb2.KVHello:
         layout, kind = self._layout, self._config.kind
         conn.send_frame(make_hello(layout, self._instance_id, kind, self._device_uuid), watch)
-        hello = expect(conn.read_frame(watch), "hello", FailureReason.PROTOCOL_ERROR).hello
+        try:
+            reply = conn.read_frame(watch)
+        except TransferFailed as exc:
+            if exc.reason is not FailureReason.CONNECTION_LOST or self._tls is not None:
+                raise
+            raise TransferFailed(
+                FailureReason.CONNECTION_LOST,
+                f"the KV receiver at {target.host}:{target.port} closed the connection at the handshake "
+                "(does it require TLS? the deploy config's tls.cluster)",
+            ) from None
+        hello = expect(reply, "hello", FailureReason.PROTOCOL_ERROR).hello
         check_hello(layout, kind, self._device_uuid, hello)
         if hello.instance_id != target.receiver_id:
             raise TransferFailed(

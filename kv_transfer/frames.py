@@ -1,4 +1,4 @@
-"""The wire: length-prefixed KVFrame protobufs and raw data chunks on one TCP socket.
+"""The wire: length-prefixed KVFrame protobufs and raw data chunks on one TCP socket (TLS-wrapped or not).
 
     frame:  | "TKV1" | u32 length (big-endian) | KVFrame bytes |
     chunk:  | u32 length | length raw bytes |          (length 0: a KVAbort frame follows instead of data)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -163,6 +164,8 @@ class FrameConnection:
 
     def frame_waiting(self) -> bool:
         """True when the peer sent something (or closed): the sender checks this between data chunks."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True  # decrypted bytes already read off the socket: poll() would not see them
         poller = select.poll()
         poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         return bool(poller.poll(0))

@@ -48,6 +48,7 @@ class ReceiverCore:
     device_uuid: str
     deliver: Callable[[TransferResult], None]
     shutdown: Callable[[], TransferFailed | None]  # a SHUTDOWN failure once the receiver is closing
+    refused: Callable[[str], None]  # count a refusal before any byte landed, by reason
 
 
 class ReceiveSession:
@@ -118,6 +119,8 @@ class ReceiveSession:
                 try:
                     self._claim(frame.begin)
                 except TransferFailed as refusal:
+                    if self.lease is None:  # refused at the claim: a forged, spent or cancelled handle
+                        self.core.refused(refusal.reason.name.lower())
                     if self.lease is not None or not self._drain(peer_id, frame.begin, refusal):
                         raise
                     return True

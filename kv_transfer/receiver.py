@@ -18,6 +18,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -58,8 +59,12 @@ class KVReceiver:
         config: TransferConfig | None = None,
         *,
         on_result: ResultCallback | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """tls: a server context (the decode worker's cluster certificate, client certificates required):
+        every control connection is TLS, and a peer that fails the handshake is refused and counted."""
         self.layout = layout
+        self._tls = tls
         self.config = config or TransferConfig()
         self._on_result = on_result
         self._results: collections.deque[TransferResult] = collections.deque()
@@ -80,6 +85,7 @@ class KVReceiver:
             device_uuid(cache),
             self._deliver,
             self._shutdown_failure,
+            self._stats.record_refused,
         )
         self._server = self._listen()
         self.port: int = self._server.getsockname()[1]
@@ -199,28 +205,46 @@ class KVReceiver:
             self._start_session(sock)
 
     def _start_session(self, sock: socket.socket) -> None:
-        conn = FrameConnection(sock, self.config.poll_interval_s)
         with self._lock:
             busy = len(self._sessions) >= self.config.max_connections
             if not busy:
                 thread = threading.Thread(
-                    target=self._run_session, args=(conn,), name="kv-recv-session", daemon=True
+                    target=self._run_session, args=(sock,), name="kv-recv-session", daemon=True
                 )
                 self._sessions.add(thread)
         if busy:
-            notice = Watch(time.monotonic() + 0.2, FailureReason.DEADLINE_EXCEEDED, "busy notice")
-            with contextlib.suppress(TransferFailed):
-                conn.send_frame(error_frame(FailureReason.RECEIVER_BUSY, "too many KV connections"), notice)
-            conn.close()
+            if self._tls is None:  # over TLS nothing can be said before a handshake: just close
+                conn = FrameConnection(sock, self.config.poll_interval_s)
+                notice = Watch(time.monotonic() + 0.2, FailureReason.DEADLINE_EXCEEDED, "busy notice")
+                with contextlib.suppress(TransferFailed):
+                    conn.send_frame(
+                        error_frame(FailureReason.RECEIVER_BUSY, "too many KV connections"), notice
+                    )
+            sock.close()
             return
         thread.start()
 
-    def _run_session(self, conn: FrameConnection) -> None:
+    def _run_session(self, sock: socket.socket) -> None:
         try:
-            ReceiveSession(self._core, conn).run()
+            if self._tls is not None:
+                try:
+                    sock = self._handshake(sock)
+                except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                    self._stats.record_refused("tls_handshake")
+                    log.warning("KV connection refused: TLS handshake failed: %s", exc)
+                    with contextlib.suppress(OSError):
+                        sock.close()
+                    return
+            ReceiveSession(self._core, FrameConnection(sock, self.config.poll_interval_s)).run()
         finally:
             with self._lock:
                 self._sessions.discard(threading.current_thread())
+
+    def _handshake(self, sock: socket.socket) -> socket.socket:
+        """The TLS handshake on this session's own thread (a slow or silent peer never stalls accept)."""
+        assert self._tls is not None
+        sock.settimeout(self.config.connect_timeout_s)
+        return self._tls.wrap_socket(sock, server_side=True)
 
     def _reap_loop(self) -> None:
         while not self._closing.wait(self.config.poll_interval_s):

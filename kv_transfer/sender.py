@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import secrets
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,10 +53,12 @@ class KVSender:
         *,
         on_release: ReleaseCallback | None = None,
         chunk_hook: ChunkHook | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """on_release(result): the transfer ended and no longer reads result.src_block_ids; the prefill worker
         frees them (called on a transfer thread). chunk_hook(request_id, bytes_sent): called after each tcp
-        data chunk of a part; tests use it to throttle or stall a stream."""
+        data chunk of a part; tests use it to throttle or stall a stream. tls: a client context (the prefill
+        worker's cluster certificate, the cluster CA): every control connection is TLS."""
         self.layout = layout
         self.config = config or TransferConfig()
         self.instance_id = secrets.token_bytes(16)
@@ -67,7 +70,7 @@ class KVSender:
         self._active = 0
         self._transport = make_sender_transport(self.config, layout, cache)
         self._channels = ChannelPool(
-            layout, self.config, self._transport, self.instance_id, device_uuid(cache)
+            layout, self.config, self._transport, self.instance_id, device_uuid(cache), tls
         )
         self._core = SenderCore(
             layout, self.config, self._transport, self._channels, self._shutdown_failure, chunk_hook

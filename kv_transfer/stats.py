@@ -70,6 +70,9 @@ class TransferStats:
     active_leases: int = 0  # receiver: leases reserved and not yet landed or failed
     active_transfers: int = 0  # sender: sends started and not yet finished
     phases: dict[str, PhaseStats] = field(default_factory=dict)
+    # receiver: connections or transfers refused before any byte landed, by reason ("tls_handshake", or the
+    # lease refusal: "unknown_handle", "handle_reused", ...): what a forged or misconfigured peer shows up as
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 class _Histogram:
@@ -103,6 +106,11 @@ class StatsRecorder:
         self._seconds = _Histogram(SECONDS_BOUNDS)
         self._phases: dict[str, _Histogram] = {}
         self._failures: dict[FailureReason, int] = {}
+        self._refused: dict[str, int] = {}
+
+    def record_refused(self, reason: str) -> None:
+        with self._lock:
+            self._refused[reason] = self._refused.get(reason, 0) + 1
 
     def record_ok(self, num_bytes: int, seconds: float, phases: dict[str, float] | None = None) -> None:
         with self._lock:
@@ -133,4 +141,5 @@ class StatsRecorder:
                 active_leases,
                 active_transfers,
                 {name: PhaseStats(h.n, h.total, h.cumulative()) for name, h in self._phases.items()},
+                dict(self._refused),
             )

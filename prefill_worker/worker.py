@@ -36,7 +36,12 @@ class PrefillWorker(WorkerLifecycle):
             loop.call(lambda e: e.release_blocks(result.src_block_ids))
 
         self._progress("opening the KV sender and the gRPC port")
-        self.sender = KVSender(engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release)
+        tls = (
+            spec.tls.member_client_context() if spec.tls is not None else None
+        )  # to decode workers' KV ports
+        self.sender = KVSender(
+            engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release, tls=tls
+        )
         self.service = PrefillService(spec.worker_id, loop, self.sender, spec.prefill_timeout_s)
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]

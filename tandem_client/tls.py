@@ -174,6 +174,25 @@ class ServerTLS:
             context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
         return context
 
+    def member_client_context(self) -> ssl.SSLContext:
+        """A client context for dialling another cluster member's TLS server with this server's own
+        certificate (the KV handoff: a prefill worker connecting to a decode worker). The peer's certificate
+        must chain to client_ca (the cluster CA); its host name is not checked, because members are dialled by
+        IP and hold one shared name: the identity checked is membership in the cluster."""
+        if not self.client_ca:
+            raise TLSError(f"{self.where}.client_ca: a cluster member's client context needs the cluster CA")
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.check_hostname = False
+        context.load_verify_locations(cadata=self._client_roots().decode("ascii", errors="replace"))
+        try:
+            context.load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as exc:
+            raise TLSError(
+                f"{self.where}.key: does not match {self.where}.cert or is unusable ({exc})"
+            ) from None
+        return context
+
     def check(self) -> None:
         """Read every file once (TLSError naming the first bad one), so a process fails at start-up."""
         self.server_credentials()

@@ -165,6 +165,15 @@ class WorkerCollector(Collector):
             yield self._gauge(
                 "tandem_kv_leases_active", "KV leases reserved, not yet landed", stats.active_leases
             )
+            refused = CounterMetricFamily(
+                "tandem_kv_refused_total",
+                "KV control connections or transfers refused before any byte landed (a failed TLS handshake, "
+                "a forged, spent or cancelled lease handle), by reason",
+                labels=[*LABELS, "reason"],
+            )
+            for reason, count in sorted(stats.refused.items()):
+                refused.add_metric([*self._labels, reason], count)
+            yield refused
         else:
             yield self._gauge("tandem_kv_transfers_active", "KV sends in progress", stats.active_transfers)
 
