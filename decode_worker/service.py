@@ -25,7 +25,7 @@ from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError, SamplingParams
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
-from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
+from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls, take_blocks
 from worker_host.rpc import CallEnded, wait_for, worker_info
 
@@ -99,7 +99,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self._landed[rid] = landed
         try:
             if request.local_prefill:
-                self._add_local(rid, prompt, sampling, request.output_offset, context)
+                self._add_local(rid, prompt, sampling, request, context)
             else:
                 finished = yield from self._receive_kv(request, prompt, sampling, landed, context)
                 if finished is not None:
@@ -139,9 +139,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         assert ft is not None
         first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
         blocks, offset = result.lease.block_ids, request.output_offset
+        priority = priority_from_proto(request.priority)
         landed = time.monotonic()
         done = self.loop.call(
-            lambda e: e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset)
+            lambda e: e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority)
         )
         receiver.record_phase("admit", time.monotonic() - landed)  # waits for the engine's step to end
         return finished_event(done).finished if done is not None else None
@@ -167,12 +168,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         rid: str,
         prompt: list[int],
         sampling: SamplingParams,
-        offset: int,
+        request: worker_pb2.DecodeRequest,
         context: grpc.ServicerContext,
     ) -> None:
         """Colocated: check and queue the prompt in one engine-thread call."""
+        offset, priority = request.output_offset, priority_from_proto(request.priority)
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset))
+            self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority))
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

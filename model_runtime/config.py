@@ -160,9 +160,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # A waiting batch-class prompt older than this is admitted in arrival order with the interactive ones
+    # (model_runtime.waiting): interactive traffic delays batch by at most about this, never forever.
+    batch_max_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _require(
+            isinstance(self.batch_max_wait_s, (int, float))
+            and not isinstance(self.batch_max_wait_s, bool)
+            and 0 <= self.batch_max_wait_s < float("inf"),
+            "scheduler.batch_max_wait_s",
+            f"must be a finite number of seconds >= 0, got {self.batch_max_wait_s!r}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len > 0, "scheduler.max_model_len", "must be > 0"
         )

@@ -30,7 +30,7 @@ from model_runtime.fused.select import make_fused_ops
 from model_runtime.kv_layout import KVLayout
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
-from model_runtime.request import Request, RequestStatus, SamplingParams
+from model_runtime.request import Priority, Request, RequestStatus, SamplingParams
 from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
@@ -150,8 +150,10 @@ class Engine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         output_offset: int = 0,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> Request:
-        """`output_offset`: see Request.output_offset (a resumed request; 0 for a new one)."""
+        """`output_offset`: see Request.output_offset (a resumed request; 0 for a new one). `priority`: its
+        class among the waiting prompts (model_runtime.waiting)."""
         self.validate(prompt_token_ids, sampling)
         _check_offset(output_offset)
         if request_id in self._trackers:
@@ -162,6 +164,7 @@ class Engine:
             sampling,
             eos_token_ids=self.eos_token_ids,
             output_offset=output_offset,
+            priority=priority,
         )
         self.scheduler.add(request)
         self._trackers[request_id] = self._tracker(request)
@@ -188,11 +191,13 @@ class Engine:
         first_token: int,
         first_logprob: TokenLogprobs | None = None,
         output_offset: int = 0,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> StepOutput | None:
         """Decode worker: admit a request whose prompt KV landed in `block_ids` (allocated from this pool and
         now owned by the engine) with the token prefill sampled. Returns a finished StepOutput when that token
         already ends the request (its blocks are freed), else None: later tokens come from step().
-        `output_offset`: the output index prefill sampled `first_token` at (see Request.output_offset)."""
+        `output_offset`: the output index prefill sampled `first_token` at (see Request.output_offset);
+        `priority`: its class among the requests waiting for a sequence slot."""
         self.validate(prompt_token_ids, sampling)
         _check_offset(output_offset)
         request = Request(
@@ -203,6 +208,7 @@ class Engine:
             block_ids=list(block_ids),
             num_computed_tokens=len(prompt_token_ids),
             output_offset=output_offset,
+            priority=priority,
         )
         request.output_token_ids.append(first_token)
         if first_logprob is not None:

@@ -86,6 +86,13 @@ class SamplingParams:
                 raise SamplingError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
 
 
+class Priority(enum.Enum):
+    """A request's priority class: which waiting prompt the scheduler admits first (model_runtime.waiting)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
@@ -128,6 +135,7 @@ class Request:
     # worker was generating (the prompt then holds the tokens already sent). Seeded sampling draws output
     # token t with derive_step_seed(seed, output_offset + t), so a resumed stream continues the same draws.
     output_offset: int = 0
+    priority: Priority = Priority.INTERACTIVE
 
     @property
     def all_token_ids(self) -> list[int]:

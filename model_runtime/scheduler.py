@@ -13,8 +13,10 @@ Call order (the owner holds one lock around every call; nothing here is thread-s
     sched.abort(request_id)                  # any time; a chunk of an aborted request is skipped by advance
 
 A step first serves RUNNING requests in admission order (a decode is 1 token, a chunked prefill its next
-chunk), then admits PREEMPTED requests (oldest arrival first) and then WAITING ones (FIFO) while the token
-budget and the sequence limit allow. A chunk is min(uncomputed tokens, budget left), so long prompts are split
+chunk), then admits PREEMPTED requests (oldest arrival first) and then WAITING ones while the token budget and
+the sequence limit allow: interactive before batch, FIFO within a class, a batch request waiting longer than
+config.batch_max_wait_s taking its turn by arrival (model_runtime.waiting). Priority only orders admission:
+a running request is never preempted for a higher class. A chunk is min(uncomputed tokens, budget left), so long prompts are split
 across steps. When a running request needs a block and none is free, the most recently admitted running
 request is preempted by recompute (blocks freed, outputs kept; on resume it recomputes prompt + outputs, from
 the prefix cache where it can). Progress: the oldest running request can always get its blocks, because every
@@ -25,17 +27,19 @@ Disaggregated workers use the same core:
                     leaves its blocks allocated (their KV is shipped); the owner calls pool.free(block_ids).
     decode worker:  `add_running(request)` for a request whose KV landed in blocks it allocated from this
                     pool (all tokens but the last computed); it joins running at the next schedule() that has
-                    a free sequence slot.
+                    a free sequence slot (interactive before batch, as for waiting prompts).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections.abc import Callable
 
 from model_runtime.block_pool import BlockPool, extend_block_hashes
 from model_runtime.config import SchedulerConfig
 from model_runtime.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
 from model_runtime.request_rules import pool_overflow, prompt_leaves_no_room, token_cap
+from model_runtime.waiting import WaitingQueue
 
 
 class RequestRejected(ValueError):
@@ -43,7 +47,14 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,  # the clock of Request.arrival_time
+    ) -> None:
         if block_size != pool.block_size:
             raise ValueError(f"block_size: {block_size} differs from the pool's block_size {pool.block_size}")
         if not isinstance(max_model_len, int) or max_model_len < 2:
@@ -53,9 +64,9 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self._requests: dict[str, Request] = {}  # every unfinished request this scheduler owns
-        self._waiting: deque[Request] = deque()
+        self._waiting = WaitingQueue(config.batch_max_wait_s, clock)
         self._preempted: list[Request] = []  # kept sorted by arrival_time
-        self._ready: deque[Request] = deque()  # KV landed (add_running), waiting for a sequence slot
+        self._ready = WaitingQueue(config.batch_max_wait_s, clock)  # KV landed (add_running), needs a slot
         self._running: list[Request] = []  # admission order; the tail is preempted first
         self._hashes: dict[str, list[bytes]] = {}  # chained full-block hashes per request
         self._pending: SchedulerOutput | None = None  # scheduled, not yet advanced
@@ -257,13 +268,17 @@ class Scheduler:
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while budget > 0 and len(self._running) < self.config.max_num_seqs:
-            queue: list[Request] | deque[Request] = self._preempted or self._waiting
-            if not queue:
+            preempted = bool(self._preempted)
+            request = self._preempted[0] if preempted else self._waiting.peek()
+            if request is None:
                 return
-            n = self._admit(queue[0], budget)
+            n = self._admit(request, budget)
             if n == 0:
-                return  # the head does not fit now; keep FIFO order rather than let others pass it
-            request = queue.pop(0) if isinstance(queue, list) else queue.popleft()
+                return  # the head does not fit now; keep the order rather than let others pass it
+            if preempted:
+                self._preempted.pop(0)
+            else:
+                self._waiting.remove(request)
             self._running.append(request)
             chunks.append(self._chunk(request, n))
             budget -= n
@@ -344,11 +359,13 @@ class Scheduler:
         del self._requests[rid]
         self._hashes.pop(rid, None)
         self._expected_hits.pop(rid, None)
-        for queue in (self._running, self._preempted, self._waiting, self._ready):
+        for queue in (self._running, self._preempted):
             _remove_by_identity(queue, request)
+        self._waiting.remove(request)
+        self._ready.remove(request)
 
 
-def _remove_by_identity(queue: list[Request] | deque[Request], request: Request) -> None:
+def _remove_by_identity(queue: list[Request], request: Request) -> None:
     # Request is a dataclass with field-wise ==, so list.remove could drop an equal twin: compare identity.
     for i, r in enumerate(queue):
         if r is request:

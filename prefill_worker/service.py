@@ -26,7 +26,7 @@ from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError
 from model_runtime.scheduler import RequestRejected
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
-from worker_host.convert import FINISH_REASONS, logprob_proto, sampling_from_proto
+from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls
 from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
 
@@ -63,8 +63,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
         try:
             try:
-                offset = request.output_offset
-                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset))
+                offset, priority = request.output_offset, priority_from_proto(request.priority)
+                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority))
             except (InvalidRequest, RequestRejected, SamplingError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             out = wait_for(

@@ -46,7 +46,7 @@ from router.prefix import PromptHashes
 from router.relay import Relay, Write
 from router.responses import ResponseBuilder
 from router.streams import StreamMerger, WorkerCallError, WorkerStream
-from router.validation import ValidatedRequest, engine_sampling
+from router.validation import WORKER_PRIORITY, ValidatedRequest, engine_sampling
 from tandem_api.tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -346,6 +346,7 @@ class Dispatcher:
             local_prefill=local_prefill,
             lease_ttl_ms=int(self._config.lease_ttl_s * 1000),
             output_offset=offset,
+            priority=WORKER_PRIORITY[attempt.request.priority],
         )
         call = handle.stub.Decode(message, timeout=attempt.time_left())
         kind = "colocated" if local_prefill else "decode"
@@ -359,6 +360,7 @@ class Dispatcher:
             sampling=attempt.sampling(),
             target=target,
             output_offset=offset,
+            priority=WORKER_PRIORITY[attempt.request.priority],
         )
         call = handle.stub.Prefill(message, timeout=attempt.time_left())
         return WorkerStream(handle.worker_id, f"prefill worker {handle.worker_id}", call)

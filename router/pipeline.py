@@ -15,6 +15,7 @@ fields are read and never reaches a worker; then the key's quota, then admission
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -153,7 +154,9 @@ class RequestPipeline:
         out: ResponseBuilder | None = None
         try:
             async with asyncio.timeout_at(deadline):
-                out = ResponseBuilder(await self._validate(admitted.parsed), self.model, admitted.clock)
+                request = await self._validate(admitted.parsed)
+                request = dataclasses.replace(request, priority=admitted.ticket.priority)
+                out = ResponseBuilder(request, self.model, admitted.clock)
                 if admitted.grant is not None:
                     admitted.grant.charge_prompt(len(out.request.prompt_token_ids))
                 await admitted.ticket.start()

@@ -27,6 +27,7 @@ import grpc
 from model_runtime.request import SamplingError, SamplingParams
 from model_runtime.request_rules import EMPTY_PROMPT, out_of_vocab, prompt_leaves_no_room
 from model_runtime.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+from router.admission import Priority
 from router.config import RouterConfig
 from router.errors import RouterError, invalid
 from router.model import ServedModel
@@ -59,11 +60,13 @@ class ParsedRequest:
 
 @dataclass(frozen=True)
 class ValidatedRequest:
-    """What dispatch works with: every value resolved, nothing left to defaults."""
+    """What dispatch works with: every value resolved, nothing left to defaults. `priority` is the API key's
+    class (interactive without keys); the workers' schedulers order their waiting prompts by it."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    priority: Priority = Priority.INTERACTIVE
 
 
 def validate_request(
@@ -127,6 +130,12 @@ def check_lengths(
             f"tokens; at most {room}",
         )
     return ValidatedRequest(parsed.request_id, tuple(prompt_ids), sampling)
+
+
+WORKER_PRIORITY = {
+    Priority.INTERACTIVE: worker_pb2.PRIORITY_CLASS_INTERACTIVE,
+    Priority.BATCH: worker_pb2.PRIORITY_CLASS_BATCH,
+}
 
 
 def engine_sampling(sampling: SamplingParams) -> worker_pb2.EngineSampling:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model_runtime.request import SamplingParams
+from model_runtime.request import Priority, SamplingParams
 from model_runtime.sampler import TokenLogprobs
 from tandem_api.tandem.v1 import generate_pb2, worker_pb2
 
@@ -25,6 +25,12 @@ def sampling_from_proto(msg: worker_pb2.EngineSampling) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+def priority_from_proto(value: int) -> Priority:
+    """A worker request's PriorityClass -> the engine's class. NORMAL (unset: an older router) and any value
+    this worker does not know schedule as interactive, as every request did before classes existed."""
+    return Priority.BATCH if value == worker_pb2.PRIORITY_CLASS_BATCH else Priority.INTERACTIVE
 
 
 def logprob_proto(token_id: int, lp: TokenLogprobs) -> generate_pb2.TokenLogprob:

@@ -2,12 +2,22 @@ from tandem_api.tandem.v1 import admin_pb2 as _admin_pb2
 from tandem_api.tandem.v1 import generate_pb2 as _generate_pb2
 from tandem_api.tandem.v1 import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PriorityClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_CLASS_NORMAL: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_INTERACTIVE: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_BATCH: _ClassVar[PriorityClass]
+PRIORITY_CLASS_NORMAL: PriorityClass
+PRIORITY_CLASS_INTERACTIVE: PriorityClass
+PRIORITY_CLASS_BATCH: PriorityClass
 
 class EngineSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs")
@@ -30,18 +40,20 @@ class EngineSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "output_offset")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "output_offset", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
     target: _kv_pb2.KVTarget
     output_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., target: _Optional[_Union[_kv_pb2.KVTarget, _Mapping]] = ..., output_offset: _Optional[int] = ...) -> None: ...
+    priority: PriorityClass
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., target: _Optional[_Union[_kv_pb2.KVTarget, _Mapping]] = ..., output_offset: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer_done")
@@ -74,20 +86,22 @@ class TransferDone(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "local_prefill", "lease_ttl_ms", "output_offset")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "local_prefill", "lease_ttl_ms", "output_offset", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
     local_prefill: bool
     lease_ttl_ms: int
     output_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., output_offset: _Optional[int] = ...) -> None: ...
+    priority: PriorityClass
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., output_offset: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reserved", "tokens", "finished")
