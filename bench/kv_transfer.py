@@ -38,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, cuda_ipc  # noqa: E402
+from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, cuda_ipc, slicing  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
 
 TOKENS = (128, 512, 2048, 8192, 32768)
+DEFAULT_SLICE_BYTES = slicing.SLICE_BYTES
 TCP_MAX_TOKENS = 2048  # tcp stages GPU blocks through host memory: a reference point, not a GPU transport
 SPARE_BLOCKS = 64
 METHOD = ("handoff: decode-side wall time reserve -> landed (includes the KVTarget pipe hop); send->ack: "
@@ -94,6 +95,15 @@ class FreeList:
             self.ids.extend(ids)
 
 
+def apply_variant(label: str) -> tuple[str, str]:
+    """A transport label's variant, set in this process: "cuda_ipc+engine" (copy engines instead of the block-copy
+    kernel), "nccl+s128" (128 MiB nccl slices instead of slicing.SLICE_BYTES). Returns (transport, variant)."""
+    base, _, variant = label.partition("+")
+    cuda_ipc.COPY_ENGINE_MAX_RUNS = 10**9 if variant == "engine" else 0
+    slicing.SLICE_BYTES = int(variant[1:]) * 2**20 if variant.startswith("s") else DEFAULT_SLICE_BYTES
+    return base, variant
+
+
 # --- the decode process (receiver) ----------------------------------------------------------------------
 class Landing:
     """on_result target: the receiver's thread reports, the benchmark loop waits."""
@@ -140,8 +150,7 @@ def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
             if receiver is None or current != kind:
                 if receiver is not None:
                     receiver.close()
-                base, _, variant = kind.partition("+")
-                cuda_ipc.COPY_ENGINE_MAX_RUNS = 10**9 if variant == "engine" else 0
+                base, _ = apply_variant(kind)
                 config = transfer_config(base)
                 receiver, current = KVReceiver(layout, cache, alloc, config, on_result=landing.put), kind
             ctl.send(decode_handoffs(receiver, landing, alloc, cache, peer, tokens, runs))
@@ -178,7 +187,7 @@ def prefill_main(ctl, peer, device_index: int, max_tokens: int) -> None:
             if sender is None or current != kind:
                 if sender is not None:
                     sender.close()
-                sender, current = KVSender(layout, cache, transfer_config(kind.partition("+")[0])), kind
+                sender, current = KVSender(layout, cache, transfer_config(apply_variant(kind)[0])), kind
             ctl.send(prefill_handoffs(sender, cache, peer, tokens))
         else:
             ctl.send(raw_times(cmd, 0, peer, device, state))
@@ -414,7 +423,8 @@ def main() -> None:
     parser.add_argument(
         "--transports",
         default="nccl,cuda_ipc,tcp",
-        help="cuda_ipc+engine: cuda_ipc with copy-engine 2-D copies instead of the block-copy kernel",
+        help="cuda_ipc+engine: cuda_ipc with copy-engine 2-D copies instead of the block-copy kernel; "
+        "nccl+s128: nccl with 128 MiB slices",
     )
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--warmup", type=int, default=3)

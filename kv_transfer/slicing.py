@@ -44,7 +44,8 @@ def slices(
     layout: KVLayout, layer_begin: int, layer_end: int, num_blocks: int, limit: int = SLICE_BYTES
 ) -> list[Slice]:
     """The slices of layers [layer_begin, layer_end) of a request with num_blocks blocks, in wire order; each
-    at most `limit` bytes unless a single block of a single layer is larger."""
+    at most `limit` bytes (default SLICE_BYTES) unless a single block of a single layer is larger."""
+    limit = SLICE_BYTES if limit is None else limit
     if not 0 <= layer_begin < layer_end or num_blocks < 1:
         raise ValueError(f"slices: empty part (layers [{layer_begin}, {layer_end}), {num_blocks} blocks)")
     per_layer = layout.bytes_per_block_layer * num_blocks
@@ -62,6 +63,7 @@ def slices(
     ]
 
 
-def ring_bytes(layout: KVLayout, limit: int = SLICE_BYTES) -> int:
+def ring_bytes(layout: KVLayout, limit: int | None = None) -> int:
     """The size of one staging buffer: the largest slice `slices` can make."""
+    limit = SLICE_BYTES if limit is None else limit
     return max(limit - limit % layout.bytes_per_block_layer, layout.bytes_per_block_layer)
