@@ -10,6 +10,7 @@ from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.roles import WorkerRole
 from tandem_api.tandem.v1 import worker_pb2_grpc
+from tandem_client.tls import plaintext_warning
 from worker_host.host import EngineLoopAllocator, WorkerSpec, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
@@ -35,6 +36,11 @@ class DecodeWorker(WorkerLifecycle):
         self.service = DecodeService(spec.worker_id, self.loop, None, spec.role.wire, spec.kv_wait_timeout_s)
         if spec.role is WorkerRole.DECODE:
             engine = self.loop.engine
+            warning = spec.tls is None and plaintext_warning(
+                f"worker {spec.worker_id}'s KV receiver", spec.transfer.host
+            )
+            if warning:
+                log.warning(warning)
             self.receiver = KVReceiver(
                 engine.layout,
                 engine.runner.kv_cache,

@@ -171,8 +171,8 @@ class WorkerCollector(Collector):
                 "a forged, spent or cancelled lease handle), by reason",
                 labels=[*LABELS, "reason"],
             )
-            for reason, count in sorted(stats.refused.items()):
-                refused.add_metric([*self._labels, reason], count)
+            for why, count in sorted(stats.refused.items()):
+                refused.add_metric([*self._labels, why], count)
             yield refused
         else:
             yield self._gauge("tandem_kv_transfers_active", "KV sends in progress", stats.active_transfers)
