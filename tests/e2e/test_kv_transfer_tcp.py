@@ -366,3 +366,28 @@ def test_an_idle_channel_is_closed_by_the_receiver_and_replaced():
         time.sleep(0.6)  # past the receiver's idle timeout: it closed the connection
         second, landed = _send_one(sender, receiver, cache, "b")
     assert first.ok and second.ok and landed.ok and "connect" in second.phases
+
+
+def test_an_exclusive_transport_takes_turns_on_one_connection():
+    """nccl's rule (one connection per pair, one transfer at a time on it), checked through the pool with the tcp
+    transport marked exclusive: a second transfer waits for the first to finish, then reuses its connection."""
+    layout = make_layout("float32")
+    cache, alloc = make_cache(layout, 25), ShuffledFreeList(NUM_BLOCKS, 6)
+    with (
+        KVReceiver(layout, make_cache(layout, 26), alloc, config()) as receiver,
+        KVSender(layout, cache, config()) as sender,
+    ):
+        sender._transport.exclusive = True  # type: ignore[attr-defined]
+        first_lease, second_lease = receiver.reserve("a", 11), receiver.reserve("b", 11)
+        first_ids, second_ids = [1, 2, 3], [4, 5, 6]
+        first = sender.open(receiver.target(first_lease), first_ids, 11)  # holds the connection until finish
+        time.sleep(0.3)
+        second = sender.send(receiver.target(second_lease), second_ids, 11, FIRST)
+        time.sleep(0.3)
+        assert not second.done()  # waiting for its turn, not on a second connection
+        first.send_layers(0, layout.num_layers)
+        first.finish(FIRST)
+        a, b = first.result(timeout=20), second.result(timeout=20)
+        results = {r.request_id: r for r in wait_results(receiver, 2)}
+    assert a.ok and b.ok and results["a"].ok and results["b"].ok
+    assert "connect" in a.phases and "connect" not in b.phases and b.phases["channel"] >= 0.25
