@@ -11,7 +11,7 @@ decode:   {replicas, num_gpus, engine: {...}}
 colocated:{replicas, num_gpus, engine: {...}}   # mode: colocated
 transfer: {kind: tcp | nccl | cuda_ipc, ...}     # kv_transfer.TransferConfig
 ray:      {address: null | auto | ray://..., namespace}
-controller: {health_interval_s, heartbeat_timeout_s, restart_limit, drain_timeout_s}
+controller: {health_interval_s, heartbeat_timeout_s, restart_limit, drain_timeout_s, routers, admin_key_file}
 autoscaler: {enabled, interval_s, window_s, ttft_s, tpot_s, prefill: {min, max}, ...}  # deploy/autoscaler/settings.py
 tls:      {router: {cert, key, client_ca, require_client_cert}, cluster: {ca, cert, key, server_name}}  # deploy/tls.py
 """
@@ -181,8 +181,18 @@ class ControllerSettings:
     # prompt's KV (its lease, of term transfer.lease_ttl_s, is renewed meanwhile).
     prefill_timeout_s: float = 600.0
     kv_wait_timeout_s: float = 60.0
+    # A file holding an admin API key (admin: true in the routers' key file), sent with the membership pushes
+    # to `routers` that ask for keys; read on every push, so a rotated Secret is picked up. "": $TANDEM_API_KEY
+    # when set, else no key (then the routers must take the cluster certificate over mutual TLS, or ask for no
+    # keys). deploy/publish.py.
+    admin_key_file: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.admin_key_file, str):
+            raise ConfigError(
+                f'controller.admin_key_file: must be the path of a file holding an admin key ("": none), '
+                f"got {self.admin_key_file!r}"
+            )
         for name in (
             "health_interval_s",
             "heartbeat_timeout_s",

@@ -69,7 +69,7 @@ async def serve(config: DeployConfig) -> int:
     """Run until SIGINT/SIGTERM. With controller.routers set (Kubernetes), membership goes to those standalone
     routers over gRPC; otherwise a router runs in this process."""
     from deploy.metrics import ServeMetrics
-    from deploy.publish import RouterPublisher
+    from deploy.publish import AdminKeyError, RouterPublisher, admin_key_reader
     from deploy.router_inputs import endpoints, router_config
 
     loop = asyncio.get_running_loop()
@@ -83,8 +83,17 @@ async def serve(config: DeployConfig) -> int:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     if config.controller.routers:
+        try:
+            admin_key = admin_key_reader(config.controller.admin_key_file)
+        except AdminKeyError as exc:
+            metrics.close()
+            print(f"tandem serve: {exc}", file=sys.stderr)
+            return 2
         publisher = RouterPublisher(
-            config.controller.routers, config.controller.health_interval_s, tls=config.tls.router_client()
+            config.controller.routers,
+            config.controller.health_interval_s,
+            tls=config.tls.router_client(),
+            api_key=admin_key,
         )
         controller = Controller(config, metrics.wrap(publisher.publish))
         address = ", ".join(config.controller.routers)

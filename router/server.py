@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router.admission import Admission
 from router.auth import AuthGate
+from router.auth.control import ControlGuard
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.errors import RouterError
@@ -48,7 +49,7 @@ from tandem_api.tandem.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tandem_client.tls import plaintext_warning
+from tandem_client.tls import plaintext_warning, read_pem
 
 log = logging.getLogger(__name__)
 
@@ -202,11 +203,20 @@ class RouterServer:
             check_admin = partial(pipeline.authenticate, protocol=Protocol.GRPC, admin=True)
         admin = AdminService(self._pool, self._admission, self._scaler, self.metrics.recent, check_admin)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
-        worker_pb2_grpc.add_RouterControlServicer_to_server(RouterControlService(self._apply), server)
+        control = RouterControlService(self._apply, ControlGuard(check_admin, self._cluster_ca()))
+        worker_pb2_grpc.add_RouterControlServicer_to_server(control, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         services = (GENERATION_SERVICE, ADMIN_SERVICE, ROUTER_CONTROL_SERVICE, HEALTH_SERVICE)
         reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
         return server
+
+    def _cluster_ca(self) -> bytes | None:
+        """The cluster CA bundle RouterControl callers' certificates are checked against: known when the public
+        port requires client certificates that may also come from the cluster CA (tls.cluster_ca)."""
+        tls = self.config.tls
+        if tls is None or not tls.require_client_cert or not tls.cluster_ca:
+            return None
+        return read_pem(tls.cluster_ca, "tls.cluster.ca")
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Report NOT_SERVING, let in-flight calls finish for up to `grace` seconds, then cancel the rest

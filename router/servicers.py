@@ -5,9 +5,9 @@ pipeline (router.pipeline), which the OpenAI HTTP API uses too; a RouterError be
 with its retry delay as trailing metadata `retry-after-ms` (RESOURCE_EXHAUSTED: router full, a key's quota).
 
 With API keys on, Generate and ListModels need `authorization: Bearer <key>` metadata, and Admin.Scale an admin
-key; Admin.Status (read-only counters, which the controller's autoscaler polls), RouterControl (the
-controller's membership pushes), health and reflection stay open: they are for the cluster's network, which
-mutual TLS is to close (issue 17), not for API clients.
+key. RouterControl (the controller's membership pushes) needs an admin key or a cluster certificate over mutual
+TLS (router.auth.control.ControlGuard). Admin.Status (read-only counters, which the controller's autoscaler
+polls), health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from router.admission import Admission
+from router.auth.control import ControlGuard, peer_certificate
 from router.errors import RouterError
 from router.pipeline import Protocol, RequestPipeline
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
@@ -183,12 +184,21 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
 
 class RouterControlService(worker_pb2_grpc.RouterControlServicer):
-    """SetWorkers from the controller: the whole membership each time; an older generation is ignored."""
+    """SetWorkers from the controller: the whole membership each time; an older generation is ignored. `guard`
+    refuses callers that may not change it (see ControlGuard) before the message is read."""
 
-    def __init__(self, apply: Callable[[Sequence[Endpoint], int | None], bool]) -> None:
+    def __init__(
+        self, apply: Callable[[Sequence[Endpoint], int | None], bool], guard: ControlGuard | None = None
+    ) -> None:
         self._apply = apply
+        self._guard = guard
 
     async def SetWorkers(self, request: worker_pb2.WorkerSet, context: Any) -> Any:
+        if self._guard is not None:
+            try:
+                self._guard.check(authorization(context), peer_certificate(context), context.peer())
+            except RouterError as exc:
+                await abort(context, exc)
         try:
             endpoints = endpoints_from_proto(request.workers)
         except RouterError as exc:
