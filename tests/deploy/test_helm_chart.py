@@ -83,9 +83,12 @@ def test_the_openai_http_port_is_served_exposed_and_can_be_turned_off() -> None:
 
 def test_api_keys_come_from_a_secret_mounted_as_a_directory_on_the_routers() -> None:
     assert rendered_config(rendered("defaults")).router.auth.api_keys_file == ""  # off by default
-    r = render(
-        {"router": {"apiKeys": {"secretName": "tandem-keys", "reloadIntervalSeconds": 5}}}, label="keys"
-    )
+    keys = {
+        "secretName": "tandem-keys",
+        "reloadIntervalSeconds": 5,
+        "controllerKeySecretName": "tandem-admin",
+    }
+    r = render({"router": {"apiKeys": keys}}, label="keys")
     assert check_all(r) == [] and validate_rendering(r) == []
     auth = rendered_config(r).router.auth
     assert (auth.api_keys_file, auth.reload_interval_s) == ("/etc/tandem-keys/api_keys.yaml", 5)
@@ -97,6 +100,20 @@ def test_api_keys_come_from_a_secret_mounted_as_a_directory_on_the_routers() -> 
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
     # a subPath mount would never see an edited Secret, and the reload would never happen
     assert mount == {"name": "api-keys", "mountPath": "/etc/tandem-keys", "readOnly": True}
+
+
+def test_the_controller_pushes_with_an_admin_key_mounted_on_the_ray_head() -> None:
+    keys = {"secretName": "tandem-keys", "controllerKeySecretName": "tandem-admin"}
+    r = render({"router": {"apiKeys": keys}}, label="controller key")
+    assert check_all(r) == [] and validate_rendering(r) == []
+    assert rendered_config(r).controller.admin_key_file == "/etc/tandem-controller-key/admin.key"
+    head = r.objects("RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]
+    volume = next(v for v in head["volumes"] if v["name"] == "controller-key")
+    assert volume["secret"]["secretName"] == "tandem-admin"
+    assert volume["secret"]["items"] == [{"key": "admin.key", "path": "admin.key"}]
+    mount = next(m for m in head["containers"][0]["volumeMounts"] if m["name"] == "controller-key")
+    assert mount == {"name": "controller-key", "mountPath": "/etc/tandem-controller-key", "readOnly": True}
+    assert rendered_config(rendered("defaults")).controller.admin_key_file == ""
 
 
 def test_monitoring_values_add_monitors_and_dashboard() -> None:
@@ -308,6 +325,10 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
         (
             {"workers": {"metricsPort": 9995}, "decode": {"gpusPerWorker": 8}},
             "workers.metricsPort: the decode pods' worker metrics ports 9995-10002 overlap",
+        ),
+        (
+            {"router": {"apiKeys": {"secretName": "tandem-keys"}}},
+            "router.apiKeys.controllerKeySecretName: with API keys on, the routers take the controller's",
         ),
         (
             {"decode": {"maxReplicas": 3}},

@@ -52,6 +52,9 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{/* Where router pods mount router.apiKeys.secretName: a directory, not a subPath, so Secret updates arrive. */}}
 {{- define "tandem.apiKeysDir" -}}/etc/tandem-keys{{- end -}}
 
+{{/* Where the Ray head (the controller) mounts router.apiKeys.controllerKeySecretName: re-read on every push. */}}
+{{- define "tandem.controllerKeyDir" -}}/etc/tandem-controller-key{{- end -}}
+
 {{- define "tandem.config" -}}
 {{- $v := .Values -}}
 {{- $router := dict "host" "0.0.0.0" "port" (int $v.router.grpcPort) "metrics_port" (int $v.router.metricsPort) -}}
@@ -74,6 +77,11 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $_ := set $controller "health_interval_s" $v.controller.healthIntervalSeconds -}}
 {{- $_ := set $controller "heartbeat_timeout_s" $v.controller.heartbeatTimeoutSeconds -}}
 {{- $_ := set $controller "drain_timeout_s" $v.controller.drainTimeoutSeconds -}}
+{{- with $v.router.apiKeys -}}
+{{- if .controllerKeySecretName -}}
+{{- $_ := set $controller "admin_key_file" (printf "%s/%s" (include "tandem.controllerKeyDir" $) .controllerKeySecretKey) -}}
+{{- end -}}
+{{- end -}}
 {{- $config := dict "model" $v.model "mode" $v.mode "router" $router "transfer" $transfer -}}
 {{- $_ := set $config "controller" $controller -}}
 {{- if $v.autoscaler.enabled -}}

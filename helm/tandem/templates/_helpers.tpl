@@ -161,6 +161,9 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- end }}
 {{- end }}
 {{- include "tandem.validateTls" . }}
+{{- if and .Values.router.apiKeys.secretName (not .Values.router.apiKeys.controllerKeySecretName) (not .Values.tls.clientCaSecretName) }}
+{{- fail "router.apiKeys.controllerKeySecretName: with API keys on, the routers take the controller's membership pushes only with an admin key (a Secret holding one) or, with tls.clientCaSecretName, its cluster certificate" }}
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.validateTls" -}}
