@@ -22,6 +22,7 @@ import yaml
 from tests.loopback import free_port, health
 
 READY_LINE = "Tandem is serving"
+STANDARD_PREFILL = STANDARD_DECODE = 2  # the shared standard cluster's pools (tests/e2e/conftest.py)
 
 
 def engine_section(num_blocks: int) -> dict:

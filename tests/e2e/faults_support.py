@@ -1,6 +1,6 @@
 """What the worker-fault e2e tests (test_faults.py) share: cluster introspection through `tandem status`, the
-worker processes found by their listening port, signals, a generation on a background thread, and the two
-cluster shapes' settings."""
+worker processes found by their listening port, signals, a generation on a background thread, and the
+stall cluster's shape and deadlines."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from tandem_client.types import WorkerInfo
 from tests.e2e.cluster import ServeProcess
 from tests.polling import wait_until
 
-# Short deadlines where a stall is the fault under test. Elsewhere the lease must outlast a retried prefill of a
-# long prompt on a loaded 2-core CI box (a claimed lease is no longer renewed: the transfer must land within it).
+# Short deadlines where a stall is the fault under test. Elsewhere (the standard cluster's defaults, 30 s and
+# 60 s) the lease must outlast a retried prefill of a long prompt on a loaded 2-core CI box (a claimed lease is no
+# longer renewed: the transfer must land within it).
 STALL_TRANSFER = {"transfer_timeout_s": 3, "lease_ttl_s": 5}
-PAIRS_TRANSFER = {"transfer_timeout_s": 10, "lease_ttl_s": 60}
 WORDS = [
     "the",
     "river",

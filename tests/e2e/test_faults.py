@@ -10,8 +10,10 @@ model. Faults are real signals to the worker processes (found by the port they l
     SIGKILL the prefill worker mid-handoff (receiver stopped) -> UNAVAILABLE (no other prefill); leases freed
     SIGSTOP a worker (a hung process)    -> the controller's heartbeat notices within seconds and replaces it
 
-Two clusters: `pairs` (2 prefill + 2 decode, the controller watching every 0.5 s) and `stall` (1 prefill +
-2 decode, the controller's checks far apart so that a stopped worker stays stopped until the test resumes it).
+Two clusters: `pairs`, the shared standard cluster (2 prefill + 2 decode, the controller watching every 0.5 s;
+these tests run on it after every test that needs it as it started, and it is back at full strength after each,
+see tests/e2e/conftest.py), and `stall` (1 prefill + 2 decode, the controller's checks far apart so that a stopped
+worker stays stopped until the test resumes it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from tandem_client import Client, Unavailable
 from tests.e2e.cluster import ServeProcess
 from tests.e2e.faults_support import (
     NOT_SERVING,
-    PAIRS_TRANSFER,
     SERVING,
     STALL_TRANSFER,
     Background,
@@ -64,11 +65,11 @@ def offline() -> LLM:
     return LLM(config=config)
 
 
-@pytest.fixture(scope="class")
-def pairs(tmp_path_factory) -> Iterator[ServeProcess]:
+@pytest.fixture
+def pairs(standard_cluster_replacing_workers: ServeProcess) -> Iterator[ServeProcess]:
     """2 prefill + 2 decode; the controller checks every 0.5 s and replaces dead or hung workers."""
-    with serve(tmp_path_factory.mktemp("pairs"), 2, 2, PAIRS_TRANSFER, {"health_interval_s": 0.5}) as cluster:
-        yield cluster
+    yield standard_cluster_replacing_workers
+    print("".join(standard_cluster_replacing_workers.lines[-80:]))  # shown with a failing test
 
 
 @pytest.fixture(scope="class")
@@ -80,7 +81,7 @@ def stall(tmp_path_factory) -> Iterator[ServeProcess]:
 
 
 class TestPairs:
-    """2 prefill + 2 decode workers, one cluster for the class (torn down before the next class starts)."""
+    """2 prefill + 2 decode workers: the shared standard cluster."""
 
     # --- item 2: a decode worker dies mid-stream -----------------------------------------------------------
     def test_decode_worker_killed_mid_stream_resumes_elsewhere_without_gap_or_duplicate(self, pairs, offline):

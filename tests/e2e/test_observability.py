@@ -1,7 +1,8 @@
-"""Observability end to end: `tandem serve` (1 prefill + 1 decode, real Ray and gRPC) scraped by a REAL Prometheus.
+"""Observability end to end: `tandem serve` (the shared standard cluster: real Ray and gRPC) scraped by a REAL
+Prometheus.
 
 Prometheus runs from deploy/prometheus/prometheus.yml (intervals shortened to 1 s, paths made absolute) and finds
-the router and both workers only through the file_sd list `tandem serve` writes. After 7 good and 2 invalid
+the router and every worker only through the file_sd list `tandem serve` writes. After 7 good and 2 invalid
 requests, its query API must show exactly those requests, tokens and transfers added to the counters (the cluster
 is the shared standard one: earlier tests' requests are already counted), every worker up and idle, our alert
 rules evaluating without error, and every Grafana dashboard query answering. promtool checks the example config
@@ -17,6 +18,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import yaml
 
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import InvalidArgument
-from tests.e2e.cluster import ServeProcess
+from tests.e2e.cluster import STANDARD_DECODE, STANDARD_PREFILL, ServeProcess
 from tests.loopback import free_port
 from tests.polling import wait_until
 
@@ -53,6 +55,7 @@ PROMPTS = [
 ]
 WAIT_S = 60.0
 POLL_S = 0.25  # Prometheus scrapes and evaluates every second; a check runs up to ~30 queries
+WORKERS = STANDARD_PREFILL + STANDARD_DECODE
 
 
 class Prometheus:
@@ -169,22 +172,22 @@ async def _generate(address: str) -> list:
 def test_file_sd_lists_the_router_and_every_worker(service) -> None:
     _, prometheus, file_sd = service
     groups = {g["labels"]["component"]: g["targets"] for g in json.loads(file_sd.read_text())}
-    assert sorted(groups) == ["decode", "prefill", "router"]
-    assert all(len(targets) == 1 for targets in groups.values()), groups
+    counts = {"decode": STANDARD_DECODE, "prefill": STANDARD_PREFILL, "router": 1}
+    assert {component: len(targets) for component, targets in groups.items()} == counts, groups
 
     def all_up() -> bool:
         active = prometheus.api("targets", state="active")["activeTargets"]
-        return len(active) == 3 and all(t["health"] == "up" for t in active)
+        return len(active) == 1 + WORKERS and all(t["health"] == "up" for t in active)
 
     wait_until(
         all_up,
         WAIT_S,
-        "3 healthy targets",
+        f"{1 + WORKERS} healthy targets",
         lambda: json.dumps(prometheus.api("targets"), indent=1),
         every_s=POLL_S,
     )
     active = prometheus.api("targets", state="active")["activeTargets"]
-    assert sorted(t["labels"]["component"] for t in active) == ["decode", "prefill", "router"]
+    assert Counter(t["labels"]["component"] for t in active) == counts
 
 
 @needs_prometheus
@@ -217,7 +220,7 @@ def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> N
         "sum(tandem_kv_transfer_failures_total)": 0,
     }
     expected = {expr: (prometheus.scalar(expr, at=start) or 0) + n for expr, n in added.items()} | {
-        "count(tandem_worker_up == 1)": 2,
+        "count(tandem_worker_up == 1)": WORKERS,
         "max(tandem_kv_cache_used_blocks)": 0,
         "max(tandem_kv_leases_active)": 0,
         "max(tandem_kv_transfers_active)": 0,
@@ -240,7 +243,7 @@ def test_prometheus_sees_exactly_the_requests_tokens_and_transfers(service) -> N
     assert sent["decode"] > 0 and sent["decode"] == sent["prefill"], sent
     computed = growth(prometheus, 'sum(tandem_prefill_tokens_total{role="prefill"})', start)
     assert 0 < computed <= prompt_tokens  # the prefix cache may skip whole blocks
-    assert prometheus.scalar("count(tandem_kv_cache_usage_ratio)") == 2
+    assert prometheus.scalar("count(tandem_kv_cache_usage_ratio)") == WORKERS
     assert prometheus.scalar('sum(tandem_step_duration_seconds_count{role="decode"})')
 
 

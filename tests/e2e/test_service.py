@@ -1,7 +1,7 @@
 """The disaggregated service end to end: real Ray, real gRPC on 127.0.0.1, the tcp KV transport, the embedded model.
 
-One cluster (2 prefill + 2 decode workers) serves every test in this module; the offline engine in this process
-is the reference it must match token for token.
+The shared standard cluster (2 prefill + 2 decode workers, tests/e2e/conftest.py) serves every test in this
+module; the offline engine in this process is the reference it must match token for token.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from model_runtime.request import ChatMessage, PromptInput, SamplingParams
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from tests.e2e.cluster import ServeProcess
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -54,10 +55,9 @@ def prompts(n: int, seed: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ServeProcess(tmp_path_factory.mktemp("serve"), prefill=2, decode=2) as serve:
-        yield serve
-    assert serve.exit_code == 0, "".join(serve.lines[-30:])
+def cluster(standard_cluster: ServeProcess) -> ServeProcess:
+    """These tests only send it requests; the conftest checks its clean stop (exit 0)."""
+    return standard_cluster
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +150,34 @@ def test_streamed_deltas_join_to_the_final_text(cluster):
     assert result.timings.time_to_first_token_seconds > 0
 
 
+def settled_requests_totals(client: Client) -> dict[str, int]:
+    """requests_total per worker once two reads 1 s apart (two polls of each worker) agree: an earlier test's
+    requests are all counted."""
+    last: dict[str, int] = {}
+
+    def read() -> dict[str, int] | None:
+        nonlocal last
+        now = {w.worker_id: w.requests_total for w in client.status().workers}
+        same, last = now == last, now
+        if not same:
+            time.sleep(1.0)
+        return now if same else None
+
+    return wait_until(read, 15, "the workers' request counts to settle")
+
+
 def test_every_worker_serves_traffic(cluster):
-    asyncio.run(_generate_all(cluster.address, prompts(12, seed=3), temperature=0, max_tokens=2))
+    """Each worker takes a share of 12 requests (counted from before them: earlier tests' requests count too)."""
     with Client(cluster.address) as client:
-        workers = client.status().workers
-    assert len(workers) == 4
-    idle = [w.worker_id for w in workers if w.requests_total == 0]
-    assert not idle, f"workers that served nothing: {idle}"
+        before = settled_requests_totals(client)
+        asyncio.run(_generate_all(cluster.address, prompts(12, seed=3), temperature=0, max_tokens=2))
+
+        def idle() -> list[str]:
+            return [w.worker_id for w in client.status().workers if w.requests_total == before[w.worker_id]]
+
+        # The router's view of a worker is as fresh as its last poll (0.5 s apart).
+        wait_until(lambda: not idle(), 5, "every worker to count a share", lambda: f"served none: {idle()}")
+    assert len(before) == 4
 
 
 def test_cancel_mid_stream_releases_everything(cluster):
