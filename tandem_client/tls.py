@@ -163,16 +163,19 @@ class ServerTLS:
         self._pair()  # clear errors for missing files before ssl's own
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._load_own_pair(context)
+        if self.client_ca:
+            context.load_verify_locations(cadata=self._client_roots().decode("ascii", errors="replace"))
+            context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
+        return context
+
+    def _load_own_pair(self, context: ssl.SSLContext) -> None:
         try:
             context.load_cert_chain(self.cert, self.key)
         except ssl.SSLError as exc:
             raise TLSError(
                 f"{self.where}.key: does not match {self.where}.cert or is unusable ({exc})"
             ) from None
-        if self.client_ca:
-            context.load_verify_locations(cadata=self._client_roots().decode("ascii", errors="replace"))
-            context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
-        return context
 
     def member_client_context(self) -> ssl.SSLContext:
         """A client context for dialling another cluster member's TLS server with this server's own
@@ -185,12 +188,7 @@ class ServerTLS:
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.check_hostname = False
         context.load_verify_locations(cadata=self._client_roots().decode("ascii", errors="replace"))
-        try:
-            context.load_cert_chain(self.cert, self.key)
-        except ssl.SSLError as exc:
-            raise TLSError(
-                f"{self.where}.key: does not match {self.where}.cert or is unusable ({exc})"
-            ) from None
+        self._load_own_pair(context)
         return context
 
     def check(self) -> None:
