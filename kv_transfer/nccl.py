@@ -153,6 +153,18 @@ class _Pair:
         k, self.slot = self.slot, (self.slot + 1) % RING_SLOTS
         return k
 
+    def post_recv(self, nbytes: int) -> tuple[int, Any]:
+        """Receive the next slice into a free ring slot on `first`: (slot, the event after the receive)."""
+        k = self.next_slot()
+        if self.released[k] is not None:
+            self.first.wait_event(self.released[k])
+        self.comm.recv(
+            self.ring[k].data_ptr(), nbytes, _nccl().NCCL_UINT8, SENDER_RANK, self.first.cuda_stream
+        )
+        received = torch.cuda.Event()
+        received.record(self.first)
+        return k, received
+
     def slice_views(
         self, k: int, cache: DevicePointer, ids: torch.Tensor, piece: Slice, layout: KVLayout
     ) -> tuple[DevicePointer, DevicePointer, DevicePointer, DevicePointer]:
@@ -356,21 +368,14 @@ class _NcclSink(PartSink):
         self._last: Any = None  # the event after this transfer's last scatter
 
     def part(self, job: PartJob) -> None:
-        t, nccl = self._t, _nccl()
+        t = self._t
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
         try:  # a failure from here may leave a receive posted: the pair must go (abandon)
             bind_device(t._device)
             with pair.lock, torch.cuda.stream(pair.second):
                 ids = block_index(job.block_ids, t._device)
                 for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
-                    k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
-                    if pair.released[k] is not None:
-                        pair.first.wait_event(pair.released[k])
-                    pair.comm.recv(
-                        pair.ring[k].data_ptr(), nbytes, nccl.NCCL_UINT8, SENDER_RANK, pair.first.cuda_stream
-                    )
-                    received = torch.cuda.Event()
-                    received.record(pair.first)
+                    k, received = pair.post_recv(piece.num_bytes(t._layout))
                     pair.second.wait_event(received)
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, t._cache_ptr, ids, piece, t._layout
@@ -385,20 +390,13 @@ class _NcclSink(PartSink):
     def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
         """Post the receives a refused transfer's sends expect, into the ring, with no scatter: the
         communicator stays in step and the cache is not touched."""
-        t, nccl = self._t, _nccl()
+        t = self._t
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
         try:
             bind_device(t._device)
             with pair.lock:
                 for piece in slices(t._layout, layer_begin, layer_end, num_blocks):
-                    k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
-                    if pair.released[k] is not None:
-                        pair.first.wait_event(pair.released[k])
-                    pair.comm.recv(
-                        pair.ring[k].data_ptr(), nbytes, nccl.NCCL_UINT8, SENDER_RANK, pair.first.cuda_stream
-                    )
-                    received = torch.cuda.Event()
-                    received.record(pair.first)
+                    k, received = pair.post_recv(piece.num_bytes(t._layout))
                     pair.released[k] = self._last = received
         except Exception as exc:
             raise _as_failure(exc) from None
