@@ -307,7 +307,8 @@ def test_garbage_on_the_control_port_is_refused_and_the_receiver_survives(peer):
 
 
 # --- control connections are kept and reused -------------------------------------------------------------
-def _send_one(sender: KVSender, receiver: KVReceiver, cache, rid: str, forge: bool = False):
+def _send_one(sender: KVSender, receiver: KVReceiver, cache, landing, rid: str, forge: bool = False):
+    """One transfer of `cache`'s blocks into the lease of `rid`; `landing` is the receiver's cache."""
     lease = receiver.reserve(rid, 11)
     target = receiver.target(lease)
     if forge:
@@ -318,34 +319,30 @@ def _send_one(sender: KVSender, receiver: KVReceiver, cache, rid: str, forge: bo
         assert receiver.abort(rid)
     (landed,) = wait_results(receiver)
     if landed.ok:
-        assert checksum(receiver_cache(receiver), lease.block_ids) == checksum(cache, ids)
+        assert checksum(landing, lease.block_ids) == checksum(cache, ids)
     return sent, landed
-
-
-def receiver_cache(receiver: KVReceiver):
-    return receiver._transport._cache  # type: ignore[attr-defined]
 
 
 def test_a_warm_channel_carries_the_next_transfer_and_a_failure_closes_it():
     layout = make_layout("float32")
     cache, alloc = make_cache(layout, 21), ShuffledFreeList(NUM_BLOCKS, 4)
     with (
-        KVReceiver(layout, make_cache(layout, 22), alloc, config()) as receiver,
+        KVReceiver(layout, landing := make_cache(layout, 22), alloc, config()) as receiver,
         KVSender(layout, cache, config()) as sender,
     ):
-        first, _ = _send_one(sender, receiver, cache, "a")
-        second, landed = _send_one(sender, receiver, cache, "b")
+        first, _ = _send_one(sender, receiver, cache, landing, "a")
+        second, landed = _send_one(sender, receiver, cache, landing, "b")
         assert first.ok and second.ok and landed.ok
         assert "connect" in first.phases and "channel" not in first.phases  # cold: connect + handshake
         assert "channel" in second.phases and "connect" not in second.phases  # warm: the same connection
         assert set(landed.phases) == {"stream", "land"}
         assert abs(sum(second.phases.values()) - second.seconds) < 1e-3  # the phases account for the time
-        forged, failed = _send_one(sender, receiver, cache, "c", forge=True)
+        forged, failed = _send_one(sender, receiver, cache, landing, "c", forge=True)
         assert (
             forged.failure is FailureReason.UNKNOWN_HANDLE
             and failed.failure is FailureReason.RECEIVER_ABORTED
         )
-        after, landed = _send_one(sender, receiver, cache, "d")
+        after, landed = _send_one(sender, receiver, cache, landing, "d")
         assert (
             after.ok and landed.ok and "connect" in after.phases
         )  # the failed transfer's connection was closed
@@ -359,12 +356,12 @@ def test_an_idle_channel_is_closed_by_the_receiver_and_replaced():
     layout = make_layout("float32")
     cache, alloc = make_cache(layout, 23), ShuffledFreeList(NUM_BLOCKS, 5)
     with (
-        KVReceiver(layout, make_cache(layout, 24), alloc, config(idle_timeout_s=0.3)) as receiver,
+        KVReceiver(layout, landing := make_cache(layout, 24), alloc, config(idle_timeout_s=0.3)) as receiver,
         KVSender(layout, cache, config()) as sender,
     ):
-        first, _ = _send_one(sender, receiver, cache, "a")
+        first, _ = _send_one(sender, receiver, cache, landing, "a")
         time.sleep(0.6)  # past the receiver's idle timeout: it closed the connection
-        second, landed = _send_one(sender, receiver, cache, "b")
+        second, landed = _send_one(sender, receiver, cache, landing, "b")
     assert first.ok and second.ok and landed.ok and "connect" in second.phases
 
 

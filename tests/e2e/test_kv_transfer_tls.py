@@ -24,6 +24,7 @@ from tests.e2e.kv_tcp_peer import (
     config,
     make_cache,
     make_layout,
+    wait_results,
 )
 from tests.polling import wait_until
 from tests.tls_certs import TestPKI
@@ -49,31 +50,20 @@ def send(sender: KVSender, receiver: KVReceiver, cache, lease, forge: bool = Fal
     return sender.send(target, ids, lease.num_tokens, FIRST).result(timeout=20), ids
 
 
-def landed(receiver: KVReceiver, timeout_s: float = 10.0):
-    """The receiver's next results, or [] when none comes within timeout_s."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        results = receiver.poll()
-        if results:
-            return results
-        time.sleep(0.01)
-    return []
-
-
 def test_tls_handoff_lands_bit_exact_and_reuses_the_connection(pki):
     layout = make_layout("bfloat16")
     cache, alloc = make_cache(layout, 31), ShuffledFreeList(NUM_BLOCKS, 6)
     server = member(pki, "decode-0").ssl_context()
     with (
-        KVReceiver(layout, make_cache(layout, 32), alloc, config(), tls=server) as receiver,
+        KVReceiver(layout, landing := make_cache(layout, 32), alloc, config(), tls=server) as receiver,
         KVSender(layout, cache, config(), tls=member(pki, "prefill-0").member_client_context()) as sender,
     ):
         for rid in ("a", "b"):
             lease = receiver.reserve(rid, 11)
             sent, ids = send(sender, receiver, cache, lease)
-            (result,) = landed(receiver)
+            (result,) = wait_results(receiver)
             assert sent.ok and result.ok and result.first_token == FIRST, (sent, result)
-            assert checksum(receiver._transport._cache, lease.block_ids) == checksum(cache, ids)  # type: ignore[attr-defined]
+            assert checksum(landing, lease.block_ids) == checksum(cache, ids)
         assert "channel" in sent.phases  # the second handoff reused the TLS connection: no new handshake
         assert receiver.stats().refused == {}
 
@@ -101,10 +91,11 @@ def test_a_peer_without_a_cluster_certificate_is_refused_and_the_lease_still_ser
             assert "require TLS" in refused.message, refused.message
         assert checksum(receiver_cache, range(1, NUM_BLOCKS)) == before  # not a byte landed
         wait_until(lambda: receiver.stats().refused.get("tls_handshake"), what="the refusal to be counted")
-        assert landed(receiver, 0.5) == []  # the lease is untouched: still reserved for the real sender
+        time.sleep(0.5)
+        assert receiver.poll() == []  # the lease is untouched: still reserved for the real sender
         with KVSender(layout, cache, config(), tls=member(pki, "prefill-1").member_client_context()) as real:
             sent, ids = send(real, receiver, cache, lease)
-        (result,) = landed(receiver)
+        (result,) = wait_results(receiver)
         assert sent.ok and result.ok and checksum(receiver_cache, lease.block_ids) == checksum(cache, ids)
 
 
@@ -125,5 +116,5 @@ def test_a_forged_handle_over_a_good_connection_is_refused_and_counted(pki):
         assert checksum(receiver_cache, range(1, NUM_BLOCKS)) == before
         assert receiver.stats().refused == {"unknown_handle": 1}
         sent, ids = send(sender, receiver, cache, lease)  # the real handle still works
-        (result,) = landed(receiver)
+        (result,) = wait_results(receiver)
     assert sent.ok and result.ok and checksum(receiver_cache, lease.block_ids) == checksum(cache, ids)
