@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensor index, read once (no torch here: the tokenizer uses it too).
 
-`gguf.GGUFReader` takes about 2 s on SmolLM2's file (most of it spent on the 100k tokenizer strings), so we parse
-a file once into a `GGUFFile`, keep plain Python values plus each tensor's byte range, and drop the reader. The
-weight loader then maps just those byte ranges (`read_tensor_bytes`) instead of parsing the file again.
+The header is parsed once (`gguf_header.read_gguf_header`: struct, not `gguf.GGUFReader`, which spends seconds on
+the 100k tokenizer strings) into a `GGUFFile` of plain Python values plus each tensor's byte range. The weight
+loader then maps just those byte ranges (`read_tensor_bytes`) instead of parsing the file again.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 
 from model_runtime.weights.errors import ModelLoadError
+from model_runtime.weights.gguf_header import RawTensor, read_gguf_header
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = (
@@ -54,12 +55,11 @@ class GGUFFile:
     def open(cls, path: Path) -> GGUFFile:
         """Parse `path`; any unreadable, truncated or unsupported file raises `ModelLoadError`."""
         try:
-            reader = GGUFReader(path)
-            metadata = {key: field.contents() for key, field in reader.fields.items()}
-        except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
+            header = read_gguf_header(path)
+        except Exception as exc:  # GGUFHeaderError, OSError, UnicodeDecodeError... on bad bytes
             raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-        tensors = {t.name: _tensor_info(path, t) for t in reader.tensors}
-        del reader  # releases the whole-file memmap
+        metadata = header.metadata
+        tensors = {t.name: _tensor_info(t) for t in header.tensors}
         arch = metadata.get("general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise ModelLoadError(
@@ -135,17 +135,11 @@ def read_tensor_bytes(path: Path, info: GGUFTensorInfo) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
 
 
-def _tensor_info(path: Path, tensor: ReaderTensor) -> GGUFTensorInfo:
-    try:
-        qtype = GGMLQuantizationType(int(tensor.tensor_type))
-    except ValueError as exc:
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name} has unknown GGML type {tensor.tensor_type}"
-        ) from exc
+def _tensor_info(tensor: RawTensor) -> GGUFTensorInfo:
     return GGUFTensorInfo(
         name=tensor.name,
-        ggml_type=qtype,
-        shape=tuple(int(n) for n in reversed(tensor.shape)),
-        offset=int(tensor.data_offset),
-        nbytes=int(tensor.n_bytes),
+        ggml_type=tensor.ggml_type,
+        shape=tuple(reversed(tensor.dims)),
+        offset=tensor.data_offset,
+        nbytes=tensor.nbytes,
     )
