@@ -87,6 +87,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", default="256", metavar="DIST", help="prompt tokens (default 256)")
     p.add_argument("--output-len", default="128", metavar="DIST", help="output tokens (default 128)")
     p.add_argument(
+        "--shared-prefix",
+        type=_integer,
+        default=0,
+        metavar="N",
+        help="every prompt starts with the same N tokens (a shared system prompt) before its --input-len "
+        "tokens; the report shows how many prompt tokens the prefix cache served",
+    )
+    p.add_argument(
         "--trace",
         metavar="FILE.jsonl",
         help='lengths per request instead of DISTs: {"input_len": N, "output_len": M} or '
@@ -132,6 +140,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         drain_s=args.drain,
         timeout_s=args.timeout,
         slo=parse_slo(args.slo) if args.slo else SLO(),
+        shared_prefix=args.shared_prefix,
     )
 
 

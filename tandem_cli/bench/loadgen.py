@@ -39,6 +39,7 @@ class RequestRecord:
     timeline: Timeline  # times relative to sent_at
     outcome: Outcome
     error_code: str | None = None  # gRPC status name (HTTP_<status> over HTTP) for FAILED
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served (succeeded requests)
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,13 @@ class _Recorder:
     async def run(self, spec: RequestSpec) -> RequestRecord:
         sent = time.perf_counter()
         deltas: list[tuple[float, int]] = []
-        outcome, code = Outcome.FAILED, None
+        outcome, code, cached = Outcome.FAILED, None, None
 
         def on_delta(tokens: int) -> None:
             deltas.append((time.perf_counter() - sent, tokens))
 
         try:
-            await self._transport.send(spec, self._timeout, on_delta)
+            cached = await self._transport.send(spec, self._timeout, on_delta)
             outcome = Outcome.SUCCEEDED
         except RequestFailed as exc:
             code = exc.code
@@ -115,6 +116,7 @@ class _Recorder:
             timeline,
             outcome,
             code,
+            cached,
         )
 
 

@@ -48,6 +48,7 @@ class BenchSettings:
     timeout_s: float | None
     slo: SLO
     protocol: str = "grpc"  # or "openai": the router's OpenAI-compatible HTTP API
+    shared_prefix: int = 0  # tokens every prompt starts with (a shared system prompt), before input_len
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -67,6 +68,8 @@ class BenchSettings:
             raise BenchConfigError(
                 f"--protocol: must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
             )
+        if self.shared_prefix < 0:
+            raise BenchConfigError(f"--shared-prefix: must be >= 0 tokens, got {self.shared_prefix}")
         if not (self.drain_s >= 0 and math.isfinite(self.drain_s)):
             raise BenchConfigError(f"--drain: must be a finite number of seconds >= 0, got {self.drain_s}")
 
@@ -94,6 +97,22 @@ class RequestRow:
     tpot: float | None
     e2e: float
     first_itl: float | None = None  # first token -> second token: the KV handoff shows here in disaggregation
+    cached_tokens: int | None = (
+        None  # prompt tokens served from the prefix cache; None if the server did not say
+    )
+
+
+@dataclass(frozen=True)
+class PrefixCacheUse:
+    """Prompt tokens of the succeeded requests whose server reported its prefix-cache use, and how many of them
+    the cache served (usage.cached_prompt_tokens)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +133,7 @@ class BenchReport:
     host: str
     finished_at: str  # UTC, ISO 8601
     requests: tuple[RequestRow, ...]
+    prefix_cache: PrefixCacheUse | None = None  # None when no succeeded request reported it
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(dataclasses.asdict(self)), indent=2)
@@ -179,6 +199,7 @@ def _row(record: RequestRecord, metrics: RequestMetrics) -> RequestRow:
         tpot=metrics.tpot,
         e2e=metrics.e2e,
         first_itl=metrics.itls[0] if metrics.itls else None,
+        cached_tokens=record.cached_tokens,
     )
 
 
@@ -209,7 +230,15 @@ def build_report(
         host=platform.node(),
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         requests=tuple(_row(r, m) for r, m in zip(run.records, metrics, strict=True)),
+        prefix_cache=prefix_cache_use([r for r, _ in ok]),
     )
+
+
+def prefix_cache_use(records: Sequence[RequestRecord]) -> PrefixCacheUse | None:
+    reported = [r for r in records if r.cached_tokens is not None]
+    if not reported:
+        return None
+    return PrefixCacheUse(sum(r.input_len for r in reported), sum(r.cached_tokens or 0 for r in reported))
 
 
 def format_summary(report: BenchReport) -> str:
@@ -226,6 +255,13 @@ def format_summary(report: BenchReport) -> str:
         s: Summary = getattr(report, name)
         cells = [s.mean, s.p50, s.p90, s.p99]
         lines.append(f"{name:<6}" + "".join(f"{'-' if v is None else f'{v * 1e3:.1f}':>10}" for v in cells))
+    if report.prefix_cache is not None and (
+        report.settings.shared_prefix or report.prefix_cache.cached_tokens
+    ):
+        p = report.prefix_cache
+        lines.append(
+            f"prefix cache: {p.cached_tokens}/{p.prompt_tokens} = {p.share:.1%} of prompt tokens served from it"
+        )
     if report.goodput is not None:
         g = report.goodput
         lines.append(

@@ -26,12 +26,19 @@ from tandem_client.types import ModelInfo
 def check_fits(settings: BenchSettings, trace: Sequence[TraceEntry], model: ModelInfo) -> None:
     """Every request must fit the model's context (prompt + output <= max_model_len); checked before sending
     anything so a bad flag fails in a second, not after a partial run."""
+    if settings.shared_prefix and any(e.prompt_token_ids for e in trace):
+        raise BenchConfigError(
+            f"--shared-prefix: --trace {settings.trace} gives whole prompts (prompt_token_ids)"
+        )
     if trace:
         longest = max(e.input_len + e.output_len for e in trace)
         where = f"--trace {settings.trace}"
     else:
         longest = settings.input_len.upper_bound() + settings.output_len.upper_bound()
         where = "--input-len + --output-len"
+    if settings.shared_prefix:
+        longest += settings.shared_prefix
+        where = f"--shared-prefix + {where}"
     if model.max_model_len and longest > model.max_model_len:
         raise BenchConfigError(
             f"{where}: requests of up to {longest} tokens do not fit {model.id}'s max_model_len "
@@ -55,7 +62,13 @@ async def _run(settings: BenchSettings, progress: bool) -> tuple[ModelInfo, RunR
     model = await served_model(settings.server, settings.protocol)
     check_fits(settings, trace, model)
     specs: list[RequestSpec] = build_requests(
-        settings.num_requests, settings.input_len, settings.output_len, model.vocab_size, settings.seed, trace
+        settings.num_requests,
+        settings.input_len,
+        settings.output_len,
+        model.vocab_size,
+        settings.seed,
+        trace,
+        settings.shared_prefix,
     )
     limits = RunLimits(settings.duration_s, settings.drain_s, settings.timeout_s)
     run = await run_load(

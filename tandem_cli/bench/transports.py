@@ -3,12 +3,14 @@ front doors can be measured with the same workload and the same timing.
 
     async with transport_for("openai", "http://127.0.0.1:8000") as transport:
         model = await transport.served_model()
-        await transport.send(spec, timeout_s, on_delta)   # on_delta(tokens) per streamed delta; raises RequestFailed
+        cached = await transport.send(spec, timeout_s, on_delta)  # on_delta(tokens) per delta; raises RequestFailed
 
 Both send the same request: the spec's token ids as the prompt, max_tokens = its output length, ignore_eos,
 greedy. Over HTTP that is a streaming /v1/completions call with vLLM's ignore_eos and return_token_ids
-extensions (the token ids count each chunk's tokens, as the gRPC Delta's do); the deadline travels as the
-X-Request-Timeout header, as the gRPC deadline travels with the call.
+extensions (the token ids count each chunk's tokens, as the gRPC Delta's do) and stream_options.include_usage;
+the deadline travels as the X-Request-Timeout header, as the gRPC deadline travels with the call. `send` returns
+the prompt tokens the server's prefix cache served (usage.cached_prompt_tokens; prompt_tokens_details.cached_tokens
+over HTTP), None if the server did not say.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class RequestFailed(Exception):
 class Transport(Protocol):
     async def served_model(self) -> ModelInfo: ...
 
-    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> None: ...
+    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> int | None: ...
 
     async def close(self) -> None: ...
 
@@ -61,7 +63,7 @@ class GrpcTransport:
             )
         return models[0]
 
-    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> None:
+    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> int | None:
         try:
             stream = self._client.stream(
                 token_ids=spec.prompt_token_ids,
@@ -75,7 +77,7 @@ class GrpcTransport:
                     if isinstance(event, GenerationDelta):
                         on_delta(len(event.token_ids))
                     elif isinstance(event, GenerationResult):
-                        return
+                        return event.usage.cached_prompt_tokens
         except TandemError as exc:
             raise RequestFailed(exc.code.name) from None
         raise RequestFailed(None)  # the SDK raises before a stream ends without its result; never reached
@@ -114,7 +116,7 @@ class OpenAITransport:
         self._model = ModelInfo(card["id"], card.get("max_model_len", 0), card.get("vocab_size", 0))
         return self._model
 
-    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> None:
+    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> int | None:
         body = {
             "model": self._model.id if self._model else None,
             "prompt": list(spec.prompt_token_ids),
@@ -123,19 +125,20 @@ class OpenAITransport:
             "stream": True,
             "ignore_eos": True,
             "return_token_ids": True,
+            "stream_options": {"include_usage": True},
         }
         headers = {} if timeout_s is None else {"X-Request-Timeout": str(timeout_s)}
         async with self._session.post(f"{self._base}/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 raise RequestFailed(f"HTTP_{response.status}")
-            finished = False
+            finished, cached = False, None
             async for line in response.content:
                 if not line.startswith(b"data: "):
                     continue  # the blank line between events
                 data = line[6:].strip()
                 if data == b"[DONE]":
                     if finished:
-                        return
+                        return cached
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -144,6 +147,8 @@ class OpenAITransport:
                     if "token_ids" in choice:
                         on_delta(len(choice["token_ids"]))
                     finished |= choice.get("finish_reason") is not None
+                usage = chunk.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
         raise RequestFailed("HTTP_STREAM_INCOMPLETE")
 
     async def close(self) -> None:

@@ -167,10 +167,16 @@ def build_requests(
     vocab_size: int,
     seed: int,
     trace: Sequence[TraceEntry] = (),
+    shared_prefix: int = 0,
 ) -> list[RequestSpec]:
-    """`count` requests; with a trace, its entries in order (cycling when count exceeds it)."""
+    """`count` requests; with a trace, its entries in order (cycling when count exceeds it). With shared_prefix
+    N, every prompt starts with the same N tokens (a system prompt) before its own input_len tokens; the prefix
+    does not depend on `seed`, so every run and sweep point of a deployment shares it, as users of one
+    application share its system prompt."""
     rng = random.Random(f"tandem-bench-prompts-{seed}")
     low, high = safe_id_range(vocab_size)
+    prefix_rng = random.Random("tandem-bench-shared-prefix")
+    prefix = tuple(prefix_rng.randrange(low, high) for _ in range(shared_prefix))
     specs = []
     for index in range(count):
         if trace:
@@ -179,7 +185,7 @@ def build_requests(
         else:
             n_in, n_out, ids = input_len.sample(rng), output_len.sample(rng), ()
         if not ids:
-            ids = tuple(rng.randrange(low, high) for _ in range(n_in))
+            ids = prefix + tuple(rng.randrange(low, high) for _ in range(n_in))
         specs.append(RequestSpec(index, ids, n_out))
     return specs
 

@@ -142,6 +142,31 @@ def test_the_openai_protocol_drives_the_http_api_with_the_same_workload(cluster,
     assert "succeeded 6" in stdout
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "openai"])
+def test_a_shared_prefix_is_served_from_the_prefix_cache_and_reported(cluster, tmp_path, protocol):
+    # One request at a time: the 64-token prefix (4 full blocks of 16) is computed at most once per worker that
+    # prefills (the first request on each; placement then prefers the holders), every other request finds it
+    # cached. The engine reports what it reused, per request, through usage.cached_prompt_tokens.
+    address = cluster.http_address if protocol == "openai" else cluster.address
+    with Client(cluster.address) as client:
+        workers = len(client.status().workers)
+    n = 3 * workers
+    report, stdout = run_bench(
+        address, tmp_path / "prefix.json",
+        "--protocol", protocol, "--concurrency", "1", "--num-requests", str(n), "--shared-prefix", "64",
+        "--input-len", "8", "--output-len", "2", "--seed", "11", "--no-progress",
+    )  # fmt: skip
+    assert report["counts"]["succeeded"] == n, report["counts"]
+    rows = report["requests"]
+    assert all(r["input_len"] == 72 for r in rows)
+    cached = [r["cached_tokens"] for r in rows]
+    assert all(c is not None and 0 <= c <= 72 for c in cached), cached
+    assert sum(c < 64 for c in cached) <= workers, cached
+    use = report["prefix_cache"]
+    assert use["prompt_tokens"] == n * 72 and use["cached_tokens"] == sum(cached)
+    assert f"prefix cache: {sum(cached)}/{n * 72}" in stdout
+
+
 def test_bad_flag_exits_2_naming_the_flag(cluster):
     proc = subprocess.run(
         [sys.executable, "-m", "tandem_cli.cli", "bench", "--server", cluster.address, "--rate", "1",

@@ -249,6 +249,19 @@ def test_samples_stay_in_range_and_prompts_avoid_special_ids():
     assert again == specs
 
 
+def test_a_shared_prefix_starts_every_prompt_and_does_not_depend_on_the_seed():
+    dist = parse_dist("uniform:3:7", "--input-len")
+    out = parse_dist("4", "--output-len")
+    a = build_requests(50, dist, out, 1000, seed=1, shared_prefix=32)
+    b = build_requests(50, dist, out, 1000, seed=2, shared_prefix=32)
+    prefix = a[0].prompt_token_ids[:32]
+    assert len(set(prefix)) > 1  # random ids, not one repeated token
+    assert all(s.prompt_token_ids[:32] == prefix for s in a + b)
+    assert {len(s.prompt_token_ids) for s in a} == set(range(35, 40))  # prefix + the drawn input_len
+    plain = build_requests(50, dist, out, 1000, seed=1)
+    assert [s.prompt_token_ids[32:] for s in a] == [s.prompt_token_ids for s in plain]  # same own tokens
+
+
 # --- arrivals --------------------------------------------------------------------------------------------
 
 
