@@ -175,7 +175,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         ops = ops if ops is not None else torch_ops.TorchOps()
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (meta) weight skips Embedding's normal_ init: on the meta device that runs torch._refs,
+        # whose import of torch._dynamo cost each worker about 3 s of start-up; load_weights replaces it.
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         with torch.device(rope_device):
             self.rope = RotaryEmbedding(config, rope_device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend, ops) for i in range(config.num_layers))
