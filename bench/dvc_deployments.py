@@ -30,15 +30,43 @@ DEPLOYMENTS = {
 # Sized variants of the two configs, one GPU a worker: "colocated-4" (4 replicas), "disagg-3p1d" (3 prefill +
 # 1 decode). The plain names are the configs as written (2 replicas; 1 prefill + 1 decode).
 SIZED = re.compile(r"(?:colocated-(?P<replicas>[1-8])|disagg-(?P<prefill>[1-8])p(?P<decode>[1-8])d)")
+# Any name + NO_CACHE: the same deployment with every engine's prefix cache off (the shared-prefix baseline).
+NO_CACHE = "-nocache"
+# Any name + AUTOSCALE: the same deployment as its starting point, with the SLO autoscaler on (see autoscaled).
+AUTOSCALE = "-autoscale"
+POOLS = ("prefill", "decode", "colocated")
 
 
-def deployment_config(name: str) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS and SIZED)."""
+def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
+    """The SLO autoscaler on, aiming at the bench's SLO as p90 targets, within the deployment's own worker count
+    (its GPUs): each disaggregated pool between 1 and all but one worker, colocated between 1 and all. A shorter
+    window and cool-down than the defaults (20 s, 30 s) so that it can follow a sweep whose points last tens of
+    seconds."""
+    total = sum(config[p].get("replicas", 1) for p in POOLS if p in config)
+    bounds = {"colocated": {"min": 1, "max": total}} if "colocated" in config else {
+        "prefill": {"min": 1, "max": max(1, total - 1)}, "decode": {"min": 1, "max": max(1, total - 1)}}  # fmt: skip
+    config["autoscaler"] = {"enabled": True, "interval_s": 5, "window_s": 20, "min_requests": 10,
+                            "ttft_s": ttft_s, "tpot_s": tpot_s, "cooldown_s": 30, "max_total_workers": total,
+                            **bounds}  # fmt: skip
+    return config
+
+
+def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE and AUTOSCALE); `slo` is the
+    (TTFT, TPOT) the autoscaler aims at."""
+    if name.endswith(AUTOSCALE):
+        return autoscaled(deployment_config(name.removesuffix(AUTOSCALE), slo), *slo)
+    if name.endswith(NO_CACHE):
+        config = deployment_config(name.removesuffix(NO_CACHE), slo)
+        for pool in (p for p in POOLS if p in config):
+            engine = config[pool].setdefault("engine", {})
+            engine["cache"] = dict(engine.get("cache", {}), enable_prefix_caching=False)
+        return config
     if name in DEPLOYMENTS:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = "colocated-N, disagg-PpDd (N, P, D in 1-8)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE} and/or {AUTOSCALE}"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -51,7 +79,7 @@ def deployment_config(name: str) -> dict:
 
 def config_gpus(config: dict) -> int:
     """GPUs a deployment config asks for (every pool's replicas x num_gpus)."""
-    pools = [config[p] for p in ("prefill", "decode", "colocated") if p in config]
+    pools = [config[p] for p in POOLS if p in config]
     return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) for p in pools))
 
 
@@ -62,26 +90,30 @@ def free_port() -> int:
 
 
 def smoke_config(config: dict) -> dict:
-    """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches."""
-    engine = {
-        "device": {"device": "cpu", "dtype": "float32"},
-        "cache": {"block_size": 16, "num_blocks": 256},
-        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048},
-    }
+    """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches (the
+    prefix cache stays as the deployment set it)."""
     out = dict(config, model="smollm2-135m-instruct", transfer={"kind": "tcp"})
-    for pool in ("prefill", "decode", "colocated"):
-        if pool in out:
-            out[pool] = dict(out[pool], num_gpus=0, engine=engine)
+    for pool in (p for p in POOLS if p in out):
+        prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
+        engine = {
+            "device": {"device": "cpu", "dtype": "float32"},
+            "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix},
+            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048},
+        }
+        out[pool] = dict(out[pool], num_gpus=0, engine=engine)
     return out
 
 
 class Server:
     """`tandem serve` for one deployment config, on free loopback ports, logging under `log_dir`."""
 
-    def __init__(self, name: str, start_timeout_s: float, log_dir: Path, smoke: bool = False) -> None:
+    def __init__(
+        self, name: str, start_timeout_s: float, log_dir: Path, smoke: bool = False,
+        slo: tuple[float, float] = (1.0, 0.05),
+    ) -> None:  # fmt: skip
         self.name, self.start_timeout_s = name, start_timeout_s
         self.work = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
-        config = deployment_config(name)
+        config = deployment_config(name, slo)
         self.gpus = config_gpus(config)
         if smoke:
             config = smoke_config(config)
@@ -133,6 +165,16 @@ class Server:
         with Client(self.address, timeout=10) as client:
             while client.status().router.in_flight_requests and time.monotonic() < deadline:
                 time.sleep(0.5)
+
+    def pools(self) -> dict[str, int]:
+        """Ready workers per pool now, and the autoscaler's last decision line if any: recorded with every
+        point, so a sweep of an autoscaled deployment shows the pools following the load."""
+        with Client(self.address, timeout=10) as client:
+            status = client.status()
+        sizes: dict = {pool.role.value: pool.ready for pool in status.pools}
+        if status.autoscaler:
+            sizes["autoscaler"] = status.autoscaler
+        return sizes
 
     def kv_transfer_totals(self) -> dict[str, float] | None:
         """Running sums over the workers' /metrics: the prefill workers' transfer seconds, count and bytes, and

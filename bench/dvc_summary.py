@@ -18,7 +18,11 @@ from tandem_cli.bench.sweep import capacity, equal_load
 
 TARGET_SHARE = 0.90
 BASES = ("disagg", "colocated")  # the two 2-GPU configs: sized variants compare with these
-WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed")
+WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed", "shared-prefix")
+NO_CACHE = "-nocache"  # bench/dvc_deployments.py: the same deployment with its prefix cache off
+AUTOSCALE = "-autoscale"  # ... and the same deployment as the starting point of the SLO autoscaler
+AUTOSCALE_GOAL = 0.90  # issue 14: >= 90% of the best fixed split's goodput on each workload
+PREFIX_TTFT_GOAL = 3.0  # issue 14: with a shared 2k-token system prompt, TTFT p50 >= 3x lower with the cache
 
 
 def share(point: dict) -> float:
@@ -65,6 +69,8 @@ def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path
     series = {d: [(rate, 100 * s) for rate, s in share_points(p)] for d, p in points.items()}
     plot_goodput_vs_rate(series, out_dir / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
     out["scaling"] = scaling(out, runs)
+    out["prefix_cache"] = prefix_comparison(points)
+    out["autoscaler"] = autoscaler_comparison(out, runs, points)
     if not set(BASES) <= set(runs):
         return out
     dis, col = points["disagg"], points["colocated"]
@@ -86,6 +92,66 @@ def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path
     return out
 
 
+def prefix_comparison(points: dict[str, list[dict]]) -> dict:
+    """Each "<dep>-nocache" against "<dep>": TTFT p50 without / with the prefix cache at every rate both ran, and
+    the share of prompt tokens the cache served. The goal holds when the ratio is >= PREFIX_TTFT_GOAL at every
+    such rate where the cache-less deployment still met the SLO target (past its capacity its queue only grows,
+    and any ratio there says nothing about the cache)."""
+    result = {}
+    for off, off_points in points.items():
+        on = off.removesuffix(NO_CACHE)
+        if not off.endswith(NO_CACHE) or on not in points:
+            continue
+        cached = {p["settings"]["rate"]: p for p in points[on]}
+        rows = []
+        for p in off_points:
+            q = cached.get(p["settings"]["rate"])
+            if q is None or not p["ttft"]["p50"] or not q["ttft"]["p50"]:
+                continue
+            use = q.get("prefix_cache") or {}
+            rows.append({"rate": p["settings"]["rate"], "ttft_p50_off": p["ttft"]["p50"],
+                         "ttft_p50_on": q["ttft"]["p50"], "ratio": p["ttft"]["p50"] / q["ttft"]["p50"],
+                         "cached_share": use.get("cached_tokens", 0) / use["prompt_tokens"] if use else None,
+                         "off_within_slo": share(p) >= TARGET_SHARE})  # fmt: skip
+        judged = [r["ratio"] for r in rows if r["off_within_slo"]]
+        result[on] = {"rates": rows, "goal_met": bool(judged) and min(judged) >= PREFIX_TTFT_GOAL}
+    return result
+
+
+def autoscaler_comparison(out: dict, runs: dict[str, dict], points: dict[str, list[dict]]) -> dict:
+    """Each "<dep>-autoscale" against the best fixed deployment of its mode on as many GPUs (disagg-1p3d,
+    disagg-2p2d and disagg-3p1d for disagg-2p2d-autoscale): capacity over the best one's, and the pools it had at
+    each point (how it followed the load)."""
+    result = {}
+    for dep, run in runs.items():
+        if not dep.endswith(AUTOSCALE):
+            continue
+        mode = dep.split("-")[0]
+        fixed = {d: out[d]["capacity_rps"] for d, r in runs.items()
+                 if d.split("-")[0] == mode and r["gpus"] == run["gpus"] and not d.endswith((AUTOSCALE, NO_CACHE))}  # fmt: skip
+        best = max(fixed, key=lambda d: fixed[d], default=None)
+        ratio = out[dep]["capacity_rps"] / fixed[best] if best and fixed[best] else None
+        result[dep] = {"best_fixed": best, "fixed_capacity_rps": fixed, "ratio": ratio,
+                       "goal_met": ratio is not None and ratio >= AUTOSCALE_GOAL,
+                       "pools_by_rate": [(p["settings"]["rate"], p.get("pools")) for p in points[dep]]}  # fmt: skip
+    return result
+
+
+def prefix_table(rows: list[dict]) -> str:
+    lines = ["| deployment | rate (req/s) | TTFT p50 cache off (ms) | cache on (ms) | ratio | prompt tokens cached |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        for dep, comparison in row.get("prefix_cache", {}).items():
+            for r in comparison["rates"]:
+                cached = "-" if r["cached_share"] is None else f"{r['cached_share']:.0%}"
+                mark = "" if r["off_within_slo"] else " (cache off past capacity)"
+                lines.append(
+                    f"| {dep} | {r['rate']:g}{mark} | {r['ttft_p50_off'] * 1e3:.0f} | "
+                    f"{r['ttft_p50_on'] * 1e3:.0f} | {r['ratio']:.1f}x | {cached} |"
+                )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def scaling(out: dict, runs: dict[str, dict]) -> dict:
     """Each sized deployment's capacity over its 2-GPU base's (colocated-4 over colocated, disagg-3p1d over
     disagg): the "capacity grows with GPUs" check (issue 14: >= 1.8x from 2 to 4 GPUs)."""
@@ -94,6 +160,8 @@ def scaling(out: dict, runs: dict[str, dict]) -> dict:
         base = (
             "colocated" if dep.startswith("colocated-") else "disagg" if dep.startswith("disagg-") else None
         )
+        if dep.endswith((NO_CACHE, AUTOSCALE)):
+            continue
         if base is None or base not in runs or not out[base]["capacity_rps"]:
             continue
         result[dep] = {
@@ -157,7 +225,10 @@ def goal_checks(rows: list[dict]) -> dict:
     return {"goodput_ratio": ratio, "goodput_goal_met": ratio is not None and ratio >= 1.5,
             "itl_p99_ratio": itl, "itl_goal_met": itl is not None and itl >= 2.0,
             # issue 14: twice the GPUs serve >= 1.8x (colocated-4 over colocated, disagg-2p2d/3p1d over disagg)
-            "doubling": grow, "doubling_goal_met": {dep: r >= 1.8 for dep, r in grow.items()}}  # fmt: skip
+            "doubling": grow, "doubling_goal_met": {dep: r >= 1.8 for dep, r in grow.items()},
+            "prefix_ttft_goal_met": {dep: c["goal_met"] for r in rows for dep, c in r.get("prefix_cache", {}).items()},
+            "autoscaler_goal_met": {f"{r['workload']}/{dep}": c["goal_met"] for r in rows
+                                    for dep, c in r.get("autoscaler", {}).items()}}  # fmt: skip
 
 
 def summarize(slo: SLO, out_dir: Path) -> None:
@@ -176,6 +247,8 @@ def summarize(slo: SLO, out_dir: Path) -> None:
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(rows) + "\n\n" + capacity_table(rows)
+    if prefix_table(rows):
+        table += "\n\n" + prefix_table(rows)
     (out_dir / "summary.md").write_text(table + "\n")
     print(table)
     print(json.dumps(summary["goals"]))

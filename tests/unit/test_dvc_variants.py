@@ -1,0 +1,78 @@
+"""bench/disagg_vs_colocated.py's deployment variants and their comparisons: "-nocache" turns every engine's
+prefix cache off, "-autoscale" starts the SLO autoscaler within the deployment's GPUs; the summary compares TTFT
+with and without the cache and the autoscaled capacity with the best fixed split."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.dvc_deployments import config_gpus, deployment_config, smoke_config
+from bench.dvc_summary import autoscaler_comparison, prefix_comparison
+from deploy.config import parse_config
+
+pytestmark = pytest.mark.unit
+
+
+def _pools(config: dict) -> list[dict]:
+    return [config[p] for p in ("prefill", "decode", "colocated") if p in config]
+
+
+def test_nocache_turns_the_prefix_cache_off_in_every_pool_and_keeps_it_on_cpu() -> None:
+    for name in ("colocated-nocache", "disagg-2p1d-nocache"):
+        config = deployment_config(name)
+        assert all(p["engine"]["cache"]["enable_prefix_caching"] is False for p in _pools(config))
+        assert all(
+            p["engine"]["cache"]["enable_prefix_caching"] is False for p in _pools(smoke_config(config))
+        )
+        parse_config(config)  # a valid deploy config (raises otherwise)
+    plain = deployment_config("colocated")
+    assert all(p["engine"]["cache"].get("enable_prefix_caching", True) for p in _pools(plain))
+
+
+def test_autoscale_aims_at_the_slo_within_the_deployments_gpus() -> None:
+    config = deployment_config("disagg-2p2d-autoscale", slo=(0.5, 0.025))
+    scaler = config["autoscaler"]
+    assert scaler["enabled"] and (scaler["ttft_s"], scaler["tpot_s"]) == (0.5, 0.025)
+    assert scaler["max_total_workers"] == config_gpus(config) == 4
+    assert scaler["prefill"] == scaler["decode"] == {"min": 1, "max": 3}
+    assert (config["prefill"]["replicas"], config["decode"]["replicas"]) == (2, 2)  # where it starts
+    parse_config(config)
+    with pytest.raises(ValueError, match="-autoscale"):
+        deployment_config("disagg-9p1d-autoscale")
+
+
+def _point(rate: float, share: float, ttft_p50: float, cached: int | None = None) -> dict:
+    use = None if cached is None else {"prompt_tokens": 1000, "cached_tokens": cached}
+    return {
+        "settings": {"rate": rate},
+        "goodput": {"share": share},
+        "ttft": {"p50": ttft_p50},
+        "prefix_cache": use,
+    }
+
+
+def test_the_prefix_goal_is_judged_where_the_cacheless_deployment_keeps_up() -> None:
+    points = {
+        "colocated": [_point(1, 1.0, 0.05, 850), _point(2, 1.0, 0.05, 860), _point(4, 1.0, 0.06, 870)],
+        "colocated-nocache": [_point(1, 1.0, 0.16), _point(2, 0.95, 0.20), _point(4, 0.4, 2.0)],
+    }
+    result = prefix_comparison(points)["colocated"]
+    assert [r["rate"] for r in result["rates"]] == [1, 2, 4]
+    assert result["rates"][0]["ratio"] == pytest.approx(3.2) and result["rates"][0]["cached_share"] == 0.85
+    assert [r["off_within_slo"] for r in result["rates"]] == [True, True, False]
+    assert result["goal_met"]
+    points["colocated-nocache"][1] = _point(2, 0.95, 0.14)  # 2.8x at a rate it still serves: not met
+    assert not prefix_comparison(points)["colocated"]["goal_met"]
+
+
+def test_the_autoscaler_is_compared_with_the_best_fixed_split_on_as_many_gpus() -> None:
+    runs = {d: {"gpus": g} for d, g in
+            (("disagg-1p3d", 4), ("disagg-2p2d", 4), ("disagg-3p1d", 4), ("disagg", 2), ("disagg-2p2d-autoscale", 4))}  # fmt: skip
+    caps = {"disagg-1p3d": 6, "disagg-2p2d": 10, "disagg-3p1d": 12, "disagg": 6, "disagg-2p2d-autoscale": 11}
+    out = {d: {"capacity_rps": c} for d, c in caps.items()}
+    points = {d: [] for d in runs}
+    result = autoscaler_comparison(out, runs, points)["disagg-2p2d-autoscale"]
+    assert result["best_fixed"] == "disagg-3p1d" and "disagg" not in result["fixed_capacity_rps"]
+    assert result["ratio"] == pytest.approx(11 / 12) and result["goal_met"]
+    out["disagg-2p2d-autoscale"]["capacity_rps"] = 10
+    assert not autoscaler_comparison(out, runs, points)["disagg-2p2d-autoscale"]["goal_met"]
