@@ -228,10 +228,12 @@ class ModelCost:
             attn_flops_per_key=4 * mc.num_layers * mc.num_heads * mc.head_dim,
         )
 
-    def prefill_flops(self, prompt_len: int) -> float:
-        """One causal prompt: every position through the layers, query i attends to i keys, one logits row."""
-        causal_keys = prompt_len * (prompt_len + 1) / 2
-        linear = 2 * self.layer_matmul_params * prompt_len + 2 * self.head_params
+    def prefill_flops(self, prompt_len: int, cached: int = 0) -> float:
+        """One causal prompt of which the first `cached` tokens are already in the KV cache: every new position
+        through the layers, new query i attends to the cached keys and i new ones, one logits row."""
+        new = prompt_len - cached
+        causal_keys = cached * new + new * (new + 1) / 2
+        linear = 2 * self.layer_matmul_params * new + 2 * self.head_params
         return linear + self.attn_flops_per_key * causal_keys
 
     def decode_step_flops(self, batch: int, context: float) -> float:
@@ -299,13 +301,21 @@ class RunDevice:
         return self.torch_dtype.itemsize
 
 
-def build_engine(model: str, where: RunDevice, scheduler: SchedulerConfig, memory_fraction: float) -> Engine:
-    """Prefix caching off (random prompts never share blocks; the hashing would only add host work); the
-    cache size comes from the engine's memory planner. Token ids out, no text (emit_text=False), as the
+def build_engine(
+    model: str,
+    where: RunDevice,
+    scheduler: SchedulerConfig,
+    memory_fraction: float,
+    prefix_caching: bool = False,
+) -> Engine:
+    """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
+    work); the cache size comes from the engine's memory planner. Token ids out, no text (emit_text=False), as the
     prefill and decode workers run the engine: the router owns detokenization."""
     log(f"building engine: {model}, {where.device} {where.dtype}, graphs {'off' if where.eager else 'on'}")
     t0 = time.perf_counter()
-    cache = CacheConfig(BLOCK_SIZE, enable_prefix_caching=False, gpu_memory_utilization=memory_fraction)
+    cache = CacheConfig(
+        BLOCK_SIZE, enable_prefix_caching=prefix_caching, gpu_memory_utilization=memory_fraction
+    )
     device = DeviceConfig(device=where.device, dtype=where.dtype, enforce_eager=where.eager)
     config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device)
     engine = Engine(config, emit_text=False)

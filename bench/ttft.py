@@ -7,11 +7,15 @@ command there):
     python3 bench/ttft.py                               # 2048-token prompts
     python3 bench/ttft.py --prompt-lens 512,2048,8192   # more lengths
     python3 bench/ttft.py --smoke                       # the CPU check: tiny model, seconds
+    python3 bench/ttft.py --cached-prefix 2048 --prompt-lens 128,512   # a 2048-token cached system prompt + N
 
 One rep: a fresh random prompt (prefix caching is off as well, so nothing cached can help), add_request at t0,
 step the engine until it returns the request's first token (the sampler's .tolist() has synchronised), TTFT =
 now - t0. --max-num-batched-tokens defaults to the longest prompt, so a prompt is one prefill step. --warmup
 reps per length first (kernel compilation), then the median of --reps.
+With --cached-prefix P, prefix caching is on and every prompt is the same P tokens (a system prompt, computed
+once by the warm-up reps, which must be >= 1) followed by --prompt-lens fresh tokens: TTFT of a prompt whose
+start the cache already holds, the floor counting only the new tokens (attending to P + their own).
 Floor: the prompt's FLOPs at the matmul rate measured in the same run (8192^3 bf16): 2 x layer matmul params x
 tokens + causal attention (4 x layers x heads x head_dim x L(L+1)/2) + one logits row. Reading every weight
 once at the measured HBM copy rate is reported too; floor = the larger. fraction = floor / median TTFT.
@@ -49,9 +53,10 @@ class TTFTFloor:
     floor_s: float  # the larger of the two
 
 
-def ttft_floor(cost: gpu.ModelCost, rates: gpu.DeviceRates, prompt_len: int) -> TTFTFloor:
-    """The prompt's FLOPs at the matmul rate, and reading every weight once at the HBM rate."""
-    flops = cost.prefill_flops(prompt_len)
+def ttft_floor(cost: gpu.ModelCost, rates: gpu.DeviceRates, prompt_len: int, cached: int = 0) -> TTFTFloor:
+    """The prompt's FLOPs (its uncached tokens) at the matmul rate, and reading every weight once at the HBM
+    rate."""
+    flops = cost.prefill_flops(prompt_len, cached)
     flop_s = flops / rates.flops_per_s
     read_s = cost.weight_bytes_read / rates.bytes_per_s
     return TTFTFloor(flops, flop_s, read_s, max(flop_s, read_s))
@@ -59,7 +64,7 @@ def ttft_floor(cost: gpu.ModelCost, rates: gpu.DeviceRates, prompt_len: int) -> 
 
 @dataclass(frozen=True)
 class TTFTRow:
-    prompt_len: int
+    prompt_len: int  # new tokens (after the cached prefix, if any)
     reps: int
     median_ms: float
     min_ms: float
@@ -70,22 +75,29 @@ class TTFTRow:
     fraction_of_flop_floor: float  # flop floor / median TTFT
     fraction_of_floor: float  # max(flop, weight-read) floor / median TTFT
     achieved_tflops: float  # prompt FLOPs / median TTFT
+    cached_prefix: int = 0  # tokens before prompt_len that the prefix cache held (--cached-prefix)
 
 
 def ttft_once(
-    engine: Engine, prompt: list[int], request_id: str, deadline: gpu.Deadline
+    engine: Engine, prompt: list[int], request_id: str, deadline: gpu.Deadline, cached: int = 0
 ) -> tuple[float, int, float]:
-    """(seconds to the first token, engine steps it took, seconds inside those steps)."""
+    """(seconds to the first token, engine steps it took, seconds inside those steps); with `cached` > 0 the
+    engine must report at least that many prompt tokens (rounded down to whole blocks) as served by its cache."""
     sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     probe = gpu.StepProbe(engine)
     try:
         gpu.synchronize(str(engine.device))
         t0 = time.perf_counter()
         engine.add_request(request_id, prompt, sampling)
-        while not any(out.request_id == request_id and out.token_ids for out in probe.step()):
+        while not (first := [o for o in probe.step() if o.request_id == request_id and o.token_ids]):
             if not engine.has_unfinished() or deadline.must_stop():
                 raise gpu.BenchError(f"{request_id}: no first token (engine idle or out of time)")
         seconds = time.perf_counter() - t0
+        expected = cached - cached % engine.config.cache.block_size
+        if first[0].num_cached_tokens < expected:
+            raise gpu.BenchError(
+                f"{request_id}: {first[0].num_cached_tokens} tokens cached, expected {expected}"
+            )
     finally:
         probe.close()
         engine.abort(request_id)  # no-op once max_tokens=1 finished it; frees its blocks otherwise
@@ -96,14 +108,20 @@ def ttft_once(
 def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup: Setup) -> TTFTRow:
     vocab = engine.model_config.vocab_size
     prompts = gpu.random_prompts(args.warmup + args.reps, prompt_len, vocab, seed=prompt_len)
-    gpu.log(f"ttft {prompt_len}: {args.warmup} warm-up + {args.reps} timed reps")
+    prefix = gpu.random_prompts(1, args.cached_prefix, vocab, seed=7)[0] if args.cached_prefix else []
+    prompts = [prefix + p for p in prompts]
+    gpu.log(
+        f"ttft {prompt_len} (+{args.cached_prefix} cached): {args.warmup} warm-up + {args.reps} timed reps"
+    )
+    deadline = setup.run.deadline
     results = [
-        ttft_once(engine, p, f"ttft-{prompt_len}-{i}", setup.run.deadline) for i, p in enumerate(prompts)
+        ttft_once(engine, p, f"ttft-{prompt_len}-{i}", deadline, args.cached_prefix if i else 0)
+        for i, p in enumerate(prompts)
     ]
     timed = results[args.warmup :]
     ttfts = [t for t, _, _ in timed]
     median = statistics.median(ttfts)
-    floor = ttft_floor(setup.cost, setup.rates, prompt_len)
+    floor = ttft_floor(setup.cost, setup.rates, prompt_len + args.cached_prefix, args.cached_prefix)
     return TTFTRow(
         prompt_len=prompt_len,
         reps=len(timed),
@@ -116,14 +134,17 @@ def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup:
         fraction_of_flop_floor=floor.flop_s / median,
         fraction_of_floor=floor.floor_s / median,
         achieved_tflops=floor.flops / median / 1e12,
+        cached_prefix=args.cached_prefix,
     )
 
 
-def profile_prefill(engine: Engine, prompt_len: int) -> dict:
+def profile_prefill(engine: Engine, prompt_len: int, cached_prefix: int = 0) -> dict:
     """Where one prompt's prefill spends its GPU time (kernels grouped by name, per prompt)."""
     from bench.step_profile import print_profile, profile_step
 
-    prompts = iter(gpu.random_prompts(16, prompt_len, engine.model_config.vocab_size, seed=1))
+    vocab = engine.model_config.vocab_size
+    prefix = gpu.random_prompts(1, cached_prefix, vocab, seed=7)[0] if cached_prefix else []
+    prompts = iter(prefix + p for p in gpu.random_prompts(16, prompt_len, vocab, seed=1))
     counter = iter(range(16))
     deadline = gpu.Deadline(120.0)
 
@@ -131,7 +152,7 @@ def profile_prefill(engine: Engine, prompt_len: int) -> dict:
         ttft_once(engine, next(prompts), f"profile-{next(counter)}", deadline)
 
     p = profile_step(once, reps=5)
-    print_profile(f"prefill of {prompt_len} tokens", p)
+    print_profile(f"prefill of {prompt_len} tokens (+{cached_prefix} cached)", p)
     return dataclasses.asdict(p)
 
 
@@ -171,6 +192,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="prefill chunk budget (default: longest prompt)"
     )
+    p.add_argument(
+        "--cached-prefix", type=int, default=0, help="a shared prefix of this many tokens, cached (default 0)"
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="start no new length after this many seconds"
@@ -184,6 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lens = [int(n) for n in args.prompt_lens.split(",") if n.strip()]
     if not lens or min(lens) < 1 or args.reps < 1 or args.warmup < 0:
         raise SystemExit("--prompt-lens, --reps: need positive integers (and --warmup >= 0)")
+    if args.cached_prefix < 0 or (args.cached_prefix and args.warmup < 1):
+        raise SystemExit("--cached-prefix: needs >= 0 tokens, and --warmup >= 1 to cache them first")
     args.lens = lens
     return args
 
@@ -200,8 +226,12 @@ def main(argv: list[str] | None = None) -> Path:
     setup = Setup(run.measure_rates(where), cost, run)
     longest = max(args.lens)
     # A few sequences only: TTFT runs one request at a time (and fewer decode graphs to capture).
-    limits = SchedulerConfig(4, args.max_num_batched_tokens or longest, max_model_len=longest + 16)
-    engine = run.job("engine", lambda: gpu.build_engine(model, where, limits, args.gpu_memory_utilization))
+    total = longest + args.cached_prefix
+    limits = SchedulerConfig(4, args.max_num_batched_tokens or total, max_model_len=total + 16)
+    engine = run.job(
+        "engine",
+        lambda: gpu.build_engine(model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0),
+    )
     for prompt_len in args.lens:
         if engine is None:  # the engine job failed or was skipped (recorded)
             break
@@ -213,7 +243,7 @@ def main(argv: list[str] | None = None) -> Path:
                 f"ttft {prompt_len}: {row.median_ms:.2f} ms, {row.fraction_of_flop_floor:.0%} of FLOP floor"
             )
     if args.profile and engine is not None and not args.smoke:
-        run.doc["profile"] = run.job("profile", partial(profile_prefill, engine, longest))
+        run.doc["profile"] = run.job("profile", partial(profile_prefill, engine, longest, args.cached_prefix))
         run.save()
     print_table(run.doc)
     run.finish()

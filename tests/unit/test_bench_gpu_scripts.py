@@ -187,6 +187,21 @@ def test_ttft_smoke_one_prefill_step_per_prompt(tiny_model, tmp_path):
         assert r["achieved_tflops"] == pytest.approx(r["floor"]["flops"] / median_s / 1e12)
 
 
+def test_ttft_with_a_cached_prefix_counts_only_the_new_tokens(tiny_model, tmp_path):
+    out = tmp_path / "ttft.json"
+    argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--prompt-lens", "8", "--reps", "2"]
+    ttft.main([*argv, "--cached-prefix", "32"])
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    cost = ModelCost(**doc["model_cost"])
+    assert row["cached_prefix"] == 32 and row["steps_to_first_token"] == 1
+    assert row["floor"]["flops"] == cost.prefill_flops(40, cached=32) < cost.prefill_flops(40)
+    # 8 new tokens attend to 32 cached keys and to themselves causally
+    assert cost.prefill_flops(40, cached=32) - cost.prefill_flops(8) == cost.attn_flops_per_key * 32 * 8
+    with pytest.raises(SystemExit, match="--cached-prefix"):
+        ttft.main([*argv, "--cached-prefix", "32", "--warmup", "0"])
+
+
 def test_ttft_counts_chunked_prefill_steps(tiny_model, tmp_path):
     out = tmp_path / "ttft.json"
     argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--prompt-lens", "32", "--reps", "1"]
