@@ -137,6 +137,12 @@ class PoolSettings:
             raise ConfigError(f"{where}.replicas: must be an integer >= 0, got {self.replicas!r}")
         if not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
             raise ConfigError(f"{where}.num_gpus: must be >= 0, got {self.num_gpus!r}")
+        tp = self.engine.parallel.tensor_parallel_size
+        if tp != 1:  # the engine runs tensor parallel; a worker of several Ray actors does not exist yet
+            raise ConfigError(
+                f"{where}.engine.parallel.tensor_parallel_size: workers spanning {tp} GPUs are not supported "
+                "yet (issue 18); use 1"
+            )
         self._validate_metrics_ports(where)
 
     def _validate_metrics_ports(self, where: str) -> None:

@@ -1,6 +1,7 @@
 """Frozen, typed configuration for the engine.
 
-Each concern has its own dataclass (model shape, KV cache, scheduler, device); `EngineConfig` composes them.
+Each concern has its own dataclass (model shape, KV cache, scheduler, device, parallel); `EngineConfig` composes
+them.
 Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the field and the allowed
 range, so a bad YAML key or CLI flag fails once, at start-up, with a message the user can act on.
 """
@@ -223,6 +224,44 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spans. `tensor_parallel_size` ranks each hold 1/N of every layer's query
+    heads, KV heads (replicated when the model has fewer KV heads than ranks), MLP width and vocabulary
+    (model_runtime.parallel). Its fit to a model's shape is checked by `check_model`, once the shape is known."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        _require(
+            isinstance(size, int) and not isinstance(size, bool) and size > 0,
+            "parallel.tensor_parallel_size",
+            f"must be a positive integer, got {size!r}",
+        )
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ConfigError naming the field when the model's heads or MLP cannot be split this many ways."""
+        tp, name = self.tensor_parallel_size, "parallel.tensor_parallel_size"
+        _require(
+            model.num_heads % tp == 0,
+            name,
+            f"{tp} must divide model.num_heads ({model.num_heads}): each rank holds whole query heads",
+        )
+        kv = model.num_kv_heads
+        _require(
+            kv % tp == 0 if kv >= tp else tp % kv == 0,
+            name,
+            f"{tp} and model.num_kv_heads ({kv}) must divide one another: each rank holds whole KV heads "
+            "(a KV head is replicated when there are fewer of them than ranks)",
+        )
+        _require(
+            model.intermediate_size % tp == 0,
+            name,
+            f"{tp} must divide model.intermediate_size ({model.intermediate_size})",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs, besides the weights themselves."""
 
@@ -230,11 +269,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "engine") -> EngineConfig:
         """Build from a plain mapping (parsed YAML); unknown keys are errors that name the key."""
-        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        sections = {
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "device": DeviceConfig,
+            "parallel": ParallelConfig,
+        }
         _reject_unknown(data, {"model", *sections}, where)
         kwargs: dict[str, Any] = {}
         if "model" in data:

@@ -21,23 +21,20 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model_runtime.attention.select import make_attention_backend
 from model_runtime.block_pool import BlockPool
-from model_runtime.config import EngineConfig, ModelConfig
-from model_runtime.cuda_graphs import graph_memory_estimate
+from model_runtime.config import EngineConfig
 from model_runtime.detokenizer import IncrementalDetokenizer
-from model_runtime.fused.select import make_fused_ops
-from model_runtime.kv_layout import KVLayout
-from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
+from model_runtime.parallel.group import TPGroup
 from model_runtime.request import Priority, Request, RequestStatus, SamplingParams
 from model_runtime.request_rules import InvalidRequest, RequestLimits
+from model_runtime.runner_setup import build_runner
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
 from model_runtime.step_record import StepRecord
 from model_runtime.tokenizer import Tokenizer
-from model_runtime.weights import load_model_config, load_weights, resolve_model
+from model_runtime.weights import load_model_config, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +54,6 @@ class StepOutput:
     num_cached_tokens: int = 0
 
 
-def activation_estimate(model: ModelConfig, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
-    """Peak bytes of one step's activations, kept on purpose generous: hidden states, qkv, the MLP's
-    gate/up product, and float32 logits plus sampler scratch for every sequence."""
-    per_token = (4 * model.hidden_size + 2 * model.q_size + 3 * model.intermediate_size) * dtype_bytes
-    return 2 * max_tokens * per_token + 4 * max_seqs * model.vocab_size * 4
-
-
 class Engine:
     def __init__(
         self,
@@ -72,10 +62,13 @@ class Engine:
         prefill_only: bool = False,
         emit_text: bool = True,
         on_progress: Callable[[str], None] | None = None,
+        tp_group: TPGroup | None = None,
     ) -> None:
         """`emit_text=False`: no detokenization and no stop strings on the engine thread (StepOutput.text is "");
         the token stop rules still apply. `on_progress(line)` follows the start-up: weights loaded, KV cache
-        sized, CUDA graphs captured."""
+        sized, CUDA graphs captured. `tp_group`: with parallel.tensor_parallel_size N > 1, the N ranks, of
+        which this engine is the lead (rank 0: it schedules and samples; the others run
+        model_runtime.parallel.follower.run_follower). Call `close()` when done to release them."""
         self.config = config
         self.prefill_only = prefill_only
         self.emit_text = emit_text
@@ -86,39 +79,10 @@ class Engine:
         self.source = resolve_model(config.model)
         self.model_config = load_model_config(self.source)
         self.tokenizer = Tokenizer.from_source(self.source)
-        weights = load_weights(
-            self.source, self.model_config, TORCH_DTYPES[dtype_name], self.device, progress.weights
-        )
-        progress.phase("sizing the KV cache")
-        mc = self.model_config
-        self.max_model_len = min(
-            config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-        kv_dtype = config.cache.dtype or dtype_name
-        probe = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, 2, kv_dtype)
-        activations = activation_estimate(
-            mc, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, probe.element_bytes
-        )
-        if self.device != "cpu" and not config.device.enforce_eager:
-            # The decode CUDA graphs' private pool, allocated after the cache (eager steps cannot reuse it).
-            activations += graph_memory_estimate(mc, config.scheduler.max_num_seqs, probe.element_bytes)
-        num_blocks = plan_num_blocks(mc, config.cache, probe.bytes_per_block, self.device, activations)
-        self.layout = KVLayout(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, num_blocks, kv_dtype
-        )
-        backend = make_attention_backend(config.device.attention_backend, self.device)
-        self.runner = ModelRunner(
-            mc,
-            weights,
-            self.layout,
-            self.device,
-            backend,
-            self.max_model_len,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            enforce_eager=config.device.enforce_eager,
-            on_graph_progress=progress.graphs,
-            ops=make_fused_ops(config.device.kernels, self.device),
-        )
+        rank = build_runner(config, self.source, self.model_config, progress, tp_group)
+        self.runner, self.layout, self.max_model_len = rank.runner, rank.layout, rank.max_model_len
+        self.tensor_parallel = rank.tensor_parallel
+        mc, num_blocks = self.model_config, self.layout.num_blocks
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, config.cache.block_size, self.max_model_len)
         self.limits = RequestLimits(
@@ -315,6 +279,12 @@ class Engine:
         return StepOutput(
             request.request_id, [token], verdict.text_delta, lps, num_cached_tokens=request.num_cached_tokens
         )
+
+    def close(self) -> None:
+        """Release a tensor-parallel engine's other ranks from their step loop (nothing on one device; safe
+        to call twice). No step may run afterwards."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.stop_followers()
 
     # --- introspection ---------------------------------------------------------------------------------
     @property

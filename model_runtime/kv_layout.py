@@ -15,6 +15,11 @@ so `cache[l, 0]` is layer l's K pages, contiguous, `[N, B, H, D]`, and a token's
 `[N * B, H, D]` view. Block 0 is the null block: never handed out, the target of padding in CUDA graphs.
 A request's blocks move between workers as `cache[:, :, block_ids]` (all layers) or `cache[l, :, block_ids]`
 (one layer, for transfer overlapped with prefill).
+
+Under tensor parallelism each rank's cache holds only its KV heads: H is the rank's count and `shard` says
+which of the model's heads they are (model heads [head_start, head_start + H), replicated on several ranks when
+the model has fewer KV heads than ranks). A sharded layout's fingerprint covers the sharding, so a rank never
+pairs with a peer that holds other heads; an unsharded layout (shard None) fingerprints exactly as before.
 """
 
 from __future__ import annotations
@@ -33,13 +38,36 @@ FORMAT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"
 
 
 @dataclass(frozen=True)
+class KVShard:
+    """Which of the model's KV heads one tensor-parallel rank's cache holds."""
+
+    tp_size: int
+    tp_rank: int
+    head_start: int  # the model's index of the rank's first KV head
+    model_kv_heads: int  # KV heads of the whole model
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"KVShard.tp_rank: must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.head_start < self.model_kv_heads:
+            raise ConfigError(
+                f"KVShard.head_start: must be in [0, {self.model_kv_heads}), got {self.head_start}"
+            )
+
+    def describe(self) -> str:
+        fields = ("tp_size", "tp_rank", "head_start", "model_kv_heads")
+        return ";".join(f"{name}={getattr(self, name)}" for name in fields)
+
+
+@dataclass(frozen=True)
 class KVLayout:
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # heads in this cache: the rank's own under tensor parallelism
     head_dim: int
     block_size: int
     num_blocks: int
     dtype: str
+    shard: KVShard | None = None  # None: one rank holds every head
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -51,6 +79,11 @@ class KVLayout:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"KVLayout.dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.shard is not None and self.shard.head_start + self.num_kv_heads > self.shard.model_kv_heads:
+            raise ConfigError(
+                f"KVLayout.shard: heads [{self.shard.head_start}, {self.shard.head_start + self.num_kv_heads}) "
+                f"exceed the model's {self.shard.model_kv_heads} KV heads"
+            )
 
     # --- shape and bytes -------------------------------------------------------------------------------
     @property
@@ -114,6 +147,8 @@ class KVLayout:
 
     def fingerprint(self) -> str:
         text = ";".join(f"{k}={v}" for k, v in self.format_dict().items())
+        if self.shard is not None:  # appended only when sharded: unsharded fingerprints stay as they were
+            text += ";" + self.shard.describe()
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def mismatch(self, other_format: dict[str, int | str]) -> str | None:

@@ -6,6 +6,7 @@ This is the colocated reference the disaggregated service must match token for t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -19,9 +20,7 @@ class LLM:
         if config is None:
             config = EngineConfig(model=model)
         elif config.model != model:
-            config = EngineConfig(
-                model=model, cache=config.cache, scheduler=config.scheduler, device=config.device
-            )
+            config = replace(config, model=model)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 

@@ -27,6 +27,7 @@ from model_runtime.fused.base import FusedOps
 from model_runtime.host_batch import HostBatch, HostBlockTables, build_host_batch
 from model_runtime.kv_layout import KVLayout
 from model_runtime.models.llama import LlamaForCausalLM
+from model_runtime.parallel.context import TensorParallel
 from model_runtime.request import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -116,8 +117,11 @@ class ModelRunner:
         enforce_eager: bool = False,
         on_graph_progress: Callable[[int, int], None] | None = None,
         ops: FusedOps | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
-        """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference."""
+        """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
+        `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
+        share); None for one device."""
         self.config = model_config
         self.layout = layout
         self.device = torch.device(device)
@@ -126,6 +130,9 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, backend, rope_device=self.device, ops=ops)
         model.load_weights(weights)
+        if tensor_parallel is not None:
+            tensor_parallel.shard_model(model)
+        self.tensor_parallel = tensor_parallel
         self.model = model.eval()
         self.kv_cache = torch.zeros(layout.cache_shape, dtype=TORCH_DTYPES[layout.dtype], device=self.device)
         self._on_cuda = self.device.type == "cuda"
@@ -231,6 +238,13 @@ class ModelRunner:
 
         `use_graphs=False` forces the eager path (tests and benchmarks compare the two)."""
         batch = build_host_batch(out, self.layout.block_size, self.block_tables)
+        if self.tensor_parallel is not None:  # the other ranks run this same batch, in lockstep
+            self.tensor_parallel.publish(batch)
+        return self.execute_batch(batch, use_graphs)
+
+    @torch.inference_mode()
+    def execute_batch(self, batch: HostBatch, use_graphs: bool = True) -> torch.Tensor:
+        """Run a step already built on the host (`execute`'s, or the lead's on another tensor-parallel rank)."""
         if self.graphs is not None and batch.num_seqs > self.max_num_seqs:
             raise ValueError(
                 f"ModelRunner: a step of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_num_seqs}, "
@@ -245,9 +259,15 @@ class ModelRunner:
             hidden = self.graphs.run(batch.decode_rows())
             if not batch.samples_every_row:
                 hidden = hidden[self._to_device(batch.logits_indices)]
-            return self.model.compute_logits(hidden)
+            return self._logits(hidden)
         inputs = self._upload(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if not batch.samples_every_row:
             hidden = hidden[inputs.logits_indices]
-        return self.model.compute_logits(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        if self.tensor_parallel is None:
+            return logits
+        return self.tensor_parallel.gather_logits(logits)

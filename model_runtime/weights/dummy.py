@@ -6,6 +6,8 @@ fp32 or host copy of the model is ever built. Matrices ~ N(0, 0.02^2) like a fre
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from model_runtime.config import ModelConfig
@@ -18,14 +20,19 @@ def dummy_weights(
     config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Seeded random canonical weights (the same seed gives the same weights on the same device type)."""
+    return dict(iter_dummy_weights(config, dtype, device, seed))
+
+
+def iter_dummy_weights(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`dummy_weights` one tensor at a time (a tensor-parallel rank keeps only its slice of each)."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
-    weights: dict[str, torch.Tensor] = {}
     for name, shape in canonical_shapes(config).items():
         if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            yield name, torch.ones(shape, dtype=dtype, device=device)
         else:
             tensor = torch.empty(shape, dtype=dtype, device=device)
             tensor.normal_(mean=0.0, std=INIT_STD, generator=generator)
-            weights[name] = tensor
-    return weights
+            yield name, tensor

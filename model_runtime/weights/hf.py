@@ -30,6 +30,16 @@ class SafetensorsSource:
             raise ModelLoadError(f"{self.where}: tensor {name} is missing from the safetensors files")
         return handle.get_tensor(name)
 
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """[start, stop) along `dim` (0 or 1) of a tensor, read from its file without reading the rest (a
+        tensor-parallel rank's slice)."""
+        handle = self._handles.get(name)
+        if handle is None:
+            raise ModelLoadError(f"{self.where}: tensor {name} is missing from the safetensors files")
+        part = handle.get_slice(name)
+        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+        return part[index]  # type: ignore[no-any-return]
+
 
 @contextlib.contextmanager
 def open_safetensors(directory: Path, files: tuple[Path, ...]) -> Iterator[SafetensorsSource]:

@@ -1,0 +1,86 @@
+"""TPGroup: one engine's tensor-parallel ranks, and every collective the engine runs over them.
+
+The group is made once, when a rank's process starts (`init_tp_group`), and then passed explicitly to whatever
+communicates: the sharded layers, the logits gather, the step broadcast. Nothing reads a process-wide group.
+
+Two process groups over the same ranks:
+
+    device_group   the model's collectives on activations: nccl on a GPU (inside CUDA graphs), gloo on CPU
+    host_group     small host-side messages (each step's inputs, start-up agreement): gloo, CPU tensors, so
+                   the other ranks learn a step's shapes without a device round trip
+
+On CPU they are one gloo group. Each rank process holds one engine rank, so the ranks are the whole world of
+that process's torch.distributed (rank 0 is the lead: it schedules and samples).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+LEAD_RANK = 0
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    device_group: dist.ProcessGroup
+    host_group: dist.ProcessGroup
+
+    @property
+    def is_lead(self) -> bool:
+        return self.rank == LEAD_RANK
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum x across ranks, in place (the row-parallel reduction)."""
+        dist.all_reduce(x, group=self.device_group)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank r's part at columns [r*n, (r+1)*n)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_host(self, x: torch.Tensor) -> None:
+        """Copy the lead's CPU tensor x into every rank's x (same shape and dtype on every rank)."""
+        dist.broadcast(x, src=LEAD_RANK, group=self.host_group)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` any rank holds (e.g. KV blocks: every rank's cache must hold the lead's ids)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return int(t.item())
+
+
+def init_tp_group(
+    rank: int, size: int, address: str, port: int, device: str, timeout_s: float = 300.0
+) -> TPGroup:
+    """Join the engine's ranks at tcp://address:port (rank 0 listens there). `device` picks the collectives'
+    backend: nccl for cuda (cuda:N also makes N this process's device; a rank that sees one GPU, as under
+    Ray, passes "cuda"), gloo for cpu. A collective that waits past `timeout_s` raises instead of hanging
+    (a rank that died takes the others down with an error)."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # NCCL binds each rank to the current device
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup)  # set by init_process_group above
+    host = world if backend == "gloo" else dist.new_group(backend="gloo")
+    assert isinstance(host, dist.ProcessGroup)
+    return TPGroup(rank=rank, size=size, device_group=world, host_group=host)
+
+
+def close_tp_group() -> None:
+    """Leave the ranks' groups (safe to call when none was made)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

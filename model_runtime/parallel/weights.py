@@ -1,0 +1,114 @@
+"""A tensor-parallel rank's weights: each rank reads and keeps only its slice, under the canonical fused names.
+
+Every checkpoint format already serves tensors by Hugging Face name (canonical.TensorSource). `ShardedSource`
+wraps one and cuts each tensor by `TPShard.piece_slice`; `assemble` then builds the canonical tensors of the
+rank's local shape from those slices, as it builds a whole model. What each format reads:
+
+    safetensors   only the slice's bytes, from the memory map
+    GGUF          one whole tensor dequantized at a time, its slice kept (the rest freed before the next)
+    dummy         each whole tensor drawn in the unsharded order, its slice kept, so rank r's weights are the
+                  same rows as TP=1's for the same seed
+
+So a rank never holds more than its shard plus one whole tensor, and the full model exists nowhere.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from model_runtime.config import ModelConfig
+from model_runtime.parallel.shard import PieceSlice, TPShard
+from model_runtime.weights.canonical import ByteProgress, TensorSource, assemble, canonical_layout
+from model_runtime.weights.dummy import iter_dummy_weights
+from model_runtime.weights.errors import ModelLoadError
+from model_runtime.weights.gguf_loader import GGUFTensorSource
+from model_runtime.weights.hf import SafetensorsSource, open_safetensors
+from model_runtime.weights.source import ModelSource, SourceFormat
+
+
+class ShardedSource:
+    """`inner`'s tensors cut to one rank's slices (tensors every rank holds whole pass through)."""
+
+    def __init__(self, inner: TensorSource, model: ModelConfig, shard: TPShard) -> None:
+        self.where = inner.where
+        self._inner = inner
+        self._shard = shard
+        self._full_shapes = {
+            piece.hf_name: piece.shape for pieces in canonical_layout(model).values() for piece in pieces
+        }
+
+    def names(self) -> list[str]:
+        return list(self._inner.names())
+
+    def get(self, name: str) -> torch.Tensor:
+        cut = self._shard.piece_slice(name)
+        if cut is None:
+            return self._inner.get(name)
+        if isinstance(self._inner, SafetensorsSource):
+            part = self._inner.get_part(name, cut.dim, cut.start, cut.stop)
+        else:
+            whole = self._inner.get(name)
+            self._check_shape(name, tuple(whole.shape))
+            part = whole.narrow(cut.dim, cut.start, cut.stop - cut.start)
+        return _pad(part, cut)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        expected = self._full_shapes.get(name)
+        if expected is not None and shape != expected:
+            raise ModelLoadError(
+                f"{self.where}: tensor {name} has shape {shape}, expected {expected} from the model config"
+            )
+
+
+def _pad(part: torch.Tensor, cut: PieceSlice) -> torch.Tensor:
+    """The slice, with zero rows (or columns) appended up to `cut.size` (the last vocabulary shard)."""
+    missing = cut.size - part.shape[cut.dim]
+    if missing == 0:
+        return part
+    shape = list(part.shape)
+    shape[cut.dim] = missing
+    return torch.cat([part, part.new_zeros(shape)], dim=cut.dim)
+
+
+def load_weight_shard(
+    source: ModelSource,
+    model: ModelConfig,
+    shard: TPShard,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    progress: ByteProgress | None = None,
+) -> dict[str, torch.Tensor]:
+    """Canonical name -> this rank's slice, shaped for `shard.local_model(model)`, in `dtype` on `device`."""
+    local = shard.local_model(model)
+    if source.format is SourceFormat.DUMMY:
+        return dummy_weight_shard(model, shard, dtype, device)
+    if source.format is SourceFormat.GGUF:
+        gguf = GGUFTensorSource(source.require_gguf(), model)  # un-permutes Q/K rows by the model's heads
+        weights = assemble(local, ShardedSource(gguf, model, shard), dtype, device, progress)
+    else:
+        with open_safetensors(source.require_path(), source.weight_files) as tensors:
+            weights = assemble(local, ShardedSource(tensors, model, shard), dtype, device, progress)
+    gc.collect()
+    return weights
+
+
+def dummy_weight_shard(
+    model: ModelConfig, shard: TPShard, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """The rows of `dummy_weights(model, ...)` this rank holds: each fused tensor is split into its
+    checkpoint pieces, each piece cut by the same rule as a checkpoint's, and the slices stacked again."""
+    layout = canonical_layout(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, whole in iter_dummy_weights(model, dtype, device, seed):
+        pieces = whole.split([piece.shape[0] for piece in layout[name]], dim=0)
+        slices = []
+        for piece, values in zip(layout[name], pieces):
+            cut = shard.piece_slice(piece.hf_name)
+            slices.append(
+                values if cut is None else _pad(values.narrow(cut.dim, cut.start, cut.stop - cut.start), cut)
+            )
+        out[name] = torch.cat(slices, dim=0)
+        del whole, pieces
+    return out

@@ -1,0 +1,185 @@
+"""Run a function on N tensor-parallel ranks: N processes started here, one gloo group over 127.0.0.1.
+
+    results = run_ranks(greedy_tokens, 2, model_path, prompts)    # [rank 0's result, rank 1's, ...]
+
+Each rank runs `target(group, *args)` and sends back its result (plain lists / numpy arrays) or its traceback;
+a rank that fails fails the call with that traceback, and a run past `timeout_s` is killed and fails it. The
+rank functions below are module level so the spawned processes can import them.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from model_runtime.engine import Engine
+from model_runtime.host_batch import HostBatch
+from model_runtime.parallel.follower import run_follower
+from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
+from model_runtime.request import SamplingParams
+from model_runtime.runner_setup import build_runner
+from model_runtime.startup import StartupProgress
+from model_runtime.weights import load_model_config, resolve_model
+
+BLOCK_SIZE = 4
+
+
+def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    # A fork server imports this module (torch, the engine) once; each rank is then a fork of it, which has
+    # never run a torch op (no thread pools to inherit), instead of a fresh interpreter importing torch again.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(target, rank, size, port, queue, args), daemon=True)
+        for rank in range(size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"tensor-parallel ranks did not finish in {timeout_s:.0f} s: {sorted(results)}"
+                )
+            try:
+                rank, ok, value = queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: check whether a rank died without reporting
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise AssertionError(f"a tensor-parallel rank died (exit codes {dead})") from None
+                continue
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[rank] for rank in range(size)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(target: Callable[..., Any], rank: int, size: int, port: int, queue: Any, args: tuple) -> None:
+    torch.set_num_threads(1)  # N ranks share the test machine's few cores
+    try:
+        group = init_tp_group(rank, size, "127.0.0.1", port, "cpu", timeout_s=120)
+        queue.put((rank, True, target(group, *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        close_tp_group()
+
+
+def cpu_config(model: str, tp: int) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        device=DeviceConfig(device="cpu", dtype="float32"),
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+    )
+
+
+# --- rank functions ----------------------------------------------------------------------------------------
+def run_checks(group: TPGroup | None, checks: list[tuple[str, str, Any]]) -> list[Any]:
+    """Several checks in one set of rank processes (starting N processes costs more than the checks):
+    ("greedy", model, (prompts, max_new)) or ("steps", model, batches), in order, on every rank."""
+    results = []
+    for kind, model, arg in checks:
+        if kind == "greedy":
+            results.append(greedy_tokens(group, model, *arg))
+        elif kind == "steps":
+            results.append(step_outputs(group, model, arg))
+        else:
+            raise ValueError(f"unknown check {kind!r}")
+    return results
+
+
+def greedy_tokens(group: TPGroup | None, model: str, prompts: list[list[int]], max_new: int) -> Any:
+    """The lead: greedy continuations of `prompts` through the engine; the other ranks: steps they followed."""
+    config = cpu_config(model, 1 if group is None else group.size)
+    if group is not None and not group.is_lead:
+        return run_follower(config, group)
+    engine = Engine(config, emit_text=False, tp_group=group)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(
+                f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+            )
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.token_ids)
+        return [tokens[f"r{i}"] for i in range(len(prompts))]
+    finally:
+        engine.close()
+
+
+def step_outputs(group: TPGroup | None, model: str, batches: list[HostBatch]) -> Any:
+    """Every rank runs `batches` through its own runner (no scheduler): [(hidden states, logits)] per batch,
+    plus its KV layout's fingerprint and cache shape."""
+    config = cpu_config(model, 1 if group is None else group.size)
+    source = resolve_model(model)
+    rank = build_runner(config, source, load_model_config(source), StartupProgress(None), group)
+    hidden: list[torch.Tensor] = []
+    rank.runner.model.register_forward_hook(lambda _m, _args, out: hidden.append(out.detach().clone()))
+    outputs = []
+    for batch in batches:
+        logits = rank.runner.execute_batch(batch)
+        outputs.append((hidden[-1].numpy(), logits.numpy()))
+    return outputs, rank.layout.fingerprint(), tuple(rank.runner.kv_cache.shape)
+
+
+def prefill_then_decode(prompts: list[list[int]]) -> list[HostBatch]:
+    """Two host batches by hand: every prompt's prefill (each sequence on its own blocks, every row sampled),
+    then one decode token per sequence."""
+    bs, first_block, tables = BLOCK_SIZE, 1, []
+    for prompt in prompts:
+        blocks = -(-(len(prompt) + 1) // bs)
+        tables.append(list(range(first_block, first_block + blocks)))
+        first_block += blocks
+    width = max(map(len, tables))
+    table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    prefill = _batch([p for p in prompts], [0] * len(prompts), table, every_row=True)
+    decode = _batch([[p[-1]] for p in prompts], [len(p) for p in prompts], table, every_row=True)
+    return [prefill, decode]
+
+
+def _batch(chunks: list[list[int]], starts: list[int], table: np.ndarray, every_row: bool) -> HostBatch:
+    lens = [len(c) for c in chunks]
+    query_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int64)
+    rows = np.repeat(np.arange(len(chunks)), lens)
+    slots = table[rows, positions // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    seq_lens = np.array(starts, dtype=np.int32) + np.array(lens, dtype=np.int32)
+    return HostBatch(
+        token_ids=np.array([t for c in chunks for t in c], dtype=np.int64),
+        positions=positions,
+        slots=slots,
+        query_start=query_start,
+        seq_lens=seq_lens,
+        block_tables=table,
+        logits_indices=np.arange(int(query_start[-1]), dtype=np.int64),
+        query_lens=lens,
+        seq_lens_list=seq_lens.tolist(),
+    )
