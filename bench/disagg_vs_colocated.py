@@ -165,8 +165,9 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
 
 
 def kv_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Means over one point: seconds and bytes per transfer, and the mean of each phase (seconds)."""
-    if before is None or after is None or after["transfers"] <= before["transfers"]:
+    """Means over one point: seconds and bytes per transfer (None without transfers), and the mean of each phase
+    (seconds): the handoff's and the first token's."""
+    if before is None or after is None:
         return None
     n = after["transfers"] - before["transfers"]
     phases = {}
@@ -175,8 +176,10 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
             name = key.removesuffix(".count")
             count = after[key] - before.get(key, 0.0)
             phases[name] = (after[f"{name}.sum"] - before.get(f"{name}.sum", 0.0)) / count
-    return {"transfers": n, "mean_s": (after["seconds"] - before["seconds"]) / n,
-            "mean_bytes": (after["bytes"] - before["bytes"]) / n, "phases_mean_s": phases}  # fmt: skip
+    if not n and not phases:
+        return None
+    return {"transfers": n, "mean_s": (after["seconds"] - before["seconds"]) / n if n else None,
+            "mean_bytes": (after["bytes"] - before["bytes"]) / n if n else None, "phases_mean_s": phases}  # fmt: skip
 
 
 def handoff_line(point: dict) -> str:
@@ -188,6 +191,8 @@ def handoff_line(point: dict) -> str:
     gaps = sorted(point["samples"].get("first_itl", []))
     gap = f"; first->second token p50 {gaps[len(gaps) // 2] * 1e3:.1f} ms" if gaps else ""
     phases = " ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(kv.get("phases_mean_s", {}).items()))
+    if kv["mean_s"] is None:
+        return f"; phase means ms ({phases})"
     return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms ({phases}){gap}"
 
 

@@ -35,6 +35,8 @@ NO_CACHE = "-nocache"
 # Any name + AUTOSCALE: the same deployment as its starting point, with the SLO autoscaler on (see autoscaled).
 AUTOSCALE = "-autoscale"
 POOLS = ("prefill", "decode", "colocated")
+# Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
+PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
 
 
 def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
@@ -177,20 +179,21 @@ class Server:
         return sizes
 
     def kv_transfer_totals(self) -> dict[str, float] | None:
-        """Running sums over the workers' /metrics: the prefill workers' transfer seconds, count and bytes, and
-        both sides' phase sums and counts ("prefill.stream", "decode.admit", ...); None without prefill
-        workers."""
+        """Running sums over the workers' /metrics: the prefill workers' transfer seconds, count and bytes, both
+        sides' handoff phase sums and counts ("prefill.stream", "decode.admit", ...) and every worker's
+        first-token phases ("colocated.first_token_waiting", "prefill.first_token_prefill", ...); None when no
+        worker is listed."""
         from prometheus_client.parser import text_string_to_metric_families
 
         groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
         targets = [(g["labels"].get("component"), t) for g in groups for t in g["targets"]]
-        if not any(component == "prefill" for component, _ in targets):
+        if not targets:
             return None
         total = {"seconds": 0.0, "transfers": 0.0, "bytes": 0.0}
         names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",
                  "tandem_kv_transfer_bytes_total": "bytes"}  # fmt: skip
         for component, target in targets:
-            if component not in ("prefill", "decode"):
+            if component not in ("prefill", "decode", "colocated"):
                 continue
             with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
                 text = reply.read().decode()
@@ -198,12 +201,10 @@ class Server:
                 for sample in family.samples:
                     if component == "prefill" and sample.name in names:
                         total[names[sample.name]] += sample.value
-                    elif (
-                        sample.name.startswith("tandem_kv_transfer_phase_seconds_")
-                        and "phase" in sample.labels
-                    ):
+                    elif sample.name.startswith(PHASE_FAMILIES) and "phase" in sample.labels:
                         suffix = sample.name.rsplit("_", 1)[-1]
+                        first = "first_token_" if sample.name.startswith(PHASE_FAMILIES[1]) else ""
                         if suffix in ("sum", "count"):
-                            key = f"{component}.{sample.labels['phase']}.{suffix}"
+                            key = f"{component}.{first}{sample.labels['phase']}.{suffix}"
                             total[key] = total.get(key, 0.0) + sample.value
         return total

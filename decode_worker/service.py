@@ -173,8 +173,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> None:
         """Colocated: check and queue the prompt in one engine-thread call."""
         offset, priority = request.output_offset, priority_from_proto(request.priority)
+        arrived = time.monotonic()  # the wait for the engine thread counts as the prompt's waiting time
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority))
+            self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority, arrived))
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,7 +32,7 @@ from model_runtime.runner_setup import build_runner
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
-from model_runtime.step_record import StepRecord
+from model_runtime.step_record import FirstToken, StepRecord
 from model_runtime.tokenizer import Tokenizer
 from model_runtime.weights import load_model_config, resolve_model
 
@@ -115,9 +115,12 @@ class Engine:
         sampling: SamplingParams,
         output_offset: int = 0,
         priority: Priority = Priority.INTERACTIVE,
+        arrival_time: float | None = None,
     ) -> Request:
         """`output_offset`: see Request.output_offset (a resumed request; 0 for a new one). `priority`: its
-        class among the waiting prompts (model_runtime.waiting)."""
+        class among the waiting prompts (model_runtime.waiting). `arrival_time`: time.monotonic() when the
+        request reached the worker (default now), so that its waiting time includes the wait for the engine
+        thread."""
         self.validate(prompt_token_ids, sampling)
         _check_offset(output_offset)
         if request_id in self._trackers:
@@ -130,6 +133,8 @@ class Engine:
             output_offset=output_offset,
             priority=priority,
         )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.scheduler.add(request)
         self._trackers[request_id] = self._tracker(request)
         self.requests_total += 1
@@ -228,7 +233,8 @@ class Engine:
             if chunk.request.is_finished:  # aborted while the step ran
                 continue
             results.append(self._emit(chunk.request, token, lp))
-        self.last_step = replace(planned, duration_s=time.perf_counter() - started)
+        firsts = first_tokens(c.request for c in sampled_chunks)
+        self.last_step = replace(planned, duration_s=time.perf_counter() - started, first_tokens=firsts)
         return results
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
@@ -299,3 +305,14 @@ class Engine:
 def _check_offset(output_offset: int) -> None:
     if not isinstance(output_offset, int) or isinstance(output_offset, bool) or output_offset < 0:
         raise InvalidRequest(f"output_offset: must be an integer >= 0, got {output_offset!r}")
+
+
+def first_tokens(requests: Iterable[Request]) -> tuple[FirstToken, ...]:
+    """The phases of each request whose first output token was just sampled here (its prompt computed by this
+    engine: scheduled_time is set only when the scheduler admitted it from the waiting queue)."""
+    now = time.monotonic()
+    return tuple(
+        FirstToken(r.scheduled_time - r.arrival_time, now - r.scheduled_time, r.num_cached_tokens)
+        for r in requests
+        if r.scheduled_time is not None and r.num_output_tokens == 1
+    )

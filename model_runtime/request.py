@@ -122,6 +122,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when the scheduler first gave its prompt blocks (same clock)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # Top-n logprobs per output token when sampling.logprobs is set: (chosen logprob, [(id, logprob), ...]).

@@ -60,6 +60,7 @@ class Scheduler:
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len: must be an integer >= 2, got {max_model_len!r}")
         self.config = config
+        self._clock = clock
         self.pool = pool
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -299,6 +300,8 @@ class Scheduler:
         request.block_ids = cached + self.pool.allocate(need)
         request.num_computed_tokens = num_computed
         if request.status is RequestStatus.WAITING:
+            if request.scheduled_time is None:
+                request.scheduled_time = self._clock()
             request.num_cached_tokens = num_computed
             self.cached_tokens_total += num_computed
             self._expected_hits.pop(request.request_id, None)

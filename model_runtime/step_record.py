@@ -12,6 +12,17 @@ from model_runtime.request import SchedulerOutput
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """Where one prompt's time to first token went inside the worker: `waiting` from its arrival (the RPC's,
+    when the worker passed it to add_request) until the scheduler first gave it blocks, `prefill` from then
+    until the step that sampled its first token ended. Prompts whose KV arrived from elsewhere have none."""
+
+    waiting_s: float
+    prefill_s: float
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
+@dataclass(frozen=True)
 class StepRecord:
     duration_s: float  # wall time of Engine.step(): schedule, model, sample, stop rules
     num_tokens: int  # tokens computed: prompt chunks, recomputed tokens and one per decode
@@ -19,6 +30,7 @@ class StepRecord:
     num_prefill: int  # sequences that ran a prompt chunk (or recomputed after preemption)
     num_decode: int  # sequences that ran one new token
     num_preempted: int  # requests preempted to make room for this step
+    first_tokens: tuple[FirstToken, ...] = ()  # the prompts whose first token this step sampled
 
     @property
     def batch_size(self) -> int:

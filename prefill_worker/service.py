@@ -64,7 +64,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             try:
                 offset, priority = request.output_offset, priority_from_proto(request.priority)
-                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority))
+                arrived = time.monotonic()  # the wait for the engine thread counts as waiting time
+                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority, arrived))
             except (InvalidRequest, RequestRejected, SamplingError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             out = wait_for(

@@ -99,11 +99,25 @@ class StepRecorder:
         self._prefill = Counter(
             "tandem_prefill_tokens_total", "Prompt tokens computed by this worker", LABELS, registry=registry
         ).labels(*labels)
+        phases = Histogram(
+            "tandem_first_token_phase_seconds",
+            "A prompt's time to first token inside the worker, by phase: waiting (arrival to its first "
+            "scheduled step) and prefill (first scheduled step to the end of the step that sampled its first "
+            "token)",
+            [*LABELS, "phase"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self._waiting = phases.labels(*labels, "waiting")
+        self._prefill_phase = phases.labels(*labels, "prefill")
 
     def observe(self, step: StepRecord) -> None:
         self._duration.observe(step.duration_s)
         self._batch.observe(step.batch_size)
         self._prefill.inc(step.prefill_tokens)
+        for first in step.first_tokens:
+            self._waiting.observe(first.waiting_s)
+            self._prefill_phase.observe(first.prefill_s)
 
 
 class WorkerCollector(Collector):

@@ -27,6 +27,8 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALLOWED_LABELS = {"model", "protocol", "role", "worker", "status", "finish_reason", "reason", "code", "le"}
 # An API key's name (bounded by the operator's key file, never the secret) and its class (router.auth).
 ALLOWED_LABELS |= {"key", "priority"}
+# A fixed set of steps a duration is split into (the KV handoff's, the first token's).
+ALLOWED_LABELS |= {"phase"}
 # Unbounded or per-request values must never be labels: one series per request would swamp Prometheus.
 FORBIDDEN_LABELS = {"request_id", "request", "id", "prompt", "text", "user", "client", "trace_id", "address"}
 NON_BASE_UNITS = re.compile(
