@@ -12,6 +12,7 @@ from model_runtime.weights.dummy import dummy_weights
 from model_runtime.weights.gguf_loader import GGUFTensorSource
 from model_runtime.weights.hf import open_safetensors
 from model_runtime.weights.source import ModelSource, SourceFormat
+from model_runtime.weights.weight_cache import load_cached
 
 
 def load_weights(
@@ -26,7 +27,13 @@ def load_weights(
     if source.format is SourceFormat.DUMMY:
         return dummy_weights(config, dtype, device)
     if source.format is SourceFormat.GGUF:
-        weights = assemble(config, GGUFTensorSource(source.require_gguf(), config), dtype, device, progress)
+        gguf = source.require_gguf()
+
+        def dequantize() -> dict[str, torch.Tensor]:
+            return assemble(config, GGUFTensorSource(gguf, config), dtype, device, progress)
+
+        on_cpu = torch.device(device).type == "cpu"  # see weight_cache: CPU starts only
+        weights = load_cached(gguf.path, config, dtype, dequantize, progress) if on_cpu else dequantize()
     else:
         with open_safetensors(source.require_path(), source.weight_files) as tensors:
             weights = assemble(config, tensors, dtype, device, progress)
