@@ -8,6 +8,8 @@ blocks return only once nothing can still write them) -> the engine loop.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import sys
 import threading
 from typing import Any, Protocol
@@ -24,6 +26,22 @@ log = logging.getLogger(__name__)
 # service (tandem_kv_transfer_phase_seconds). 0.5 ms keeps those waits short; it changes nothing while the
 # other threads sleep.
 SWITCH_INTERVAL_S = 0.0005
+# An operator's (or a benchmark's) override, in seconds: the trade-off is the engine thread's eager steps, which
+# other threads interrupt once per interval when they want the GIL, against those threads' waits.
+SWITCH_INTERVAL_ENV = "TANDEM_GIL_SWITCH_INTERVAL_S"
+
+
+def switch_interval() -> float:
+    text = os.environ.get(SWITCH_INTERVAL_ENV)
+    if not text:
+        return SWITCH_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 1e-6 <= value <= 0.1):
+        raise ValueError(f"{SWITCH_INTERVAL_ENV}: must be seconds in [1e-6, 0.1], got {text!r}")
+    return value
 
 
 class Drainable(Protocol):
@@ -37,7 +55,10 @@ class Closable(Protocol):
 
 class WorkerLifecycle:
     def __init__(self, spec: WorkerSpec) -> None:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        interval = switch_interval()
+        sys.setswitchinterval(interval)
+        if interval != SWITCH_INTERVAL_S:
+            log.warning("GIL switch interval %g ms (%s)", interval * 1e3, SWITCH_INTERVAL_ENV)
         self.spec = spec
         self.loop: EngineLoop | None = None
         self._server: Any = None
