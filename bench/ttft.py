@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -156,6 +157,33 @@ def profile_prefill(engine: Engine, prompt_len: int, cached_prefix: int = 0) -> 
     return dataclasses.asdict(p)
 
 
+class BusyThreads:
+    """`n` threads that each wake every 5 ms and spend about 0.2 ms in Python, as a worker's token streams and
+    RPC handlers do, with the workers' GIL switch interval set: the engine thread then has to win the GIL back
+    for every kernel launch of an eager step, as it does in the service."""
+
+    def __init__(self, n: int) -> None:
+        from worker_host.lifecycle import switch_interval
+
+        sys.setswitchinterval(switch_interval())
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for t in self._threads:
+            t.start()
+        gpu.log(f"{n} busy threads, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            end = time.perf_counter() + 0.0002
+            while time.perf_counter() < end:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
 @dataclass(frozen=True)
 class Setup:
     rates: gpu.DeviceRates
@@ -196,6 +224,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cached-prefix", type=int, default=0, help="a shared prefix of this many tokens, cached (default 0)"
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    # The service's limits (deploy/configs/bench-*.yaml: 256, 8192), to tell their cost from the service's own.
+    p.add_argument("--max-num-seqs", type=int, default=4, help="scheduler limit (default 4: one at a time)")
+    p.add_argument("--max-model-len", type=int, help="scheduler limit (default: the longest prompt + 16)")
+    p.add_argument(
+        "--busy-threads",
+        type=int,
+        default=0,
+        help="Python threads that wake every 5 ms for ~0.2 ms of work, as a worker's gRPC streams do "
+        "(default 0), under the workers' GIL switch interval: how much other threads slow the engine thread",
+    )
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="start no new length after this many seconds"
     )
@@ -227,11 +265,16 @@ def main(argv: list[str] | None = None) -> Path:
     longest = max(args.lens)
     # A few sequences only: TTFT runs one request at a time (and fewer decode graphs to capture).
     total = longest + args.cached_prefix
-    limits = SchedulerConfig(4, args.max_num_batched_tokens or total, max_model_len=total + 16)
+    limits = SchedulerConfig(
+        args.max_num_seqs,
+        args.max_num_batched_tokens or total,
+        max_model_len=args.max_model_len or total + 16,
+    )
     engine = run.job(
         "engine",
         lambda: gpu.build_engine(model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0),
     )
+    noise = BusyThreads(args.busy_threads) if args.busy_threads else None
     for prompt_len in args.lens:
         if engine is None:  # the engine job failed or was skipped (recorded)
             break
@@ -242,6 +285,8 @@ def main(argv: list[str] | None = None) -> Path:
             gpu.log(
                 f"ttft {prompt_len}: {row.median_ms:.2f} ms, {row.fraction_of_flop_floor:.0%} of FLOP floor"
             )
+    if noise is not None:
+        noise.stop()
     if args.profile and engine is not None and not args.smoke:
         run.doc["profile"] = run.job("profile", partial(profile_prefill, engine, longest, args.cached_prefix))
         run.save()
