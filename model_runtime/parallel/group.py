@@ -9,8 +9,10 @@ Two process groups over the same ranks:
     host_group     small host-side messages (each step's inputs, start-up agreement): gloo, CPU tensors, so
                    the other ranks learn a step's shapes without a device round trip
 
-On CPU they are one gloo group. Each rank process holds one engine rank, so the ranks are the whole world of
-that process's torch.distributed (rank 0 is the lead: it schedules and samples).
+The host group is its own gloo group on CPU too: it has a long timeout (a follower waits on it while the engine
+is idle), the device group a short one (a step's collective that stalls means a dead rank). Each rank process
+holds one engine rank, so the ranks are the whole world of that process's torch.distributed (rank 0 is the
+lead: it schedules and samples).
 """
 
 from __future__ import annotations
@@ -57,12 +59,19 @@ class TPGroup:
 
 
 def init_tp_group(
-    rank: int, size: int, address: str, port: int, device: str, timeout_s: float = 300.0
+    rank: int,
+    size: int,
+    address: str,
+    port: int,
+    device: str,
+    timeout_s: float = 300.0,
+    idle_timeout_s: float = 7 * 24 * 3600.0,
 ) -> TPGroup:
     """Join the engine's ranks at tcp://address:port (rank 0 listens there). `device` picks the collectives'
     backend: nccl for cuda (cuda:N also makes N this process's device; a rank that sees one GPU, as under
-    Ray, passes "cuda"), gloo for cpu. A collective that waits past `timeout_s` raises instead of hanging
-    (a rank that died takes the others down with an error)."""
+    Ray, passes "cuda"), gloo for cpu. A collective of a step that waits past `timeout_s` raises instead of
+    hanging (a rank that died takes the others down with an error). The host group waits up to
+    `idle_timeout_s`: a follower waits there for the next step for as long as the engine has no work."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))  # NCCL binds each rank to the current device
@@ -75,7 +84,7 @@ def init_tp_group(
     )
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)  # set by init_process_group above
-    host = world if backend == "gloo" else dist.new_group(backend="gloo")
+    host = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
     assert isinstance(host, dist.ProcessGroup)
     return TPGroup(rank=rank, size=size, device_group=world, host_group=host)
 

@@ -91,10 +91,12 @@ def _rank_main(target: Callable[..., Any], rank: int, size: int, port: int, queu
 
 
 def cpu_config(model: str, tp: int) -> EngineConfig:
+    """A small token budget and cache, so the lead's schedule has chunked prefills, mixed prefill + decode
+    steps and preemptions (by recompute) for the other ranks to follow."""
     return EngineConfig(
         model=model,
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=128),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=24),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12),
         device=DeviceConfig(device="cpu", dtype="float32"),
         parallel=ParallelConfig(tensor_parallel_size=tp),
     )
@@ -116,7 +118,8 @@ def run_checks(group: TPGroup | None, checks: list[tuple[str, str, Any]]) -> lis
 
 
 def greedy_tokens(group: TPGroup | None, model: str, prompts: list[list[int]], max_new: int) -> Any:
-    """The lead: greedy continuations of `prompts` through the engine; the other ranks: steps they followed."""
+    """The lead: (greedy continuations of `prompts` through the engine, how many steps had a prompt chunk,
+    preemptions); the other ranks: how many steps they followed."""
     config = cpu_config(model, 1 if group is None else group.size)
     if group is not None and not group.is_lead:
         return run_follower(config, group)
@@ -127,10 +130,14 @@ def greedy_tokens(group: TPGroup | None, model: str, prompts: list[list[int]], m
                 f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
             )
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        prefill_steps = preempted = 0
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id].extend(out.token_ids)
-        return [tokens[f"r{i}"] for i in range(len(prompts))]
+            if engine.last_step is not None:
+                prefill_steps += engine.last_step.num_prefill > 0
+                preempted += engine.last_step.num_preempted
+        return [tokens[f"r{i}"] for i in range(len(prompts))], prefill_steps, preempted
     finally:
         engine.close()
 
