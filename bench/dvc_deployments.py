@@ -121,7 +121,9 @@ class Server:
             config = smoke_config(config)
         self.port = free_port()
         self.file_sd = self.work / "targets.json"
-        config["router"].update(port=self.port, metrics_port=free_port(), metrics_file_sd=str(self.file_sd))
+        config["router"].update(
+            port=self.port, http_port=free_port(), metrics_port=free_port(), metrics_file_sd=str(self.file_sd)
+        )
         self.config = config
         self.config_path = self.work / "tandem.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
