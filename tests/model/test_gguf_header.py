@@ -1,4 +1,7 @@
-"""Our struct reader of GGUF headers against the `gguf` package's own GGUFReader, value for value."""
+"""Our struct reader of GGUF headers against the `gguf` package's own GGUFReader, value for value.
+
+The embedded SmolLM2 file is not read here a second time: test_weights (its tensors against transformers') and
+test_tokenizer (its vocabulary) cover its header through the same reader, and GGUFReader takes seconds on it."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 from model_runtime.weights.gguf_header import GGUFHeaderError, read_gguf_header
-from model_runtime.weights.source import embedded_model_path
 from tests.model.tiny_models import write_tiny_gguf
 
 pytestmark = pytest.mark.model
@@ -34,10 +36,6 @@ def assert_same_as_reader(path: Path) -> None:
 @pytest.mark.parametrize(("arch", "tokenizer"), [("llama", "bpe"), ("qwen2", "spm")])
 def test_tiny_gguf_header_matches_the_gguf_reader(tmp_path: Path, arch: str, tokenizer: str) -> None:
     assert_same_as_reader(write_tiny_gguf(tmp_path, arch, tokenizer=tokenizer, qtypes=ALL_TYPES))
-
-
-def test_embedded_smollm2_header_matches_the_gguf_reader() -> None:
-    assert_same_as_reader(embedded_model_path())
 
 
 def test_bad_headers_are_refused(tmp_path: Path) -> None:
