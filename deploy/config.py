@@ -9,7 +9,7 @@ prefill:  {replicas, num_gpus, ray_resources, metrics_port, metrics_port_count,
            engine: {cache: {...}, scheduler: {...}, device: {...}}}
 decode:   {replicas, num_gpus, engine: {...}}
 colocated:{replicas, num_gpus, engine: {...}}   # mode: colocated
-transfer: {kind: tcp | nccl | cuda_ipc, ...}     # kv_transfer.TransferConfig
+transfer: {kinds: [tcp | nccl | cuda_ipc], ...}  # kv_transfer.TransferConfig (or kind: one of them)
 ray:      {address: null | auto | ray://..., namespace}
 controller: {health_interval_s, heartbeat_timeout_s, restart_limit, drain_timeout_s, routers, admin_key_file}
 autoscaler: {enabled, interval_s, window_s, ttft_s, tpot_s, prefill: {min, max}, ...}  # deploy/autoscaler/settings.py

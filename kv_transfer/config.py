@@ -8,7 +8,9 @@ YAML key or CLI flag fails at start-up. `model_runtime.config.dataclass_from_dic
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from model_runtime.config import ConfigError
 
@@ -16,7 +18,7 @@ TRANSPORT_KINDS = ("tcp", "nccl", "cuda_ipc")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-def _fail(name: str, msg: str) -> None:
+def _fail(name: str, msg: str) -> NoReturn:
     raise ConfigError(f"transfer.{name}: {msg}")
 
 
@@ -30,6 +32,24 @@ def _check_seconds(name: str, value: object, upper: float = 24 * 3600.0) -> None
         _fail(name, f"must be a number of seconds in (0, {upper:g}], got {value!r}")
 
 
+def _check_kinds(value: object) -> tuple[str, ...]:
+    """transfer.kinds as a tuple: a non-empty list of known transports, each named once, in order of preference."""
+    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+        _fail("kinds", f"must be a non-empty list of {', '.join(TRANSPORT_KINDS)}, got {value!r}")
+    kinds: list[str] = []
+    for kind in value:
+        if not isinstance(kind, str) or kind not in TRANSPORT_KINDS:
+            _fail("kinds", f"each entry must be one of {', '.join(TRANSPORT_KINDS)}, got {kind!r}")
+        kinds.append(kind)
+    if len(set(kinds)) != len(kinds):
+        _fail("kinds", f"names a transport twice: {kinds}")
+    if len(kinds) > 1:
+        # Each worker's KVSender / KVReceiver holds one transport; choosing one per pair among several is the
+        # part of issue 21 that docs/architecture.md ("Transport per pair") lists as not built yet.
+        _fail("kinds", f"one transport per deployment for now (a worker holds one), got {kinds}")
+    return tuple(kinds)
+
+
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         _fail(name, f"must be an integer in [{low}, {high}], got {value!r}")
@@ -39,8 +59,11 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
 class TransferConfig:
     """How a KVSender / KVReceiver moves blocks.
 
-    kind: "tcp" (CPU or GPU caches, bytes over the control socket), "nccl" (GPU to GPU, two different GPUs),
-        "cuda_ipc" (same node: the receiver copies from the sender's mapped cache; the GPUs may be the same).
+    kinds: the transports allowed, in order of preference: "tcp" (CPU or GPU caches, bytes over the control
+        socket), "nccl" (GPU to GPU, two different GPUs), "cuda_ipc" (same node: the receiver copies from the
+        sender's mapped cache; the GPUs may be the same). One entry for now: a worker holds one transport.
+    kind: the older spelling of a one-element `kinds` (`kind: nccl` is `kinds: [nccl]`); after validation it
+        is always `kinds[0]`, the transport this worker's sender / receiver use. Set one of the two.
     host, port: where a receiver listens (port 0 picks a free port). advertise_host: the address put in
         KVTargets; needed when host is a wildcard such as 0.0.0.0.
     connect_timeout_s: connecting plus the handshake; also how long an unclaimed connection may idle.
@@ -58,7 +81,8 @@ class TransferConfig:
         round trip).
     """
 
-    kind: str = "tcp"
+    kinds: tuple[str, ...] = ()
+    kind: str = ""
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str = ""
@@ -73,8 +97,7 @@ class TransferConfig:
     idle_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.kind not in TRANSPORT_KINDS:
-            _fail("kind", f"must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}")
+        self._resolve_kinds()
         if not isinstance(self.host, str) or (not self.host and not self.advertise_host):
             _fail("host", f"must be a host name or address, got {self.host!r}")
         if not isinstance(self.advertise_host, str):
@@ -94,6 +117,16 @@ class TransferConfig:
         _check_int("chunk_bytes", self.chunk_bytes, 256, 2**30)
         _check_int("max_connections", self.max_connections, 1, 65536)
         _check_int("max_inflight_sends", self.max_inflight_sends, 1, 4096)
+
+    def _resolve_kinds(self) -> None:
+        """Fill `kinds` from `kind` (or the default, tcp) and `kind` from `kinds`; frozen, so set once here."""
+        if self.kind and self.kind not in TRANSPORT_KINDS:
+            _fail("kind", f"must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}")
+        kinds = _check_kinds(self.kinds) if self.kinds != () else (self.kind or "tcp",)
+        if self.kind and self.kind != kinds[0]:
+            _fail("kind", f"{self.kind!r} disagrees with transfer.kinds {list(kinds)}: set one of the two")
+        object.__setattr__(self, "kinds", kinds)
+        object.__setattr__(self, "kind", kinds[0])
 
     @property
     def public_host(self) -> str:
