@@ -27,6 +27,7 @@ from model_runtime.request import SamplingError, SamplingParams
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls, take_blocks
+from worker_host.node import WorkerNode
 from worker_host.rpc import CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.role = role
         self.kv_wait_timeout_s = kv_wait_timeout_s
         self.address = ""
+        self.node: WorkerNode | None = None  # where it runs, its KV transports: set by start() before serving
         self.draining = threading.Event()
         self.open_calls = OpenCalls()  # drain waits until none is open
         self._landed: dict[str, queue.Queue[TransferResult]] = {}
@@ -214,4 +216,5 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             draining=self.draining.is_set(),
             active_leases=leases,
             known_prefix_version=request.known_prefix_version,
+            node=self.node,
         )

@@ -14,6 +14,7 @@ from tandem_client.tls import plaintext_warning
 from worker_host.host import EngineLoopAllocator, WorkerSpec, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
+from worker_host.node import describe_node
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.DecodeWorker"
@@ -34,6 +35,7 @@ class DecodeWorker(WorkerLifecycle):
         self.loop.start()
         self._progress("opening the KV receiver and the gRPC port")
         self.service = DecodeService(spec.worker_id, self.loop, None, spec.role.wire, spec.kv_wait_timeout_s)
+        self.service.node = describe_node(spec.node_id, self.loop.engine.runner.kv_cache)
         if spec.role is WorkerRole.DECODE:
             engine = self.loop.engine
             warning = spec.tls is None and plaintext_warning(

@@ -26,6 +26,13 @@ def advertise_node_ip(spec: WorkerSpec) -> WorkerSpec:
     return replace(spec, advertise_host=node_ip, transfer=transfer)
 
 
+def on_ray_node(spec: WorkerSpec) -> WorkerSpec:
+    """The spec with this actor's Ray node id, which the worker advertises (WorkerInfo.node_id)."""
+    import ray
+
+    return replace(spec, node_id=ray.get_runtime_context().get_node_id())
+
+
 class WorkerProcess:
     """Plain class; the controller wraps it with ray.remote(...) so this module imports without Ray."""
 
@@ -39,6 +46,7 @@ class WorkerProcess:
     def start(self) -> str:
         import torch
 
+        self.spec = on_ray_node(self.spec)
         if self.spec.host in ("0.0.0.0", "::"):
             self.spec = advertise_node_ip(self.spec)
         if self.spec.engine.device.resolved_device() == "cpu":

@@ -3,9 +3,10 @@
 Decode side: `KVReceiver.reserve()` -> `Lease`, `KVReceiver.target(lease)` -> `KVTarget` (kv.proto) for the
 router; results arrive through `poll()` or `on_result`. Prefill side: `KVSender.send(target, ...)` ->
 `SendHandle` (non-blocking), blocks released through `on_release`. Transports: tcp, nccl, cuda_ipc
-(`TransferConfig.kind`). Module map: config, contracts (leases, results, reasons), frames (wire), pairing,
-leases (ownership), receiver + receive_session, sender + send_handle + send_session, transport (seam), tcp,
-nccl, cuda_ipc, cuda_events (GPU waits), stats.
+(`TransferConfig.kinds`: one per worker for now; `transport.device_transports`: what a cache could use).
+Module map: config, contracts (leases, results, reasons), frames (wire), pairing, leases (ownership), receiver
++ receive_session, sender + send_handle + send_session, transport (seam), tcp, nccl, cuda_ipc, cuda_events (GPU
+waits), stats.
 """
 
 from kv_transfer.config import TRANSPORT_KINDS, TransferConfig

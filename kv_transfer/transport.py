@@ -172,6 +172,16 @@ def device_uuid(cache: torch.Tensor) -> str:
     return str(torch.cuda.get_device_properties(cache.device).uuid)
 
 
+def device_transports(cache: torch.Tensor) -> tuple[str, ...]:
+    """The transports a cache on this device can use, whatever the config allows: tcp anywhere; cuda_ipc with a
+    CUDA GPU; nccl with a CUDA GPU where torch was built with NCCL. Whether a pair can use them also depends on
+    the peer (same node for cuda_ipc, another GPU for nccl): router.transport_choice decides that."""
+    if cache.device.type != "cuda":
+        return ("tcp",)
+    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    return ("tcp", "nccl", "cuda_ipc") if nccl else ("tcp", "cuda_ipc")
+
+
 def make_receiver_transport(
     config: TransferConfig, layout: KVLayout, cache: torch.Tensor
 ) -> ReceiverTransport:

@@ -28,6 +28,7 @@ from model_runtime.scheduler import RequestRejected
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls
+from worker_host.node import WorkerNode
 from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.sender = sender
         self.prefill_timeout_s = prefill_timeout_s
         self.address = ""
+        self.node: WorkerNode | None = None  # where it runs, its KV transports: set by start() before serving
         self.draining = threading.Event()
         self.open_calls = OpenCalls()  # drain waits until none is open
 
@@ -127,6 +129,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             draining=self.draining.is_set(),
             active_leases=leases,
             known_prefix_version=request.known_prefix_version,
+            node=self.node,
         )
 
 

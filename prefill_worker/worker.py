@@ -13,6 +13,7 @@ from tandem_api.tandem.v1 import worker_pb2_grpc
 from worker_host.host import WorkerSpec, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
+from worker_host.node import describe_node
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.PrefillWorker"
@@ -43,6 +44,7 @@ class PrefillWorker(WorkerLifecycle):
             engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release, tls=tls
         )
         self.service = PrefillService(spec.worker_id, loop, self.sender, spec.prefill_timeout_s)
+        self.service.node = describe_node(spec.node_id, engine.runner.kv_cache)
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]
         )

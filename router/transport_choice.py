@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tandem_api.tandem.v1 import kv_pb2
+from tandem_api.tandem.v1 import admin_pb2, kv_pb2
 
 _PREFIX = "KV_TRANSPORT_"
 TRANSPORT_NAMES = {
@@ -46,6 +46,11 @@ class PairEnd:
     node_id: str = ""
     gpu_uuid: str = ""
     transports: frozenset[str] = frozenset({"tcp"})
+
+
+def pair_end(info: admin_pb2.WorkerInfo) -> PairEnd:
+    """A worker's end of a pair from its polled status."""
+    return PairEnd(info.node_id, info.kv_gpu_uuid, transport_names(info.kv_transports))
 
 
 class NoCommonTransport(ValueError):

@@ -47,6 +47,9 @@ class WorkerSpec:
     host: str = "127.0.0.1"  # where the gRPC server binds; "0.0.0.0" on a multi-node cluster
     port: int = 0
     advertise_host: str = ""  # the address peers dial when host is a wildcard (the node's IP)
+    node_id: str = (
+        ""  # the Ray node id (deploy.actors sets it); "" outside Ray: worker_host.node names the host
+    )
     max_concurrent_rpcs: int = 1024
     drain_timeout_s: float = 30.0
     prefill_timeout_s: float = 600.0  # prefill: longest wait for a prompt's first token

@@ -11,6 +11,7 @@ import grpc
 
 from model_runtime.engine_loop import EngineLoop
 from tandem_api.tandem.v1 import admin_pb2
+from worker_host.node import WorkerNode
 
 T = TypeVar("T")
 POLL_S = 0.1  # how often a waiting handler re-checks that its call is still alive
@@ -53,16 +54,18 @@ def worker_info(
     draining: bool,
     active_leases: int,
     known_prefix_version: int = 0,
+    node: WorkerNode | None = None,
 ) -> admin_pb2.WorkerInfo:
     """Built from the counters the loop published last: answers at once even while a long step runs. The prefix
-    cache's block hashes come only when the caller's `known_prefix_version` is out of date."""
+    cache's block hashes come only when the caller's `known_prefix_version` is out of date. `node`: where the
+    worker runs and its KV transports (None until start() has described them: the fields stay empty)."""
     if draining:
         state = admin_pb2.WORKER_STATE_DRAINING
     else:
         state = admin_pb2.WORKER_STATE_READY if loop.alive else admin_pb2.WORKER_STATE_DEAD
     c, prefix = loop.counters, loop.prefix
     engine = loop.engine
-    return admin_pb2.WorkerInfo(
+    info = admin_pb2.WorkerInfo(
         worker_id=worker_id,
         role=role,
         address=address,
@@ -82,3 +85,8 @@ def worker_info(
         requests_total=c.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
     )
+    if node is not None:
+        info.node_id = node.node_id
+        info.kv_transports.extend(node.kv_transport_values)
+        info.kv_gpu_uuid = node.kv_gpu_uuid
+    return info

@@ -1,3 +1,4 @@
+from tandem_api.tandem.v1 import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -104,7 +105,7 @@ class RecentLatency(_message.Message):
     def __init__(self, window_seconds: _Optional[float] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., tpot_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size", "prefix_cache_version", "cached_block_hashes", "cached_prompt_tokens_total", "indexed_prefix_blocks")
+    __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size", "prefix_cache_version", "cached_block_hashes", "cached_prompt_tokens_total", "indexed_prefix_blocks", "node_id", "kv_transports", "kv_gpu_uuid")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +125,9 @@ class WorkerInfo(_message.Message):
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     INDEXED_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    KV_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -143,4 +147,7 @@ class WorkerInfo(_message.Message):
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     cached_prompt_tokens_total: int
     indexed_prefix_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., active_leases: _Optional[int] = ..., last_heartbeat_age_seconds: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., requests_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_version: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., cached_prompt_tokens_total: _Optional[int] = ..., indexed_prefix_blocks: _Optional[int] = ...) -> None: ...
+    node_id: str
+    kv_transports: _containers.RepeatedScalarFieldContainer[_kv_pb2.KVTransport]
+    kv_gpu_uuid: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., active_leases: _Optional[int] = ..., last_heartbeat_age_seconds: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., requests_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_version: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., cached_prompt_tokens_total: _Optional[int] = ..., indexed_prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., kv_transports: _Optional[_Iterable[_Union[_kv_pb2.KVTransport, str]]] = ..., kv_gpu_uuid: _Optional[str] = ...) -> None: ...

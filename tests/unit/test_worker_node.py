@@ -1,0 +1,68 @@
+"""What a worker advertises about where it runs and what its KV can travel over (WorkerInfo.node_id,
+kv_transports, kv_gpu_uuid), and the router's reading of it into a pair's transport."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import grpc
+import pytest
+import torch
+
+from decode_worker.worker import DecodeWorker
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from prefill_worker.worker import PrefillWorker
+from router.transport_choice import NoCommonTransport, pair_end, pair_transport
+from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+from worker_host.host import WorkerSpec
+from worker_host.node import describe_node, host_identity
+
+pytestmark = pytest.mark.unit
+
+
+def test_outside_ray_a_worker_names_its_host_and_a_cpu_cache_travels_over_tcp_only() -> None:
+    assert host_identity() == host_identity()
+    assert host_identity().startswith(f"host:{socket.gethostname()}")
+    node = describe_node("", torch.zeros(2, 4))
+    assert (node.node_id, node.kv_transports, node.kv_gpu_uuid) == (host_identity(), ("tcp",), "")
+    assert node.kv_transport_values == [kv_pb2.KV_TRANSPORT_TCP]
+    assert describe_node("0f3a-ray-node", torch.zeros(1)).node_id == "0f3a-ray-node"  # Ray's, when it has one
+
+
+@contextmanager
+def _started(worker: PrefillWorker | DecodeWorker) -> Iterator[str]:
+    try:
+        yield worker.start()
+    finally:
+        worker.stop()
+
+
+def _status(address: str, stub_class) -> admin_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as channel:
+        return stub_class(channel).Status(worker_pb2.WorkerStatusRequest(), timeout=10)
+
+
+def test_started_workers_report_their_node_and_transports_and_pair_over_tcp() -> None:
+    engine = EngineConfig(
+        model="dummy:tiny-llama",  # random weights: nothing to write or read
+        cache=CacheConfig(block_size=4, num_blocks=16),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
+        device=DeviceConfig(device="cpu"),
+    )
+    prefill = PrefillWorker(
+        WorkerSpec(worker_id="prefill-0", role="prefill", engine=engine, node_id="node-a")
+    )
+    decode = DecodeWorker(WorkerSpec(worker_id="decode-0", role="decode", engine=engine))
+    with ExitStack() as stack:
+        p_info = _status(stack.enter_context(_started(prefill)), worker_pb2_grpc.PrefillWorkerStub)
+        d_info = _status(stack.enter_context(_started(decode)), worker_pb2_grpc.DecodeWorkerStub)
+    assert (p_info.node_id, d_info.node_id) == ("node-a", host_identity())
+    assert list(p_info.kv_transports) == list(d_info.kv_transports) == [kv_pb2.KV_TRANSPORT_TCP]
+    assert p_info.kv_gpu_uuid == d_info.kv_gpu_uuid == ""
+
+    ends = pair_end(p_info), pair_end(d_info)
+    assert pair_transport(["tcp"], *ends) == "tcp"
+    with pytest.raises(NoCommonTransport, match="cuda_ipc: the prefill and the decode worker cannot use it"):
+        pair_transport(["cuda_ipc"], *ends)
