@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from model_runtime.weights.source import EMBEDDED_MODEL
+from router.transport_choice import TRANSPORT_NAMES
 from tandem_client.tls import ServerTLS, TLSFiles
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts' ids plus logprobs pass gRPC's 4 MiB default
@@ -38,6 +39,8 @@ class RouterConfig:
       first token: a fresh start; after: a resume that re-prefills prompt + the tokens sent). Past it the
       client gets UNAVAILABLE.
     max_message_bytes: gRPC send/receive limit on the public server and on the worker channels.
+    transfer_kinds: the deployment's transfer.kinds (KV transports allowed, in order of preference): a
+      prefill/decode pair with none in common is not placed (router.transport_choice). (): not checked.
     local_prefill_max_tokens: a disaggregated request whose chosen decode worker would compute at most this many
       prompt tokens (short, or mostly in its prefix cache) is prefilled there, with no KV transfer; 0: never.
     local_prefill_max_queued_tokens: ... only while that worker's queued prompt tokens, this one included, stay
@@ -79,6 +82,7 @@ class RouterConfig:
     api_keys_reload_s: float = 2.0
     tls: ServerTLS | None = None
     worker_tls: TLSFiles | None = None
+    transfer_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
@@ -125,6 +129,14 @@ class RouterConfig:
             "must be None or TLSFiles",
         )
         _check(self.lease_ttl_s * 1000 < 2**32, "lease_ttl_s", "must fit in uint32 milliseconds")
+        known = sorted(TRANSPORT_NAMES.values())
+        _check(
+            isinstance(self.transfer_kinds, tuple)
+            and all(kind in known for kind in self.transfer_kinds)
+            and len(set(self.transfer_kinds)) == len(self.transfer_kinds),
+            "transfer_kinds",
+            f"must be a tuple of distinct transports among {', '.join(known)}, got {self.transfer_kinds!r}",
+        )
 
     @property
     def bind_address(self) -> str:

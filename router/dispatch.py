@@ -35,11 +35,11 @@ from router.metrics import RouterMetrics
 from router.placement import (
     LOCAL_CACHED,
     LOCAL_SHORT,
-    LocalPrefill,
     Placement,
     Placer,
     PromptWork,
     WorkerLoad,
+    placer_for,
 )
 from router.pool import Charge, WorkerHandle, WorkerPool
 from router.prefix import PromptHashes
@@ -123,8 +123,7 @@ class Dispatcher:
         self._pool = pool
         self._config = config
         self._metrics = metrics
-        local = LocalPrefill(config.local_prefill_max_tokens, config.local_prefill_max_queued_tokens)
-        self._placer = placer or Placer(local_prefill=local)
+        self._placer = placer or placer_for(config)
         self._turns = itertools.count()
         self._attempt_ids = itertools.count(1)
 
@@ -144,7 +143,7 @@ class Dispatcher:
             placement, loads = self._place(failures.avoid, full, work)
             if placement is None:
                 if not full and not self._may_wait_for_recovery(failures):
-                    raise _no_worker(failures.errors)
+                    raise _no_worker(failures.errors, self._placer.unpaired_reason(list(loads.values())))
                 await asyncio.sleep(delay)
                 delay, full = min(2 * delay, _BACKOFF_MAX_S), set()
                 continue
@@ -386,9 +385,11 @@ def _passed(deadline: float) -> bool:
     return asyncio.get_running_loop().time() >= deadline - _DEADLINE_SLACK_S
 
 
-def _no_worker(failed: list[WorkerCallError]) -> RouterError:
+def _no_worker(failed: list[WorkerCallError], unpaired: str | None = None) -> RouterError:
     reason = "no worker can take the request now (it needs a READY prefill and decode worker, or a READY "
     reason += "colocated worker)"
+    if unpaired:
+        reason += f"; no prefill/decode pair has a KV transport in common: {unpaired}"
     if failed:
         reason += f"; {failed[-1]}"
     return RouterError(grpc.StatusCode.UNAVAILABLE, reason)

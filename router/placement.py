@@ -10,6 +10,9 @@ Every candidate gets one cost, in prompt tokens of work that would stand before 
                 that can (its poll may be stale, so it stays a last resort, not a refusal)
     ties      : `turn` (a counter the caller advances per placement) rotates among equal costs, so an idle
                 cluster spreads traffic over every worker instead of always picking the first.
+    pairs     : a prefill worker pairs with a decode worker when their KV layouts match and, if the router knows
+                the deployment's transfer.kinds and both advertised their node and transports, some allowed
+                transport suits both (router.transport_choice); otherwise the pair is not placed.
 
 The loads are the workers' last polled numbers corrected by the router's own charges since that poll
 (`WorkerLoad.charged`): without the correction a burst arriving between two polls would all land on the
@@ -21,8 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from model_runtime.roles import WorkerRole
+from router.transport_choice import NoCommonTransport, PairEnd, pair_transport
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 DEFAULT_BLOCK_SIZE = 16  # used for a worker that has not reported its block size yet
 
@@ -40,6 +48,7 @@ class WorkerLoad:
     layout_fingerprint: str = ""
     kv_blocks_total: int = 0  # 0: unknown (no KV pressure term)
     kv_block_size: int = 0  # tokens per block; 0: unknown
+    pair_end: PairEnd | None = None  # its node and KV transports; None: not advertised (an older worker)
 
     def charged(self, running: int = 0, kv_blocks: int = 0, prefill_tokens: int = 0) -> WorkerLoad:
         """The load after the router's own placements that the last poll could not have seen yet."""
@@ -181,6 +190,33 @@ class Placer:
 
     weights: CostWeights = CostWeights()
     local_prefill: LocalPrefill = LocalPrefill()
+    transfer_kinds: tuple[str, ...] = ()  # the deployment's transfer.kinds; (): pairs' transports unchecked
+
+    def transport_refusal(self, prefill: WorkerLoad, decode: WorkerLoad) -> str | None:
+        """Why the pair has no allowed transport in common (router.transport_choice), or None when it has one or
+        cannot be checked (no transfer_kinds, or a worker that advertised nothing)."""
+        if not self.transfer_kinds or prefill.pair_end is None or decode.pair_end is None:
+            return None
+        try:
+            pair_transport(self.transfer_kinds, prefill.pair_end, decode.pair_end)
+        except NoCommonTransport as exc:
+            return f"{prefill.worker_id} -> {decode.worker_id}: {exc}"
+        return None
+
+    def unpaired_reason(self, loads: Sequence[WorkerLoad]) -> str | None:
+        """Why no ready prefill/decode pair with one layout can be placed, when the only obstacle is that none
+        has a transport in common (the first pair's refusal); else None. For a request that found no worker."""
+        ready = [w for w in loads if w.ready]
+        refusals = []
+        for decode in (w for w in ready if w.role is WorkerRole.DECODE):
+            for prefill in (w for w in ready if w.role is WorkerRole.PREFILL):
+                if prefill.layout_fingerprint != decode.layout_fingerprint:
+                    continue
+                reason = self.transport_refusal(prefill, decode)
+                if reason is None:
+                    return None
+                refusals.append(reason)
+        return refusals[0] if refusals else None
 
     def decodes(
         self, loads: Sequence[WorkerLoad], work: PromptWork, exclude: Collection[str] = (), turn: int = 0
@@ -197,10 +233,17 @@ class Placer:
         layout_fingerprint: str,
         exclude: Collection[str] = (),
         turn: int = 0,
+        decode: WorkerLoad | None = None,
     ) -> list[WorkerLoad]:
-        """Prefill workers whose KV layout matches the decode worker's (they cannot pair otherwise), best first."""
+        """Prefill workers whose KV layout matches the decode worker's and, given `decode`, that have a transport
+        in common with it (they cannot pair otherwise), best first."""
         ranked = _ranked(loads, WorkerRole.PREFILL, lambda w: (prefill_cost(w, work),), exclude, turn)
-        return [w for w in ranked if w.layout_fingerprint == layout_fingerprint]
+        return [
+            w
+            for w in ranked
+            if w.layout_fingerprint == layout_fingerprint
+            and (decode is None or self.transport_refusal(w, decode) is None)
+        ]
 
     def colocated(
         self, loads: Sequence[WorkerLoad], work: PromptWork, exclude: Collection[str] = (), turn: int = 0
@@ -223,7 +266,7 @@ class Placer:
             local = self.local_prefill.reason(decode, work)
             if local is not None:
                 return Placement(decode.worker_id, None, local)
-            prefills = self.prefills(loads, work, decode.layout_fingerprint, exclude, turn)
+            prefills = self.prefills(loads, work, decode.layout_fingerprint, exclude, turn, decode)
             if prefills:
                 return Placement(decode.worker_id, prefills[0].worker_id, PREFILL_WORKER)
         colocated = self.colocated(loads, work, exclude, turn)
@@ -231,6 +274,12 @@ class Placer:
 
 
 DEFAULT_PLACER = Placer()
+
+
+def placer_for(config: RouterConfig) -> Placer:
+    """A router's placer: its local prefill settings, and the transports pairs must have in common."""
+    local = LocalPrefill(config.local_prefill_max_tokens, config.local_prefill_max_queued_tokens)
+    return Placer(local_prefill=local, transfer_kinds=config.transfer_kinds)
 
 
 def choose_decode(
@@ -257,7 +306,8 @@ def place(
     return DEFAULT_PLACER.place(loads, work, exclude, turn)
 
 
-def can_serve(loads: Sequence[WorkerLoad]) -> bool:
+def can_serve(loads: Sequence[WorkerLoad], placer: Placer = DEFAULT_PLACER) -> bool:
     """True when some request could be placed now: a ready prefill/decode pair or a ready colocated worker.
-    The health service reports exactly this, so SERVING means placement would find workers."""
-    return place(loads) is not None
+    The health service reports exactly this (with the router's placer), so SERVING means placement would find
+    workers."""
+    return placer.place(loads) is not None

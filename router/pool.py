@@ -32,6 +32,7 @@ from router.errors import invalid
 from router.metrics import RouterMetrics
 from router.placement import WorkerLoad
 from router.prefix import PromptHashes, cached_prefix_tokens
+from router.transport_choice import pair_end
 from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
 from tandem_client.tls import TLSFiles
 
@@ -141,6 +142,7 @@ class WorkerHandle:
             layout_fingerprint=info.layout_fingerprint,
             kv_blocks_total=info.kv_blocks_total,
             kv_block_size=info.kv_block_size,
+            pair_end=pair_end(info) if info.kv_transports else None,
         ).charged(
             running=sum(c.running for c in self.charges),
             kv_blocks=sum(c.kv_blocks for c in self.charges),

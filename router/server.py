@@ -37,7 +37,7 @@ from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_api import OpenAIServer
 from router.pipeline import Protocol, RequestPipeline
-from router.placement import can_serve
+from router.placement import can_serve, placer_for
 from router.pool import Endpoint, WorkerPool, endpoints_from_proto
 from router.prometheus import PrometheusRouterMetrics
 from router.scaling import Scaler
@@ -87,6 +87,7 @@ class RouterServer:
             tls=config.worker_tls,
         )
         self._admission = Admission(config.max_inflight, config.max_queue)
+        self._placer = placer_for(config)  # the dispatcher's, and what health asks (can_serve)
         self._gate = (
             AuthGate(config.api_keys_file, config.api_keys_reload_s) if config.api_keys_file else None
         )
@@ -141,7 +142,7 @@ class RouterServer:
         cfg = self.config
         if self._gate is not None:
             await self._gate.start()  # polls the key file for changes
-        dispatcher = Dispatcher(self._pool, cfg, self.metrics)
+        dispatcher = Dispatcher(self._pool, cfg, self.metrics, self._placer)
         pipeline = RequestPipeline(
             cfg, model, self._admission, dispatcher, self.metrics, self._executor, self._gate
         )
@@ -303,7 +304,7 @@ class RouterServer:
         while True:
             await self._health_dirty.wait()
             self._health_dirty.clear()
-            await self._set_health(can_serve(self._pool.loads()))
+            await self._set_health(can_serve(self._pool.loads(), self._placer))
 
     async def _set_health(self, serving: bool) -> None:
         serving = serving and not self._draining
