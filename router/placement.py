@@ -9,7 +9,8 @@ Every candidate gets one cost, in prompt tokens of work that would stand before 
     fit       : a decode or colocated worker whose free blocks cannot hold the prompt ranks after every one
                 that can (its poll may be stale, so it stays a last resort, not a refusal)
     ties      : `turn` (a counter the caller advances per placement) rotates among equal costs, so an idle
-                cluster spreads traffic over every worker instead of always picking the first.
+                cluster spreads traffic over every worker instead of always picking the first; among prefill
+                workers of equal cost, those on the decode worker's node come first (a cheaper handoff).
     pairs     : a prefill worker pairs with a decode worker when their KV layouts match and, if the router knows
                 the deployment's transfer.kinds and both advertised their node and transports, some allowed
                 transport suits both (router.transport_choice); otherwise the pair is not placed.
@@ -155,6 +156,12 @@ def colocated_cost(w: WorkerLoad, work: PromptWork, weights: CostWeights = CostW
     return decode_cost(w, work, weights) + work.uncached_on(w.worker_id)
 
 
+def _same_node(prefill: WorkerLoad, decode: WorkerLoad | None) -> bool:
+    """Both advertised one known node (router.transport_choice.PairEnd.node_id)."""
+    a, b = prefill.pair_end, decode.pair_end if decode is not None else None
+    return a is not None and b is not None and bool(a.node_id) and a.node_id == b.node_id
+
+
 def _fits(w: WorkerLoad, work: PromptWork) -> bool:
     return w.free_kv_blocks >= w.blocks_for(work.num_tokens)
 
@@ -236,8 +243,13 @@ class Placer:
         decode: WorkerLoad | None = None,
     ) -> list[WorkerLoad]:
         """Prefill workers whose KV layout matches the decode worker's and, given `decode`, that have a transport
-        in common with it (they cannot pair otherwise), best first."""
-        ranked = _ranked(loads, WorkerRole.PREFILL, lambda w: (prefill_cost(w, work),), exclude, turn)
+        in common with it (they cannot pair otherwise), best first; at equal cost one on the decode worker's
+        node first (its KV travels inside the node)."""
+
+        def key(w: WorkerLoad) -> tuple[int, int]:
+            return (prefill_cost(w, work), not _same_node(w, decode))
+
+        ranked = _ranked(loads, WorkerRole.PREFILL, key, exclude, turn)
         return [
             w
             for w in ranked

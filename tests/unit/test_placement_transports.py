@@ -105,3 +105,18 @@ def test_the_router_takes_transfer_kinds_from_the_deploy_config_and_checks_them(
         RouterConfig(transfer_kinds=("rdma",))
     with pytest.raises(RouterConfigError, match=r"^transfer_kinds: "):
         RouterConfig(transfer_kinds=("tcp", "tcp"))
+
+
+def test_at_equal_cost_the_prefill_worker_on_the_decode_workers_node_wins_whatever_the_turn() -> None:
+    loads = [
+        worker("d0", Role.DECODE, "n1"),
+        worker("p0", Role.PREFILL, "n2"),
+        worker("p1", Role.PREFILL, "n1"),
+        worker("p2", Role.PREFILL, "n1"),
+    ]
+    tcp = Placer(transfer_kinds=("tcp",))
+    chosen = {tcp.place(loads, turn=turn).prefill for turn in range(6)}  # type: ignore[union-attr]
+    assert chosen == {"p1", "p2"}  # same-node workers still rotate among themselves
+    assert tcp.place([*loads[:2], worker("p1", Role.PREFILL, "n1", queued=1)]).prefill == "p0"  # type: ignore[union-attr]
+    unknown = [worker("d0", Role.DECODE, ""), worker("p0", Role.PREFILL, ""), worker("p1", Role.PREFILL, "")]
+    assert {tcp.place(unknown, turn=t).prefill for t in range(4)} == {"p0", "p1"}  # type: ignore[union-attr]
