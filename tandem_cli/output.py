@@ -62,7 +62,10 @@ def write_atomic(path: str, lines: Iterable[str]) -> None:
         raise
 
 
-_COLUMNS = ("WORKER", "ROLE", "STATE", "ADDRESS", "KV BLOCKS", "RUNNING", "WAITING", "LEASES", "HEARTBEAT")
+_COLUMNS = (
+    "WORKER", "ROLE", "STATE", "ADDRESS", "KV BLOCKS", "RUNNING", "WAITING", "LEASES", "HEARTBEAT", "NODE", "KV VIA",
+)  # fmt: skip
+NODE_CHARS = 12  # a Ray node id has 56 hex digits; its first 12 tell a cluster's nodes apart (--json has all)
 
 
 def status_table(status: ClusterStatus) -> str:
@@ -78,6 +81,8 @@ def status_table(status: ClusterStatus) -> str:
             str(w.waiting_requests),
             str(w.active_leases),
             f"{w.last_heartbeat_age_seconds:.1f}s",
+            w.node_id[:NODE_CHARS] or "-",
+            ",".join(w.kv_transports) or "-",
         )
         for w in status.workers
     ]

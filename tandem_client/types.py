@@ -219,6 +219,8 @@ class WorkerInfo:
     queued_prefill_tokens: int = 0
     model: str = ""
     requests_total: int = 0  # requests the worker accepted since it started
+    node_id: str = ""  # its Ray node id (or host identity outside Ray); "" from an older worker
+    kv_transports: tuple[str, ...] = ()  # KV transports its cache can use: "tcp", "nccl", "cuda_ipc"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import grpc
 
-from tandem_api.tandem.v1 import admin_pb2, generate_pb2
+from tandem_api.tandem.v1 import admin_pb2, generate_pb2, kv_pb2
 from tandem_client.errors import Internal, InvalidArgument
 from tandem_client.types import (
     ClusterStatus,
@@ -182,7 +182,17 @@ def _worker(message: admin_pb2.WorkerInfo) -> WorkerInfo:
         queued_prefill_tokens=message.queued_prefill_tokens,
         model=message.model,
         requests_total=message.requests_total,
+        node_id=message.node_id,
+        kv_transports=tuple(_transport_name(t) for t in message.kv_transports),
     )
+
+
+def _transport_name(value: int) -> str:
+    """KV_TRANSPORT_CUDA_IPC -> "cuda_ipc" (the config's spelling); an unknown value as its number."""
+    try:
+        return kv_pb2.KVTransport.Name(value).removeprefix("KV_TRANSPORT_").lower()
+    except ValueError:
+        return str(value)
 
 
 def pools_from_proto(pools: Iterable[admin_pb2.PoolSize]) -> tuple[PoolInfo, ...]:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
+from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, kv_pb2
 
 
 def _prompt_ids(request: generate_pb2.GenerateRequest) -> list[int]:
@@ -131,6 +131,8 @@ class FixedAdmin(admin_pb2_grpc.AdminServicer):
                 running_requests=1,
                 active_leases=2,
                 last_heartbeat_age_seconds=0.25,
+                node_id="07beabfa9d9100c00404260e8adaed1fec46b086cd757ee48ce429b0",
+                kv_transports=[kv_pb2.KV_TRANSPORT_TCP, kv_pb2.KV_TRANSPORT_CUDA_IPC],
             ),
             admin_pb2.WorkerInfo(
                 worker_id="decode-0", role=admin_pb2.WORKER_ROLE_DECODE, state=admin_pb2.WORKER_STATE_DRAINING

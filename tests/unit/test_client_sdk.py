@@ -359,11 +359,16 @@ def test_cli_status_table_and_json(server, capsys) -> None:
         "0",
         "2",
         "0.2s",
+        "07beabfa9d91",
+        "tcp,cuda_ipc",
     ]
+    assert table[2].split()[-2:] == ["-", "-"]  # an older worker: no node, no transports
     assert table[-1] == "router: 4 queued, 5 in flight"
     assert cli_main(["status", "--server", server[0], "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["workers"][1]["state"] == "draining" and status["router"]["queued_requests"] == 4
+    assert status["workers"][0]["node_id"] == "07beabfa9d9100c00404260e8adaed1fec46b086cd757ee48ce429b0"
+    assert status["workers"][0]["kv_transports"] == ["tcp", "cuda_ipc"]
 
 
 def test_request_message_keeps_zero_values_and_omits_unset_ones() -> None:
