@@ -20,7 +20,7 @@ import torch
 
 from model_runtime.config import ModelConfig
 from model_runtime.parallel.shard import PieceSlice, TPShard
-from model_runtime.weights.canonical import ByteProgress, TensorSource, assemble, canonical_layout
+from model_runtime.weights.canonical import ByteProgress, Piece, TensorSource, assemble, canonical_layout
 from model_runtime.weights.dummy import iter_dummy_weights
 from model_runtime.weights.errors import ModelLoadError
 from model_runtime.weights.gguf_loader import GGUFTensorSource
@@ -97,18 +97,22 @@ def load_weight_shard(
 def dummy_weight_shard(
     model: ModelConfig, shard: TPShard, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The rows of `dummy_weights(model, ...)` this rank holds: each fused tensor is split into its
-    checkpoint pieces, each piece cut by the same rule as a checkpoint's, and the slices stacked again."""
+    """The rows of `dummy_weights(model, ...)` this rank holds, drawn one whole tensor at a time."""
     layout = canonical_layout(model)
-    out: dict[str, torch.Tensor] = {}
-    for name, whole in iter_dummy_weights(model, dtype, device, seed):
-        pieces = whole.split([piece.shape[0] for piece in layout[name]], dim=0)
-        slices = []
-        for piece, values in zip(layout[name], pieces):
-            cut = shard.piece_slice(piece.hf_name)
-            slices.append(
-                values if cut is None else _pad(values.narrow(cut.dim, cut.start, cut.stop - cut.start), cut)
-            )
-        out[name] = torch.cat(slices, dim=0)
-        del whole, pieces
-    return out
+    return {
+        name: cut_fused(layout[name], whole, shard)
+        for name, whole in iter_dummy_weights(model, dtype, device, seed)
+    }
+
+
+def cut_fused(pieces: list[Piece], whole: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """A whole canonical tensor -> this rank's: split into its checkpoint pieces (q | k | v, gate | up), each
+    cut by the checkpoint rule (`TPShard.piece_slice`), stacked again. A new tensor: `whole` can be freed."""
+    parts = whole.split([piece.shape[0] for piece in pieces], dim=0)
+    slices = []
+    for piece, values in zip(pieces, parts):
+        cut = shard.piece_slice(piece.hf_name)
+        slices.append(
+            values if cut is None else _pad(values.narrow(cut.dim, cut.start, cut.stop - cut.start), cut)
+        )
+    return torch.cat(slices, dim=0)

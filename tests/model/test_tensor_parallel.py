@@ -15,9 +15,15 @@ import random
 import gguf
 import numpy as np
 import pytest
+import torch
 
-from model_runtime.config import ConfigError, EngineConfig
+from model_runtime.config import ConfigError, EngineConfig, ParallelConfig
 from model_runtime.engine import Engine
+from model_runtime.parallel.shard import TPShard
+from model_runtime.parallel.weights import cut_fused, load_weight_shard
+from model_runtime.weights import load_model_config, load_weights, resolve_model
+from model_runtime.weights.canonical import canonical_layout
+from model_runtime.weights.hf import SafetensorsSource
 from tests.model import tp_ranks
 from tests.model.tiny_models import tiny_vocab_size, write_tiny_gguf, write_tiny_hf
 
@@ -121,3 +127,26 @@ def test_engine_refuses_a_tensor_parallel_size_it_cannot_run(tp: int, message: s
     )
     with pytest.raises(ConfigError, match=message):
         Engine(config)
+
+
+def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path, monkeypatch) -> None:
+    """Sharded loading reads each sliced tensor by its slice (norms whole), and gives the rows of the whole
+    model's canonical tensors that the rule assigns to the rank."""
+    source = resolve_model(str(write_tiny_hf(tmp_path, "llama", vocab_size=515)))
+    model = load_model_config(source)
+    whole = load_weights(source, model, torch.float32)
+    read_whole: list[str] = []
+    get = SafetensorsSource.get
+    monkeypatch.setattr(
+        SafetensorsSource, "get", lambda self, name: read_whole.append(name) or get(self, name)
+    )
+    layout = canonical_layout(model)
+    for rank in range(2):
+        shard = TPShard.plan(model, ParallelConfig(2), rank)
+        ours = load_weight_shard(source, model, shard, torch.float32)
+        assert all("norm" in name for name in read_whole), read_whole
+        for name, tensor in ours.items():
+            torch.testing.assert_close(tensor, cut_fused(layout[name], whole[name], shard), rtol=0, atol=0)
+        # 515 rows over 2 ranks: 258 each, the last rank's 258th a zero row (never sampled: cut after the gather).
+        assert (ours["lm_head.weight"].shape[0], len(shard.vocab)) == (258, 258 - rank)
+        assert not ours["lm_head.weight"][len(shard.vocab) :].any()
