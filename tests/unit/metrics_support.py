@@ -126,8 +126,9 @@ def running_worker(tmp_path: Path, role: str) -> Iterator[RunningWorker]:
     loop = EngineLoop(Engine(config))
     loop.start()
     transfers = StatsRecorder()
-    transfers.record_ok(4096, 0.003)
+    transfers.record_ok(4096, 0.003, phases={"stream": 0.002})
     transfers.record_failure(FailureReason.LEASE_EXPIRED)
+    transfers.record_refused("tls_handshake")
     spec = WorkerSpec(worker_id=f"{role}-0", role=role, engine=config)
     # Like the workers: decode reads its receiver's stats, prefill its sender's, colocated has neither.
     stats = None if role == "colocated" else lambda: transfers.snapshot(active_leases=2, active_transfers=1)
