@@ -5,6 +5,7 @@ stall cluster's shape and deadlines."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -45,8 +46,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def long_prompt(words: int, shift: int = 0) -> str:
     """A prompt long enough that its prefill takes seconds on a CPU worker (a window to inject the fault).
-    A different `shift` gives a different prompt (no help from the prefix cache)."""
-    return " ".join(WORDS[(i + shift) % len(WORDS)] for i in range(words))
+    Each `shift` seeds its own word order, so two prompts share no leading block and the prefix cache cannot
+    shorten a prefill that a test races (a rotation of one word list did: shifts equal modulo its length
+    gave one prompt the other's first 500 words, and a handoff finished before the fault could be injected)."""
+    pick = random.Random(shift)
+    return " ".join(pick.choice(WORDS) for _ in range(words))
 
 
 # --- cluster introspection ---------------------------------------------------------------------------------

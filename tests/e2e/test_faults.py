@@ -50,7 +50,7 @@ from tests.e2e.faults_support import (
 from tests.loopback import health
 from tests.polling import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timing_sensitive, pytest.mark.timeout(240)]
 
 
 # --- fixtures ----------------------------------------------------------------------------------------------
@@ -257,7 +257,9 @@ class TestStall:
         with stopped(pid_of(receiver)):
             wait_until(lambda: request.num_tokens >= 1, 60, "the first token", every_s=0.02)
             os.kill(prefill_pid, signal.SIGKILL)
+            tokens_at_kill = request.num_tokens
             request.join(60)
+        assert tokens_at_kill == 1, "the KV landed before the receiver stopped: nothing was tested"
         # No other prefill worker (and restarts are off): a clear error in bounded time, not a hang.
         assert isinstance(request.error, Unavailable), request.error
         assert "no worker can take the request" in str(request.error)
