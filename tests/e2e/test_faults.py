@@ -50,7 +50,7 @@ from tests.e2e.faults_support import (
 from tests.loopback import health
 from tests.polling import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timing_sensitive, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 # --- fixtures ----------------------------------------------------------------------------------------------
