@@ -11,10 +11,11 @@ from model_runtime.engine_loop import EngineLoop
 from model_runtime.roles import WorkerRole
 from tandem_api.tandem.v1 import worker_pb2_grpc
 from tandem_client.tls import plaintext_warning
-from worker_host.host import EngineLoopAllocator, WorkerSpec, start_grpc
+from worker_host.host import EngineLoopAllocator, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
 from worker_host.node import describe_node
+from worker_host.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.DecodeWorker"

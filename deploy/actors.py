@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from model_runtime.roles import WorkerRole
-from worker_host.host import WorkerSpec
-from worker_host.lifecycle import WorkerLifecycle
+from worker_host.spec import WorkerSpec
+
+if TYPE_CHECKING:  # the class runs its workers in Ray actors: the driver never imports an engine
+    from worker_host.lifecycle import WorkerLifecycle
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

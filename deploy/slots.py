@@ -8,7 +8,7 @@ from typing import Any
 
 from deploy.config import DeployConfig
 from model_runtime.roles import WorkerRole
-from worker_host.host import WorkerSpec
+from worker_host.spec import WorkerSpec
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ Module map: config, contracts (leases, results, reasons), frames (wire), pairing
 waits), stats.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kv_transfer.config import TRANSPORT_KINDS, TransferConfig
 from kv_transfer.contracts import (
     BlockAllocator,
@@ -21,10 +26,30 @@ from kv_transfer.contracts import (
     TransferFailed,
     TransferResult,
 )
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.send_handle import SendHandle
-from kv_transfer.sender import KVSender
 from kv_transfer.stats import TransferStats
+
+if TYPE_CHECKING:
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.send_handle import SendHandle
+    from kv_transfer.sender import KVSender
+
+# The ends of a handoff import torch: loaded on first use, so that a process reading the config (the `tandem
+# serve` driver, the router) does not pay for torch it never touches.
+_LAZY = {
+    "KVReceiver": "kv_transfer.receiver",
+    "KVSender": "kv_transfer.sender",
+    "SendHandle": "kv_transfer.send_handle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "TRANSPORT_KINDS",

@@ -15,8 +15,9 @@ import threading
 from typing import Any, Protocol
 
 from model_runtime.engine_loop import EngineLoop
-from worker_host.host import OpenCalls, WorkerSpec, wait_idle
+from worker_host.host import OpenCalls, wait_idle
 from worker_host.metrics import WorkerMetrics
+from worker_host.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from kv_transfer import FailureReason, TransferStats
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.step_record import StepRecord
-from worker_host.host import WorkerSpec
+from worker_host.spec import WorkerSpec
 
 LABELS = ["model", "role", "worker"]
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")

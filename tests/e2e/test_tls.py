@@ -33,7 +33,8 @@ from tandem_client.errors import TLS_HINT_CLOSED, TLS_HINT_SERVER, error_from_rp
 from tandem_client.tls import ServerTLS, TLSError
 from tests.e2e.fake_workers import FakeDecode, FakePrefill, LoopThread, RouterHarness, Script
 from tests.tls_certs import TestPKI
-from worker_host.host import WorkerSpec, start_grpc
+from worker_host.host import start_grpc
+from worker_host.spec import WorkerSpec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 MODEL = "smollm2-135m-instruct"

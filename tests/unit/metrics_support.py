@@ -30,8 +30,8 @@ from model_runtime.request import SamplingParams
 from router.metrics import RequestRecord
 from router.prometheus import PrometheusRouterMetrics
 from tests.model.tiny_models import write_tiny_hf
-from worker_host.host import WorkerSpec
 from worker_host.metrics import WorkerMetrics
+from worker_host.spec import WorkerSpec
 
 MODEL = "tiny"
 _model_lock = threading.Lock()

@@ -26,8 +26,8 @@ from router.prometheus import PrometheusRouterMetrics, status_label
 from router.server import RouterServer
 from tests.loopback import free_port
 from tests.unit.metrics_support import MODEL, running_worker, samples, scrape, value
-from worker_host.host import WorkerSpec
 from worker_host.metrics import metrics_bind_host
+from worker_host.spec import WorkerSpec
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import pytest
 from model_runtime.config import EngineConfig
 from model_runtime.roles import WorkerRole
 from tandem_api.tandem.v1 import admin_pb2
-from worker_host.host import WorkerSpec
+from worker_host.spec import WorkerSpec
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, Schedu
 from model_runtime.engine import Engine
 from model_runtime.startup import StartupProgress
 from tests.model.tiny_models import write_tiny_gguf, write_tiny_hf
-from worker_host.host import WorkerSpec
+from worker_host.spec import WorkerSpec
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ from model_runtime.config import ConfigError
 from model_runtime.engine_loop import EngineLoop
 from tests.loopback import consecutive_free_ports
 from tests.unit.metrics_support import running_worker, scrape
-from worker_host.host import WorkerSpec
 from worker_host.metrics import MetricsPortInUse, WorkerMetrics, metrics_ports
+from worker_host.spec import WorkerSpec
 
 pytestmark = pytest.mark.unit
 

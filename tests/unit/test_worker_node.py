@@ -16,8 +16,8 @@ from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, Schedu
 from prefill_worker.worker import PrefillWorker
 from router.transport_choice import NoCommonTransport, pair_end, pair_transport
 from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
-from worker_host.host import WorkerSpec
 from worker_host.node import describe_node, host_identity
+from worker_host.spec import WorkerSpec
 
 pytestmark = pytest.mark.unit
 
