@@ -5,9 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
+PACKAGES := model_runtime kv_transfer router prefill_worker decode_worker worker_host tandem_api tandem_client tandem_cli deploy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test lint typecheck pytest check-deploy serve protos clean
+.PHONY: install test lint typecheck pytest pytest-own-clusters pytest-rest the-rest check-deploy serve protos clean
 
 install: $(STAMP)
 
@@ -26,9 +27,26 @@ endif
 	missing="$$(command -v prometheus >/dev/null 2>&1 || echo prometheus) $$(command -v curl >/dev/null 2>&1 || echo curl)"; \
 	if [ -n "$$(echo $$missing)" ]; then $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+	# Bytecode for our own packages: where PYTHONDONTWRITEBYTECODE is set (as on the CI box), every Ray worker
+	# and subprocess would otherwise compile them from source again (pip compiles the installed packages).
+	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) bench > /dev/null
 	touch $(STAMP)
 
-test: install lint typecheck pytest check-deploy
+# Two halves at once. In one pytest process the 2-core CI box idles a third of the time, while e2e clusters wait
+# on polls, deadlines and restarts. The first half (OWN_CLUSTERS: the e2e tests that start clusters or KV peers of their own
+# settings, about 12 minutes alone) runs in the foreground; the rest (type checks, unit and model tests, the e2e
+# tests on the shared standard cluster, the deploy checks) runs beside it, its output kept in .test-rest.log and
+# printed when both are done. `make typecheck pytest check-deploy` runs the same one after the other.
+test: install lint
+	@echo "# the rest (typecheck, pytest-rest, check-deploy) runs beside this and writes .test-rest.log"
+	@$(MAKE) --no-print-directory -k the-rest > .test-rest.log 2>&1 & rest=$$!; \
+	$(MAKE) --no-print-directory pytest-own-clusters; own=$$?; \
+	wait $$rest; other=$$?; \
+	echo "# .test-rest.log:"; cat .test-rest.log; \
+	echo "# exit codes: pytest-own-clusters $$own, the rest $$other"; \
+	exit $$(( own || other ))
+
+the-rest: typecheck pytest-rest check-deploy
 
 lint: install
 	$(BIN)/ruff check .
@@ -36,13 +54,25 @@ lint: install
 	$(BIN)/lint-imports  # the dependency direction: [tool.importlinter] in pyproject.toml
 
 typecheck: install
-	$(BIN)/mypy model_runtime kv_transfer router prefill_worker decode_worker worker_host tandem_client tandem_cli deploy
+	$(BIN)/mypy $(filter-out tandem_api,$(PACKAGES))
 
-pytest: install
-	# One retry, only when a test's local cluster failed to come up (Ray start-up on a loaded 2-core host);
-	# a test that fails on its own assertions is never retried.
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not gpu" --reruns 1 --reruns-delay 5 \
-	  --only-rerun "tandem serve (exited|did not become ready)" --ignore=tests/deploy tests
+# One retry, only when a test's local cluster failed to come up (Ray start-up on a loaded 2-core host); a test
+# that fails on its own assertions is never retried.
+PYTEST := $(BIN)/python -m pytest -q $(PYTEST_ARGS) --reruns 1 --reruns-delay 5 \
+  --only-rerun "tandem serve (exited|did not become ready)" --ignore=tests/deploy
+
+OWN_CLUSTERS := tests/e2e/test_soak.py tests/e2e/test_autoscaler.py tests/e2e/test_overload.py \
+  tests/e2e/test_faults.py::TestStall tests/e2e/test_elastic_pools.py tests/e2e/test_drain.py \
+  tests/e2e/test_kv_transfer_tcp.py
+NOT_OWN_CLUSTERS := $(foreach t,$(OWN_CLUSTERS),$(if $(findstring ::,$(t)),--deselect $(t),--ignore=$(t)))
+
+pytest: pytest-own-clusters pytest-rest
+
+pytest-own-clusters: install
+	$(PYTEST) -m "not gpu" $(OWN_CLUSTERS)
+
+pytest-rest: install
+	$(PYTEST) -m "not gpu" $(NOT_OWN_CLUSTERS) tests
 
 # The Helm chart and Dockerfile, offline: real Helm engine, Kubernetes + KubeRay schemas, invariants.
 check-deploy: install
