@@ -233,7 +233,9 @@ class Engine:
             if chunk.request.is_finished:  # aborted while the step ran
                 continue
             results.append(self._emit(chunk.request, token, lp))
-        firsts = first_tokens(c.request for c in sampled_chunks)
+        # A first token needs a prompt chunk in the step (a decode chunk belongs to a request with output), so a
+        # decode-only step skips the walk.
+        firsts = first_tokens(c.request for c in sampled_chunks) if planned.num_prefill else ()
         self.last_step = replace(planned, duration_s=time.perf_counter() - started, first_tokens=firsts)
         return results
 
