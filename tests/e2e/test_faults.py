@@ -55,14 +55,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 # --- fixtures ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def offline() -> LLM:
+def offline() -> Iterator[LLM]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
     config = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=192),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
         device=DeviceConfig(device="cpu"),
     )
-    return LLM(config=config)
+    yield LLM(config=config)
+    torch.set_num_threads(threads)  # the tests after this module keep their own thread count
 
 
 @pytest.fixture

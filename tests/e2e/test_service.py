@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -61,14 +62,16 @@ def cluster(standard_cluster: ServeProcess) -> ServeProcess:
 
 
 @pytest.fixture(scope="module")
-def offline():
+def offline() -> Iterator[LLM]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
     config = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
         device=DeviceConfig(device="cpu"),
     )
-    return LLM(config=config)
+    yield LLM(config=config)
+    torch.set_num_threads(threads)  # the tests after this module keep their own thread count
 
 
 async def _generate_all(address: str, texts: list[str], **sampling) -> list:
