@@ -250,19 +250,27 @@ class TestStall:
 
     # --- item 3: the prefill worker dies during the handoff (the last test here: no prefill worker is left) --
     def test_prefill_killed_during_the_handoff_frees_the_decode_reservation(self, stall):
-        before = wait_all_ready(stall.address, 3)
-        prefill_pid = pid_of(before["prefill-0"])
-        request = Background(
-            stall.address, long_prompt(600, 5), temperature=0, max_tokens=12, ignore_eos=True
-        )
-        receiver = busy_worker(stall.address, "DECODE", before)
-        # The receiver stopped, the KV cannot land: once its first token is out the prefill worker is mid-handoff.
-        with stopped(pid_of(receiver)):
-            wait_until(lambda: request.num_tokens >= 1, 60, "the first token", every_s=0.02)
-            os.kill(prefill_pid, signal.SIGKILL)
-            tokens_at_kill = request.num_tokens
+        for attempt in range(3):
+            before = wait_all_ready(stall.address, 3)
+            prefill_pid = pid_of(before["prefill-0"])
+            request = Background(
+                stall.address, long_prompt(600, 5 + attempt), temperature=0, max_tokens=12, ignore_eos=True
+            )
+            receiver = busy_worker(stall.address, "DECODE", before)
+            # The receiver stopped, the KV cannot land: once its first token is out the prefill worker is
+            # mid-handoff. The router's view of the receiver lags by a poll; on a loaded box the prompt may
+            # finish, and the receiver run a step, within that lag. Then nothing would be tested: let that
+            # request finish and try again with another prompt.
+            with stopped(pid_of(receiver)):
+                wait_until(lambda r=request: r.num_tokens >= 1, 60, "the first token", every_s=0.02)
+                if request.num_tokens == 1:
+                    os.kill(prefill_pid, signal.SIGKILL)
+                    request.join(60)
+                    break
             request.join(60)
-        assert tokens_at_kill == 1, "the KV landed before the receiver stopped: nothing was tested"
+            assert request.error is None, request.error
+        else:
+            pytest.fail("in 3 tries the KV landed before the receiver stopped each time: nothing was tested")
         # No other prefill worker (and restarts are off): a clear error in bounded time, not a hang.
         assert isinstance(request.error, Unavailable), request.error
         assert "no worker can take the request" in str(request.error)

@@ -31,7 +31,9 @@ ADMIN = "tk-ops-0123456789abcdefgh"
 USER = "tk-user-0123456789abcdefg"
 ROGUE = worker_pb2.WorkerSet(
     workers=[
-        worker_pb2.WorkerEndpoint(worker_id="evil", role=admin_pb2.WORKER_ROLE_COLOCATED, address="1.2.3.4:9")
+        worker_pb2.WorkerEndpoint(
+            worker_id="evil", role=admin_pb2.WORKER_ROLE_COLOCATED, address="127.0.0.1:9"
+        )
     ],
     generation=10**9,
 )
