@@ -36,10 +36,13 @@ endif
 # on polls, deadlines and restarts. The first half (OWN_CLUSTERS: the e2e tests that start clusters or KV peers of their own
 # settings, about 12 minutes alone) runs in the foreground; the rest (type checks, unit and model tests, the e2e
 # tests on the shared standard cluster, the deploy checks) runs beside it, its output kept in .test-rest.log and
-# printed when both are done. `make typecheck pytest check-deploy` runs the same one after the other.
+# printed when both are done. `make typecheck pytest check-deploy` runs the same one after the other. Each half
+# has about one core, so torch in the test processes gets one intra-op thread (OMP_NUM_THREADS, unless set): two
+# threads per process only spin against the other half (the workers run one thread each already).
 test: install lint
 	@echo "# the rest (typecheck, pytest-rest, check-deploy) runs beside this and writes .test-rest.log"
-	@$(MAKE) --no-print-directory -k the-rest > .test-rest.log 2>&1 & rest=$$!; \
+	@export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
+	$(MAKE) --no-print-directory -k the-rest > .test-rest.log 2>&1 & rest=$$!; \
 	$(MAKE) --no-print-directory pytest-own-clusters; own=$$?; \
 	wait $$rest; other=$$?; \
 	echo "# .test-rest.log:"; cat .test-rest.log; \
