@@ -33,10 +33,10 @@ endif
 	touch $(STAMP)
 
 # Two halves at once. In one pytest process the 2-core CI box idles a third of the time, while e2e clusters wait
-# on polls, deadlines and restarts. The first half (OWN_CLUSTERS: the e2e tests that start clusters or KV peers of their own
-# settings, about 12 minutes alone) runs in the foreground; the rest (type checks, unit and model tests, the e2e
-# tests on the shared standard cluster, the deploy checks) runs beside it, its output kept in .test-rest.log and
-# printed when both are done. `make typecheck pytest check-deploy` runs the same one after the other. Each half
+# on polls, deadlines and restarts. The first half (OWN_CLUSTERS: the e2e tests that start clusters or KV peers of
+# their own settings) runs in the foreground; the rest (type checks, unit and model tests, the e2e tests on the
+# shared standard cluster, the deploy checks) runs beside it, its output kept in .test-rest.log and printed when
+# both are done. `make typecheck pytest check-deploy` runs the same one after the other. Each half
 # has about one core, so torch in the test processes gets one intra-op thread (OMP_NUM_THREADS, unless set): two
 # threads per process only spin against the other half (the workers run one thread each already).
 test: install lint
