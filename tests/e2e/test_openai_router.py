@@ -141,7 +141,9 @@ def test_a_client_that_disconnects_cancels_the_worker_calls_at_once(make, stream
 
 
 def test_a_failure_after_the_stream_began_is_its_last_event(make) -> None:
-    harness = pair(make(worker_retries=0), decode_mode="fail_after")
+    # step_s: the decode stream must not overtake the prefill's first token; with step 0 on a busy box it
+    # failed before the router had sent anything, and the failure came back as a status, not as an event.
+    harness = pair(make(step_s=0.05, worker_retries=0), decode_mode="fail_after")
     api = client(harness)
     seen = []
     with pytest.raises(openai.APIError, match="decode worker lost its GPU"):
