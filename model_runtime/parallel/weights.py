@@ -1,20 +1,25 @@
 """A tensor-parallel rank's weights: each rank reads and keeps only its slice, under the canonical fused names.
 
 Every checkpoint format already serves tensors by Hugging Face name (canonical.TensorSource). `ShardedSource`
-wraps one and cuts each tensor by `TPShard.piece_slice`; `assemble` then builds the canonical tensors of the
-rank's local shape from those slices, as it builds a whole model. What each format reads:
+wraps a source that can read part of a tensor (`PartSource`) and cuts each tensor by `TPShard.piece_slice`;
+`assemble` then builds the canonical tensors of the rank's local shape from those slices, as it builds a whole
+model. What each format reads:
 
     safetensors   only the slice's bytes, from the memory map
-    GGUF          one whole tensor dequantized at a time, its slice kept (the rest freed before the next)
+    GGUF          only the slice's bytes for a cut along rows (q/k/v, gate/up, vocabulary); for a cut along
+                  columns (o_proj, down) the quantization blocks holding the columns of every row
+                  (gguf_loader.dequantize_part); a CPU load goes through the weight cache, one entry per shard
     dummy         each whole tensor drawn in the unsharded order, its slice kept, so rank r's weights are the
                   same rows as TP=1's for the same seed
 
-So a rank never holds more than its shard plus one whole tensor, and the full model exists nowhere.
+So a checkpoint's rank holds its shard plus one slice being dequantized (dummy weights: plus one whole tensor),
+and the full model exists nowhere.
 """
 
 from __future__ import annotations
 
 import gc
+from typing import Protocol
 
 import torch
 
@@ -24,14 +29,23 @@ from model_runtime.weights.canonical import ByteProgress, Piece, TensorSource, a
 from model_runtime.weights.dummy import iter_dummy_weights
 from model_runtime.weights.errors import ModelLoadError
 from model_runtime.weights.gguf_loader import GGUFTensorSource
-from model_runtime.weights.hf import SafetensorsSource, open_safetensors
+from model_runtime.weights.hf import open_safetensors
 from model_runtime.weights.source import ModelSource, SourceFormat
+from model_runtime.weights.weight_cache import load_cached
+
+
+class PartSource(TensorSource, Protocol):
+    """A tensor source that reads a slice of a tensor without dequantizing or copying the rest."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor: ...
 
 
 class ShardedSource:
     """`inner`'s tensors cut to one rank's slices (tensors every rank holds whole pass through)."""
 
-    def __init__(self, inner: TensorSource, model: ModelConfig, shard: TPShard) -> None:
+    def __init__(self, inner: PartSource, model: ModelConfig, shard: TPShard) -> None:
         self.where = inner.where
         self._inner = inner
         self._shard = shard
@@ -46,13 +60,8 @@ class ShardedSource:
         cut = self._shard.piece_slice(name)
         if cut is None:
             return self._inner.get(name)
-        if isinstance(self._inner, SafetensorsSource):
-            part = self._inner.get_part(name, cut.dim, cut.start, cut.stop)
-        else:
-            whole = self._inner.get(name)
-            self._check_shape(name, tuple(whole.shape))
-            part = whole.narrow(cut.dim, cut.start, cut.stop - cut.start)
-        return _pad(part, cut)
+        self._check_shape(name, self._inner.shape(name))
+        return _pad(self._inner.get_part(name, cut.dim, cut.start, cut.stop), cut)
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         expected = self._full_shapes.get(name)
@@ -85,8 +94,13 @@ def load_weight_shard(
     if source.format is SourceFormat.DUMMY:
         return dummy_weight_shard(model, shard, dtype, device)
     if source.format is SourceFormat.GGUF:
-        gguf = GGUFTensorSource(source.require_gguf(), model)  # un-permutes Q/K rows by the model's heads
-        weights = assemble(local, ShardedSource(gguf, model, shard), dtype, device, progress)
+        gguf = source.require_gguf()
+
+        def cut() -> dict[str, torch.Tensor]:
+            tensors = GGUFTensorSource(gguf, model)  # un-permutes Q/K rows by the model's heads
+            return assemble(local, ShardedSource(tensors, model, shard), dtype, device, progress)
+
+        weights = load_cached(gguf.path, model, dtype, device, cut, progress, shard)
     else:
         with open_safetensors(source.require_path(), source.weight_files) as tensors:
             weights = assemble(local, ShardedSource(tensors, model, shard), dtype, device, progress)

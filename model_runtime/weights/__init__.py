@@ -6,9 +6,10 @@
 
 Module map: source.py (specs -> ModelSource), config_loading.py (ModelConfig), gguf_file.py (GGUF metadata and
 tensor index; gguf_header.py parses the bytes), canonical.py (engine names, fusing), hf.py / gguf_loader.py /
-dummy.py (one per format), weight_cache.py (a GGUF's dequantized tensors on disk, CPU), shapes.py (named dummy
-shapes), gguf_vocab.py (a GGUF's tokenizer), dummy_vocab.py (the dummy shapes' byte-level tokenizer). Importing this package does not import torch: the router resolves models for their tokenizer alone.
-`load_weights` imports it when called.
+dummy.py (one per format), weight_cache.py (a GGUF's dequantized tensors on disk, whole or one tensor-parallel
+shard; CPU), shapes.py (named dummy shapes), gguf_vocab.py (a GGUF's tokenizer), dummy_vocab.py (the dummy
+shapes' byte-level tokenizer). Importing this package does not import torch: the router resolves models for
+their tokenizer alone. `load_weights` imports it when called.
 """
 
 from __future__ import annotations

@@ -130,9 +130,15 @@ class GGUFFile:
         return default
 
 
-def read_tensor_bytes(path: Path, info: GGUFTensorInfo) -> np.ndarray:
-    """The raw bytes of one tensor as a read-only uint8 memmap view (freed with the last reference)."""
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+def read_tensor_bytes(
+    path: Path, info: GGUFTensorInfo, first: int = 0, count: int | None = None
+) -> np.ndarray:
+    """Bytes [first, first + count) of one tensor (all of them by default) as a read-only uint8 memmap view of
+    just that range (freed with the last reference)."""
+    count = info.nbytes - first if count is None else count
+    if first < 0 or count < 0 or first + count > info.nbytes:
+        raise ValueError(f"{info.name}: bytes [{first}, {first + count}) are outside its {info.nbytes} bytes")
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset + first, shape=(count,))
 
 
 def _tensor_info(tensor: RawTensor) -> GGUFTensorInfo:

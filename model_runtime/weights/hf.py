@@ -24,21 +24,24 @@ class SafetensorsSource:
     def names(self) -> Iterable[str]:
         return self._handles.keys()
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
-        handle = self._handles.get(name)
-        if handle is None:
-            raise ModelLoadError(f"{self.where}: tensor {name} is missing from the safetensors files")
-        return handle.get_tensor(name)
+        return self._handle(name).get_tensor(name)
 
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """[start, stop) along `dim` (0 or 1) of a tensor, read from its file without reading the rest (a
         tensor-parallel rank's slice)."""
+        part = self._handle(name).get_slice(name)
+        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+        return part[index]  # type: ignore[no-any-return]
+
+    def _handle(self, name: str) -> Any:
         handle = self._handles.get(name)
         if handle is None:
             raise ModelLoadError(f"{self.where}: tensor {name} is missing from the safetensors files")
-        part = handle.get_slice(name)
-        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
-        return part[index]  # type: ignore[no-any-return]
+        return handle
 
 
 @contextlib.contextmanager

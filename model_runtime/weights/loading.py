@@ -32,8 +32,7 @@ def load_weights(
         def dequantize() -> dict[str, torch.Tensor]:
             return assemble(config, GGUFTensorSource(gguf, config), dtype, device, progress)
 
-        on_cpu = torch.device(device).type == "cpu"  # see weight_cache: CPU starts only
-        weights = load_cached(gguf.path, config, dtype, dequantize, progress) if on_cpu else dequantize()
+        weights = load_cached(gguf.path, config, dtype, device, dequantize, progress)  # CPU starts only
     else:
         with open_safetensors(source.require_path(), source.weight_files) as tensors:
             weights = assemble(config, tensors, dtype, device, progress)
