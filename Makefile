@@ -59,14 +59,14 @@ lint: install
 typecheck: install
 	$(BIN)/mypy $(filter-out tandem_api,$(PACKAGES))
 
-# One retry, only when a test's local cluster failed to come up (Ray start-up on a loaded 2-core host); a test
-# that fails on its own assertions is never retried.
+# One retry, only when a test's local cluster or Ray node failed to come up (start-up on a loaded 2-core host); a
+# test that fails on its own assertions is never retried.
 PYTEST := $(BIN)/python -m pytest -q $(PYTEST_ARGS) --reruns 1 --reruns-delay 5 \
-  --only-rerun "tandem serve (exited|did not become ready)" --ignore=tests/deploy
+  --only-rerun "tandem serve (exited|did not become ready)|ray start (exited|did not finish)" --ignore=tests/deploy
 
 OWN_CLUSTERS := tests/e2e/test_soak.py tests/e2e/test_autoscaler.py tests/e2e/test_overload.py \
   tests/e2e/test_faults.py::TestStall tests/e2e/test_elastic_pools.py tests/e2e/test_drain.py \
-  tests/e2e/test_kv_transfer_tcp.py
+  tests/e2e/test_kv_transfer_tcp.py tests/e2e/test_multinode.py
 NOT_OWN_CLUSTERS := $(foreach t,$(OWN_CLUSTERS),$(if $(findstring ::,$(t)),--deselect $(t),--ignore=$(t)))
 
 pytest: pytest-own-clusters pytest-rest

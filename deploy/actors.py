@@ -80,6 +80,13 @@ class WorkerProcess:
     def process_id(self) -> int:
         return self.pid
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on. The controller asks at launch: the answer comes once Ray has placed
+        the actor (a worker waiting for a node has none yet), and names the node whose loss takes it down."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def metrics_address(self) -> str:
         """host:port of the worker's Prometheus /metrics ("" before start or when it serves none)."""
         return self.worker.metrics_address if self.worker is not None else ""

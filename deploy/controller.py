@@ -2,10 +2,14 @@
 router who is alive. It is the only owner of worker membership.
 
     slot = (role, index); each slot holds at most one live actor. Every health_interval_s:
+        its Ray node is gone             -> replace it, with every other worker of that node, in one membership
+                                            change (deploy.nodes), before any heartbeat is asked for
         actor dead (Ray says so)         -> replace it (new actor, new address)
         engine loop silent too long      -> kill and replace it (a hung step)
         heartbeat unanswered MISSED_LIMIT checks in a row -> kill and replace it (a hung or stopped process;
                                             one slow answer on a loaded host is not enough)
+    Heartbeats go to every worker at once. A replacement starts in the background and joins the membership once
+    it serves; one that Ray cannot place (no node has its resources) waits, and `pool_sizes` says why.
     Membership changes are pushed to the router as a whole set with an increasing generation.
 
 Pool sizes change at run time (`scale`, behind Admin.Scale and `tandem scale`); every round the watcher brings
@@ -28,6 +32,8 @@ from typing import Any
 
 from deploy.actors import WorkerProcess
 from deploy.config import DeployConfig
+from deploy.nodes import read_nodes
+from deploy.slot_checks import kill, metrics_address, note_node, note_waits, startup_stage, unhealthy
 from deploy.slots import Member, Slot, worker_spec
 from model_runtime.roles import WorkerRole
 from router.scaling import PoolSize
@@ -35,7 +41,6 @@ from router.scaling import PoolSize
 log = logging.getLogger(__name__)
 RAY_START_ATTEMPTS = 2  # a local Ray node that timed out starting gets one more try
 STAGE_POLL_S = 5.0  # while workers load: how often their start-up stage is asked for (shown on change)
-MISSED_LIMIT = 2  # consecutive unanswered heartbeats that make a live actor count as hung
 MAX_POOL_SIZE = 1024  # a sanity bound on one pool's target
 
 Publish = Callable[[list["Member"], int], object]
@@ -118,27 +123,20 @@ class Controller:
                 if ref in ready:
                     slot = slots[worker_id]
                     slot.address = ray.get(ref)
-                    slot.metrics_address = self._metrics_address(slot)
+                    slot.metrics_address = metrics_address(slot)
+                    note_node(slot)
                     progress(f"{worker_id} ready on {slot.address}")
                     del pending[worker_id]
             if not pending or time.monotonic() - last_poll < STAGE_POLL_S:
                 continue
             last_poll = time.monotonic()
+            note_waits([slots[worker_id] for worker_id in pending])
             for worker_id in pending:
-                stage = self._startup_stage(slots[worker_id])
+                slot = slots[worker_id]
+                stage = f"not placed: {slot.waiting}" if slot.waiting else startup_stage(slot)
                 if stage and shown.get(worker_id) != stage:
                     shown[worker_id] = stage
                     progress(f"{worker_id} ({last_poll - started:.0f} s): {stage}")
-
-    @staticmethod
-    def _startup_stage(slot: Slot) -> str:
-        """The loading worker's own account of where it is; "" when it cannot say now."""
-        import ray
-
-        try:
-            return str(ray.get(slot.actor.startup_stage.remote(), timeout=2))
-        except Exception:  # busy or not up yet: progress lines never hold up start-up
-            return ""
 
     def _launch(self, slot: Slot) -> Any:
         """Create the slot's actor and ask it to start; returns the ObjectRef of its address."""
@@ -152,6 +150,8 @@ class Controller:
         if slot.num_gpus == 0:
             options["num_cpus"] = 0  # CPU workers share the host; torch threads are set per worker
         slot.actor = self._actor_class.options(**options).remote(slot.spec)
+        slot.placed, slot.node_id, slot.waiting = slot.actor.node_id.remote(), "", ""
+        slot.launched_at = time.monotonic()
         return slot.actor.start.remote()
 
     def stop(self, drain: bool = True) -> None:
@@ -165,10 +165,12 @@ class Controller:
         for drainer in self._drainers:  # slots being removed finish draining first (bounded by the drain)
             drainer.join(timeout=self.config.controller.drain_timeout_s + 20)
         actors = [s.actor for s in self.slots if s.actor is not None]
-        if drain and actors:
-            self._quiet_get([a.drain.remote() for a in actors], self.config.controller.drain_timeout_s + 5)
-        if actors:
-            self._quiet_get([a.stop.remote() for a in actors], 15)
+        # Only workers that started can drain or stop; an actor still waiting for a node would never answer.
+        started = [s.actor for s in self.slots if s.actor is not None and s.address]
+        if drain and started:
+            self._quiet_get([a.drain.remote() for a in started], self.config.controller.drain_timeout_s + 5)
+        if started:
+            self._quiet_get([a.stop.remote() for a in started], 15)
         for actor in actors:
             ray.kill(actor, no_restart=True)
         for slot in self.slots:
@@ -206,11 +208,14 @@ class Controller:
             if self._stop.is_set():
                 return
             changed = self._resize()
-            for slot in [s for s in self.slots if s.serving]:
-                if self._stop.is_set():
-                    return
-                if not self._healthy(slot):
-                    changed |= self._replace(slot)
+            failed = unhealthy([s for s in self.slots if s.serving], self.config.controller)
+            if self._stop.is_set():
+                return
+            lost = self._lost_to_nodes()  # read after the heartbeats: a node that just died is seen as such
+            doomed = lost + [slot for slot in failed if slot not in lost]
+            if doomed:
+                changed |= self._replace(doomed)
+            note_waits([s for s in self.slots if s.starting is not None])
             if changed:
                 self._announce()
 
@@ -238,7 +243,8 @@ class Controller:
             mine = [s for s in slots if s.role is role and not s.given_up]
             ready = sum(s.serving for s in mine)
             draining = sum(s.draining for s in mine)
-            sizes.append(PoolSize(role, target, ready, len(mine) - ready - draining, draining))
+            waiting = "; ".join(f"{s.worker_id}: {s.waiting}" for s in mine if s.waiting and not s.serving)
+            sizes.append(PoolSize(role, target, ready, len(mine) - ready - draining, draining, waiting))
         return sizes
 
     def _resize(self) -> bool:
@@ -285,10 +291,17 @@ class Controller:
                 slot.address = ray.get(ref)
             except Exception as exc:
                 log.error("worker %s failed to start: %s", slot.worker_id, exc)
-                self._forget(slot)
+                if slot.restarts:  # a replacement: start another, within the slot's restart limit
+                    kill(slot.actor)
+                    slot.actor = None
+                    self._relaunch(slot)
+                else:
+                    self._forget(slot)
                 continue
-            slot.metrics_address = self._metrics_address(slot)
-            log.warning("worker %s joined on %s", slot.worker_id, slot.address)
+            slot.metrics_address = metrics_address(slot)
+            note_node(slot)
+            verb = f"restarted ({slot.restarts})" if slot.restarts else "joined"
+            log.warning("worker %s %s on %s", slot.worker_id, verb, slot.address)
             changed = True
         return changed
 
@@ -344,62 +357,46 @@ class Controller:
                 self._quiet_get([actor.stop.remote()], 15)
             ray.kill(actor, no_restart=True)
 
-    def _healthy(self, slot: Slot) -> bool:
-        import ray
-
+    def _lost_to_nodes(self) -> list[Slot]:
+        """The workers of every Ray node that is no longer alive (deploy.nodes), whether or not their heartbeats
+        have failed yet: they are replaced together."""
         try:
-            age = ray.get(
-                slot.actor.heartbeat_age.remote(), timeout=max(2.0, self.config.controller.health_interval_s)
-            )
-        except ray.exceptions.GetTimeoutError:
-            slot.missed += 1
-            if slot.missed < MISSED_LIMIT:
-                log.warning("worker %s did not answer a heartbeat (%d in a row)", slot.worker_id, slot.missed)
-                return True
-            log.warning(
-                "worker %s failed its health check: %d heartbeats unanswered", slot.worker_id, slot.missed
-            )
-            return False
-        except Exception as exc:  # the actor died (RayActorError and kin): no point waiting
-            log.warning("worker %s failed its health check: %s", slot.worker_id, type(exc).__name__)
-            return False
-        slot.missed = 0
-        if age > self.config.controller.heartbeat_timeout_s:
-            log.warning("worker %s: engine loop silent for %.1fs", slot.worker_id, age)
-            return False
+            alive = read_nodes().alive
+        except Exception as exc:  # the GCS is briefly unreachable: the heartbeats still catch dead workers
+            log.warning("cannot read Ray's nodes: %s", exc)
+            return []
+        lost: dict[str, list[Slot]] = {}
+        for slot in self.slots:
+            if slot.actor is not None and slot.node_id and slot.node_id not in alive and not slot.draining:
+                lost.setdefault(slot.node_id, []).append(slot)
+        for node_id, slots in lost.items():
+            names = ", ".join(slot.worker_id for slot in slots)
+            log.warning("Ray node %s is gone: replacing its workers %s", node_id[:12], names)
+        return [slot for slots in lost.values() for slot in slots]
+
+    def _replace(self, slots: list[Slot]) -> bool:
+        """Take the slots' workers out of the membership (one change: routers fail their open calls over at
+        once), kill them and start new ones, which join once they serve (_collect_started)."""
+        old = []
+        for slot in slots:
+            old.append(slot.actor)
+            slot.actor, slot.address, slot.metrics_address, slot.missed = None, "", "", 0
+            slot.starting, slot.placed, slot.node_id = None, None, ""
+        self._announce()  # stop routing to them before anything slow
+        for actor in old:
+            kill(actor)
+        for slot in slots:
+            self._relaunch(slot)
         return True
 
-    def _replace(self, slot: Slot) -> bool:
-        """Kill the slot's actor and start a new one. Its address leaves membership at once."""
-        import ray
-
-        old = slot.actor
-        slot.actor, slot.address, slot.metrics_address, slot.missed = None, "", "", 0
-        self._announce()  # stop routing to it before the (slow) restart
-        ray.kill(old, no_restart=True)
+    def _relaunch(self, slot: Slot) -> None:
         if slot.restarts >= self.config.controller.restart_limit:
             slot.given_up = True
             log.error("worker %s: restart limit (%d) reached; leaving it down", slot.worker_id, slot.restarts)
-            return True
+            return
         slot.restarts += 1
-        try:
-            slot.address = ray.get(self._launch(slot), timeout=600)
-            slot.metrics_address = self._metrics_address(slot)
-            log.warning("worker %s restarted (%d) on %s", slot.worker_id, slot.restarts, slot.address)
-        except Exception as exc:
-            log.error("worker %s failed to restart: %s", slot.worker_id, exc)
-            slot.actor = None
-        return True
-
-    def _metrics_address(self, slot: Slot) -> str:
-        """The started worker's /metrics host:port; "" when it cannot say (metrics never block serving)."""
-        import ray
-
-        try:
-            return str(ray.get(slot.actor.metrics_address.remote(), timeout=10))
-        except Exception as exc:
-            log.warning("worker %s did not report its metrics address: %s", slot.worker_id, exc)
-            return ""
+        slot.starting = self._launch(slot)
+        log.warning("worker %s restarting (%d)", slot.worker_id, slot.restarts)
 
     # --- introspection (tests, tandem status) ----------------------------------------------------------
     def worker_pid(self, worker_id: str) -> int:

@@ -35,6 +35,10 @@ class Slot:
     missed: int = 0  # consecutive heartbeat checks that timed out
     starting: Any = None  # ObjectRef of start() while a slot added at run time loads
     draining: bool = False  # being drained before it is removed
+    placed: Any = None  # ObjectRef of the actor's node id: ready once Ray has placed the actor
+    node_id: str = ""  # the Ray node the actor runs on, once placed
+    launched_at: float = 0.0  # time.monotonic() of the last launch
+    waiting: str = ""  # why Ray has not placed the actor yet (deploy.nodes.placement_wait), "" otherwise
 
     @property
     def serving(self) -> bool:

@@ -32,6 +32,7 @@ from model_runtime.roles import WorkerRole
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.metrics import RouterMetrics
+from router.pairs import pair_of
 from router.placement import (
     LOCAL_CACHED,
     LOCAL_SHORT,
@@ -54,8 +55,6 @@ log = logging.getLogger(__name__)
 _BACKOFF_FIRST_S = 0.02
 _BACKOFF_MAX_S = 0.5
 _DEADLINE_SLACK_S = 0.05
-# A hung or stopped worker keeps its streams open and silent: once its status polls say DEAD, give up on it.
-_WENT_DEAD = "stopped answering status polls (DEAD) while it had the request"
 
 
 @dataclass
@@ -299,7 +298,7 @@ class Dispatcher:
         merger = StreamMerger()
         try:
             merger.add(decode)
-            merger.fail_when(decode, handle.dead, _WENT_DEAD)
+            merger.fail_when(decode, handle.dead, handle.dead_reason)
             relay = Relay(attempt.out, attempt.write, decode)
             await relay.run(merger)
             await relay.await_streams_end(merger)
@@ -309,6 +308,20 @@ class Dispatcher:
             decode.cancel()
 
     async def _run_disaggregated(
+        self, decode_handle: WorkerHandle, prefill_handle: WorkerHandle, attempt: _Attempt
+    ) -> None:
+        pair = pair_of(
+            prefill_handle.worker_id,
+            decode_handle.worker_id,
+            prefill_handle.info,
+            decode_handle.info,
+            self._placer.transfer_kinds,
+        )
+        self._metrics.paired(pair.transport, pair.nodes)
+        with self._pool.pairs.running(pair):
+            await self._disaggregated(decode_handle, prefill_handle, attempt)
+
+    async def _disaggregated(
         self, decode_handle: WorkerHandle, prefill_handle: WorkerHandle, attempt: _Attempt
     ) -> None:
         decode = self._open_decode(decode_handle, attempt, local_prefill=False)
@@ -322,8 +335,8 @@ class Dispatcher:
             prefill = self._open_prefill(prefill_handle, attempt, target)
             merger.add(prefill)
             merger.add(decode)
-            merger.fail_when(prefill, prefill_handle.dead, _WENT_DEAD)
-            merger.fail_when(decode, decode_handle.dead, _WENT_DEAD)
+            merger.fail_when(prefill, prefill_handle.dead, prefill_handle.dead_reason)
+            merger.fail_when(decode, decode_handle.dead, decode_handle.dead_reason)
             relay = Relay(attempt.out, attempt.write, decode, prefill, prefill_charge)
             await relay.run(merger)
             await relay.await_streams_end(merger)

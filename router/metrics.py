@@ -36,6 +36,7 @@ class RouterMetrics:
         self.worker_failures: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
         self.placements: Counter[str] = Counter()
+        self.pairs: Counter[str] = Counter()  # "transport:nodes" of disaggregated attempts
         self.auth_failures: Counter[str] = Counter()  # by reason: missing, invalid, revoked, not_admin
         self.key_rejections: Counter[str] = Counter()  # "key:reason"
         self.priorities: Counter[str] = Counter()  # accepted requests by class
@@ -84,6 +85,11 @@ class RouterMetrics:
     def request_retried(self, reason: str) -> None:
         """A request moved to another worker ("no_room", "worker_failed")."""
         self.retries[reason] += 1
+
+    def paired(self, transport: str, nodes: str) -> None:
+        """One disaggregated attempt started on a pair: its KV transport ("" unknown) and whether both workers
+        share a node ("same", "cross", "unknown"; router.pairs)."""
+        self.pairs[f"{transport or 'unknown'}:{nodes}"] += 1
 
     def placed(self, reason: str) -> None:
         """One attempt placed; `reason` says where its prompt runs and why (router.placement: "prefill_worker",

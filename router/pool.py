@@ -30,6 +30,7 @@ import grpc.aio
 from model_runtime.roles import WorkerRole
 from router.errors import invalid
 from router.metrics import RouterMetrics
+from router.pairs import ActivePairs
 from router.placement import WorkerLoad
 from router.prefix import PromptHashes, cached_prefix_tokens
 from router.transport_choice import pair_end
@@ -111,9 +112,18 @@ class WorkerHandle:
         self.charges: list[Charge] = []
         self.prefix_version = 0  # the worker's prefix_cache_version that prefix_hashes reflect
         self.prefix_hashes: frozenset[bytes] = frozenset()
-        # Set while the worker is DEAD (dead_after polls failed in a row): calls in flight on it give up then,
-        # since a hung or stopped process keeps its streams open but silent.
+        # Set while the worker is DEAD (dead_after polls failed in a row), or once the controller took it out of
+        # the membership without draining it (it replaced the worker: its process or its node is gone): calls in
+        # flight on it give up then and resume elsewhere, since a hung process or an unreachable node keeps its
+        # streams open but silent.
         self.dead = asyncio.Event()
+        self.removed = False
+
+    def dead_reason(self) -> str:
+        """Why calls in flight on the worker were given up (the failure their request resumes after)."""
+        if self.removed:
+            return "left the membership while it had the request (the controller replaced it)"
+        return "stopped answering status polls (DEAD) while it had the request"
 
     @property
     def worker_id(self) -> str:
@@ -202,6 +212,7 @@ class WorkerPool:
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._closers: set[asyncio.Task[None]] = set()
+        self.pairs = ActivePairs()  # prefill/decode pairs with requests on them now (dispatch opens them)
 
     # --- membership ----------------------------------------------------------------------------------
     def replace(self, endpoints: Sequence[Endpoint]) -> None:
@@ -221,6 +232,9 @@ class WorkerPool:
                 retired.append(old)
             self._workers[ep.worker_id] = WorkerHandle(ep, self._open_channel(ep.address))
         for handle in [*retired, *current.values()]:
+            if not handle.endpoint.draining:  # a drained worker finishes its calls; a replaced one never will
+                handle.removed = True
+                handle.dead.set()
             task = asyncio.create_task(self._close_when_idle(handle))
             self._closers.add(task)
             task.add_done_callback(self._closers.discard)

@@ -129,6 +129,13 @@ class PrometheusRouterMetrics(RouterMetrics):
             ["model", "reason"],
             registry=r,
         )
+        self._pairs = Counter(
+            "tandem_kv_pairs_total",
+            "Disaggregated attempts by the KV transport of their prefill/decode pair (unknown: a worker did not "
+            "advertise its node and transports) and whether both workers share a node (same, cross, unknown)",
+            ["model", "transport", "nodes"],
+            registry=r,
+        )
         self._worker_failures = Counter(
             "tandem_worker_failures_total",
             "Failed worker calls and status polls, as the router saw them",
@@ -242,6 +249,10 @@ class PrometheusRouterMetrics(RouterMetrics):
     def placed(self, reason: str) -> None:
         super().placed(reason)
         self._placements.labels(self.model, reason).inc()
+
+    def paired(self, transport: str, nodes: str) -> None:
+        super().paired(transport, nodes)
+        self._pairs.labels(self.model, transport or "unknown", nodes).inc()
 
 
 class _AdmissionCollector(Collector):

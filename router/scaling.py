@@ -24,6 +24,7 @@ class PoolSize:
     ready: int = 0
     starting: int = 0
     draining: int = 0
+    waiting: str = ""  # why starting workers are not placed yet ("" when none waits)
 
     def to_proto(self) -> admin_pb2.PoolSize:
         return admin_pb2.PoolSize(
@@ -32,6 +33,7 @@ class PoolSize:
             ready=self.ready,
             starting=self.starting,
             draining=self.draining,
+            waiting=self.waiting,
         )
 
 

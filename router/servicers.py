@@ -143,7 +143,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def Status(self, request: admin_pb2.StatusRequest, context: Any) -> Any:
         router = admin_pb2.RouterInfo(
-            queued_requests=self._admission.queued, in_flight_requests=self._admission.in_flight
+            queued_requests=self._admission.queued,
+            in_flight_requests=self._admission.in_flight,
+            active_pairs=self._pool.pairs.to_proto(),
         )
         window_s = request.latency_window_seconds
         if self._recent is not None and window_s > 0:  # NaN and negatives ask for nothing

@@ -5,6 +5,7 @@ prefill and decode streams of one request concurrently (events come back in arri
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,15 +91,18 @@ class StreamMerger:
     def add(self, stream: WorkerStream) -> None:
         self._readers.append(asyncio.create_task(self._pump(stream)))
 
-    def fail_when(self, stream: WorkerStream, event: asyncio.Event, details: str) -> None:
-        """Report `stream` as failed (UNAVAILABLE: details) once `event` is set, unless it ended before."""
+    def fail_when(self, stream: WorkerStream, event: asyncio.Event, details: Callable[[], str]) -> None:
+        """Report `stream` as failed (UNAVAILABLE: details(), read then) once `event` is set, unless it ended
+        before."""
         self._readers.append(asyncio.create_task(self._fail_when(stream, event, details)))
 
-    async def _fail_when(self, stream: WorkerStream, event: asyncio.Event, details: str) -> None:
+    async def _fail_when(
+        self, stream: WorkerStream, event: asyncio.Event, details: Callable[[], str]
+    ) -> None:
         await event.wait()
         if not stream.ended:
             self._queue.put_nowait(
-                StreamItem(stream, error=stream.error(grpc.StatusCode.UNAVAILABLE, details))
+                StreamItem(stream, error=stream.error(grpc.StatusCode.UNAVAILABLE, details()))
             )
 
     async def get(self) -> StreamItem:

@@ -94,6 +94,12 @@ def status_table(status: ClusterStatus) -> str:
         lines.append("(no workers)")
     router = status.router
     lines.append(f"router: {router.queued_requests} queued, {router.in_flight_requests} in flight")
+    for pair in router.active_pairs:
+        nodes = {"same": "one node", "cross": "two nodes"}.get(pair.nodes, "nodes unknown")
+        lines.append(
+            f"  {pair.prefill_worker_id} -> {pair.decode_worker_id}: KV via {pair.kv_transport or 'unknown'}, "
+            f"{nodes}, {pair.requests} request{'s' if pair.requests != 1 else ''}"
+        )
     if status.pools:
         lines += ["", pools_table(status.pools)]
     if status.autoscaler:
@@ -105,13 +111,17 @@ _POOL_COLUMNS = ("POOL", "TARGET", "READY", "STARTING", "DRAINING")
 
 
 def pools_table(pools: Iterable[PoolInfo]) -> str:
-    """One row per pool: the size asked for (`tandem scale`) and where its workers are."""
+    """One row per pool: the size asked for (`tandem scale`) and where its workers are; below the table, why
+    workers that start are not placed yet."""
+    pools = list(pools)
     rows = [(str(p.role), str(p.target), str(p.ready), str(p.starting), str(p.draining)) for p in pools]
     widths = [max(len(cell) for cell in column) for column in zip(_POOL_COLUMNS, *rows)]
-    return "\n".join(
+    lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
         for row in [_POOL_COLUMNS, *rows]
-    )
+    ]
+    lines += [f"{p.role} not placed: {p.waiting}" for p in pools if p.waiting]
+    return "\n".join(lines)
 
 
 def status_json(status: ClusterStatus) -> str:

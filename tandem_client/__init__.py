@@ -21,6 +21,7 @@ from tandem_client.errors import (
 )
 from tandem_client.tls import TLSError, TLSFiles, tls_credentials
 from tandem_client.types import (
+    ActivePair,
     ChatMessage,
     ClusterStatus,
     FinishReason,
@@ -44,6 +45,7 @@ from tandem_client.types import (
 __all__ = [
     "DEFAULT_ADDRESS",
     "Aborted",
+    "ActivePair",
     "AsyncClient",
     "AsyncGenerationStream",
     "Cancelled",

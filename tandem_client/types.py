@@ -227,6 +227,19 @@ class WorkerInfo:
 class RouterInfo:
     queued_requests: int
     in_flight_requests: int
+    active_pairs: tuple[ActivePair, ...] = ()  # prefill/decode pairs with requests on them now
+
+
+@dataclass(frozen=True)
+class ActivePair:
+    """A prefill/decode pair that requests run on now, with the KV transport it uses ("" when the router
+    cannot tell) and whether both workers share a node ("same", "cross", "unknown")."""
+
+    prefill_worker_id: str
+    decode_worker_id: str
+    kv_transport: str
+    nodes: str
+    requests: int
 
 
 @dataclass(frozen=True)
@@ -238,6 +251,9 @@ class PoolInfo:
     ready: int
     starting: int
     draining: int
+    waiting: str = (
+        ""  # why starting workers are not placed yet, e.g. after a node was lost ("" when none waits)
+    )
 
 
 @dataclass(frozen=True)

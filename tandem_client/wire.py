@@ -10,6 +10,7 @@ import grpc
 from tandem_api.tandem.v1 import admin_pb2, generate_pb2, kv_pb2
 from tandem_client.errors import Internal, InvalidArgument
 from tandem_client.types import (
+    ActivePair,
     ClusterStatus,
     FinishReason,
     GenerationDelta,
@@ -197,13 +198,19 @@ def _transport_name(value: int) -> str:
 
 def pools_from_proto(pools: Iterable[admin_pb2.PoolSize]) -> tuple[PoolInfo, ...]:
     return tuple(
-        PoolInfo(_ROLES.get(p.role, WorkerRole.UNSPECIFIED), p.target, p.ready, p.starting, p.draining)
+        PoolInfo(
+            _ROLES.get(p.role, WorkerRole.UNSPECIFIED), p.target, p.ready, p.starting, p.draining, p.waiting
+        )
         for p in pools
     )
 
 
 def status_from_proto(message: admin_pb2.ClusterStatus) -> ClusterStatus:
-    router = RouterInfo(message.router.queued_requests, message.router.in_flight_requests)
+    pairs = tuple(
+        ActivePair(p.prefill_worker_id, p.decode_worker_id, p.kv_transport, p.nodes, p.requests)
+        for p in message.router.active_pairs
+    )
+    router = RouterInfo(message.router.queued_requests, message.router.in_flight_requests, pairs)
     workers = tuple(_worker(w) for w in message.workers)
     return ClusterStatus(
         workers=workers,

@@ -48,7 +48,9 @@ class ServeProcess:
         metrics_port: int = 0,
         metrics_file_sd: Path | None = None,
         http_port: int = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = env  # on top of this process's environment (a joined Ray cluster's auth token, ...)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # The OpenAI-compatible HTTP API: off (0) unless a test asks for it (its default port is 8000).
@@ -83,7 +85,7 @@ class ServeProcess:
         self._ready = threading.Event()
 
     def __enter__(self) -> ServeProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)],
             stdout=subprocess.PIPE,

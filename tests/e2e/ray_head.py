@@ -9,6 +9,7 @@ cluster's processes (everything in its session and every process seen under it) 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -48,13 +49,33 @@ def ray_cli() -> str:
 
 
 class RayHead:
-    """A single-node Ray head with the job server, on loopback, owned by this test."""
+    """A Ray head with the job server, on loopback, owned by this test.
 
-    def __init__(self, root: Path) -> None:
+    node_ip 127.0.0.1 (the default): a single-node cluster. Any other loopback address (127.0.0.2, ...): a head
+    that other nodes may join (tests/e2e/ray_nodes.py), each node on its own loopback address, so that Ray sees
+    distinct nodes on one machine while every byte stays on the loopback interface.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        node_ip: str = "127.0.0.1",
+        resources: dict[str, float] | None = None,
+        system_config: dict | None = None,
+        num_cpus: int = 2,
+    ) -> None:
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.node_ip = node_ip
+        self.extra = ["--num-cpus", str(num_cpus)]
+        if resources:
+            self.extra += ["--resources", json.dumps(resources)]
+        if system_config:
+            self.extra += ["--system-config", json.dumps(system_config)]
         ports = free_ports(len(RAY_PORT_FLAGS))
         self.flags = [item for flag, port in zip(RAY_PORT_FLAGS, ports) for item in (flag, str(port))]
         self.dashboard = f"http://127.0.0.1:{ports[1]}"
+        self.gcs_address = f"{node_ip}:{ports[0]}"
         token = root / "auth_token"
         token.write_text(secrets.token_hex(32))
         self.env = {
@@ -62,8 +83,10 @@ class RayHead:
             # The job's `python` must be this interpreter (its packages), and so must Ray's own processes.
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             # On Linux `ray start` turns --node-ip-address 127.0.0.1 into the host's routable address; this
-            # switch (meant for single-node macOS/Windows) keeps the node, and so every worker, on loopback.
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            # switch (meant for single-node macOS/Windows) keeps the node, and so every worker, on loopback. It
+            # also refuses other nodes, so a multi-node head leaves it on: Ray keeps 127.0.0.2 and the like as
+            # they are (only 127.0.0.1, ::1 and "localhost" are swapped).
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if node_ip == "127.0.0.1" else "1",
             # Token auth with a token of our own: no dependence on (or write to) ~/.ray/auth_token.
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token),
@@ -74,12 +97,17 @@ class RayHead:
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, str] = {}  # pid -> name of every process observed in this cluster
 
+    def command(self) -> list[str]:
+        return (
+            [ray_cli(), "start", "--head", "--block", "--node-ip-address", self.node_ip, *self.extra]
+            + ["--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats"]
+            + ["--temp-dir", str(self.root / "ray"), *self.flags]
+        )
+
     def start(self, timeout_s: float = 90.0) -> None:
         with open(self.root / "ray_start.log", "w") as log:  # Popen keeps its own copy of the fd
             self.proc = subprocess.Popen(
-                [ray_cli(), "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1"]
-                + ["--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats"]
-                + ["--temp-dir", str(self.root / "ray"), *self.flags],
+                self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

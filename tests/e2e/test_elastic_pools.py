@@ -153,11 +153,15 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(clust
     def placements(reason: str) -> float:
         return sum(counter(file_sd, "router", "tandem_placements", reason=reason))
 
+    def tcp_pairs_on_one_node() -> float:  # one local Ray node: every pair is "same", over the CPU transport
+        return sum(counter(file_sd, "router", "tandem_kv_pairs", transport="tcp", nodes="same"))
+
     long_prompt = [(7 * i) % 5000 + 100 for i in range(25 * BLOCK)]  # 400 raw token ids: 25 full blocks
     view = quiet_view(cluster.address)
     before = {w: info.requests_total for w, info in view.items()}
     indexed_before = view["decode-0"].indexed_prefix_blocks  # the earlier tests' prompts may be there too
     local_before = {r: placements(r) for r in ("local_short", "local_cached", "prefill_worker")}
+    pairs_before = tcp_pairs_on_one_node()
     with Client(cluster.address) as client:
         short = client.generate(token_ids=[100, 200, 300, 400, 500], max_tokens=3, temperature=0)
         first = client.generate(token_ids=long_prompt, max_tokens=3, temperature=0)
@@ -174,6 +178,7 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(clust
     assert placements("local_short") == local_before["local_short"] + 1
     assert placements("local_cached") == local_before["local_cached"] + 1
     assert placements("prefill_worker") == local_before["prefill_worker"] + 1
+    assert tcp_pairs_on_one_node() == pairs_before + 1  # the one request that crossed a pair
     # Only the long prompt reached a prefill worker; all three ran on the decode worker.
     view = wait_until(
         lambda: (v := workers(cluster.address))["decode-0"].requests_total == before["decode-0"] + 3 and v,

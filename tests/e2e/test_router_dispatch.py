@@ -3,6 +3,7 @@ the disaggregated and colocated paths, stop rules, retries, admission, deadlines
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -298,3 +299,29 @@ def test_client_cancel_after_the_first_token_cancels_both_worker_calls(make) -> 
         lambda: len(decode.cancelled) == 1 and len(prefill.cancelled) == 1, what="both calls cancelled"
     )
     wait_until(lambda: harness.router.metrics.outcomes["cancelled"] == 1, what="the outcome recorded")
+
+
+def test_a_worker_taken_out_of_the_membership_fails_its_calls_over_at_once(make) -> None:
+    # The controller replaces a worker whose node is gone; the process there may be stopped, not dead, so its
+    # stream stays open and silent (here: still streaming, 0.3 s a token). Leaving the membership must end the
+    # request's call on it at once rather than when the stream ends. worker_retries=0: the failure shows.
+    harness = make(batch=1, step_s=0.3, worker_retries=0)
+    decode, prefill = _pair(harness)
+    harness.start()
+    seen: list[int] = []
+    with harness.client() as client:
+        stream = client.stream(PROMPT, max_tokens=64)
+        seen += next(stream).token_ids  # type: ignore[union-attr]
+        wait_until(lambda: decode.active == 1, what="the decode call to be open")
+
+        async def replace_decode() -> None:
+            harness.router.set_workers([prefill.endpoint()])
+
+        harness.loop.run(replace_decode())
+        removed = time.monotonic()
+        with pytest.raises(Unavailable, match="decode worker d0 failed: UNAVAILABLE: left the membership"):
+            for event in stream:
+                seen += event.token_ids  # type: ignore[union-attr]
+        assert time.monotonic() - removed < 1.0, "the call was given up only when its stream ended"
+    assert seen == harness.script.tokens[: len(seen)]
+    wait_until(lambda: decode.cancelled == [decode.requests[0].request_id], what="the decode call cancelled")

@@ -25,35 +25,37 @@ _sym_db = _symbol_database.Default()
 from tandem_api.tandem.v1 import kv_pb2 as tandem_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\x1a\x12tandem/v1/kv.proto\"6\n\x0cScaleRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.tandem.v1.PoolTarget\"C\n\nPoolTarget\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x10\n\x08replicas\x18\x02 \x01(\r\"0\n\nScaleReply\x12\"\n\x05pools\x18\x01 \x03(\x0b\x32\x13.tandem.v1.PoolSize\"r\n\x08PoolSize\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x10\n\x08starting\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\r\"/\n\rStatusRequest\x12\x1e\n\x16latency_window_seconds\x18\x01 \x01(\x01\"\x96\x01\n\rClusterStatus\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\x12%\n\x06router\x18\x02 \x01(\x0b\x32\x15.tandem.v1.RouterInfo\x12\"\n\x05pools\x18\x03 \x03(\x0b\x32\x13.tandem.v1.PoolSize\x12\x12\n\nautoscaler\x18\x04 \x01(\t\"s\n\nRouterInfo\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\r\x12\x30\n\x0erecent_latency\x18\x03 \x01(\x0b\x32\x18.tandem.v1.RecentLatency\"Q\n\rRecentLatency\x12\x16\n\x0ewindow_seconds\x18\x01 \x01(\x01\x12\x13\n\x0bttft_counts\x18\x02 \x03(\r\x12\x13\n\x0btpot_counts\x18\x03 \x03(\r\"\xe8\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.tandem.v1.WorkerState\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x15\n\ractive_leases\x18\t \x01(\r\x12\"\n\x1alast_heartbeat_age_seconds\x18\n \x01(\x01\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\r\x12\r\n\x05model\x18\x0c \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\r \x01(\t\x12\x16\n\x0erequests_total\x18\x0e \x01(\x04\x12\x15\n\rkv_block_size\x18\x0f \x01(\r\x12\x1c\n\x14prefix_cache_version\x18\x10 \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x11 \x03(\x0c\x12\"\n\x1a\x63\x61\x63hed_prompt_tokens_total\x18\x12 \x01(\x04\x12\x1d\n\x15indexed_prefix_blocks\x18\x13 \x01(\r\x12\x0f\n\x07node_id\x18\x14 \x01(\t\x12-\n\rkv_transports\x18\x15 \x03(\x0e\x32\x16.tandem.v1.KVTransport\x12\x13\n\x0bkv_gpu_uuid\x18\x16 \x01(\t*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*\x90\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x32~\n\x05\x41\x64min\x12<\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x18.tandem.v1.ClusterStatus\x12\x37\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x15.tandem.v1.ScaleReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\x1a\x12tandem/v1/kv.proto\"6\n\x0cScaleRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.tandem.v1.PoolTarget\"C\n\nPoolTarget\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x10\n\x08replicas\x18\x02 \x01(\r\"0\n\nScaleReply\x12\"\n\x05pools\x18\x01 \x03(\x0b\x32\x13.tandem.v1.PoolSize\"\x83\x01\n\x08PoolSize\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x10\n\x08starting\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\t\"/\n\rStatusRequest\x12\x1e\n\x16latency_window_seconds\x18\x01 \x01(\x01\"\x96\x01\n\rClusterStatus\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\x12%\n\x06router\x18\x02 \x01(\x0b\x32\x15.tandem.v1.RouterInfo\x12\"\n\x05pools\x18\x03 \x03(\x0b\x32\x13.tandem.v1.PoolSize\x12\x12\n\nautoscaler\x18\x04 \x01(\t\"\xa0\x01\n\nRouterInfo\x12\x17\n\x0fqueued_requests\x18\x01 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x02 \x01(\r\x12\x30\n\x0erecent_latency\x18\x03 \x01(\x0b\x32\x18.tandem.v1.RecentLatency\x12+\n\x0c\x61\x63tive_pairs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.ActivePair\"x\n\nActivePair\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x14\n\x0ckv_transport\x18\x03 \x01(\t\x12\r\n\x05nodes\x18\x04 \x01(\t\x12\x10\n\x08requests\x18\x05 \x01(\r\"Q\n\rRecentLatency\x12\x16\n\x0ewindow_seconds\x18\x01 \x01(\x01\x12\x13\n\x0bttft_counts\x18\x02 \x03(\r\x12\x13\n\x0btpot_counts\x18\x03 \x03(\r\"\xe8\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.tandem.v1.WorkerState\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x15\n\ractive_leases\x18\t \x01(\r\x12\"\n\x1alast_heartbeat_age_seconds\x18\n \x01(\x01\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\r\x12\r\n\x05model\x18\x0c \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\r \x01(\t\x12\x16\n\x0erequests_total\x18\x0e \x01(\x04\x12\x15\n\rkv_block_size\x18\x0f \x01(\r\x12\x1c\n\x14prefix_cache_version\x18\x10 \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x11 \x03(\x0c\x12\"\n\x1a\x63\x61\x63hed_prompt_tokens_total\x18\x12 \x01(\x04\x12\x1d\n\x15indexed_prefix_blocks\x18\x13 \x01(\r\x12\x0f\n\x07node_id\x18\x14 \x01(\t\x12-\n\rkv_transports\x18\x15 \x03(\x0e\x32\x16.tandem.v1.KVTransport\x12\x13\n\x0bkv_gpu_uuid\x18\x16 \x01(\t*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*\x90\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x32~\n\x05\x41\x64min\x12<\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x18.tandem.v1.ClusterStatus\x12\x37\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x15.tandem.v1.ScaleReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1368
-  _globals['_WORKERROLE']._serialized_end=1485
-  _globals['_WORKERSTATE']._serialized_start=1488
-  _globals['_WORKERSTATE']._serialized_end=1632
+  _globals['_WORKERROLE']._serialized_start=1554
+  _globals['_WORKERROLE']._serialized_end=1671
+  _globals['_WORKERSTATE']._serialized_start=1674
+  _globals['_WORKERSTATE']._serialized_end=1818
   _globals['_SCALEREQUEST']._serialized_start=56
   _globals['_SCALEREQUEST']._serialized_end=110
   _globals['_POOLTARGET']._serialized_start=112
   _globals['_POOLTARGET']._serialized_end=179
   _globals['_SCALEREPLY']._serialized_start=181
   _globals['_SCALEREPLY']._serialized_end=229
-  _globals['_POOLSIZE']._serialized_start=231
-  _globals['_POOLSIZE']._serialized_end=345
-  _globals['_STATUSREQUEST']._serialized_start=347
-  _globals['_STATUSREQUEST']._serialized_end=394
-  _globals['_CLUSTERSTATUS']._serialized_start=397
-  _globals['_CLUSTERSTATUS']._serialized_end=547
-  _globals['_ROUTERINFO']._serialized_start=549
-  _globals['_ROUTERINFO']._serialized_end=664
-  _globals['_RECENTLATENCY']._serialized_start=666
-  _globals['_RECENTLATENCY']._serialized_end=747
-  _globals['_WORKERINFO']._serialized_start=750
-  _globals['_WORKERINFO']._serialized_end=1366
-  _globals['_ADMIN']._serialized_start=1634
-  _globals['_ADMIN']._serialized_end=1760
+  _globals['_POOLSIZE']._serialized_start=232
+  _globals['_POOLSIZE']._serialized_end=363
+  _globals['_STATUSREQUEST']._serialized_start=365
+  _globals['_STATUSREQUEST']._serialized_end=412
+  _globals['_CLUSTERSTATUS']._serialized_start=415
+  _globals['_CLUSTERSTATUS']._serialized_end=565
+  _globals['_ROUTERINFO']._serialized_start=568
+  _globals['_ROUTERINFO']._serialized_end=728
+  _globals['_ACTIVEPAIR']._serialized_start=730
+  _globals['_ACTIVEPAIR']._serialized_end=850
+  _globals['_RECENTLATENCY']._serialized_start=852
+  _globals['_RECENTLATENCY']._serialized_end=933
+  _globals['_WORKERINFO']._serialized_start=936
+  _globals['_WORKERINFO']._serialized_end=1552
+  _globals['_ADMIN']._serialized_start=1820
+  _globals['_ADMIN']._serialized_end=1946
 # @@protoc_insertion_point(module_scope)

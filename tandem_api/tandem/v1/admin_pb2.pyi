@@ -53,18 +53,20 @@ class ScaleReply(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolSize, _Mapping]]] = ...) -> None: ...
 
 class PoolSize(_message.Message):
-    __slots__ = ("role", "target", "ready", "starting", "draining")
+    __slots__ = ("role", "target", "ready", "starting", "draining", "waiting")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STARTING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     target: int
     ready: int
     starting: int
     draining: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., target: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ...) -> None: ...
+    waiting: str
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., target: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ..., waiting: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("latency_window_seconds",)
@@ -85,14 +87,30 @@ class ClusterStatus(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router: _Optional[_Union[RouterInfo, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolSize, _Mapping]]] = ..., autoscaler: _Optional[str] = ...) -> None: ...
 
 class RouterInfo(_message.Message):
-    __slots__ = ("queued_requests", "in_flight_requests", "recent_latency")
+    __slots__ = ("queued_requests", "in_flight_requests", "recent_latency", "active_pairs")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RECENT_LATENCY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_PAIRS_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     in_flight_requests: int
     recent_latency: RecentLatency
-    def __init__(self, queued_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., recent_latency: _Optional[_Union[RecentLatency, _Mapping]] = ...) -> None: ...
+    active_pairs: _containers.RepeatedCompositeFieldContainer[ActivePair]
+    def __init__(self, queued_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., recent_latency: _Optional[_Union[RecentLatency, _Mapping]] = ..., active_pairs: _Optional[_Iterable[_Union[ActivePair, _Mapping]]] = ...) -> None: ...
+
+class ActivePair(_message.Message):
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "kv_transport", "nodes", "requests")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    decode_worker_id: str
+    kv_transport: str
+    nodes: str
+    requests: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., nodes: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class RecentLatency(_message.Message):
     __slots__ = ("window_seconds", "ttft_counts", "tpot_counts")

@@ -1,0 +1,78 @@
+"""What the controller reads of Ray's nodes: which are alive, and why a worker that waits for a node waits.
+
+Node loss: a worker's slot records the Ray node its actor runs on. Every health round the controller reads the
+alive nodes (one GCS call, `ray.nodes()`); the slots of a node that is gone are replaced together, in one
+membership change, before any of their heartbeats is asked for. Ray marks a node dead when its raylet stops
+answering the GCS health checks (about 15 s with Ray's defaults: a check every 3 s, 5 misses; the head's
+`health_check_period_ms` and `health_check_failure_threshold` system config set it).
+
+A replacement (or a new worker) whose actor Ray has not placed yet waits for resources. `placement_wait` says
+which: a resource no alive node has (the node that had it is gone; it starts once one joins), or one that
+every node holding it has in use. Ray places the waiting actor on its own once a node can take it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """Alive nodes: id -> total resources. Read with `read_nodes`; built by hand in unit tests."""
+
+    totals: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> frozenset[str]:
+        return frozenset(self.totals)
+
+
+def node_view(nodes: Iterable[Mapping[str, Any]]) -> NodeView:
+    """`ray.nodes()` entries -> the alive nodes and what each has in total."""
+    return NodeView(
+        {
+            str(n["NodeID"]): dict(n.get("Resources") or {})
+            for n in nodes
+            if n.get("Alive") and n.get("NodeID")
+        }
+    )
+
+
+def read_nodes() -> NodeView:
+    import ray
+
+    return node_view(ray.nodes())
+
+
+def demand(num_gpus: float, resources: Mapping[str, float]) -> dict[str, float]:
+    """What Ray must find on one node to place a worker actor (deploy.controller launches CPU workers with
+    num_cpus 0, GPU ones with Ray's default of one CPU to place an actor)."""
+    wanted = {name: float(amount) for name, amount in resources.items()}
+    if num_gpus > 0:
+        wanted["GPU"] = float(num_gpus)
+        wanted.setdefault("CPU", 1.0)
+    return wanted
+
+
+def placement_wait(wanted: Mapping[str, float], view: NodeView, available: Mapping[str, float]) -> str:
+    """Why an actor asking for `wanted` is not placed: the resources no alive node has at all, else those the
+    cluster has none of free now (`available`: `ray.available_resources()`). "" when neither explains it
+    (Ray may be placing it this moment, or the free amounts are split over nodes)."""
+    if not wanted:
+        return ""
+    if not any(_covers(total, wanted) for total in view.totals.values()):
+        return f"no alive node has {_describe(wanted)}; it starts once such a node joins"
+    short = {name: amount for name, amount in wanted.items() if available.get(name, 0.0) < amount}
+    if short:
+        return f"every node with {_describe(short)} has it in use"
+    return ""
+
+
+def _covers(total: Mapping[str, float], wanted: Mapping[str, float]) -> bool:
+    return all(total.get(name, 0.0) >= amount for name, amount in wanted.items())
+
+
+def _describe(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in sorted(resources.items())) + "}"

@@ -1,0 +1,59 @@
+"""deploy.nodes: which Ray nodes are alive, and why a worker actor that Ray has not placed waits."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.nodes import NodeView, demand, node_view, placement_wait
+
+A, B = "a" * 56, "b" * 56
+
+
+def test_only_alive_nodes_with_an_id_count_and_keep_their_totals() -> None:
+    view = node_view(
+        [
+            {"NodeID": A, "Alive": True, "Resources": {"CPU": 2.0, "prefill_slot": 1.0}},
+            {"NodeID": B, "Alive": False, "Resources": {"CPU": 1.0, "decode_slot": 1.0}},
+            {"NodeID": "", "Alive": True, "Resources": {"CPU": 8.0}},
+        ]
+    )
+    assert view.alive == frozenset({A})
+    assert view.totals[A] == {"CPU": 2.0, "prefill_slot": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("num_gpus", "resources", "wanted"),
+    [
+        (0, {}, {}),  # a CPU worker asks for nothing (num_cpus 0)
+        (0, {"decode_slot": 1}, {"decode_slot": 1.0}),
+        (1, {}, {"GPU": 1.0, "CPU": 1.0}),
+        (0.5, {"node_b": 2}, {"GPU": 0.5, "CPU": 1.0, "node_b": 2.0}),
+    ],
+)
+def test_demand_is_what_one_node_must_offer(num_gpus: float, resources: dict, wanted: dict) -> None:
+    assert demand(num_gpus, resources) == wanted
+
+
+def test_a_resource_no_alive_node_has_names_it_and_says_a_node_must_join() -> None:
+    view = NodeView({A: {"CPU": 2.0, "prefill_slot": 1.0}})
+    reason = placement_wait({"decode_slot": 1.0}, view, {"CPU": 2.0, "prefill_slot": 1.0})
+    assert reason == "no alive node has {decode_slot: 1}; it starts once such a node joins"
+
+
+def test_resources_split_over_two_nodes_do_not_place_one_actor() -> None:
+    view = NodeView({A: {"GPU": 1.0, "CPU": 4.0}, B: {"decode_slot": 1.0, "CPU": 4.0}})
+    reason = placement_wait({"GPU": 1.0, "decode_slot": 1.0}, view, {"GPU": 1.0, "decode_slot": 1.0})
+    assert reason.startswith("no alive node has {GPU: 1, decode_slot: 1}")
+
+
+def test_a_resource_that_exists_but_is_taken_says_so_naming_only_what_is_short() -> None:
+    view = NodeView({A: {"CPU": 4.0, "GPU": 2.0, "decode_slot": 1.0}})
+    reason = placement_wait({"GPU": 1.0, "CPU": 1.0, "decode_slot": 1.0}, view, {"CPU": 3.0, "GPU": 1.0})
+    assert reason == "every node with {decode_slot: 1} has it in use"
+
+
+def test_nothing_to_say_when_a_node_could_take_it_now_or_it_asks_for_nothing() -> None:
+    view = NodeView({A: {"CPU": 4.0, "decode_slot": 1.0}})
+    assert placement_wait({"decode_slot": 1.0}, view, {"CPU": 4.0, "decode_slot": 1.0}) == ""
+    assert placement_wait({}, NodeView(), {}) == ""
+    assert placement_wait({"decode_slot": 1.0}, NodeView(), {}).startswith("no alive node has")
