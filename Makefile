@@ -66,7 +66,7 @@ PYTEST := $(BIN)/python -m pytest -q $(PYTEST_ARGS) --reruns 1 --reruns-delay 5 
 
 OWN_CLUSTERS := tests/e2e/test_soak.py tests/e2e/test_autoscaler.py tests/e2e/test_overload.py \
   tests/e2e/test_faults.py::TestStall tests/e2e/test_elastic_pools.py tests/e2e/test_drain.py \
-  tests/e2e/test_kv_transfer_tcp.py tests/e2e/test_multinode.py
+  tests/e2e/test_kv_transfer_tcp.py tests/e2e/test_multinode.py tests/e2e/test_tensor_parallel_serve.py
 NOT_OWN_CLUSTERS := $(foreach t,$(OWN_CLUSTERS),$(if $(findstring ::,$(t)),--deselect $(t),--ignore=$(t)))
 
 pytest: pytest-own-clusters pytest-rest

@@ -8,6 +8,7 @@ from decode_worker.service import DecodeService
 from kv_transfer import KVReceiver
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
+from model_runtime.parallel.group import TPGroup
 from model_runtime.roles import WorkerRole
 from tandem_api.tandem.v1 import worker_pb2_grpc
 from tandem_client.tls import plaintext_warning
@@ -22,17 +23,26 @@ SERVICE = "tandem.v1.DecodeWorker"
 
 
 class DecodeWorker(WorkerLifecycle):
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, tp_group: TPGroup | None = None) -> None:
+        """`tp_group`: the ranks of a worker that spans several devices (this process is rank 0; deploy.ranks).
+        Colocated only: the KV receiver writes one cache, not the shards of several ranks."""
         if spec.role not in (WorkerRole.DECODE, WorkerRole.COLOCATED):
             raise ValueError(f"role: a DecodeWorker is 'decode' or 'colocated', got {spec.role.value!r}")
+        if tp_group is not None and spec.role is not WorkerRole.COLOCATED:
+            raise ValueError(
+                "engine.parallel.tensor_parallel_size: a decode worker of several devices cannot receive KV yet "
+                "(issue 18); only a colocated worker may span devices"
+            )
         super().__init__(spec)
+        self.tp_group = tp_group
         self.receiver: KVReceiver | None = None
         self.service: DecodeService | None = None
 
     def start(self) -> str:
         """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
         spec = self.spec
-        self.loop = EngineLoop(Engine(spec.engine, emit_text=False, on_progress=self._progress))
+        engine = Engine(spec.engine, emit_text=False, on_progress=self._progress, tp_group=self.tp_group)
+        self.loop = EngineLoop(engine)
         self.loop.start()
         self._progress("opening the KV receiver and the gRPC port")
         self.service = DecodeService(spec.worker_id, self.loop, None, spec.role.wire, spec.kv_wait_timeout_s)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from model_runtime.roles import WorkerRole
 from worker_host.spec import WorkerSpec
 
 if TYPE_CHECKING:  # the class runs its workers in Ray actors: the driver never imports an engine
+    from deploy.ranks import Ranks
     from worker_host.lifecycle import WorkerLifecycle
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -45,8 +46,11 @@ class WorkerProcess:
         self.worker: WorkerLifecycle | None = None  # PrefillWorker or DecodeWorker, once start() built it
         self.pid = os.getpid()
         self._stage = "importing the engine"
+        self.ranks: Ranks | None = None  # a worker of several devices: its other ranks (deploy.ranks)
 
-    def start(self) -> str:
+    def start(self, placement_group: Any = None, num_gpus: float = 0) -> str:
+        """Build the worker and serve; returns its gRPC address. `placement_group`: the group a worker of several
+        devices runs in (this actor in bundle 0, the other ranks started here in the rest; deploy.ranks)."""
         import torch
 
         self.spec = on_ray_node(self.spec)
@@ -55,6 +59,13 @@ class WorkerProcess:
         if self.spec.engine.device.resolved_device() == "cpu":
             # Ray gives each actor a CPU share; more intra-op threads than that only thrash on small hosts.
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        group = None
+        if self.spec.engine.parallel.tensor_parallel_size > 1:
+            from deploy.ranks import Ranks
+
+            self._stage = "starting the other tensor-parallel ranks"
+            self.ranks = Ranks()
+            group = self.ranks.start(self.spec.engine, placement_group, num_gpus)
         if self.spec.role is WorkerRole.PREFILL:
             from prefill_worker.worker import PrefillWorker
 
@@ -62,7 +73,7 @@ class WorkerProcess:
             return self.worker.start()
         from decode_worker.worker import DecodeWorker
 
-        self.worker = DecodeWorker(self.spec)
+        self.worker = DecodeWorker(self.spec, tp_group=group)
         return self.worker.start()
 
     def startup_stage(self) -> str:
@@ -73,12 +84,16 @@ class WorkerProcess:
     def heartbeat_age(self) -> float:
         """Seconds since the engine loop last went round (inf when it died): a hung step shows here."""
         loop = self.worker.loop if self.worker is not None else None
-        if loop is None or not loop.alive:
+        if loop is None or not loop.alive or (self.ranks is not None and not self.ranks.alive()):
             return float("inf")
         return time.monotonic() - loop.last_beat
 
     def process_id(self) -> int:
         return self.pid
+
+    def rank_process_ids(self) -> list[int]:
+        """The processes of this worker's other tensor-parallel ranks ([] for a worker of one device)."""
+        return self.ranks.process_ids() if self.ranks is not None else []
 
     def node_id(self) -> str:
         """The Ray node this actor runs on. The controller asks at launch: the answer comes once Ray has placed

@@ -138,10 +138,10 @@ class PoolSettings:
         if not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
             raise ConfigError(f"{where}.num_gpus: must be >= 0, got {self.num_gpus!r}")
         tp = self.engine.parallel.tensor_parallel_size
-        if tp != 1:  # the engine runs tensor parallel; a worker of several Ray actors does not exist yet
+        if tp != 1 and where != "colocated":  # deploy.ranks: a worker of tp actors; its KV stays in its ranks
             raise ConfigError(
-                f"{where}.engine.parallel.tensor_parallel_size: workers spanning {tp} GPUs are not supported "
-                "yet (issue 18); use 1"
+                f"{where}.engine.parallel.tensor_parallel_size: a {where} worker spanning {tp} devices cannot "
+                "hand its KV over yet (issue 18); use 1, or a colocated pool of workers spanning devices"
             )
         self._validate_metrics_ports(where)
 

@@ -33,7 +33,16 @@ from typing import Any
 from deploy.actors import WorkerProcess
 from deploy.config import DeployConfig
 from deploy.nodes import read_nodes
-from deploy.slot_checks import kill, metrics_address, note_node, note_waits, startup_stage, unhealthy
+from deploy.ranks import bundles
+from deploy.slot_checks import (
+    kill,
+    metrics_address,
+    note_node,
+    note_waits,
+    quiet_get,
+    startup_stage,
+    unhealthy,
+)
 from deploy.slots import Member, Slot, worker_spec
 from model_runtime.roles import WorkerRole
 from router.scaling import PoolSize
@@ -149,14 +158,24 @@ class Controller:
         }
         if slot.num_gpus == 0:
             options["num_cpus"] = 0  # CPU workers share the host; torch threads are set per worker
+        size = slot.spec.engine.parallel.tensor_parallel_size
+        if size > 1:  # one actor per device in one placement group; this one is rank 0 (deploy.ranks)
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            slot.group = placement_group(
+                bundles(size, slot.num_gpus, slot.resources), strategy="STRICT_PACK", name=options["name"]
+            )
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                slot.group, placement_group_bundle_index=0
+            )
         slot.actor = self._actor_class.options(**options).remote(slot.spec)
         slot.placed, slot.node_id, slot.waiting = slot.actor.node_id.remote(), "", ""
         slot.launched_at = time.monotonic()
-        return slot.actor.start.remote()
+        return slot.actor.start.remote(slot.group, slot.num_gpus)
 
     def stop(self, drain: bool = True) -> None:
         """Drain the workers (if asked), stop them and leave no actor behind. Safe to call twice."""
-        import ray
 
         self._stop.set()
         self._wake.set()
@@ -164,26 +183,15 @@ class Controller:
             self._thread.join(timeout=10)
         for drainer in self._drainers:  # slots being removed finish draining first (bounded by the drain)
             drainer.join(timeout=self.config.controller.drain_timeout_s + 20)
-        actors = [s.actor for s in self.slots if s.actor is not None]
         # Only workers that started can drain or stop; an actor still waiting for a node would never answer.
         started = [s.actor for s in self.slots if s.actor is not None and s.address]
         if drain and started:
-            self._quiet_get([a.drain.remote() for a in started], self.config.controller.drain_timeout_s + 5)
+            quiet_get([a.drain.remote() for a in started], self.config.controller.drain_timeout_s + 5)
         if started:
-            self._quiet_get([a.stop.remote() for a in started], 15)
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+            quiet_get([a.stop.remote() for a in started], 15)
         for slot in self.slots:
-            slot.actor = None
-
-    @staticmethod
-    def _quiet_get(refs: list, timeout: float) -> None:
-        import ray
-
-        try:
-            ray.get(refs, timeout=timeout)
-        except Exception as exc:  # a worker already gone cannot drain; stopping continues regardless
-            log.warning("while stopping workers: %s", exc)
+            kill(slot.actor, slot.group)
+            slot.actor = slot.group = None
 
     # --- membership ------------------------------------------------------------------------------------
     def members(self) -> list[Member]:
@@ -292,8 +300,8 @@ class Controller:
             except Exception as exc:
                 log.error("worker %s failed to start: %s", slot.worker_id, exc)
                 if slot.restarts:  # a replacement: start another, within the slot's restart limit
-                    kill(slot.actor)
-                    slot.actor = None
+                    kill(slot.actor, slot.group)
+                    slot.actor = slot.group = None
                     self._relaunch(slot)
                 else:
                     self._forget(slot)
@@ -343,19 +351,17 @@ class Controller:
 
     def _forget(self, slot: Slot, stop: bool = False) -> None:
         """Take the slot out (and out of the membership), then stop its worker and kill its actor."""
-        import ray
 
-        actor = slot.actor
+        actor, group = slot.actor, slot.group
         with self._lock:
-            slot.actor = None
+            slot.actor = slot.group = None
             if slot in self.slots:
                 self.slots.remove(slot)
         if stop:
             self._announce()
-        if actor is not None:
-            if stop:
-                self._quiet_get([actor.stop.remote()], 15)
-            ray.kill(actor, no_restart=True)
+        if actor is not None and stop:
+            quiet_get([actor.stop.remote()], 15)
+        kill(actor, group)
 
     def _lost_to_nodes(self) -> list[Slot]:
         """The workers of every Ray node that is no longer alive (deploy.nodes), whether or not their heartbeats
@@ -379,12 +385,12 @@ class Controller:
         once), kill them and start new ones, which join once they serve (_collect_started)."""
         old = []
         for slot in slots:
-            old.append(slot.actor)
-            slot.actor, slot.address, slot.metrics_address, slot.missed = None, "", "", 0
+            old.append((slot.actor, slot.group))
+            slot.actor, slot.group, slot.address, slot.metrics_address, slot.missed = None, None, "", "", 0
             slot.starting, slot.placed, slot.node_id = None, None, ""
         self._announce()  # stop routing to them before anything slow
-        for actor in old:
-            kill(actor)
+        for actor, group in old:
+            kill(actor, group)
         for slot in slots:
             self._relaunch(slot)
         return True

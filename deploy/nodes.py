@@ -46,12 +46,13 @@ def read_nodes() -> NodeView:
     return node_view(ray.nodes())
 
 
-def demand(num_gpus: float, resources: Mapping[str, float]) -> dict[str, float]:
-    """What Ray must find on one node to place a worker actor (deploy.controller launches CPU workers with
-    num_cpus 0, GPU ones with Ray's default of one CPU to place an actor)."""
-    wanted = {name: float(amount) for name, amount in resources.items()}
+def demand(num_gpus: float, resources: Mapping[str, float], ranks: int = 1) -> dict[str, float]:
+    """What Ray must find on one node to place a worker (deploy.controller launches CPU workers with num_cpus 0,
+    GPU ones with Ray's default of one CPU to place an actor). `ranks`: a worker of several devices needs its
+    devices and resources once per rank, all on one node (deploy.ranks)."""
+    wanted = {name: float(amount) * ranks for name, amount in resources.items()}
     if num_gpus > 0:
-        wanted["GPU"] = float(num_gpus)
+        wanted["GPU"] = float(num_gpus) * ranks
         wanted.setdefault("CPU", 1.0)
     return wanted
 

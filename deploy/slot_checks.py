@@ -55,15 +55,23 @@ def _healthy(slot: Slot, heartbeat: Any, heartbeat_timeout_s: float) -> bool:
     return True
 
 
-def kill(actor: Any) -> None:
+def kill(actor: Any, group: Any = None) -> None:
+    """Kill a worker's actor (rank 0 of a worker of several devices: Ray ends the ranks it started with it),
+    then remove its placement group, if any."""
     import ray
 
-    if actor is None:
-        return
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception as exc:  # already gone with its node
-        log.warning("while killing a worker actor: %s", exc)
+    if actor is not None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # already gone with its node
+            log.warning("while killing a worker actor: %s", exc)
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(group)
+        except Exception as exc:
+            log.warning("while removing a worker's placement group: %s", exc)
 
 
 def note_node(slot: Slot) -> None:
@@ -100,7 +108,8 @@ def note_waits(slots: list[Slot]) -> None:
         log.warning("cannot read Ray's nodes: %s", exc)
         return
     for slot in unplaced:
-        reason = placement_wait(demand(slot.num_gpus, slot.resources), view, available)
+        size = slot.spec.engine.parallel.tensor_parallel_size
+        reason = placement_wait(demand(slot.num_gpus, slot.resources, size), view, available)
         if reason != slot.waiting:
             slot.waiting = reason
             if reason:
@@ -126,3 +135,13 @@ def metrics_address(slot: Slot) -> str:
     except Exception as exc:
         log.warning("worker %s did not report its metrics address: %s", slot.worker_id, exc)
         return ""
+
+
+def quiet_get(refs: list, timeout: float) -> None:
+    """Wait for `refs` (drain or stop calls) up to `timeout`; a worker already gone only gets a warning."""
+    import ray
+
+    try:
+        ray.get(refs, timeout=timeout)
+    except Exception as exc:  # a worker already gone cannot drain; stopping continues regardless
+        log.warning("while stopping workers: %s", exc)

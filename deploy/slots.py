@@ -39,6 +39,7 @@ class Slot:
     node_id: str = ""  # the Ray node the actor runs on, once placed
     launched_at: float = 0.0  # time.monotonic() of the last launch
     waiting: str = ""  # why Ray has not placed the actor yet (deploy.nodes.placement_wait), "" otherwise
+    group: Any = None  # the placement group of a worker of several devices (deploy.ranks)
 
     @property
     def serving(self) -> bool:

@@ -16,10 +16,12 @@ from model_runtime.request import Completion, PromptInput, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m-instruct", config: EngineConfig | None = None) -> None:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None) -> None:
+        """`model` (a name, path or dummy:...) wins over `config.model`; with neither, EngineConfig's default
+        model (the embedded SmolLM2). Before, a config's own model was replaced by that default."""
         if config is None:
-            config = EngineConfig(model=model)
-        elif config.model != model:
+            config = EngineConfig() if model is None else EngineConfig(model=model)
+        elif model is not None and config.model != model:
             config = replace(config, model=model)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer

@@ -102,5 +102,10 @@ class WorkerLifecycle:
             transfer.close()
             self._forget_transfer()
         if self.loop is not None:
+            engine = self.loop.engine
             self.loop.stop()
             self.loop = None
+            try:
+                engine.close()  # a worker of several devices: its other ranks leave their step loop
+            except Exception as exc:  # a rank already gone; the controller ends the rest with this actor
+                log.warning("worker %s: the other ranks did not stop cleanly: %s", self.spec.worker_id, exc)

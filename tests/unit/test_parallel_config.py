@@ -14,6 +14,7 @@ from model_runtime.config import ConfigError, EngineConfig, ModelConfig, Paralle
 from model_runtime.kv_layout import KVLayout, KVShard
 from model_runtime.parallel.shard import TPShard
 from model_runtime.parallel.step_sync import decode, encode
+from model_runtime.roles import WorkerRole
 from tests.model.tp_ranks import prefill_then_decode
 
 pytestmark = pytest.mark.unit
@@ -63,11 +64,22 @@ def test_engine_and_deploy_yaml_map_onto_the_parallel_section() -> None:
         EngineConfig.from_dict({"parallel": {"tensor_parallel_size": 0}})
     with pytest.raises(ConfigError, match=r"^engine\.parallel\.ranks: unknown key"):
         EngineConfig.from_dict({"parallel": {"ranks": 2}})
-    # Workers of several GPUs do not exist yet: the deployment refuses them at parse time, naming the key.
-    with pytest.raises(
-        ConfigError, match=r"^decode\.engine\.parallel\.tensor_parallel_size: workers spanning 2"
-    ):
-        parse_config({"decode": {"engine": {"parallel": {"tensor_parallel_size": 2}}}}, "test")
+    # Workers of several devices cannot hand KV over yet: a disaggregated pool refuses them at parse time,
+    # naming the key; a colocated pool takes them (deploy.ranks).
+    for pool in ("prefill", "decode"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{pool}\.engine\.parallel\.tensor_parallel_size: a {pool} worker spanning 2 devices cannot",
+        ):
+            parse_config({pool: {"engine": {"parallel": {"tensor_parallel_size": 2}}}}, "test")
+    colocated = {
+        "mode": "colocated",
+        "colocated": {"replicas": 1, "engine": {"parallel": {"tensor_parallel_size": 2}}},
+    }
+    assert (
+        parse_config(colocated, "test").pools()[WorkerRole.COLOCATED].engine.parallel.tensor_parallel_size
+        == 2
+    )
 
 
 def test_heads_mlp_and_vocabulary_are_split_and_every_query_head_finds_its_kv_head() -> None:

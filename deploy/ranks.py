@@ -1,0 +1,128 @@
+"""A worker that spans several devices (`<pool>.engine.parallel.tensor_parallel_size` N > 1): N Ray actors in one
+placement group (STRICT_PACK: one node, all or nothing), one per rank.
+
+    controller   placement_group([bundle] * N, STRICT_PACK); the worker's actor (deploy.actors.WorkerProcess) in
+                 bundle 0, started with the group
+    rank 0       picks the rendezvous (its node's IP, a free port), starts ranks 1..N-1 (RankProcess) in bundles
+                 1..N-1, joins them (model_runtime.parallel.group.init_tp_group), then builds its worker with
+                 the group: it is the worker's face (gRPC, status, metrics), it schedules and samples
+    rank r > 0   run_follower: its share of the weights and KV cache, running the steps rank 0 publishes
+
+Rank 0's actor creates the other ranks' actors, so it owns them: Ray ends them when it ends (the controller kills
+only rank 0, then removes the placement group). A rank that dies fails rank 0's next collective, which ends its
+engine loop: the heartbeat says so and the controller replaces the whole worker. Rank 0 also reports a
+finished rank as a dead loop (`ranks_alive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from model_runtime.config import EngineConfig
+
+if TYPE_CHECKING:
+    from model_runtime.parallel.group import TPGroup
+
+log = logging.getLogger(__name__)
+CPU_BUNDLE = 0.01  # a placement group bundle may not be empty; CPU ranks ask for a sliver of a CPU each
+
+
+def bundles(size: int, num_gpus: float, resources: dict[str, float]) -> list[dict[str, float]]:
+    """One bundle per rank: its GPUs and the pool's custom resources (one unit per device, as for one-device
+    workers), or a sliver of CPU for a CPU rank."""
+    bundle = {**resources, "GPU": float(num_gpus)} if num_gpus > 0 else {**resources, "CPU": CPU_BUNDLE}
+    return [dict(bundle) for _ in range(size)]
+
+
+def device_kind(engine: EngineConfig) -> str:
+    """The collectives' device: "cuda" (Ray shows each rank its own GPU as device 0) or "cpu" (gloo)."""
+    return "cuda" if engine.device.resolved_device().startswith("cuda") else "cpu"
+
+
+class RankProcess:
+    """Plain class; rank 0 wraps it with ray.remote(...) (this module imports without Ray)."""
+
+    def __init__(self) -> None:
+        from deploy.actors import GPU_SAFE_ENV
+
+        os.environ.update(GPU_SAFE_ENV)
+        self.pid = os.getpid()
+
+    def run(self, engine: EngineConfig, rank: int, size: int, address: str, port: int) -> int:
+        """Join the ranks and follow rank 0's steps until it stops them; returns the steps run."""
+        import torch
+
+        from model_runtime.parallel.follower import run_follower
+        from model_runtime.parallel.group import close_tp_group, init_tp_group
+
+        device = device_kind(engine)
+        if device == "cpu":
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        group = init_tp_group(rank, size, address, port, device)
+        try:
+            return run_follower(engine, group)
+        finally:
+            close_tp_group()
+
+    def process_id(self) -> int:
+        return self.pid
+
+
+class Ranks:
+    """Rank 0's view of its worker's other ranks: started, joined, and watched."""
+
+    def __init__(self) -> None:
+        self.actors: list[Any] = []
+        self.runs: list[Any] = []  # ObjectRef of each rank's run(): ready only when the rank stopped
+
+    def start(self, engine: EngineConfig, placement_group: Any, num_gpus: float) -> TPGroup:
+        """Start ranks 1..N-1 in the group's bundles and join them as rank 0 (blocks until all have joined)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from model_runtime.parallel.group import init_tp_group
+
+        size = engine.parallel.tensor_parallel_size
+        address = ray.util.get_node_ip_address()
+        port = free_port(address)
+        rank_class = ray.remote(RankProcess)
+        for rank in range(1, size):
+            options: dict[str, Any] = {
+                "num_gpus": num_gpus,
+                "max_restarts": 0,
+                "max_concurrency": 2,  # process_id() answers while run() follows the steps
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=rank
+                ),
+            }
+            if num_gpus == 0:
+                options["num_cpus"] = 0
+            actor: Any = rank_class.options(**options).remote()
+            self.actors.append(actor)
+            self.runs.append(actor.run.remote(engine, rank, size, address, port))
+        log.info("rank 0 waits for %d ranks at %s:%d", size - 1, address, port)
+        return init_tp_group(0, size, address, port, device_kind(engine))
+
+    def alive(self) -> bool:
+        """False once any other rank has stopped (its run() returned or raised)."""
+        import ray
+
+        if not self.runs:
+            return True
+        ready, _ = ray.wait(self.runs, num_returns=1, timeout=0)
+        return not ready
+
+    def process_ids(self) -> list[int]:
+        import ray
+
+        return [int(pid) for pid in ray.get([a.process_id.remote() for a in self.actors], timeout=10)]
+
+
+def free_port(address: str) -> int:
+    """A port free on `address` now (rank 0 listens there for the other ranks a moment later)."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])

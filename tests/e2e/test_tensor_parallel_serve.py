@@ -1,0 +1,123 @@
+"""A worker that spans two devices, through `tandem serve` (deploy.ranks): one colocated worker with
+tensor_parallel_size 2 on CPU (gloo), i.e. two Ray actors in one placement group, rank 0 serving gRPC and rank 1
+following its steps. Its greedy tokens equal the engine's own on one device (the model: a tiny random-weight
+Llama written here, 4 query heads over 2 KV heads, so each rank holds 2 and 1). Then rank 1 is SIGKILLed in the
+middle of a request: the request resumes on the replaced worker with the same tokens, or ends with a clear
+status; the controller replaces the whole worker (both ranks, a new placement group), which serves the same
+tokens again, and nothing is left held.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.llm import LLM
+from tandem_client import Client, Unavailable
+from tests.e2e.cluster import ServeProcess
+from tests.e2e.faults_support import Background, assert_all_idle, greedy, workers
+from tests.model.tiny_models import write_tiny_hf
+from tests.polling import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+SHARP_INIT = 0.4  # large random weights: greedy picks are decisive, not ties that a reduction order flips
+NUM_BLOCKS = 64
+PROMPTS = ["def add(a, b):", "The quick brown fox", "class Engine:"]
+MAX_TOKENS = 16
+LONG = 120  # tokens of the request that rank 1's death interrupts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf(tmp_path_factory.mktemp("tp-serve"), "llama", initializer_range=SHARP_INIT)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: Path) -> Iterator[LLM]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    config = EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(block_size=16, num_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
+        device=DeviceConfig(device="cpu"),
+    )
+    yield LLM(config=config)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, model_dir: Path) -> Iterator[ServeProcess]:
+    serve = ServeProcess(
+        tmp_path, prefill=0, decode=0, colocated=1, model=str(model_dir), num_blocks=NUM_BLOCKS
+    )
+    config = yaml.safe_load(serve.config_path.read_text())
+    config["colocated"]["engine"]["parallel"] = {"tensor_parallel_size": 2}
+    serve.config_path.write_text(yaml.safe_dump(config))
+    with serve:
+        try:
+            yield serve
+        finally:
+            print("".join(serve.lines[-80:]))  # shown with a failing test
+
+
+def rank_processes() -> list[psutil.Process]:
+    """The other ranks' processes (Ray titles an actor's process `ray::RankProcess...`)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith("ray::RankProcess"):
+            found.append(proc)
+    return found
+
+
+def check_greedy(address: str, offline: LLM) -> None:
+    with Client(address) as client:
+        for prompt in PROMPTS:
+            got = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, timeout=60)
+            assert list(got.token_ids) == greedy(offline, prompt, MAX_TOKENS), prompt
+
+
+def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
+    cluster: ServeProcess, offline: LLM
+) -> None:
+    check_greedy(cluster.address, offline)
+    ranks = wait_until(rank_processes, 10, "rank 1's process")
+    assert len(ranks) == 1, ranks
+    before = workers(cluster.address)["colocated-0"]
+
+    prompt = "Tell me about foxes"
+    request = Background(cluster.address, prompt, max_tokens=LONG, temperature=0, ignore_eos=True)
+    wait_until(lambda: request.num_tokens >= 8 or request.error, 60, "the request to be decoding")
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    request.join(120)
+    if request.error is None:  # resumed on the replaced worker: the same tokens, none lost or repeated
+        assert list(request.result.token_ids) == greedy(offline, prompt, LONG)
+    else:
+        assert isinstance(request.error, Unavailable), repr(request.error)
+    print(f"rank 1 killed; the request {'resumed' if request.error is None else 'failed cleanly'}")
+
+    replaced = wait_until(
+        lambda: (w := workers(cluster.address).get("colocated-0")) and w.address != before.address and w,
+        120,
+        "the worker to be replaced",
+    )
+    wait_until(lambda: workers(cluster.address)["colocated-0"].state.name == "READY", 60, "the new worker")
+    print(f"replaced {time.monotonic() - killed:.1f} s after rank 1 died, now on {replaced.address}")
+    assert any("worker colocated-0 restarting (1)" in line for line in cluster.lines)
+    new_ranks = wait_until(rank_processes, 10, "the new rank 1")
+    assert [p.pid for p in new_ranks] != [ranks[0].pid] and len(new_ranks) == 1, new_ranks
+    check_greedy(cluster.address, offline)
+    assert_all_idle(cluster.address)
+    assert cluster.stop() == 0
+    wait_until(lambda: not rank_processes(), 20, "rank 1 to end with its worker")
