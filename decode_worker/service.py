@@ -21,10 +21,11 @@ from collections.abc import Iterator
 import grpc
 
 from kv_transfer import KVReceiver, Lease, NoRoom, TransferResult
+from kv_transfer.pairing import TRANSPORT_FROM_PROTO, TRANSPORT_TO_PROTO
 from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError, SamplingParams
-from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
+from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls, take_blocks
 from worker_host.node import WorkerNode
@@ -118,6 +119,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         first token already ended it, else None."""
         rid = request.request_id
         assert self.receiver is not None, "remote prefill needs a KV receiver"
+        held = self.receiver.config.kind
+        wanted = request.kv_transport
+        if wanted != kv_pb2.KV_TRANSPORT_UNSPECIFIED and wanted != TRANSPORT_TO_PROTO[held]:
+            name = TRANSPORT_FROM_PROTO.get(wanted, f"transport {wanted}")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"kv_transport: the router chose {name} for this pair; decode worker {self.worker_id}'s KV "
+                f"receiver holds {held} (do the router's and the workers' transfer.kinds differ?)",
+            )
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
         try:
             lease = self._reserve(rid, prompt, sampling, ttl)

@@ -86,11 +86,20 @@ class Controller:
                 # Ray 2.60 on Linux swaps a loopback node address for the host's routable one unless this is 0;
                 # a local cluster must keep all of its traffic on 127.0.0.1.
                 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+                if os.environ.get("RAY_ADDRESS"):
+                    log.warning(
+                        "RAY_ADDRESS=%s is ignored: without ray.address (--ray-address) Tandem starts a Ray of "
+                        "its own",
+                        os.environ["RAY_ADDRESS"],
+                    )
+            # No address: "local", a private Ray. Ray's own default (None) would join whatever cluster RAY_ADDRESS
+            # or the last `ray start` on this machine names, workers and all.
+            address = self.config.ray.address or "local"
             for attempt in range(1, RAY_START_ATTEMPTS + 1):
                 try:
                     ray.init(
                         _node_ip_address=node_ip,
-                        address=self.config.ray.address,
+                        address=address,
                         namespace=self.config.ray.namespace,
                         include_dashboard=False,
                         logging_level=logging.WARNING,

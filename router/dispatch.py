@@ -47,6 +47,7 @@ from router.prefix import PromptHashes
 from router.relay import Relay, Write
 from router.responses import ResponseBuilder
 from router.streams import StreamMerger, WorkerCallError, WorkerStream
+from router.transport_choice import transport_number
 from router.validation import WORKER_PRIORITY, ValidatedRequest, engine_sampling
 from tandem_api.tandem.v1 import worker_pb2
 
@@ -319,12 +320,12 @@ class Dispatcher:
         )
         self._metrics.paired(pair.transport, pair.nodes)
         with self._pool.pairs.running(pair):
-            await self._disaggregated(decode_handle, prefill_handle, attempt)
+            await self._disaggregated(decode_handle, prefill_handle, attempt, pair.transport)
 
     async def _disaggregated(
-        self, decode_handle: WorkerHandle, prefill_handle: WorkerHandle, attempt: _Attempt
+        self, decode_handle: WorkerHandle, prefill_handle: WorkerHandle, attempt: _Attempt, transport: str
     ) -> None:
-        decode = self._open_decode(decode_handle, attempt, local_prefill=False)
+        decode = self._open_decode(decode_handle, attempt, local_prefill=False, transport=transport)
         prefill: WorkerStream | None = None
         decode_charge, prefill_charge = attempt.charges
         merger = StreamMerger()
@@ -349,9 +350,13 @@ class Dispatcher:
             prefill_charge.release()
 
     # --- worker calls ---------------------------------------------------------------------------------
-    def _open_decode(self, handle: WorkerHandle, attempt: _Attempt, local_prefill: bool) -> WorkerStream:
+    def _open_decode(
+        self, handle: WorkerHandle, attempt: _Attempt, local_prefill: bool, transport: str = ""
+    ) -> WorkerStream:
+        """`transport`: the pair's KV transport (router.pairs; "" when the router cannot tell)."""
         prompt, offset = attempt.worker_input()
         message = worker_pb2.DecodeRequest(
+            kv_transport=transport_number(transport),
             request_id=attempt.id,
             prompt_token_ids=prompt,
             sampling=attempt.sampling(),

@@ -26,6 +26,16 @@ TRANSPORT_NAMES = {
     for name, number in kv_pb2.KVTransport.items()
     if number != kv_pb2.KV_TRANSPORT_UNSPECIFIED
 }
+_NUMBERS = {  # the other way, typed as the enum (DecodeRequest.kv_transport)
+    "tcp": kv_pb2.KV_TRANSPORT_TCP,
+    "nccl": kv_pb2.KV_TRANSPORT_NCCL,
+    "cuda_ipc": kv_pb2.KV_TRANSPORT_CUDA_IPC,
+}
+
+
+def transport_number(name: str) -> kv_pb2.KVTransport:
+    """A config name -> its KVTransport value ("tcp" -> KV_TRANSPORT_TCP); UNSPECIFIED for "" or an unknown name."""
+    return _NUMBERS.get(name, kv_pb2.KV_TRANSPORT_UNSPECIFIED)
 
 
 def transport_names(numbers: Iterable[int]) -> frozenset[str]:

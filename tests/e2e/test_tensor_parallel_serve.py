@@ -57,8 +57,16 @@ def offline(model_dir: Path) -> Iterator[LLM]:
 
 @pytest.fixture
 def cluster(tmp_path: Path, model_dir: Path) -> Iterator[ServeProcess]:
+    # RAY_ADDRESS set (as a shell with a `ray start` cluster might have it): tandem serve, with no ray.address,
+    # starts its own Ray all the same (nothing listens on port 9: joining would fail).
     serve = ServeProcess(
-        tmp_path, prefill=0, decode=0, colocated=1, model=str(model_dir), num_blocks=NUM_BLOCKS
+        tmp_path,
+        prefill=0,
+        decode=0,
+        colocated=1,
+        model=str(model_dir),
+        num_blocks=NUM_BLOCKS,
+        env={"RAY_ADDRESS": "127.0.0.1:9"},
     )
     config = yaml.safe_load(serve.config_path.read_text())
     config["colocated"]["engine"]["parallel"] = {"tensor_parallel_size": 2}
@@ -90,6 +98,7 @@ def check_greedy(address: str, offline: LLM) -> None:
 def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
     cluster: ServeProcess, offline: LLM
 ) -> None:
+    assert any("RAY_ADDRESS=127.0.0.1:9 is ignored" in line for line in cluster.lines)
     check_greedy(cluster.address, offline)
     ranks = wait_until(rank_processes, 10, "rank 1's process")
     assert len(ranks) == 1, ranks

@@ -45,3 +45,12 @@ def test_active_pairs_count_requests_per_pair_and_forget_a_pair_once_idle() -> N
     with pytest.raises(RuntimeError), pairs.running(one):
         raise RuntimeError("an attempt that fails still closes its pair")
     assert pairs.to_proto() == []
+
+
+def test_every_transport_name_has_its_kv_proto_number_and_back() -> None:
+    from router.transport_choice import TRANSPORT_NAMES, transport_number
+
+    assert {name: transport_number(name) for name in TRANSPORT_NAMES.values()} == {
+        name: number for number, name in TRANSPORT_NAMES.items()
+    }
+    assert transport_number("") == transport_number("infiniband") == kv_pb2.KV_TRANSPORT_UNSPECIFIED

@@ -66,3 +66,38 @@ def test_started_workers_report_their_node_and_transports_and_pair_over_tcp() ->
     assert pair_transport(["tcp"], *ends) == "tcp"
     with pytest.raises(NoCommonTransport, match="cuda_ipc: the prefill and the decode worker cannot use it"):
         pair_transport(["cuda_ipc"], *ends)
+
+
+def test_a_decode_worker_refuses_a_transport_its_receiver_does_not_hold_before_reserving() -> None:
+    engine = EngineConfig(
+        model="dummy:tiny-llama",
+        cache=CacheConfig(block_size=4, num_blocks=16),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
+        device=DeviceConfig(device="cpu"),
+    )
+    decode = DecodeWorker(WorkerSpec(worker_id="decode-0", role="decode", engine=engine))
+
+    def decode_call(stub, rid: str, transport: int):
+        request = worker_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=[5, 6, 7], lease_ttl_ms=5000, kv_transport=transport
+        )
+        request.sampling.max_tokens, request.sampling.top_p = 2, 1.0
+        return stub.Decode(request, timeout=10)
+
+    with _started(decode) as address, grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            next(decode_call(stub, "r-nccl", kv_pb2.KV_TRANSPORT_NCCL))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details().startswith(
+            "kv_transport: the router chose nccl for this pair; decode worker decode-0's KV receiver holds tcp"
+        )
+        status = stub.Status(worker_pb2.WorkerStatusRequest(), timeout=10)
+        assert (status.kv_blocks_used, status.active_leases) == (0, 0)  # refused before reserving anything
+        for transport in (
+            kv_pb2.KV_TRANSPORT_TCP,
+            kv_pb2.KV_TRANSPORT_UNSPECIFIED,
+        ):  # its own, or the default
+            call = decode_call(stub, f"r-{transport}", transport)
+            assert next(call).reserved.transport == kv_pb2.KV_TRANSPORT_TCP
+            call.cancel()
