@@ -20,7 +20,7 @@ from deploy.chartcheck.objects import (
 )
 from deploy.chartcheck.render import Manifest, Rendering, object_name
 from deploy.chartcheck.tls_checks import check_certificates, check_tls_mounts, check_tls_probes
-from deploy.config import DeployConfig, parse_config
+from deploy.config import DeployConfig, PoolSettings, parse_config
 from model_runtime.roles import WorkerRole
 
 CONFIG_DIR = "/etc/tandem"
@@ -43,8 +43,8 @@ def rendered_config(r: Rendering) -> DeployConfig:
 
 
 def check_config(r: Rendering) -> list[str]:
-    """Pools match the worker groups: each pool requests its group's custom resource, and the groups offer exactly
-    the units and at least the GPUs that the pool's workers need."""
+    """Pools match the worker groups: each pool requests its group's custom resource, the groups offer exactly
+    the units and at least the GPUs that the pool's workers need, and each worker's ranks fit one pod."""
     config = rendered_config(r)
     found = (
         []
@@ -61,26 +61,56 @@ def check_config(r: Rendering) -> list[str]:
         if pool.ray_resources != {resource: 1}:
             found.append(f"config {role}.ray_resources is {pool.ray_resources}, want {{{resource}: 1}}")
             continue
-        offered = group_custom_resources(group).get(resource, 0) * group["replicas"]
-        if offered != pool.replicas:
-            found.append(
-                f"{role}: {pool.replicas} workers need {pool.replicas} {resource}, the group offers {offered}"
-            )
-        gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]
-        if pool.num_gpus * pool.replicas > gpus + 1e-9:
-            found.append(f"{role}: workers need {pool.num_gpus * pool.replicas} GPUs, the group has {gpus}")
+        found += _placement_problems(role, pool, group)
         if pool.num_gpus == 0 and config.transfer.kind != "tcp":
             found.append(f"{role}: CPU workers with transfer.kind {config.transfer.kind} (needs GPUs)")
-        found += _autoscaler_problems(role, config, group)
+        found += _autoscaler_problems(role, config, pool, group)
     return found + _router_config_problems(r, config)
 
 
-def _autoscaler_problems(role: WorkerRole, config: DeployConfig, group: dict[str, Any]) -> list[str]:
+def workers_per_pod(role: str, pool: PoolSettings, group: dict[str, Any]) -> int:
+    """How many of the pool's workers one pod of the group holds whole. A worker is tensor_parallel_size ranks,
+    each one placement group bundle of num_gpus GPUs and one unit of the role's resource; the group is
+    STRICT_PACK, so all its bundles land on one Ray node, that is one pod."""
+    ranks = pool.engine.parallel.tensor_parallel_size
+    fits = int(group_custom_resources(group).get(f"tandem_{role}", 0) // ranks)
+    if pool.num_gpus > 0:
+        gpus = int(group["rayStartParams"]["num-gpus"])
+        fits = min(fits, int(gpus / (pool.num_gpus * ranks) + 1e-9))
+    return fits
+
+
+def _placement_problems(role: str, pool: PoolSettings, group: dict[str, Any]) -> list[str]:
+    """The group offers exactly the resource units the pool's ranks ask for, at least their GPUs, and room for
+    every worker's ranks together in one pod (with exact units, that leaves no pod a stranded unit)."""
+    resource, ranks, pods = f"tandem_{role}", pool.engine.parallel.tensor_parallel_size, group["replicas"]
+    units = group_custom_resources(group).get(resource, 0)
+    gpus = int(group["rayStartParams"]["num-gpus"])
+    found = []
+    need = pool.replicas * ranks
+    each = f" ({ranks} ranks each)" if ranks > 1 else ""
+    if units * pods != need:
+        found.append(
+            f"{role}: {pool.replicas} workers need {need} {resource}{each}, the group offers {units * pods}"
+        )
+    if pool.num_gpus * need > gpus * pods + 1e-9:
+        found.append(f"{role}: workers need {pool.num_gpus * need} GPUs, the group has {gpus * pods}")
+    per_pod = workers_per_pod(role, pool, group)
+    if per_pod * pods < pool.replicas:
+        found.append(
+            f"{role}: a pod ({units} {resource}, {gpus} GPUs) holds {per_pod} whole workers of {ranks} ranks "
+            f"(a worker's ranks share one pod), {per_pod * pods} in {pods} pods, short of {pool.replicas}"
+        )
+    return found
+
+
+def _autoscaler_problems(
+    role: WorkerRole, config: DeployConfig, pool: PoolSettings, group: dict[str, Any]
+) -> list[str]:
     """The SLO autoscaler never asks for more workers than the group's pods can ever hold."""
     if not config.autoscaler.enabled:
         return []
-    per_pod = group_custom_resources(group).get(f"tandem_{role}", 0)
-    most = per_pod * group["maxReplicas"]
+    most = workers_per_pod(role, pool, group) * group["maxReplicas"]
     bounds = config.autoscaler.bounds(role)
     if bounds.max > most:
         return [f"autoscaler.{role}.max is {bounds.max} workers, the group holds at most {most}"]
@@ -203,7 +233,7 @@ def worker_metrics_port_name(index: int) -> str:
 
 
 def check_worker_metrics(r: Rendering) -> list[str]:
-    """Each pool's workers serve /metrics on fixed ports that their pods expose by name (one per engine of a pod,
+    """Each pool's workers serve /metrics on fixed ports that their pods expose by name (one per worker of a pod,
     the same numbers as the config's metrics_port range) and, with the PodMonitor on, that a worker PodMonitor
     scrapes: selecting the pool's pods, never the head, with a `component` (not `role`) target label."""
     config, groups = rendered_config(r), worker_groups(r)
@@ -212,7 +242,7 @@ def check_worker_metrics(r: Rendering) -> list[str]:
         group = groups.get(role)
         if group is None:
             continue  # check_config reports it
-        per_pod = int(group_custom_resources(group).get(f"tandem_{role}", 0))
+        per_pod = workers_per_pod(role, pool, group)
         want = {worker_metrics_port_name(i): pool.metrics_port + i for i in range(per_pod)}
         if pool.metrics_port == 0 or pool.metrics_port_count != per_pod:
             found.append(

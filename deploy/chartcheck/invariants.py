@@ -175,7 +175,7 @@ def _group_problems(role: str, group: dict[str, Any], values: dict[str, Any], au
             found.append(
                 f"{role}: container {container['name']} {GPU} limit is {limit!r}, want {gpus} (gpusPerWorker)"
             )
-    want = {f"tandem_{role}": max(gpus, 1)}
+    want = {f"tandem_{role}": max(gpus, 1)}  # one unit per device: each rank of a worker takes one
     if group_custom_resources(group) != want:
         found.append(f"{role}: advertises custom resources {group_custom_resources(group)}, want {want}")
     return found

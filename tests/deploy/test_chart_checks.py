@@ -21,7 +21,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from deploy.chartcheck import CHART_DIR, check_all, render, validate_rendering
+from deploy.chartcheck import CHART_DIR, check_all, load_values_file, render, validate_rendering
 from deploy.chartcheck.crds import RAY_KINDS, SCHEMA_DIR, extract_v1_schema, load_yaml
 from deploy.chartcheck.render import Rendering
 
@@ -220,6 +220,59 @@ def test_invariant_checks_catch_broken_manifests(
 ) -> None:
     assert check_all(good) == []
     findings = check_all(mutated(good, kind, change, name_part))
+    assert any(expected in f for f in findings), findings
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel() -> Rendering:
+    """Colocated workers of 2 GPUs, 4 a pod (8 GPUs and 8 tandem_colocated units), 2..3 pods, autoscaled."""
+    return render(load_values_file(CHART_DIR / "ci" / "tensor-parallel-values.yaml"), label="tp")
+
+
+def one_worker_of_16_ranks(config: dict[str, Any]) -> None:
+    """16 ranks need 16 units and GPUs, and the group's 2 pods have that many, but no one pod has."""
+    config["colocated"]["engine"]["parallel"]["tensor_parallel_size"] = 16
+    config["colocated"]["replicas"] = 1
+    config["autoscaler"]["colocated"] = {"min": 1, "max": 1}
+
+
+TP_MUTATIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    (
+        "ConfigMap",
+        lambda d: set_config(
+            d, lambda c: c["colocated"]["engine"]["parallel"].update(tensor_parallel_size=4)
+        ),
+        "colocated: 8 workers need 32 tandem_colocated (4 ranks each), the group offers 16",
+    ),
+    (
+        "ConfigMap",
+        lambda d: set_config(d, one_worker_of_16_ranks),
+        "holds 0 whole workers of 16 ranks (a worker's ranks share one pod), 0 in 2 pods, short of 1",
+    ),
+    (
+        "RayCluster",
+        lambda d: group(d, "colocated")["rayStartParams"].update({"num-gpus": "3"}),
+        "colocated: a pod (8 tandem_colocated, 3 GPUs) holds 1 whole workers of 2 ranks",
+    ),
+    (  # one port per device, as if every rank served: the pods expose one per worker
+        "ConfigMap",
+        lambda d: set_config(d, lambda c: c["colocated"].update(metrics_port_count=8)),
+        "one port per worker of a pod (4)",
+    ),
+    (  # 2 pods of 4 workers hold 8, not the 12 the autoscaler may ask for
+        "RayCluster",
+        lambda d: group(d, "colocated").update(maxReplicas=2),
+        "autoscaler.colocated.max is 12 workers, the group holds at most 8",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "change", "expected"), TP_MUTATIONS, ids=[m[2] for m in TP_MUTATIONS])
+def test_invariant_checks_count_ranks_of_tensor_parallel_workers(
+    tensor_parallel: Rendering, kind: str, change, expected: str
+) -> None:
+    assert check_all(tensor_parallel) == []
+    findings = check_all(mutated(tensor_parallel, kind, change))
     assert any(expected in f for f in findings), findings
 
 

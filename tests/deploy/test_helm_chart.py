@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from deploy.chartcheck import CHART_DIR, check_all, lint, load_values_file, render, validate_rendering
-from deploy.chartcheck.connections import rendered_config
+from deploy.chartcheck.connections import config_map, rendered_config
 from deploy.chartcheck.render import Rendering
-from model_runtime.config import CacheConfig, DeviceConfig, SchedulerConfig
+from model_runtime.config import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
+from model_runtime.roles import WorkerRole
 
 pytestmark = pytest.mark.unit
 
@@ -222,7 +223,8 @@ def test_worker_pods_expose_and_the_pod_monitor_scrapes_the_config_metrics_ports
     groups = {g["groupName"]: g for g in r.one("RayCluster")["spec"]["workerGroupSpecs"]}
     monitors = {m["metadata"]["name"]: m for m in r.objects("PodMonitor")}
     for role, pool in config.pools().items():
-        per_pod = max(1, r.values[role]["gpusPerWorker"])
+        tp = r.values[role]["engine"].get("parallel", {}).get("tensorParallelSize", 1)
+        per_pod = max(1, r.values[role]["gpusPerWorker"]) // tp  # one port per worker: its rank 0 serves
         assert (pool.metrics_port, pool.metrics_port_count) == (9465, per_pod), role
         ports = groups[role]["template"]["spec"]["containers"][0]["ports"]
         want = [{"name": f"w{i}-metrics", "containerPort": 9465 + i} for i in range(per_pod)]
@@ -266,6 +268,52 @@ def test_autoscaling_values_let_the_groups_range_and_carry_the_slo_autoscaler() 
     assert rendered_config(rendered("defaults")).autoscaler.enabled is False
 
 
+def test_tensor_parallel_values_run_workers_of_several_gpus_per_pod() -> None:
+    """8 GPUs a pod, 2 per worker: 4 workers a pod, each asking one GPU and one tandem_colocated unit per rank,
+    so a pod advertises 8 units (devices), not 4 (workers), and exposes 4 metrics ports (one per rank 0)."""
+    r = rendered("tensor-parallel-values.yaml")
+    assert r.values["colocated"]["gpusPerWorker"] == 8
+    assert r.values["colocated"]["engine"]["parallel"] == {"tensorParallelSize": 2}
+    group = r.one("RayCluster")["spec"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in group] == ["colocated"]
+    pods = group[0]["replicas"]
+    container = group[0]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert group[0]["rayStartParams"] == {"num-gpus": "8", "resources": '"{\\"tandem_colocated\\":8}"'}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "metrics": 8080,
+        "w0-metrics": 9465,
+        "w1-metrics": 9466,
+        "w2-metrics": 9467,
+        "w3-metrics": 9468,
+    }
+    config = rendered_config(r)
+    pool = config.colocated
+    assert pool.engine.parallel.tensor_parallel_size == 2
+    assert (pool.replicas, pool.num_gpus, pool.ray_resources) == (pods * 4, 1, {"tandem_colocated": 1})
+    assert (pool.metrics_port, pool.metrics_port_count) == (9465, 4)
+    bounds = config.autoscaler.bounds(
+        WorkerRole.COLOCATED
+    )  # workers of minReplicas (replicas)..maxReplicas pods
+    assert (bounds.min, bounds.max) == (pods * 4, 3 * 4)
+    monitor = next(m for m in r.objects("PodMonitor") if m["metadata"]["name"] == "demo-tandem-colocated")
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [f"w{i}-metrics" for i in range(4)]
+    assert "(workers of 2 GPUs)" in r.notes
+
+
+@pytest.mark.parametrize(("base", "role"), [("defaults", "prefill"), ("colocated-values.yaml", "colocated")])
+def test_tensor_parallel_size_1_renders_as_before(base: str, role: str) -> None:
+    """Setting the default explicitly changes nothing: the config carries no `parallel` section (its checksum
+    rolls the routers and the controller), and pods, resources and ports stay one worker per GPU."""
+    values = values_for(base)
+    pool = values.get(role, {})
+    explicit = {**pool, "engine": {**pool.get("engine", {}), "parallel": {"tensorParallelSize": 1}}}
+    assert render({**values, role: explicit}).manifests == rendered(base).manifests
+    assert "parallel" not in config_map(rendered(base))["data"]["tandem.yaml"]
+    assert getattr(rendered_config(rendered(base)), role).engine.parallel.tensor_parallel_size == 1
+
+
 def test_workers_metrics_port_moves_the_whole_range() -> None:
     r = render({"workers": {"metricsPort": 20100}, "prefill": {"gpusPerWorker": 2}})
     config = rendered_config(r)
@@ -301,6 +349,9 @@ BAD_VALUES = [
     ({"autoscaler": {"targetTtft": 1}}, "'targetTtft'"),
     ({"router": {"apiKeys": {"secretKey": "../keys"}}}, "/router/apiKeys/secretKey"),
     ({"router": {"apiKeys": {"reloadIntervalSeconds": 0}}}, "/router/apiKeys/reloadIntervalSeconds"),
+    ({"colocated": {"engine": {"parallel": {"tensorParallelSize": 0}}}}, "/colocated/engine/parallel"),
+    ({"colocated": {"engine": {"parallel": {"tensorParallelSize": 32}}}}, "/colocated/engine/parallel"),
+    ({"colocated": {"engine": {"parallel": {"tensor_parallel_size": 2}}}}, "'tensor_parallel_size'"),
 ]
 
 
@@ -341,6 +392,31 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
             },
             "prefill.minReplicas / prefill.maxReplicas: must range around prefill.replicas (2), got 3..4",
         ),
+        (
+            {"prefill": {"gpusPerWorker": 2, "engine": {"parallel": {"tensorParallelSize": 2}}}},
+            "prefill.engine.parallel.tensorParallelSize: 2, but only colocated pools may span devices for now",
+        ),
+        (
+            {"decode": {"gpusPerWorker": 8, "engine": {"parallel": {"tensorParallelSize": 4}}}},
+            "decode.engine.parallel.tensorParallelSize: 4, but only colocated pools may span devices for now: "
+            "a decode worker's KV cache split over ranks cannot be handed over yet (issue 18)",
+        ),
+        (
+            {
+                "mode": "colocated",
+                "colocated": {"gpusPerWorker": 6, "engine": {"parallel": {"tensorParallelSize": 4}}},
+            },
+            "colocated.gpusPerWorker: 6 is not a multiple of colocated.engine.parallel.tensorParallelSize (4)",
+        ),
+        (
+            {
+                "mode": "colocated",
+                "transfer": {"kind": "tcp"},
+                "colocated": {"gpusPerWorker": 0, "engine": {"parallel": {"tensorParallelSize": 2}}},
+            },
+            "colocated.engine.parallel.tensorParallelSize: 2 needs GPUs (one per rank), but "
+            "colocated.gpusPerWorker is 0",
+        ),
     ],
 )
 def test_templates_refuse_inconsistent_values(values: dict, message: str) -> None:
@@ -355,7 +431,12 @@ def test_values_schema_engine_keys_are_the_engine_config_fields() -> None:
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     sections = schema["definitions"]["engine"]["properties"]
-    for section, klass in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("device", DeviceConfig)):
+    for section, klass in (
+        ("cache", CacheConfig),
+        ("scheduler", SchedulerConfig),
+        ("parallel", ParallelConfig),
+        ("device", DeviceConfig),
+    ):
         snake = {re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower() for key in sections[section]["properties"]}
         assert snake == {f.name for f in fields(klass)}, section
 

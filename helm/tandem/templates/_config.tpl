@@ -17,14 +17,22 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- define "tandem.poolConfig" -}}
 {{- $pool := index .ctx.Values .role -}}
 {{- $gpus := int $pool.gpusPerWorker -}}
-{{- $perPod := int (include "tandem.enginesPerPod" $pool) -}}
+{{- $perPod := int (include "tandem.workersPerPod" $pool) -}}
 {{- $resource := include "tandem.roleResource" .role -}}
+{{- /* num_gpus and ray_resources are per rank: a worker of tensorParallelSize ranks asks that many of each. */ -}}
 {{- $config := dict "replicas" (mul (int $pool.replicas) $perPod) "num_gpus" (min $gpus 1) -}}
 {{- $_ := set $config "ray_resources" (dict $resource 1) -}}
-{{- /* Each of the pod's engines takes the first free of its group's worker metrics ports (raycluster.yaml). */ -}}
+{{- /* Each of the pod's workers (its rank 0) takes the first free of its group's worker metrics ports. */ -}}
 {{- $_ := set $config "metrics_port" (int .ctx.Values.workers.metricsPort) -}}
 {{- $_ := set $config "metrics_port_count" $perPod -}}
-{{- $_ := set $config "engine" (include "tandem.engineConfig" ($pool.engine | default dict) | fromJson) -}}
+{{- $engine := include "tandem.engineConfig" ($pool.engine | default dict) | fromJson -}}
+{{- /* `parallel` holds only tensorParallelSize (values.schema.json). At 1, the deploy config's default, it is
+left out, so a one-device pool's config, and the checksum that rolls the routers and the controller, stay as
+they were before the chart knew the key. */ -}}
+{{- if eq (int (include "tandem.tensorParallelSize" $pool)) 1 -}}
+{{- $_ := unset $engine "parallel" -}}
+{{- end -}}
+{{- $_ := set $config "engine" $engine -}}
 {{- toJson $config -}}
 {{- end -}}
 
@@ -42,7 +50,7 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $_ := set $out "max_total_workers" (int $a.maxTotalWorkers) -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- $pool := index $.Values $role -}}
-{{- $per := int (include "tandem.enginesPerPod" $pool) -}}
+{{- $per := int (include "tandem.workersPerPod" $pool) -}}
 {{- $min := mul (int (include "tandem.minPods" $pool)) $per -}}
 {{- $_ := set $out $role (dict "min" $min "max" (mul (int (include "tandem.maxPods" $pool)) $per)) -}}
 {{- end -}}

@@ -61,14 +61,24 @@ helm.sh/chart: {{ include "tandem.chart" .ctx }}
 {{- define "tandem.roleResource" -}}tandem_{{ . }}{{- end -}}
 
 {{/*
-Engines per pod of a pool: one per GPU, or one CPU engine when the pool has no GPUs. The config's pool replicas
-and the group's custom resource amount both derive from it, so the controller asks for exactly what the pods offer.
+Devices and workers per pod of a pool (call with the pool's values). A pod offers max(1, gpusPerWorker) devices
+(one CPU device when the pool has no GPUs); a worker spans engine.parallel.tensorParallelSize of them, one rank
+(one Ray placement group bundle) per device, all in one pod:
+
+    gpusPerWorker 8, tensorParallelSize 2:  | worker 0: gpu 0 1 | worker 1: gpu 2 3 | worker 2: gpu 4 5 | ... 6 7 |
+
+The config's pool replicas count workers and the group's custom resource counts devices (every rank asks one
+unit), so the controller asks for exactly what the pods offer. tandem.validate makes the division exact.
 */}}
-{{- define "tandem.enginesPerPod" -}}{{ max 1 (int .gpusPerWorker) }}{{- end -}}
+{{- define "tandem.tensorParallelSize" -}}{{ int (dig "engine" "parallel" "tensorParallelSize" 1 .) }}{{- end -}}
+{{- define "tandem.devicesPerPod" -}}{{ max 1 (int .gpusPerWorker) }}{{- end -}}
+{{- define "tandem.workersPerPod" -}}
+{{- div (int (include "tandem.devicesPerPod" .)) (int (include "tandem.tensorParallelSize" .)) -}}
+{{- end -}}
 
 {{/*
 A pool's range of pods: minReplicas..maxReplicas, each replicas when unset. The worker group ranges over it when
-ray.autoscaling.enabled; the SLO autoscaler keeps the pool's workers within it (times enginesPerPod).
+ray.autoscaling.enabled; the SLO autoscaler keeps the pool's workers within it (times workersPerPod).
 */}}
 {{- define "tandem.minPods" -}}{{ int (default .replicas .minReplicas) }}{{- end -}}
 {{- define "tandem.maxPods" -}}{{ int (default .replicas .maxReplicas) }}{{- end -}}
@@ -136,8 +146,9 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- if lt (int $pool.replicas) 1 }}
 {{- fail (printf "%s.replicas: mode %s needs at least one %s pod" $role $.Values.mode $role) }}
 {{- end }}
+{{- include "tandem.validateParallel" (dict "role" $role "pool" $pool) }}
 {{- $first := int $.Values.workers.metricsPort }}
-{{- $last := add $first (int (include "tandem.enginesPerPod" $pool)) -1 }}
+{{- $last := add $first (int (include "tandem.workersPerPod" $pool)) -1 }}
 {{- if or (and (le $first 8080) (ge $last 8080)) (and (le $first 19999) (ge $last 10002)) }}
 {{- fail (printf "workers.metricsPort: the %s pods' worker metrics ports %d-%d overlap Ray's metrics port 8080 or its worker ports 10002-19999" $role $first $last) }}
 {{- end }}
@@ -163,6 +174,21 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- include "tandem.validateTls" . }}
 {{- if and .Values.router.apiKeys.secretName (not .Values.router.apiKeys.controllerKeySecretName) (not .Values.tls.clientCaSecretName) }}
 {{- fail "router.apiKeys.controllerKeySecretName: with API keys on, the routers take the controller's membership pushes only with an admin key (a Secret holding one) or, with tls.clientCaSecretName, its cluster certificate" }}
+{{- end }}
+{{- end -}}
+
+{{/* A pool's workers spanning devices: colocated only, on GPUs, whole workers per pod. */}}
+{{- define "tandem.validateParallel" -}}
+{{- $tp := int (include "tandem.tensorParallelSize" .pool) }}
+{{- $gpus := int .pool.gpusPerWorker }}
+{{- if and (gt $tp 1) (ne .role "colocated") }}
+{{- fail (printf "%s.engine.parallel.tensorParallelSize: %d, but only colocated pools may span devices for now: a %s worker's KV cache split over ranks cannot be handed over yet (issue 18); use 1" .role $tp .role) }}
+{{- end }}
+{{- if and (gt $tp 1) (eq $gpus 0) }}
+{{- fail (printf "%s.engine.parallel.tensorParallelSize: %d needs GPUs (one per rank), but %s.gpusPerWorker is 0; use 1 on CPU pods" .role $tp .role) }}
+{{- end }}
+{{- if ne (mod $gpus $tp) 0 }}
+{{- fail (printf "%s.gpusPerWorker: %d is not a multiple of %s.engine.parallel.tensorParallelSize (%d): a worker's ranks all run in one pod, so each pod must hold whole workers" .role $gpus .role $tp) }}
 {{- end }}
 {{- end -}}
 
