@@ -112,3 +112,5 @@ class WorkerProcess:
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        if self.ranks is not None:
+            self.ranks.close()

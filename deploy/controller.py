@@ -77,21 +77,22 @@ class Controller:
     def connect(self) -> None:
         """Start a local Ray or join config.ray.address. Call it from the main thread before installing signal
         handlers: Ray installs its own for SIGTERM, and ours must be the ones that stay."""
+        # A local cluster stays on loopback; a joined one is whatever the cluster says.
+        node_ip = "127.0.0.1" if self.config.ray.address is None else None
+        if node_ip is not None:
+            # Ray 2.60 on Linux swaps a loopback node address for the host's routable one unless this is 0, and
+            # reads it once, when `ray` is first imported: set it before that import. A local cluster must keep
+            # all of its traffic (its raylet, its workers' own servers) on 127.0.0.1.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 
         if not ray.is_initialized():
-            # A local cluster stays on loopback; a joined one is whatever the cluster says.
-            node_ip = "127.0.0.1" if self.config.ray.address is None else None
-            if node_ip is not None:
-                # Ray 2.60 on Linux swaps a loopback node address for the host's routable one unless this is 0;
-                # a local cluster must keep all of its traffic on 127.0.0.1.
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-                if os.environ.get("RAY_ADDRESS"):
-                    log.warning(
-                        "RAY_ADDRESS=%s is ignored: without ray.address (--ray-address) Tandem starts a Ray of "
-                        "its own",
-                        os.environ["RAY_ADDRESS"],
-                    )
+            if node_ip is not None and os.environ.get("RAY_ADDRESS"):
+                log.warning(
+                    "RAY_ADDRESS=%s is ignored: without ray.address (--ray-address) Tandem starts a Ray of "
+                    "its own",
+                    os.environ["RAY_ADDRESS"],
+                )
             # No address: "local", a private Ray. Ray's own default (None) would join whatever cluster RAY_ADDRESS
             # or the last `ray start` on this machine names, workers and all.
             address = self.config.ray.address or "local"

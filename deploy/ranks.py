@@ -3,7 +3,8 @@ placement group (STRICT_PACK: one node, all or nothing), one per rank.
 
     controller   placement_group([bundle] * N, STRICT_PACK); the worker's actor (deploy.actors.WorkerProcess) in
                  bundle 0, started with the group
-    rank 0       picks the rendezvous (its node's IP, a free port), starts ranks 1..N-1 (RankProcess) in bundles
+    rank 0       makes the rendezvous (a file store in a private directory: the ranks share one node, and
+                 nothing listens on the network), starts ranks 1..N-1 (RankProcess) in bundles
                  1..N-1, joins them (model_runtime.parallel.group.init_tp_group), then builds its worker with
                  the group: it is the worker's face (gRPC, status, metrics), it schedules and samples
     rank r > 0   run_follower: its share of the weights and KV cache, running the steps rank 0 publishes
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from model_runtime.config import EngineConfig
@@ -51,7 +53,7 @@ class RankProcess:
         os.environ.update(GPU_SAFE_ENV)
         self.pid = os.getpid()
 
-    def run(self, engine: EngineConfig, rank: int, size: int, address: str, port: int) -> int:
+    def run(self, engine: EngineConfig, rank: int, size: int, rendezvous: str) -> int:
         """Join the ranks and follow rank 0's steps until it stops them; returns the steps run."""
         import torch
 
@@ -61,7 +63,7 @@ class RankProcess:
         device = device_kind(engine)
         if device == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        group = init_tp_group(rank, size, address, port, device)
+        group = init_tp_group(rank, size, rendezvous, device)
         try:
             return run_follower(engine, group)
         finally:
@@ -77,17 +79,20 @@ class Ranks:
     def __init__(self) -> None:
         self.actors: list[Any] = []
         self.runs: list[Any] = []  # ObjectRef of each rank's run(): ready only when the rank stopped
+        self._directory = ""
 
     def start(self, engine: EngineConfig, placement_group: Any, num_gpus: float) -> TPGroup:
-        """Start ranks 1..N-1 in the group's bundles and join them as rank 0 (blocks until all have joined)."""
+        """Start ranks 1..N-1 in the group's bundles and join them as rank 0; blocks until all have joined."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from model_runtime.parallel.group import init_tp_group
 
         size = engine.parallel.tensor_parallel_size
-        address = ray.util.get_node_ip_address()
-        port = free_port(address)
+        # STRICT_PACK puts every rank on this node: a file store here is their rendezvous. A TCP store would
+        # listen on every interface, unauthenticated, for the group's whole life.
+        self._directory = tempfile.mkdtemp(prefix="tandem-ranks-")
+        rendezvous = f"file://{os.path.join(self._directory, 'store')}"
         rank_class = ray.remote(RankProcess)
         for rank in range(1, size):
             options: dict[str, Any] = {
@@ -102,9 +107,15 @@ class Ranks:
                 options["num_cpus"] = 0
             actor: Any = rank_class.options(**options).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(engine, rank, size, address, port))
-        log.info("rank 0 waits for %d ranks at %s:%d", size - 1, address, port)
-        return init_tp_group(0, size, address, port, device_kind(engine))
+            self.runs.append(actor.run.remote(engine, rank, size, rendezvous))
+        log.info("rank 0 waits for %d ranks at %s", size - 1, rendezvous)
+        return init_tp_group(0, size, rendezvous, device_kind(engine))
+
+    def close(self) -> None:
+        """Remove the rendezvous directory (the ranks end with rank 0's actor)."""
+        if self._directory:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = ""
 
     def alive(self) -> bool:
         """False once any other rank has stopped (its run() returned or raised)."""
@@ -119,10 +130,3 @@ class Ranks:
         import ray
 
         return [int(pid) for pid in ray.get([a.process_id.remote() for a in self.actors], timeout=10)]
-
-
-def free_port(address: str) -> int:
-    """A port free on `address` now (rank 0 listens there for the other ranks a moment later)."""
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])

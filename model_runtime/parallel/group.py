@@ -61,14 +61,14 @@ class TPGroup:
 def init_tp_group(
     rank: int,
     size: int,
-    address: str,
-    port: int,
+    rendezvous: str,
     device: str,
     timeout_s: float = 300.0,
     idle_timeout_s: float = 7 * 24 * 3600.0,
 ) -> TPGroup:
-    """Join the engine's ranks at tcp://address:port (rank 0 listens there). `device` picks the collectives'
-    backend: nccl for cuda (cuda:N also makes N this process's device; a rank that sees one GPU, as under
+    """Join the engine's ranks at `rendezvous`, a torch.distributed init_method: "file:///path" (ranks of one
+    node; nothing listens on the network) or "tcp://address:port" (rank 0 listens there, on every interface:
+    torch's TCPStore takes no bind address). `device` picks the collectives' backend: nccl for cuda (cuda:N also makes N this process's device; a rank that sees one GPU, as under
     Ray, passes "cuda"), gloo for cpu. A collective of a step that waits past `timeout_s` raises instead of
     hanging (a rank that died takes the others down with an error). The host group waits up to
     `idle_timeout_s`: a follower waits there for the next step for as long as the engine has no work."""
@@ -77,7 +77,7 @@ def init_tp_group(
         torch.cuda.set_device(torch.device(device))  # NCCL binds each rank to the current device
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{address}:{port}",
+        init_method=rendezvous,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -88,6 +88,25 @@ def rank_processes() -> list[psutil.Process]:
     return found
 
 
+def listening_off_loopback(serve: ServeProcess) -> list[str]:
+    """Sockets that the serve process and every process of its session (Ray's, the workers', the ranks') listen
+    on, other than loopback ones: a local cluster keeps all of its traffic on 127.0.0.1."""
+    assert serve.proc is not None
+    found = []
+    for conn in psutil.net_connections("inet"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None:
+            continue
+        try:
+            if os.getsid(conn.pid) != serve.proc.pid:
+                continue
+        except OSError:
+            continue
+        host = conn.laddr.ip.removeprefix("::ffff:")
+        if not (host.startswith("127.") or host == "::1"):
+            found.append(f"{psutil.Process(conn.pid).name()} {conn.pid} on {conn.laddr.ip}:{conn.laddr.port}")
+    return found
+
+
 def check_greedy(address: str, offline: LLM) -> None:
     with Client(address) as client:
         for prompt in PROMPTS:
@@ -99,6 +118,7 @@ def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
     cluster: ServeProcess, offline: LLM
 ) -> None:
     assert any("RAY_ADDRESS=127.0.0.1:9 is ignored" in line for line in cluster.lines)
+    assert listening_off_loopback(cluster) == []
     check_greedy(cluster.address, offline)
     ranks = wait_until(rank_processes, 10, "rank 1's process")
     assert len(ranks) == 1, ranks

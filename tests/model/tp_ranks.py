@@ -82,7 +82,7 @@ def _free_port() -> int:
 def _rank_main(target: Callable[..., Any], rank: int, size: int, port: int, queue: Any, args: tuple) -> None:
     torch.set_num_threads(1)  # N ranks share the test machine's few cores
     try:
-        group = init_tp_group(rank, size, "127.0.0.1", port, "cpu", timeout_s=120)
+        group = init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=120)
         queue.put((rank, True, target(group, *args)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
