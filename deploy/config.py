@@ -122,6 +122,10 @@ class PoolSettings:
     # Ray custom resources each worker needs, e.g. {tandem_prefill: 1} to pin the pool to the KubeRay worker
     # group that advertises that resource.
     ray_resources: dict[str, float] = field(default_factory=dict)
+    # Ray node labels each worker's node must match (Ray's label selector: "value", "!value", "in(a,b)",
+    # "!in(a,b)"), e.g. {"tandem.io/pool": "decode"} for nodes started with `ray start --labels
+    # tandem.io/pool=decode`; a worker spanning devices asks it of its node for every rank.
+    ray_labels: dict[str, str] = field(default_factory=dict)
     # Where each worker serves its /metrics. 0: an ephemeral port (several workers of a pool share a node, as
     # under `tandem serve`; the file_sd list finds them). A fixed port lets a Kubernetes PodMonitor name it: a
     # worker takes the first free port of metrics_port .. metrics_port + metrics_port_count - 1, so a pod that
@@ -133,6 +137,12 @@ class PoolSettings:
         for key, value in self.ray_resources.items():
             if not isinstance(key, str) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{where}.ray_resources.{key}: must map a name to a positive number")
+        for label, selector in self.ray_labels.items():
+            if not isinstance(label, str) or not label or not isinstance(selector, str) or not selector:
+                raise ConfigError(
+                    f"{where}.ray_labels.{label}: must map a label name to a selector string such as "
+                    f'"decode", "!decode" or "in(a,b)", got {selector!r}'
+                )
         if not isinstance(self.replicas, int) or self.replicas < 0:
             raise ConfigError(f"{where}.replicas: must be an integer >= 0, got {self.replicas!r}")
         if not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
@@ -244,7 +254,15 @@ class DeployConfig:
         return {WorkerRole.PREFILL: self.prefill, WorkerRole.DECODE: self.decode}
 
 
-POOL_KEYS = ("engine", "metrics_port", "metrics_port_count", "num_gpus", "ray_resources", "replicas")
+POOL_KEYS = (
+    "engine",
+    "metrics_port",
+    "metrics_port_count",
+    "num_gpus",
+    "ray_labels",
+    "ray_resources",
+    "replicas",
+)
 TOP_KEYS = {
     "model",
     "mode",
@@ -310,6 +328,9 @@ def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSetti
     resources = data.get("ray_resources") or {}
     if not isinstance(resources, dict):
         raise ConfigError(f"{where}.ray_resources: must be a mapping of resource name to amount")
+    labels = data.get("ray_labels") or {}
+    if not isinstance(labels, dict):
+        raise ConfigError(f"{where}.ray_labels: must be a mapping of label name to selector")
     engine_data = dict(data.get("engine") or {})
     if "model" in engine_data:
         raise ConfigError(f"{where}.engine.model: set the model once, at the top level")
@@ -319,6 +340,7 @@ def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSetti
         num_gpus=data.get("num_gpus", 0.0),
         engine=engine,
         ray_resources=dict(resources),
+        ray_labels=dict(labels),
         metrics_port=data.get("metrics_port", 0),
         metrics_port_count=data.get("metrics_port_count", 1),
     )

@@ -33,8 +33,8 @@ from typing import Any
 from deploy.actors import WorkerProcess
 from deploy.config import DeployConfig
 from deploy.nodes import read_nodes
-from deploy.ranks import bundles
 from deploy.slot_checks import (
+    actor_options,
     kill,
     metrics_address,
     note_node,
@@ -122,7 +122,8 @@ class Controller:
         for role, pool in self.config.pools().items():
             for i in range(pool.replicas):
                 spec = worker_spec(self.config, role, i)
-                self.slots.append(Slot(role, i, spec, pool.num_gpus, dict(pool.ray_resources)))
+                slot = Slot(role, i, spec, pool.num_gpus, dict(pool.ray_resources), dict(pool.ray_labels))
+                self.slots.append(slot)
         self._await_started({slot.worker_id: self._launch(slot) for slot in self.slots}, progress)
         self._announce()
         self._thread = threading.Thread(target=self._watch, name="controller", daemon=True)
@@ -159,26 +160,7 @@ class Controller:
 
     def _launch(self, slot: Slot) -> Any:
         """Create the slot's actor and ask it to start; returns the ObjectRef of its address."""
-        options: dict[str, Any] = {
-            "num_gpus": slot.num_gpus,
-            "name": f"tandem-{slot.worker_id}-{slot.restarts}",
-            "max_restarts": 0,
-            "max_concurrency": 4,
-            "resources": slot.resources,
-        }
-        if slot.num_gpus == 0:
-            options["num_cpus"] = 0  # CPU workers share the host; torch threads are set per worker
-        size = slot.spec.engine.parallel.tensor_parallel_size
-        if size > 1:  # one actor per device in one placement group; this one is rank 0 (deploy.ranks)
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            slot.group = placement_group(
-                bundles(size, slot.num_gpus, slot.resources), strategy="STRICT_PACK", name=options["name"]
-            )
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                slot.group, placement_group_bundle_index=0
-            )
+        options = actor_options(slot)
         slot.actor = self._actor_class.options(**options).remote(slot.spec)
         slot.placed, slot.node_id, slot.waiting = slot.actor.node_id.remote(), "", ""
         slot.launched_at = time.monotonic()
@@ -186,7 +168,6 @@ class Controller:
 
     def stop(self, drain: bool = True) -> None:
         """Drain the workers (if asked), stop them and leave no actor behind. Safe to call twice."""
-
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -287,7 +268,12 @@ class Controller:
         index = self._next_index[role]
         self._next_index[role] += 1
         slot = Slot(
-            role, index, worker_spec(self.config, role, index), pool.num_gpus, dict(pool.ray_resources)
+            role,
+            index,
+            worker_spec(self.config, role, index),
+            pool.num_gpus,
+            dict(pool.ray_resources),
+            dict(pool.ray_labels),
         )
         slot.starting = self._launch(slot)
         with self._lock:

@@ -20,9 +20,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class NodeView:
-    """Alive nodes: id -> total resources. Read with `read_nodes`; built by hand in unit tests."""
+    """Alive nodes: id -> total resources, and id -> labels. Read with `read_nodes`; built by hand in unit
+    tests."""
 
     totals: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property
     def alive(self) -> frozenset[str]:
@@ -30,13 +32,11 @@ class NodeView:
 
 
 def node_view(nodes: Iterable[Mapping[str, Any]]) -> NodeView:
-    """`ray.nodes()` entries -> the alive nodes and what each has in total."""
+    """`ray.nodes()` entries -> the alive nodes, what each has in total, and their labels."""
+    alive = [n for n in nodes if n.get("Alive") and n.get("NodeID")]
     return NodeView(
-        {
-            str(n["NodeID"]): dict(n.get("Resources") or {})
-            for n in nodes
-            if n.get("Alive") and n.get("NodeID")
-        }
+        {str(n["NodeID"]): dict(n.get("Resources") or {}) for n in alive},
+        {str(n["NodeID"]): dict(n.get("Labels") or {}) for n in alive},
     )
 
 
@@ -57,18 +57,49 @@ def demand(num_gpus: float, resources: Mapping[str, float], ranks: int = 1) -> d
     return wanted
 
 
-def placement_wait(wanted: Mapping[str, float], view: NodeView, available: Mapping[str, float]) -> str:
-    """Why an actor asking for `wanted` is not placed: the resources no alive node has at all, else those the
-    cluster has none of free now (`available`: `ray.available_resources()`). "" when neither explains it
-    (Ray may be placing it this moment, or the free amounts are split over nodes)."""
+def placement_wait(
+    wanted: Mapping[str, float],
+    view: NodeView,
+    available: Mapping[str, float],
+    selector: Mapping[str, str] | None = None,
+) -> str:
+    """Why an actor asking for `wanted` on a node matching `selector` (Ray labels) is not placed: no alive node
+    matches the labels, or none of those has the resources at all, else the resources the cluster has none of
+    free now (`available`: `ray.available_resources()`). "" when none of these explains it (Ray may be placing
+    it this moment, or the free amounts are split over nodes)."""
+    selector = selector or {}
+    matching = [node for node in view.totals if labels_match(view.labels.get(node, {}), selector)]
+    if selector and not matching:
+        return f"no alive node has labels {_describe_labels(selector)}; it starts once such a node joins"
     if not wanted:
         return ""
-    if not any(_covers(total, wanted) for total in view.totals.values()):
-        return f"no alive node has {_describe(wanted)}; it starts once such a node joins"
+    if not any(_covers(view.totals[node], wanted) for node in matching):
+        where = f" with labels {_describe_labels(selector)}" if selector else ""
+        return f"no alive node{where} has {_describe(wanted)}; it starts once such a node joins"
     short = {name: amount for name, amount in wanted.items() if available.get(name, 0.0) < amount}
     if short:
         return f"every node with {_describe(short)} has it in use"
     return ""
+
+
+def labels_match(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """Ray's label selector on one node's labels: "v" equal, "!v" not equal (or absent), "in(a,b)" one of,
+    "!in(a,b)" none of (or absent)."""
+    for key, rule in selector.items():
+        value = labels.get(key)
+        negate = rule.startswith("!")
+        body = rule[1:] if negate else rule
+        if body.startswith("in(") and body.endswith(")"):
+            hit = value in {part.strip() for part in body[3:-1].split(",")}
+        else:
+            hit = value == body
+        if hit == negate:
+            return False
+    return True
+
+
+def _describe_labels(selector: Mapping[str, str]) -> str:
+    return "{" + ", ".join(f"{key}={rule}" for key, rule in sorted(selector.items())) + "}"
 
 
 def _covers(total: Mapping[str, float], wanted: Mapping[str, float]) -> bool:

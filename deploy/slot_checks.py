@@ -10,6 +10,7 @@ from typing import Any
 
 from deploy.config import ControllerSettings
 from deploy.nodes import demand, placement_wait, read_nodes
+from deploy.ranks import bundles
 from deploy.slots import Slot
 
 log = logging.getLogger("deploy.controller")
@@ -18,6 +19,37 @@ MISSED_LIMIT = (
 )
 # loaded host is not enough)
 PLACEMENT_REPORT_S = 3.0  # an actor not placed after this long: say what it waits for
+
+
+def actor_options(slot: Slot) -> dict[str, Any]:
+    """Ray options of the slot's worker actor. A worker of several devices gets a new STRICT_PACK placement group
+    (`slot.group`; its actor is rank 0, in bundle 0: deploy.ranks); the pool's labels select the node."""
+    options: dict[str, Any] = {
+        "num_gpus": slot.num_gpus,
+        "name": f"tandem-{slot.worker_id}-{slot.restarts}",
+        "max_restarts": 0,
+        "max_concurrency": 4,
+        "resources": slot.resources,
+    }
+    if slot.num_gpus == 0:
+        options["num_cpus"] = 0  # CPU workers share the host; torch threads are set per worker
+    size = slot.spec.engine.parallel.tensor_parallel_size
+    if size > 1:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        slot.group = placement_group(
+            bundles(size, slot.num_gpus, slot.resources),
+            strategy="STRICT_PACK",
+            name=options["name"],
+            bundle_label_selector=[dict(slot.labels) for _ in range(size)] if slot.labels else None,
+        )
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            slot.group, placement_group_bundle_index=0
+        )
+    elif slot.labels:
+        options["label_selector"] = dict(slot.labels)
+    return options
 
 
 def unhealthy(slots: list[Slot], settings: ControllerSettings) -> list[Slot]:
@@ -109,7 +141,7 @@ def note_waits(slots: list[Slot]) -> None:
         return
     for slot in unplaced:
         size = slot.spec.engine.parallel.tensor_parallel_size
-        reason = placement_wait(demand(slot.num_gpus, slot.resources, size), view, available)
+        reason = placement_wait(demand(slot.num_gpus, slot.resources, size), view, available, slot.labels)
         if reason != slot.waiting:
             slot.waiting = reason
             if reason:

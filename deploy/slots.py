@@ -3,7 +3,7 @@ is started with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.config import DeployConfig
@@ -27,6 +27,7 @@ class Slot:
     spec: WorkerSpec
     num_gpus: float
     resources: dict[str, float]
+    labels: dict[str, str] = field(default_factory=dict)  # Ray label selector for the worker's node
     actor: Any = None
     address: str = ""
     metrics_address: str = ""

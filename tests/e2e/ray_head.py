@@ -63,6 +63,7 @@ class RayHead:
         resources: dict[str, float] | None = None,
         system_config: dict | None = None,
         num_cpus: int = 2,
+        labels: dict[str, str] | None = None,
     ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -72,6 +73,8 @@ class RayHead:
             self.extra += ["--resources", json.dumps(resources)]
         if system_config:
             self.extra += ["--system-config", json.dumps(system_config)]
+        if labels:
+            self.extra += ["--labels", ",".join(f"{key}={value}" for key, value in labels.items())]
         ports = free_ports(len(RAY_PORT_FLAGS))
         self.flags = [item for flag, port in zip(RAY_PORT_FLAGS, ports) for item in (flag, str(port))]
         self.dashboard = f"http://127.0.0.1:{ports[1]}"

@@ -64,8 +64,10 @@ class RayNode(RayHead):
         return raylets[0].pid
 
 
-def multinode_head(root: Path, resources: dict[str, float]) -> RayHead:
-    head = RayHead(root / "head", node_ip="127.0.0.2", resources=resources, system_config=FAST_NODE_DEATH)
+def multinode_head(root: Path, resources: dict[str, float], labels: dict[str, str] | None = None) -> RayHead:
+    head = RayHead(
+        root / "head", node_ip="127.0.0.2", resources=resources, system_config=FAST_NODE_DEATH, labels=labels
+    )
     head.extra += ["--object-store-memory", str(OBJECT_STORE_BYTES)]
     return head
 

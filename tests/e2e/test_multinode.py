@@ -1,9 +1,9 @@
 """Tandem on a Ray cluster of three nodes on one machine (tests/e2e/ray_nodes.py), and the loss of one of them.
 
-    head  127.0.0.2  {prefill_slot: 1}  the prefill worker
-    B     127.0.0.3  {decode_slot: 1}   one decode worker
-    C     127.0.0.4  {decode_slot: 1}   the other decode worker
-    B2    127.0.0.5  {decode_slot: 1}   joins after B is lost (a replacement machine)
+    head  127.0.0.2  tandem.io/pool=prefill   the prefill worker (pinned by a Ray label)
+    B     127.0.0.3  {decode_slot: 1}         one decode worker (pinned by a custom resource)
+    C     127.0.0.4  {decode_slot: 1}         the other decode worker
+    B2    127.0.0.5  {decode_slot: 1}         joins after B is lost (a replacement machine)
 
 `tandem serve --config` joins the cluster through `ray.address`; every prompt is computed on the head and its KV
 crosses to a decode worker on another node (over tcp, the CPU transport), and the greedy tokens equal the
@@ -64,7 +64,7 @@ class Nodes:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.head = multinode_head(root, {"prefill_slot": 1})
+        self.head = multinode_head(root, {}, {"tandem.io/pool": "prefill"})
         self.all = [self.head]
 
     def join(self, name: str, node_ip: str) -> RayNode:
@@ -97,7 +97,7 @@ def nodes() -> Iterator[Nodes]:
 
 
 def config_for(head_address: str) -> dict:
-    """The pools pinned to nodes by custom resources, the controller quick to notice."""
+    """Joins the test's cluster; the controller quick to notice."""
     return {
         "ray": {"address": head_address},
         "controller": {"health_interval_s": 0.5, "drain_timeout_s": 10},
@@ -135,7 +135,7 @@ def test_pools_on_chosen_nodes_survive_the_loss_of_one(nodes: Nodes, tmp_path: P
     serve = ServeProcess(tmp_path, prefill=1, decode=2, num_blocks=NUM_BLOCKS, env=nodes.head.env)
     config = yaml.safe_load(serve.config_path.read_text())
     config.update(config_for(nodes.head.gcs_address))
-    config["prefill"]["ray_resources"] = {"prefill_slot": 1}
+    config["prefill"]["ray_labels"] = {"tandem.io/pool": "prefill"}
     config["decode"]["ray_resources"] = {"decode_slot": 1}
     serve.config_path.write_text(yaml.safe_dump(config))
     assert load_config(serve.config_path).ray.address == nodes.head.gcs_address

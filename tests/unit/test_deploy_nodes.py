@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.nodes import NodeView, demand, node_view, placement_wait
+from deploy.nodes import NodeView, demand, labels_match, node_view, placement_wait
 
 A, B = "a" * 56, "b" * 56
 
@@ -12,13 +12,19 @@ A, B = "a" * 56, "b" * 56
 def test_only_alive_nodes_with_an_id_count_and_keep_their_totals() -> None:
     view = node_view(
         [
-            {"NodeID": A, "Alive": True, "Resources": {"CPU": 2.0, "prefill_slot": 1.0}},
+            {
+                "NodeID": A,
+                "Alive": True,
+                "Resources": {"CPU": 2.0, "prefill_slot": 1.0},
+                "Labels": {"pool": "p"},
+            },
             {"NodeID": B, "Alive": False, "Resources": {"CPU": 1.0, "decode_slot": 1.0}},
             {"NodeID": "", "Alive": True, "Resources": {"CPU": 8.0}},
         ]
     )
     assert view.alive == frozenset({A})
     assert view.totals[A] == {"CPU": 2.0, "prefill_slot": 1.0}
+    assert view.labels == {A: {"pool": "p"}}
 
 
 @pytest.mark.parametrize(
@@ -57,3 +63,49 @@ def test_nothing_to_say_when_a_node_could_take_it_now_or_it_asks_for_nothing() -
     assert placement_wait({"decode_slot": 1.0}, view, {"CPU": 4.0, "decode_slot": 1.0}) == ""
     assert placement_wait({}, NodeView(), {}) == ""
     assert placement_wait({"decode_slot": 1.0}, NodeView(), {}).startswith("no alive node has")
+
+
+@pytest.mark.parametrize(
+    ("labels", "selector", "match"),
+    [
+        ({"pool": "decode"}, {"pool": "decode"}, True),
+        ({"pool": "prefill"}, {"pool": "decode"}, False),
+        ({}, {"pool": "decode"}, False),
+        ({"pool": "prefill"}, {"pool": "!decode"}, True),
+        ({}, {"pool": "!decode"}, True),  # absent is "not decode"
+        ({"pool": "decode"}, {"pool": "!decode"}, False),
+        ({"zone": "b"}, {"zone": "in(a, b)"}, True),
+        ({"zone": "c"}, {"zone": "in(a,b)"}, False),
+        ({"zone": "c"}, {"zone": "!in(a,b)"}, True),
+        ({"zone": "a", "pool": "decode"}, {"zone": "in(a,b)", "pool": "decode"}, True),
+        ({"zone": "a", "pool": "prefill"}, {"zone": "in(a,b)", "pool": "decode"}, False),
+        ({"pool": "x"}, {}, True),
+    ],
+)
+def test_labels_match_as_rays_selector_reads_them(labels: dict, selector: dict, match: bool) -> None:
+    assert labels_match(labels, selector) is match
+
+
+def test_a_label_no_alive_node_has_is_named_before_any_resource() -> None:
+    view = NodeView({A: {"CPU": 2.0}, B: {"CPU": 2.0}}, {A: {"pool": "prefill"}, B: {}})
+    assert placement_wait({}, view, {"CPU": 4.0}, {"pool": "decode"}) == (
+        "no alive node has labels {pool=decode}; it starts once such a node joins"
+    )
+    assert placement_wait({}, view, {"CPU": 4.0}, {"pool": "prefill"}) == ""
+    reason = placement_wait({"GPU": 1.0}, view, {"CPU": 4.0}, {"pool": "prefill"})
+    assert reason == "no alive node with labels {pool=prefill} has {GPU: 1}; it starts once such a node joins"
+
+
+def test_a_pool_takes_ray_labels_and_refuses_a_non_string_selector_naming_it() -> None:
+    from deploy.config import parse_config
+    from model_runtime.config import ConfigError
+    from model_runtime.roles import WorkerRole
+
+    config = parse_config({"decode": {"ray_labels": {"tandem.io/pool": "decode"}}}, "test")
+    assert config.pools()[WorkerRole.DECODE].ray_labels == {"tandem.io/pool": "decode"}
+    with pytest.raises(
+        ConfigError, match=r"^decode\.ray_labels\.tandem\.io/pool: must map a label name to a"
+    ):
+        parse_config({"decode": {"ray_labels": {"tandem.io/pool": 3}}}, "test")
+    with pytest.raises(ConfigError, match=r"^prefill\.ray_labels: must be a mapping"):
+        parse_config({"prefill": {"ray_labels": ["decode"]}}, "test")
