@@ -2,8 +2,8 @@
 router who is alive. It is the only owner of worker membership.
 
     slot = (role, index); each slot holds at most one live actor. Every health_interval_s:
-        its Ray node is gone             -> replace it, with every other worker of that node, in one membership
-                                            change (deploy.nodes), before any heartbeat is asked for
+        its Ray node is gone             -> replace it, with every other worker of that node, in the same
+                                            membership change as the round's failed heartbeats (deploy.nodes)
         actor dead (Ray says so)         -> replace it (new actor, new address)
         engine loop silent too long      -> kill and replace it (a hung step)
         heartbeat unanswered MISSED_LIMIT checks in a row -> kill and replace it (a hung or stopped process;
@@ -347,7 +347,6 @@ class Controller:
 
     def _forget(self, slot: Slot, stop: bool = False) -> None:
         """Take the slot out (and out of the membership), then stop its worker and kill its actor."""
-
         actor, group = slot.actor, slot.group
         with self._lock:
             slot.actor = slot.group = None
