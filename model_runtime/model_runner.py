@@ -28,6 +28,7 @@ from model_runtime.host_batch import HostBatch, HostBlockTables, build_host_batc
 from model_runtime.kv_layout import KVLayout
 from model_runtime.models.llama import LlamaForCausalLM
 from model_runtime.parallel.context import TensorParallel
+from model_runtime.quantization.apply import quantize_model
 from model_runtime.request import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,12 @@ class ModelRunner:
         on_graph_progress: Callable[[int, int], None] | None = None,
         ops: FusedOps | None = None,
         tensor_parallel: TensorParallel | None = None,
+        quantization: str = "none",
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
-        share); None for one device."""
+        share); None for one device. `quantization`: how `weights` were quantized
+        (quantization.apply.quantize_weights), so the model holds them in that form."""
         self.config = model_config
         self.layout = layout
         self.device = torch.device(device)
@@ -129,6 +132,7 @@ class ModelRunner:
         self.max_blocks_per_seq = layout.blocks_for_tokens(max_model_len)
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, backend, rope_device=self.device, ops=ops)
+        quantize_model(model, quantization, self.device, weights["embed_tokens.weight"].dtype)
         model.load_weights(weights)
         if tensor_parallel is not None:
             tensor_parallel.shard_model(model)

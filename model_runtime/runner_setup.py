@@ -19,6 +19,7 @@ from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_block
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.parallel.group import TPGroup
 from model_runtime.parallel.weights import load_weight_shard
+from model_runtime.quantization.apply import quantize_weights
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import ModelSource, load_weights
 
@@ -57,6 +58,10 @@ def build_runner(
         weights = load_weight_shard(
             source, model, tp.shard, TORCH_DTYPES[dtype_name], device, progress.weights
         )
+    # Before the cache is sized: on a GPU the bytes the quantized weights free go to the KV cache.
+    if config.device.quantization != "none":
+        progress.phase(f"quantizing weights ({config.device.quantization})")
+    quantize_weights(weights, config.device.quantization)
     progress.phase("sizing the KV cache")
     max_model_len = min(
         config.scheduler.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -74,6 +79,7 @@ def build_runner(
         on_graph_progress=progress.graphs,
         ops=make_fused_ops(config.device.kernels, device),
         tensor_parallel=tp,
+        quantization=config.device.quantization,
     )
     return RankRunner(runner, layout, max_model_len, tp)
 

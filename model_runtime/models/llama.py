@@ -28,6 +28,21 @@ from model_runtime.fused import torch_ops
 from model_runtime.fused.base import FusedOps
 
 
+class Projection(nn.Module):
+    """x @ weight^T (+ bias) through the injected ops, which may stream a small batch's weight themselves. Its
+    own module so that a quantized projection (model_runtime.quantization) can replace it from outside."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: FusedOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias: nn.Parameter | None
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -87,10 +102,10 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv = nn.Linear(
-            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        self.qkv = Projection(
+            config.hidden_size, config.q_size + 2 * config.kv_size, config.attention_bias, ops
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = Projection(config.q_size, config.hidden_size, False, ops)
         self.backend = backend
 
     def forward(
@@ -102,7 +117,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        qkv = self.ops.linear(hidden, self.qkv.weight, self.qkv.bias)
+        qkv = self.qkv(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rope(
             self.ops,
@@ -114,7 +129,7 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
         )
-        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj.weight)
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -122,12 +137,11 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.intermediate = config.intermediate_size
-        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = Projection(config.hidden_size, 2 * config.intermediate_size, False, ops)
+        self.down = Projection(config.intermediate_size, config.hidden_size, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up.weight)
-        return self.ops.linear(self.ops.silu_mul(gate_up), self.down.weight)
+        return self.down(self.ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,128 @@
+"""FP8 (e4m3) projection weights with one float32 scale per output channel, quantized at load.
+
+    weight [N, K] (model dtype)  ->  q [N, K] float8_e4m3fn,  scale [N] float32,  weight ~ q * scale[:, None]
+    scale[n] = max_k |weight[n, k]| / 448       (448: e4m3fn's largest finite value; a row's largest weight maps
+                                                  onto it, so nothing saturates and each row uses the full range)
+
+Quantized: the projections, q/k/v (the fused qkv), o_proj, gate/up (the fused gate_up) and down. Embeddings, norms
+and lm_head keep the model dtype. A fused tensor's rows are independent (one scale each), so fusing q|k|v or
+gate|up changes nothing. Stored as e4m3 these weights take half of their bfloat16 bytes.
+
+Two matmuls, chosen once per module when the model is built, never per step:
+- scaled_mm (CUDA sm_90+, bfloat16 activations, K and N multiples of 16): each token's activations quantized to
+  e4m3 on the fly with a scale of its own (per token: max |x| of the row / 448), then torch._scaled_mm with the
+  row-wise scales of both sides, bfloat16 out. Shapes are static and nothing syncs with the host, so a decode
+  CUDA graph captures it. Not yet run on a GPU.
+- emulation (CPU, other GPUs, other dtypes): the weight dequantized to the activation dtype (q * scale in
+  float32, rounded once) and a plain matmul: the weights used are exactly the stored FP8 ones; activations are
+  not quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runtime.models.llama import LlamaForCausalLM, Projection
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # canonical names: layers.{i}.<projection>.weight
+# An all-zero row still gets a positive scale (its values quantize to zero, nothing divides by zero).
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+# Rows quantized at once: the float32 scratch is one chunk's, not a whole (maybe 57344-row) matrix's.
+_ROWS_PER_CHUNK = 4096
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] float8_e4m3fn, scale [N] float32) on weight's device, rounded to nearest even."""
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        rows = weight[start : start + _ROWS_PER_CHUNK].float()
+        row_scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+        # The row's max divided by its scale may land a rounding above 448; clamp keeps it finite (e4m3fn has
+        # no infinity: an overflow would be NaN).
+        q[start : start + rows.shape[0]] = (rows / row_scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start : start + rows.shape[0]] = row_scale
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] float8_e4m3fn, scale [N] float32 -> [N, K] in `dtype` (computed in float32, rounded once)."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm with row-wise scales serves this device: CUDA sm_90+ (H100, H200) with
+    bfloat16 activations (its only row-wise output dtype). sm_89 has FP8 too, but row-wise scaling there
+    depends on the torch build: it emulates until a GPU session verifies it."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, K] bfloat16 @ dequant(weight [N, K], weight_scale [N])^T (+ bias) -> [T, N] bfloat16, with x
+    quantized per token. No host sync: the scales stay on the device."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)  # [T, 1]
+    x_q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # mat2 must be column-major: weight [N, K] row-major, transposed, is.
+    out = torch._scaled_mm(
+        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.unsqueeze(0), out_dtype=x.dtype
+    )
+    return out if bias is None else out + bias
+
+
+class FP8Linear(nn.Module):
+    """A projection whose weight is float8_e4m3fn [N, K] with `weight_scale` [N] float32 (canonical names
+    `<projection>.weight` and `<projection>.weight_scale`); the bias, if any, stays in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scaled_mm: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        self.bias: nn.Parameter | None
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+        # Fixed at build: shapes and device do not change, and the choice must not cost a step anything.
+        self.scaled_mm = scaled_mm and in_features % 16 == 0 and out_features % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm:
+            return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+        return F.linear(x, dequantize_fp8(self.weight, self.weight_scale, x.dtype), self.bias)
+
+
+def use_fp8_projections(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace every projection of `model` (built, weights not yet loaded) by an FP8Linear of its shape, on
+    the meta device; `model.load_weights` then adopts what `quantize_projection_weights` made. `dtype`: the
+    activations' (the model dtype)."""
+    scaled_mm = scaled_mm_supported(device, dtype)
+    for layer in model.layers:
+        for block in (layer.get_submodule("attn"), layer.get_submodule("mlp")):
+            for name, child in list(block.named_children()):
+                if isinstance(child, Projection):
+                    out_features, in_features = child.weight.shape
+                    with torch.device("meta"):
+                        fp8 = FP8Linear(in_features, out_features, child.bias is not None, scaled_mm)
+                    block.add_module(name, fp8)
+
+
+def quantize_projection_weights(weights: dict[str, torch.Tensor]) -> None:
+    """Quantize the projection weights of canonical `weights` in place: `layers.{i}.qkv.weight` becomes e4m3 and
+    `layers.{i}.qkv.weight_scale` appears beside it (likewise o_proj, gate_up, down). Each original is dropped as
+    its copy is made, so the peak is the unquantized weights plus one projection's FP8 copy."""
+    for name in [n for n in weights if _is_projection_weight(n)]:
+        weights[name], weights[name + "_scale"] = quantize_fp8(weights[name])
+
+
+def _is_projection_weight(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "layers" and parts[2] in PROJECTIONS and parts[3] == "weight"

@@ -1,0 +1,139 @@
+"""FP8 weights (DeviceConfig.quantization="fp8") on CPU, where the matmul dequantizes the stored e4m3 weights:
+a tiny random model's logits near its float32 logits (and not equal to them: the weights really are FP8), and
+the embedded SmolLM2-135M close to its float32 self in next-token choices and in perplexity on a fixed text.
+
+Measured (torch 2.13 CPU): SmolLM2's perplexity on TEXT 23.53 (float32) -> 23.76 (fp8), +0.99%; next-token
+argmax agreement 0.95 over TEXT and 0.94 over float32's greedy continuations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.llm import LLM
+from model_runtime.request import PromptInput, SamplingParams
+from model_runtime.runner_setup import build_runner
+from model_runtime.startup import StartupProgress
+from model_runtime.weights import load_model_config, resolve_model
+from tests.model import tp_ranks
+from tests.model.tiny_models import tiny_vocab_size, write_tiny_hf
+
+pytestmark = pytest.mark.model
+
+# A fixed text for perplexity (about 200 SmolLM2 tokens).
+TEXT = (
+    "The river begins in the mountains, where snow melts each spring and runs down through narrow valleys of "
+    "pine and stone. By the time it reaches the plain it is wide and slow, and the towns along its banks have "
+    "grown up around the bridges that cross it. For centuries the river carried timber, grain and wool to the "
+    "coast, and the merchants who owned the boats built tall houses with warehouses on the ground floor. Today "
+    "most goods travel by road and rail, but the old quays are still there. In summer, families walk along the "
+    "water in the evening, children feed the ducks, and small boats take visitors past the mills and the "
+    "church towers. Scientists who study the river measure its temperature, its flow and the fish that live in "
+    "it. They have found that the water is cleaner than it was fifty years ago, when factories poured their "
+    "waste into it without a second thought. Salmon, which had vanished, have begun to return, swimming "
+    "upstream each autumn to lay their eggs in the gravel beds where they were born.\n"
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+]
+MAX_NEW = 10
+TINY_LOGITS_RTOL = 0.10  # of the largest float32 logit; measured 0.045
+PERPLEXITY_RTOL = 0.015  # the issue's goal is 1%; measured 0.99%
+MIN_TEXT_AGREEMENT = 0.90
+MIN_GREEDY_AGREEMENT = 0.85
+
+
+def _config(model: str, quantization: str) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(block_size=tp_ranks.BLOCK_SIZE, num_blocks=256, enable_prefix_caching=False),
+        # The torch attention gathers whole block tables: keep them short.
+        scheduler=SchedulerConfig(max_model_len=512),
+        device=DeviceConfig(device="cpu", dtype="float32", quantization=quantization),
+    )
+
+
+def _logits(runner, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Logits at every position of one sequence (blocks 1.., on an idle runner)."""
+    return runner.execute_batch(tp_ranks.prefill_then_decode([ids])[0])
+
+
+def test_a_tiny_model_with_fp8_weights_stays_near_float32(tmp_path) -> None:
+    path = str(write_tiny_hf(tmp_path, "llama"))
+    source = resolve_model(path)
+    model = load_model_config(source)
+    batches = tp_ranks.prefill_then_decode([[5, 9, 14, 3, 7, 21, 8], [11, 4, 30]])
+    logits, runners = {}, {}
+    for quantization in ("none", "fp8"):
+        rank = build_runner(_config(path, quantization), source, model, StartupProgress(None))
+        runners[quantization] = rank.runner
+        logits[quantization] = torch.cat([rank.runner.execute_batch(batch) for batch in batches])
+    assert logits["none"].shape[-1] == tiny_vocab_size()
+    qkv = runners["fp8"].model.layers[0].attn.qkv
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
+    assert runners["fp8"].model.embed_tokens.weight.dtype == torch.float32
+    err = (logits["fp8"] - logits["none"]).abs().max().item()
+    scale = logits["none"].abs().max().item()
+    print(f"tiny model: fp8 logits off by {err:.4f}, largest float32 logit {scale:.4f}")
+    assert err <= TINY_LOGITS_RTOL * scale, f"fp8 logits off by {err:.4f} (largest logit {scale:.3f})"
+    assert err > 1e-3 * scale, "fp8 logits equal float32's: the weights were not quantized"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> dict[str, LLM]:
+    return {q: LLM(config=_config("smollm2-135m-instruct", q)) for q in ("none", "fp8")}
+
+
+def test_smollm2_fp8_perplexity_and_next_tokens_on_a_fixed_text(smollm2) -> None:
+    ids = smollm2["none"].tokenizer.encode(TEXT)
+    target = torch.tensor(ids[1:])
+    logits = {q: _logits(llm.engine.runner, ids)[:-1] for q, llm in smollm2.items()}
+    ppl = {q: math.exp(F.cross_entropy(row, target).item()) for q, row in logits.items()}
+    agreement = (logits["fp8"].argmax(-1) == logits["none"].argmax(-1)).float().mean().item()
+    print(f"perplexity {ppl}, next-token agreement {agreement:.3f} over {len(target)} tokens")
+    assert ppl["none"] < 60, f"float32 perplexity {ppl['none']}: the reference itself is broken"
+    assert abs(ppl["fp8"] / ppl["none"] - 1) <= PERPLEXITY_RTOL, ppl
+    assert agreement >= MIN_TEXT_AGREEMENT
+    assert not torch.equal(logits["fp8"], logits["none"])
+
+
+def test_smollm2_fp8_greedy_through_the_engine(smollm2) -> None:
+    """fp8 generates through the engine (prefill, decode, sampler); its next-token choice on float32's greedy
+    continuations (teacher forced, so one early divergence does not decide the count) agrees for most tokens."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = {q: llm.generate([PromptInput(text=p) for p in PROMPTS], params) for q, llm in smollm2.items()}
+    refs = outs["none"]
+    prefixes = [_same_prefix(ref.token_ids, fp8.token_ids) for ref, fp8 in zip(refs, outs["fp8"])]
+    for ref, fp8 in zip(refs, outs["fp8"]):
+        assert len(fp8.token_ids) == MAX_NEW and fp8.prompt_token_ids == ref.prompt_token_ids
+    sequences = [ref.prompt_token_ids + ref.token_ids for ref in refs]
+    chosen = {q: _choices(llm.engine.runner, sequences, refs) for q, llm in smollm2.items()}
+    assert chosen["none"] == [ref.token_ids for ref in refs]  # the reference's greedy tokens, recomputed
+    pairs = [(a, b) for ref, fp8 in zip(chosen["none"], chosen["fp8"]) for a, b in zip(ref, fp8)]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    print(
+        f"teacher-forced agreement {agreement:.3f}; free-running identical prefixes {prefixes} of {MAX_NEW}"
+    )
+    assert agreement >= MIN_GREEDY_AGREEMENT
+
+
+def _choices(runner, sequences: list[list[int]], refs) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The argmax after each prompt and each generated token but the last, for all sequences in one step."""
+    logits = runner.execute_batch(tp_ranks.prefill_then_decode(sequences)[0])
+    out, row = [], 0
+    for ids, ref in zip(sequences, refs):
+        start = row + len(ref.prompt_token_ids) - 1
+        out.append(logits[start : row + len(ids) - 1].argmax(-1).tolist())
+        row += len(ids)
+    return out
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
