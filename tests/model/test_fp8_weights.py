@@ -2,8 +2,10 @@
 a tiny random model's logits near its float32 logits (and not equal to them: the weights really are FP8), and
 the embedded SmolLM2-135M close to its float32 self in next-token choices and in perplexity on a fixed text.
 
-Measured (torch 2.13 CPU): SmolLM2's perplexity on TEXT 23.53 (float32) -> 23.76 (fp8), +0.99%; next-token
-argmax agreement 0.95 over TEXT and 0.94 over float32's greedy continuations."""
+Measured (torch 2.13 CPU, float32 activations): SmolLM2's perplexity on TEXT 23.53 (float32) -> 23.76 (fp8),
++0.99%; next-token argmax agreement with float32 0.917 over TEXT's 205 tokens and 0.958 (23 of 24) teacher forced
+on fp8's greedy continuations; the tiny model's logits off by 0.026 with the largest at 0.571 (4.5%).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
-from model_runtime.request import PromptInput, SamplingParams
+from model_runtime.model_runner import ModelRunner
+from model_runtime.request import Completion, PromptInput, SamplingParams
 from model_runtime.runner_setup import build_runner
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import load_model_config, resolve_model
@@ -37,13 +40,8 @@ TEXT = (
     "waste into it without a second thought. Salmon, which had vanished, have begun to return, swimming "
     "upstream each autumn to lay their eggs in the gravel beds where they were born.\n"
 )
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "List three colors:",
-]
-MAX_NEW = 10
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "List three colors:"]
+MAX_NEW = 8  # each CPU decode step dequantizes every projection: the engine run is the test's cost
 TINY_LOGITS_RTOL = 0.10  # of the largest float32 logit; measured 0.045
 PERPLEXITY_RTOL = 0.015  # the issue's goal is 1%; measured 0.99%
 MIN_TEXT_AGREEMENT = 0.90
@@ -60,7 +58,7 @@ def _config(model: str, quantization: str) -> EngineConfig:
     )
 
 
-def _logits(runner, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence (blocks 1.., on an idle runner)."""
     return runner.execute_batch(tp_ranks.prefill_then_decode([ids])[0])
 
@@ -76,7 +74,7 @@ def test_a_tiny_model_with_fp8_weights_stays_near_float32(tmp_path) -> None:
         runners[quantization] = rank.runner
         logits[quantization] = torch.cat([rank.runner.execute_batch(batch) for batch in batches])
     assert logits["none"].shape[-1] == tiny_vocab_size()
-    qkv = runners["fp8"].model.layers[0].attn.qkv
+    qkv = runners["fp8"].model.get_submodule("layers.0.attn.qkv")
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
     assert runners["fp8"].model.embed_tokens.weight.dtype == torch.float32
     err = (logits["fp8"] - logits["none"]).abs().max().item()
@@ -105,27 +103,24 @@ def test_smollm2_fp8_perplexity_and_next_tokens_on_a_fixed_text(smollm2) -> None
 
 
 def test_smollm2_fp8_greedy_through_the_engine(smollm2) -> None:
-    """fp8 generates through the engine (prefill, decode, sampler); its next-token choice on float32's greedy
-    continuations (teacher forced, so one early divergence does not decide the count) agrees for most tokens."""
+    """fp8 generates greedily through the engine (prefill, decode, sampler). Teacher forced on those
+    continuations (so one early divergence does not decide the count), float32 picks the same next token
+    for most of them, and fp8's own picks recomputed in one prefill are the tokens it generated."""
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = {q: llm.generate([PromptInput(text=p) for p in PROMPTS], params) for q, llm in smollm2.items()}
-    refs = outs["none"]
-    prefixes = [_same_prefix(ref.token_ids, fp8.token_ids) for ref, fp8 in zip(refs, outs["fp8"])]
-    for ref, fp8 in zip(refs, outs["fp8"]):
-        assert len(fp8.token_ids) == MAX_NEW and fp8.prompt_token_ids == ref.prompt_token_ids
-    sequences = [ref.prompt_token_ids + ref.token_ids for ref in refs]
-    chosen = {q: _choices(llm.engine.runner, sequences, refs) for q, llm in smollm2.items()}
-    assert chosen["none"] == [ref.token_ids for ref in refs]  # the reference's greedy tokens, recomputed
+    outs = smollm2["fp8"].generate([PromptInput(text=p) for p in PROMPTS], params)
+    assert all(len(out.token_ids) == MAX_NEW for out in outs)
+    sequences = [out.prompt_token_ids + out.token_ids for out in outs]
+    chosen = {q: _choices(llm.engine.runner, sequences, outs) for q, llm in smollm2.items()}
+    assert chosen["fp8"] == [out.token_ids for out in outs]
     pairs = [(a, b) for ref, fp8 in zip(chosen["none"], chosen["fp8"]) for a, b in zip(ref, fp8)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
-    print(
-        f"teacher-forced agreement {agreement:.3f}; free-running identical prefixes {prefixes} of {MAX_NEW}"
-    )
+    prefixes = [_same_prefix(ref, fp8) for ref, fp8 in zip(chosen["none"], chosen["fp8"])]
+    print(f"teacher-forced agreement {agreement:.3f}; first disagreement at {prefixes} of {MAX_NEW}")
     assert agreement >= MIN_GREEDY_AGREEMENT
 
 
-def _choices(runner, sequences: list[list[int]], refs) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """The argmax after each prompt and each generated token but the last, for all sequences in one step."""
+def _choices(runner: ModelRunner, sequences: list[list[int]], refs: list[Completion]) -> list[list[int]]:
+    """The argmax after each prompt and each generated token but the last, all sequences in one prefill."""
     logits = runner.execute_batch(tp_ranks.prefill_then_decode(sequences)[0])
     out, row = [], 0
     for ids, ref in zip(sequences, refs):
