@@ -11,6 +11,9 @@
     norm.weight                    [H]
     lm_head.weight                 [V, H]                absent when tie_word_embeddings
 
+With `device.quantization: fp8` the four projection weights (qkv, o_proj, gate_up, down) become float8_e4m3fn
+after the load, each with `layers.{i}.<projection>.weight_scale` [rows] float32 beside it (model_runtime.quantization).
+
 Every format hands `assemble` a `TensorSource` that serves tensors by their Hugging Face name in torch layout;
 `assemble` allocates each output once, in the target dtype on the target device, and copies the pieces in, so a
 bf16 checkpoint never passes through fp32 and the full model never exists twice.
