@@ -90,14 +90,14 @@ def _rank_main(target: Callable[..., Any], rank: int, size: int, port: int, queu
         close_tp_group()
 
 
-def cpu_config(model: str, tp: int) -> EngineConfig:
+def cpu_config(model: str, tp: int, quantization: str = "none") -> EngineConfig:
     """A small token budget and cache, so the lead's schedule has chunked prefills, mixed prefill + decode
     steps and preemptions (by recompute) for the other ranks to follow."""
     return EngineConfig(
         model=model,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=24),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12),
-        device=DeviceConfig(device="cpu", dtype="float32"),
+        device=DeviceConfig(device="cpu", dtype="float32", quantization=quantization),
         parallel=ParallelConfig(tensor_parallel_size=tp),
     )
 
@@ -142,10 +142,12 @@ def greedy_tokens(group: TPGroup | None, model: str, prompts: list[list[int]], m
         engine.close()
 
 
-def step_outputs(group: TPGroup | None, model: str, batches: list[HostBatch]) -> Any:
+def step_outputs(
+    group: TPGroup | None, model: str, batches: list[HostBatch], quantization: str = "none"
+) -> Any:
     """Every rank runs `batches` through its own runner (no scheduler): [(hidden states, logits)] per batch,
     plus its KV layout's fingerprint and cache shape."""
-    config = cpu_config(model, 1 if group is None else group.size)
+    config = cpu_config(model, 1 if group is None else group.size, quantization)
     source = resolve_model(model)
     rank = build_runner(config, source, load_model_config(source), StartupProgress(None), group)
     hidden: list[torch.Tensor] = []
