@@ -1,6 +1,7 @@
-"""What the worker-fault e2e tests (test_faults.py) share: cluster introspection through `tandem status`, the
-worker processes found by their listening port, signals, a generation on a background thread, and the
-stall cluster's shape and deadlines."""
+"""What the e2e tests on real clusters share (test_faults.py first, also test_service, test_multinode and
+test_tensor_parallel_serve): cluster introspection through `tandem status`, the worker processes found by their
+listening port, signals, a generation on a background thread, the stall cluster's shape and deadlines, and the
+offline engine whose greedy tokens the clusters must equal."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import torch
 from grpc_health.v1 import health_pb2
 
+from model_runtime.config import EngineConfig
 from model_runtime.llm import LLM
 from model_runtime.request import PromptInput, SamplingParams
 from tandem_client import Client
 from tandem_client.types import WorkerInfo
-from tests.e2e.cluster import ServeProcess
+from tests.e2e.cluster import ServeProcess, engine_section
 from tests.polling import wait_until
 
 # Short deadlines where a stall is the fault under test. Elsewhere (the standard cluster's defaults, 30 s and
@@ -200,6 +203,20 @@ def serve(tmp: Path, prefill: int, decode: int, transfer: dict, controller: dict
             yield cluster
         finally:  # shown with a failing test: what the controller, router and workers said
             print("".join(cluster.lines[-80:]))
+
+
+@contextmanager
+def offline_engine(num_blocks: int, model: str | None = None) -> Iterator[LLM]:
+    """The engine offline, set up as the clusters' CPU workers are (`engine_section`, one torch intra-op thread: the
+    same reduction order), the reference their greedy output must equal. The caller's thread count comes back
+    after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    section = engine_section(num_blocks)
+    try:
+        yield LLM(config=EngineConfig.from_dict(section if model is None else {**section, "model": model}))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def greedy(offline: LLM, prompt: str, max_tokens: int) -> list[int]:

@@ -24,9 +24,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import torch
 
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
 from model_runtime.request import SamplingParams
 from tandem_client import Client, Unavailable
@@ -41,6 +39,7 @@ from tests.e2e.faults_support import (
     computing,
     greedy,
     long_prompt,
+    offline_engine,
     pid_of,
     serve,
     stopped,
@@ -56,15 +55,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 # --- fixtures ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def offline() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
-    config = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=192),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-        device=DeviceConfig(device="cpu"),
-    )
-    yield LLM(config=config)
-    torch.set_num_threads(threads)  # the tests after this module keep their own thread count
+    with offline_engine(192) as llm:
+        yield llm
 
 
 @pytest.fixture

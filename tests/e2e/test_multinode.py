@@ -21,15 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from deploy.config import load_config
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
 from tandem_client import Client
 from tests.e2e.cluster import ServeProcess
-from tests.e2e.faults_support import assert_all_idle, greedy, workers
+from tests.e2e.faults_support import assert_all_idle, greedy, offline_engine, workers
 from tests.e2e.load import Load, RequestKind
 from tests.e2e.ray_nodes import RayNode, multinode_head
 from tests.polling import wait_until
@@ -48,15 +46,8 @@ DECODE_LOAD = RequestKind("decode", max_tokens=24)
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
-    config = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-        device=DeviceConfig(device="cpu"),
-    )
-    yield LLM(config=config)
-    torch.set_num_threads(threads)
+    with offline_engine(NUM_BLOCKS) as llm:
+        yield llm
 
 
 class Nodes:

@@ -13,15 +13,14 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
 from model_runtime.request import ChatMessage, PromptInput, SamplingParams
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from tests.e2e.cluster import ServeProcess
+from tests.e2e.faults_support import offline_engine
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -63,15 +62,8 @@ def cluster(standard_cluster: ServeProcess) -> ServeProcess:
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers run one intra-op thread each; same reduction order here
-    config = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=512),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-        device=DeviceConfig(device="cpu"),
-    )
-    yield LLM(config=config)
-    torch.set_num_threads(threads)  # the tests after this module keep their own thread count
+    with offline_engine(512) as llm:
+        yield llm
 
 
 async def _generate_all(address: str, texts: list[str], **sampling) -> list:

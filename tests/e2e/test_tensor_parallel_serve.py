@@ -17,14 +17,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 import yaml
 
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
 from tandem_client import Client, Unavailable
 from tests.e2e.cluster import ServeProcess
-from tests.e2e.faults_support import Background, assert_all_idle, greedy, workers
+from tests.e2e.faults_support import Background, assert_all_idle, greedy, offline_engine, workers
 from tests.model.tiny_models import write_tiny_hf
 from tests.polling import wait_until
 
@@ -43,16 +41,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def offline(model_dir: Path) -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    config = EngineConfig(
-        model=str(model_dir),
-        cache=CacheConfig(block_size=16, num_blocks=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-        device=DeviceConfig(device="cpu"),
-    )
-    yield LLM(config=config)
-    torch.set_num_threads(threads)
+    with offline_engine(NUM_BLOCKS, str(model_dir)) as llm:
+        yield llm
 
 
 @pytest.fixture
