@@ -91,10 +91,6 @@ class WorkerProcess:
     def process_id(self) -> int:
         return self.pid
 
-    def rank_process_ids(self) -> list[int]:
-        """The processes of this worker's other tensor-parallel ranks ([] for a worker of one device)."""
-        return self.ranks.process_ids() if self.ranks is not None else []
-
     def node_id(self) -> str:
         """The Ray node this actor runs on. The controller asks at launch: the answer comes once Ray has placed
         the actor (a worker waiting for a node has none yet), and names the node whose loss takes it down."""

@@ -51,7 +51,6 @@ class RankProcess:
         from deploy.actors import GPU_SAFE_ENV
 
         os.environ.update(GPU_SAFE_ENV)
-        self.pid = os.getpid()
 
     def run(self, engine: EngineConfig, rank: int, size: int, rendezvous: str) -> int:
         """Join the ranks and follow rank 0's steps until it stops them; returns the steps run."""
@@ -68,9 +67,6 @@ class RankProcess:
             return run_follower(engine, group)
         finally:
             close_tp_group()
-
-    def process_id(self) -> int:
-        return self.pid
 
 
 class Ranks:
@@ -98,7 +94,6 @@ class Ranks:
             options: dict[str, Any] = {
                 "num_gpus": num_gpus,
                 "max_restarts": 0,
-                "max_concurrency": 2,  # process_id() answers while run() follows the steps
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group, placement_group_bundle_index=rank
                 ),
@@ -125,8 +120,3 @@ class Ranks:
             return True
         ready, _ = ray.wait(self.runs, num_returns=1, timeout=0)
         return not ready
-
-    def process_ids(self) -> list[int]:
-        import ray
-
-        return [int(pid) for pid in ray.get([a.process_id.remote() for a in self.actors], timeout=10)]
