@@ -34,9 +34,13 @@ SIZED = re.compile(r"(?:colocated-(?P<replicas>[1-8])|disagg-(?P<prefill>[1-8])p
 NO_CACHE = "-nocache"
 # Any name + AUTOSCALE: the same deployment as its starting point, with the SLO autoscaler on (see autoscaled).
 AUTOSCALE = "-autoscale"
+# Any name + IPC: the same deployment with transfer.kind cuda_ipc instead of the config's (nccl).
+IPC = "-ipc"
 POOLS = ("prefill", "decode", "colocated")
 # Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
+# How late the workers' probe threads woke up (worker_host.gil_probe): "decode.gil_wait", "prefill.gil_wait".
+GIL_FAMILY = "tandem_worker_gil_wait_seconds_"
 
 
 def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
@@ -54,8 +58,10 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE and AUTOSCALE); `slo` is the
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE and IPC); `slo` is the
     (TTFT, TPOT) the autoscaler aims at."""
+    if name.endswith(IPC):
+        return dict(deployment_config(name.removesuffix(IPC), slo), transfer={"kind": "cuda_ipc"})
     if name.endswith(AUTOSCALE):
         return autoscaled(deployment_config(name.removesuffix(AUTOSCALE), slo), *slo)
     if name.endswith(NO_CACHE):
@@ -68,7 +74,7 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE} and/or {AUTOSCALE}"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE} and/or {IPC}"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -203,6 +209,9 @@ class Server:
                 for sample in family.samples:
                     if component == "prefill" and sample.name in names:
                         total[names[sample.name]] += sample.value
+                    elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
+                        key = f"{component}.gil_wait.{sample.name.rsplit('_', 1)[-1]}"
+                        total[key] = total.get(key, 0.0) + sample.value
                     elif sample.name.startswith(PHASE_FAMILIES) and "phase" in sample.labels:
                         suffix = sample.name.rsplit("_", 1)[-1]
                         first = "first_token_" if sample.name.startswith(PHASE_FAMILIES[1]) else ""

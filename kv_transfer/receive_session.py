@@ -174,8 +174,10 @@ class ReceiveSession:
         return True
 
     def _claim(self, begin: kv_pb2.KVBegin) -> None:
+        started = time.monotonic()
         lease = self.core.table.claim(bytes(begin.handle), begin.request_id)
-        self.lease, self.claimed_at, self.phases = lease, time.monotonic(), {}
+        self.lease, self.claimed_at = lease, time.monotonic()
+        self.phases = {"claim": self.claimed_at - started}
         self._check_begin(begin, lease)
         self.src_block_ids = tuple(begin.src_block_ids)
         table, handle = self.core.table, lease.handle
@@ -204,21 +206,33 @@ class ReceiveSession:
             )
 
     def _serve(self, peer_id: bytes) -> None:
+        """Take the parts up to KVDone. Besides `stream` (claim to KVDone read) the phases split this thread's
+        time: `read` blocked reading frames, `post` queueing the parts' GPU work, and `stream_cpu` the CPU time
+        the thread used (wall time well above it is time spent waiting, for the peer or for the GIL)."""
         covered: set[int] = set()
         self.sink = self.core.transport.sink(peer_id)
+        cpu_start = time.thread_time()
         while True:
+            mark = time.monotonic()
             frame = self.conn.read_frame(self.watch)
+            posted = time.monotonic()
+            self._add_phase("read", posted - mark)
             kind = frame.WhichOneof("body")
             if kind == "part":
                 self._receive_part(peer_id, frame.part, covered)
+                self._add_phase("post", time.monotonic() - posted)
             elif kind == "done":
-                self.phases["stream"] = time.monotonic() - self.claimed_at
+                self.phases["stream"] = posted - self.claimed_at
+                self.phases["stream_cpu"] = time.thread_time() - cpu_start
                 self._land(frame.done, covered)
                 return
             else:
                 raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
                     FailureReason.PROTOCOL_ERROR, f"unexpected {kind} frame after KVBegin"
                 )
+
+    def _add_phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     def _receive_part(self, peer_id: bytes, part: kv_pb2.KVPart, covered: set[int]) -> None:
         assert self.lease is not None

@@ -37,6 +37,7 @@ from kv_transfer import FailureReason, TransferStats
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.step_record import StepRecord
+from worker_host.gil_probe import GilProbe
 from worker_host.spec import WorkerSpec
 
 LABELS = ["model", "role", "worker"]
@@ -215,6 +216,7 @@ class WorkerMetrics:
         self._steps = StepRecorder(self.registry, labels)
         self.registry.register(WorkerCollector(loop, labels, transfer_stats))
         loop.add_step_listener(self._steps.observe)
+        self._gil = GilProbe(self.registry, labels)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -228,10 +230,12 @@ class WorkerMetrics:
             disable_created_metrics()
             server, self._thread = serve_metrics(self.spec, self.registry)
             self._server = server
+            self._gil.start()
             self.address = f"{self.spec.public_host}:{server.server_port}"
         return self.address
 
     def stop(self) -> None:
+        self._gil.stop()
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()

@@ -335,7 +335,8 @@ def test_a_warm_channel_carries_the_next_transfer_and_a_failure_closes_it():
         assert first.ok and second.ok and landed.ok
         assert "connect" in first.phases and "channel" not in first.phases  # cold: connect + handshake
         assert "channel" in second.phases and "connect" not in second.phases  # warm: the same connection
-        assert set(landed.phases) == {"stream", "land"}
+        assert set(landed.phases) == {"claim", "read", "post", "stream", "stream_cpu", "land"}
+        assert landed.phases["read"] + landed.phases["post"] <= landed.phases["stream"]  # parts of it
         assert abs(sum(second.phases.values()) - second.seconds) < 1e-3  # the phases account for the time
         forged, failed = _send_one(sender, receiver, cache, landing, "c", forge=True)
         assert (

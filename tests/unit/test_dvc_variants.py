@@ -41,6 +41,16 @@ def test_autoscale_aims_at_the_slo_within_the_deployments_gpus() -> None:
         deployment_config("disagg-9p1d-autoscale")
 
 
+def test_ipc_moves_the_kv_over_cuda_ipc_and_changes_nothing_else() -> None:
+    config = deployment_config("disagg-1p1d-ipc")
+    plain = deployment_config("disagg-1p1d")
+    assert plain["transfer"]["kind"] == "nccl" and config["transfer"] == {"kind": "cuda_ipc"}
+    assert {k: v for k, v in config.items() if k != "transfer"} == {
+        k: v for k, v in plain.items() if k != "transfer"
+    }
+    parse_config(config)
+
+
 def _point(rate: float, share: float, ttft_p50: float, cached: int | None = None) -> dict:
     use = None if cached is None else {"prompt_tokens": 1000, "cached_tokens": cached}
     return {

@@ -131,6 +131,7 @@ def test_the_required_metrics_exist(registries) -> None:
         "tandem_step_duration_seconds_bucket",
         "tandem_prefill_tokens_total",
         "tandem_worker_up",
+        "tandem_worker_gil_wait_seconds_bucket",
         "tandem_kv_transfer_seconds_bucket",
         "tandem_kv_transfer_bytes_total",
         "tandem_kv_transfer_failures_total",
