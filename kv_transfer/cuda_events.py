@@ -7,6 +7,7 @@ Only purely local work (a gather or scatter kernel, a local copy) is ever waited
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -19,15 +20,23 @@ SPIN_S = 50e-6  # poll without sleeping this long first: a spinning thread holds
 MAX_SLEEP_S = 250e-6  # then sleep (GIL released) at most this long between polls: the overshoot of a wait
 
 
+_bound = threading.local()
+
+
 def bind_device(device: torch.device) -> None:
     """Make `device` current on this thread for torch and, when loaded, CuPy (CUDA's current device is per
-    thread, and transfer threads are not the thread that created the cache)."""
+    thread, and transfer threads are not the thread that created the cache). Once per thread and device: the
+    calls release the interpreter lock, and a transfer thread pays for each release behind a busy engine loop."""
+    if getattr(_bound, "device", None) == device:
+        return
     torch.cuda.set_device(device)
     try:
         import cupy  # type: ignore[import-not-found]
     except ImportError:
+        _bound.device = device
         return
     cupy.cuda.Device(device.index).use()
+    _bound.device = device
 
 
 def wait_event(event: Any, watch: Watch, conn: FrameConnection | None, peer_stop: FailureReason) -> None:
@@ -47,15 +56,6 @@ def wait_event(event: Any, watch: Watch, conn: FrameConnection | None, peer_stop
             )
         time.sleep(sleep)
         sleep = min(sleep * 2, MAX_SLEEP_S)
-
-
-def block_index(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Block ids on the device, copied on the current stream from pinned memory without a host wait (a plain
-    torch.tensor(..., device=cuda) would wait for everything queued on the stream before it)."""
-    host = torch.tensor(block_ids, dtype=torch.long)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def require_cuda(cache: torch.Tensor, kind: str) -> torch.device:

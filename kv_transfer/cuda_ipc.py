@@ -36,8 +36,9 @@ import torch
 from kv_transfer.block_copy import DevicePointer, copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
-from kv_transfer.cuda_events import bind_device, block_index, require_cuda, wait_event
+from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
+from kv_transfer.gpu_ops import IdsPool, gpu_ops, transfer_stream
 from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, SenderTransport, part_frame
 from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
@@ -156,7 +157,10 @@ class IpcReceiverTransport(ReceiverTransport):
         self._layout = layout
         self._cache = cache
         self._strides = byte_strides(layout)
-        self._stream = torch.cuda.Stream(self._device)
+        self._stream = transfer_stream(self._device)  # the device's highest priority
+        self._ops = gpu_ops()  # events and block-id copies that keep the interpreter lock
+        self._src_ids = IdsPool(self._stream, layout.num_blocks)
+        self._dst_ids = IdsPool(self._stream, layout.num_blocks)
         self._lock = threading.Lock()
         self._setup_lock = threading.Lock()
         self._mappings: dict[bytes, _Mapping] = {}
@@ -233,16 +237,16 @@ class IpcReceiverTransport(ReceiverTransport):
                 self._enqueue_copies(job, mapping, runs)
             else:
                 with torch.cuda.stream(self._stream):
-                    src_ids = block_index(job.remote_block_ids, self._device)
-                    dst_ids = block_index(job.block_ids, self._device)
+                    src_ids = self._ops.ids(self._src_ids, job.remote_block_ids)
+                    dst_ids = self._ops.ids(self._dst_ids, job.block_ids)
                     source = mapping.source().layers(job.layer_begin, job.layer_end)
                     copy_blocks(source, self._cache[job.layer_begin : job.layer_end], src_ids, dst_ids)
+            copied = self._ops.new_event()
+            self._ops.record(copied, self._stream)
         except Exception as exc:
             raise TransferFailed(
                 FailureReason.TRANSPORT_ERROR, f"CUDA copy: {type(exc).__name__}: {exc}"
             ) from None
-        copied = torch.cuda.Event()
-        copied.record(self._stream)
         return copied
 
     def _enqueue_copies(self, job: PartJob, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:

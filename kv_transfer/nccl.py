@@ -14,7 +14,9 @@ the GPU without host waits, through a ring of RING_SLOTS staging buffers per pai
     receiver  recv stream:   [wait slot free] ncclRecv(slot)
               scatter stream: [wait received] scatter slot -> cache[l0:l1, :, dst] -> slot free again
 
-so gathering and scattering overlap the link. The receiver's host waits once, at KVDone, for the last scatter;
+so gathering and scattering overlap the link. Both streams run at the device's highest priority, and every
+event, NCCL call and block-id copy goes through kv_transfer.gpu_ops, which keeps the interpreter lock (a busy
+engine loop made each release cost a wait). The receiver's host waits once, at KVDone, for the last scatter;
 the sender's once, after KVAck, for its last send. Bytes travel as NCCL_UINT8 (CuPy's NCCL has no bfloat16;
 bytes are bit-exact for any dtype). Waits poll events against the transfer's deadline and the control socket.
 On expiry, abort, or a peer's KVAbort, the side aborts its communicator (NCCL kernels of an aborted communicator
@@ -35,8 +37,9 @@ import torch
 from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks, ids_pointer, staging_pointer
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
-from kv_transfer.cuda_events import bind_device, block_index, require_cuda, wait_event
+from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
+from kv_transfer.gpu_ops import GpuOps, IdsPool, gpu_ops, transfer_stream
 from kv_transfer.slicing import Slice, ring_bytes, slices
 from kv_transfer.transport import (
     PartJob,
@@ -129,41 +132,46 @@ def init_comm(
 @dataclass
 class _Pair:
     """A communicator and its GPU plumbing. `first` (gather or recv) and `second` (send or scatter) are the two
-    streams of the pipeline; ring[k] is free again once `released[k]` (recorded on `second`) completed."""
+    streams of the pipeline, at the device's highest priority. Ring slot k's work on `first` ends with
+    first_done[k]; on `second` with second_done[k], after which slot k is free again. Every event, NCCL call and
+    block-id copy goes through `ops` (kv_transfer.gpu_ops: without letting go of the interpreter lock)."""
 
     comm: Any
     first: torch.cuda.Stream
     second: torch.cuda.Stream
     ring: list[torch.Tensor]
     arange: torch.Tensor  # 0..num_blocks-1: the block ids of a staging buffer
-    released: list[Any] = field(default_factory=lambda: [None] * RING_SLOTS)
+    ops: GpuOps
+    ids: IdsPool  # the request's block ids, on the stream that uses them (sender: first; receiver: second)
+    first_done: list[Any]
+    second_done: list[Any]
     slot: int = 0
     created_at: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, comm: Any, device: torch.device, layout: KVLayout) -> _Pair:
+    def build(cls, comm: Any, device: torch.device, layout: KVLayout, rank: int) -> _Pair:
         size = ring_bytes(layout)
         ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(RING_SLOTS)]
         arange = torch.arange(layout.num_blocks, dtype=torch.long, device=device)
+        first, second = transfer_stream(device), transfer_stream(device)
+        ops = gpu_ops()
+        ids = IdsPool(first if rank == SENDER_RANK else second, layout.num_blocks)
         torch.cuda.synchronize(device)  # the buffers exist before any side stream uses them
-        return cls(comm, torch.cuda.Stream(device), torch.cuda.Stream(device), ring, arange)
+        events = [ops.new_event() for _ in range(2 * RING_SLOTS)]
+        return cls(comm, first, second, ring, arange, ops, ids, events[:RING_SLOTS], events[RING_SLOTS:])
 
     def next_slot(self) -> int:
         k, self.slot = self.slot, (self.slot + 1) % RING_SLOTS
         return k
 
-    def post_recv(self, nbytes: int) -> tuple[int, Any]:
-        """Receive the next slice into a free ring slot on `first`: (slot, the event after the receive)."""
+    def post_recv(self, nbytes: int) -> int:
+        """Receive the next slice into a free ring slot on `first`; first_done[k] follows the receive."""
         k = self.next_slot()
-        if self.released[k] is not None:
-            self.first.wait_event(self.released[k])
-        self.comm.recv(
-            self.ring[k].data_ptr(), nbytes, _nccl().NCCL_UINT8, SENDER_RANK, self.first.cuda_stream
-        )
-        received = torch.cuda.Event()
-        received.record(self.first)
-        return k, received
+        self.ops.wait(self.first, self.second_done[k])
+        self.ops.nccl(False, self.comm, self.ring[k].data_ptr(), nbytes, SENDER_RANK, self.first)
+        self.ops.record(self.first_done[k], self.first)
+        return k
 
     def slice_views(
         self, k: int, cache: DevicePointer, ids: torch.Tensor, piece: Slice, layout: KVLayout
@@ -264,7 +272,7 @@ class NcclSenderTransport(SenderTransport):
             conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
             expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
             comm = init_comm(uid, SENDER_RANK, self._device, self._config.pair_setup_timeout_s, watch)
-            self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout))
+            self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout, SENDER_RANK))
 
     def source(self, peer_id: bytes) -> PartSource:
         return _NcclSource(self, peer_id)
@@ -278,39 +286,33 @@ class _NcclSource(PartSource):
         self._t = transport
         self._peer_id = peer_id
         self._pair: _Pair | None = None
+        self._ids: torch.Tensor | None = None  # the transfer's block ids on the device (pair.first)
         self._last: Any = None  # the event after this transfer's last send
 
     def part(self, job: PartJob) -> None:
-        t, nccl = self._t, _nccl()
+        t = self._t
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
         job.conn.send_frame(part_frame(job), job.watch)
         try:  # from here the receiver posts receives for these slices: any failure must drop the pair
             bind_device(t._device)
             with pair.lock, torch.cuda.stream(pair.first):
+                ops = pair.ops
                 if job.ready is not None:
-                    pair.first.wait_event(job.ready)
-                ids = block_index(job.block_ids, t._device)
+                    ops.wait(pair.first, job.ready)
+                if self._ids is None:  # once per transfer: its parts share the block list
+                    self._ids = ops.ids(pair.ids, job.block_ids)
                 for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
                     k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
-                    if pair.released[k] is not None:
-                        pair.first.wait_event(pair.released[k])
+                    ops.wait(pair.first, pair.second_done[k])
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
-                        k, t._cache_ptr, ids, piece, t._layout
+                        k, t._cache_ptr, self._ids, piece, t._layout
                     )
                     copy_blocks(cache, staging, cache_ids, staging_ids)
-                    gathered = torch.cuda.Event()
-                    gathered.record(pair.first)
-                    pair.second.wait_event(gathered)
-                    pair.comm.send(
-                        pair.ring[k].data_ptr(),
-                        nbytes,
-                        nccl.NCCL_UINT8,
-                        RECEIVER_RANK,
-                        pair.second.cuda_stream,
-                    )
-                    sent = torch.cuda.Event()
-                    sent.record(pair.second)
-                    pair.released[k] = self._last = sent
+                    ops.record(pair.first_done[k], pair.first)
+                    ops.wait(pair.second, pair.first_done[k])
+                    ops.nccl(True, pair.comm, pair.ring[k].data_ptr(), nbytes, RECEIVER_RANK, pair.second)
+                    ops.record(pair.second_done[k], pair.second)
+                    self._last = pair.second_done[k]
         except Exception as exc:
             raise _as_failure(exc) from None
 
@@ -348,7 +350,7 @@ class NcclReceiverTransport(ReceiverTransport):
         comm = init_comm(
             bytes(setup.nccl.unique_id), RECEIVER_RANK, self._device, self._config.pair_setup_timeout_s, watch
         )
-        self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout))
+        self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout, RECEIVER_RANK))
 
     def sink(self, peer_id: bytes) -> PartSink:
         return _NcclSink(self, peer_id)
@@ -365,6 +367,7 @@ class _NcclSink(PartSink):
         self._t = transport
         self._peer_id = peer_id
         self._pair: _Pair | None = None
+        self._ids: torch.Tensor | None = None  # the transfer's block ids on the device (pair.second)
         self._last: Any = None  # the event after this transfer's last scatter
 
     def part(self, job: PartJob) -> None:
@@ -373,17 +376,18 @@ class _NcclSink(PartSink):
         try:  # a failure from here may leave a receive posted: the pair must go (abandon)
             bind_device(t._device)
             with pair.lock, torch.cuda.stream(pair.second):
-                ids = block_index(job.block_ids, t._device)
+                ops = pair.ops
+                if self._ids is None:  # once per transfer: its parts share the block list
+                    self._ids = ops.ids(pair.ids, job.block_ids)
                 for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
-                    k, received = pair.post_recv(piece.num_bytes(t._layout))
-                    pair.second.wait_event(received)
+                    k = pair.post_recv(piece.num_bytes(t._layout))
+                    ops.wait(pair.second, pair.first_done[k])
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
-                        k, t._cache_ptr, ids, piece, t._layout
+                        k, t._cache_ptr, self._ids, piece, t._layout
                     )
                     copy_blocks(staging, cache, staging_ids, cache_ids)
-                    scattered = torch.cuda.Event()
-                    scattered.record(pair.second)
-                    pair.released[k] = self._last = scattered
+                    ops.record(pair.second_done[k], pair.second)
+                    self._last = pair.second_done[k]
         except Exception as exc:
             raise _as_failure(exc) from None
 
@@ -396,8 +400,7 @@ class _NcclSink(PartSink):
             bind_device(t._device)
             with pair.lock:
                 for piece in slices(t._layout, layer_begin, layer_end, num_blocks):
-                    k, received = pair.post_recv(piece.num_bytes(t._layout))
-                    pair.released[k] = self._last = received
+                    self._last = pair.first_done[pair.post_recv(piece.num_bytes(t._layout))]
         except Exception as exc:
             raise _as_failure(exc) from None
 
