@@ -31,6 +31,8 @@ def test_a_wait_on_an_event_orders_two_streams(ops) -> None:
     torch.cuda.set_device(device)
     a, b = transfer_stream(device), transfer_stream(device)
     x = torch.zeros(1 << 20, device=device)
+    torch.cuda._sleep(1000)  # load the sleep kernel first: a lazily loaded module's first launch can block
+    torch.cuda.synchronize(device)
     done = ops.new_event()
     with torch.cuda.stream(a):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on stream a
