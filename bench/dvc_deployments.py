@@ -36,6 +36,9 @@ NO_CACHE = "-nocache"
 AUTOSCALE = "-autoscale"
 # Any name + IPC: the same deployment with transfer.kind cuda_ipc instead of the config's (nccl).
 IPC = "-ipc"
+# Any name + NO_STREAM: the KV leaves after the first token instead of layer group by layer group during the
+# prompt's last step (transfer.layer_groups 0).
+NO_STREAM = "-nostream"
 POOLS = ("prefill", "decode", "colocated")
 # Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
@@ -58,10 +61,14 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE and IPC); `slo` is the
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC and NO_STREAM); `slo` is the
     (TTFT, TPOT) the autoscaler aims at."""
     if name.endswith(IPC):
-        return dict(deployment_config(name.removesuffix(IPC), slo), transfer={"kind": "cuda_ipc"})
+        config = deployment_config(name.removesuffix(IPC), slo)
+        return dict(config, transfer=dict(config.get("transfer", {}), kind="cuda_ipc"))
+    if name.endswith(NO_STREAM):
+        config = deployment_config(name.removesuffix(NO_STREAM), slo)
+        return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
     if name.endswith(AUTOSCALE):
         return autoscaled(deployment_config(name.removesuffix(AUTOSCALE), slo), *slo)
     if name.endswith(NO_CACHE):
@@ -74,7 +81,7 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE} and/or {IPC}"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {NO_STREAM}"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

@@ -79,6 +79,9 @@ class TransferConfig:
     idle_timeout_s: a receiver closes a control connection that carried no transfer this long; a sender stops
         reusing one after half of it (connections are kept open between transfers: a warm handoff is one
         round trip).
+    layer_groups: the prefill worker ships a prompt's KV in this many layer groups, each as soon as the
+        prompt's last step has written it, so the transfer overlaps the rest of the forward pass; 0 ships it
+        all after the first token is sampled.
     """
 
     kinds: tuple[str, ...] = ()
@@ -95,6 +98,7 @@ class TransferConfig:
     max_connections: int = 64
     max_inflight_sends: int = 16
     idle_timeout_s: float = 300.0
+    layer_groups: int = 4
 
     def __post_init__(self) -> None:
         self._resolve_kinds()
@@ -117,6 +121,7 @@ class TransferConfig:
         _check_int("chunk_bytes", self.chunk_bytes, 256, 2**30)
         _check_int("max_connections", self.max_connections, 1, 65536)
         _check_int("max_inflight_sends", self.max_inflight_sends, 1, 4096)
+        _check_int("layer_groups", self.layer_groups, 0, 1024)
 
     def _resolve_kinds(self) -> None:
         """Fill `kinds` from `kind` (or the default, tcp) and `kind` from `kinds`; frozen, so set once here."""

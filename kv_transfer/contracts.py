@@ -114,7 +114,9 @@ class TransferResult:
     first_token: FirstToken | None = None
     num_bytes: int = 0
     seconds: float = 0.0  # from the sender's claim (KVBegin) to landing; 0 when never claimed
-    # seconds by phase: "stream" (KVBegin read -> KVDone read), "land" (KVDone -> every write complete)
+    # seconds by phase: "claim" (KVBegin read -> lease claimed), "stream" (claimed -> KVDone read), "land"
+    # (KVDone -> every write complete); and, within stream, this thread's "read" (blocked reading frames),
+    # "post" (queueing the parts' GPU work) and "stream_cpu" (its CPU time)
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -135,5 +137,7 @@ class SendResult:
     seconds: float = 0.0  # from send()/open() to the receiver's ack (or the failure)
     # seconds by phase, summing to `seconds`: "queue" (waiting for a transfer thread), "connect" (a new
     # channel: connect, handshake, pair setup) or "channel" (a warm one, or the turn on it), "layers" (waiting
-    # for the caller's layer groups), "stream" (frames and data out, KVDone included), "ack" (KVDone -> KVAck)
+    # for the caller's layer groups), "stream" (frames and data out, KVDone included), "ack" (KVDone -> KVAck);
+    # besides these, "tail": from the caller's finish() (the first token known) to the ack, what a transfer
+    # overlapped with the prefill still adds after it
     phases: dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,9 @@ class PartRequest:
 @dataclass(frozen=True)
 class DoneRequest:
     first_token: FirstToken
+    queued_at: float = (
+        0.0  # time.monotonic() of finish(): the session's `tail` phase runs from here to the ack
+    )
 
 
 class SendHandle:
@@ -92,7 +95,7 @@ class SendHandle:
             if self._finished:
                 raise ValueError(f"request {self.request_id!r}: finish() called twice")
             self._finished = True
-        self._queue.put(DoneRequest(first_token))
+        self._queue.put(DoneRequest(first_token, time.monotonic()))
 
     def abort(self, message: str = "") -> None:
         """Stop the transfer (the prefill side cancelled); the receiver is told when the stream allows."""

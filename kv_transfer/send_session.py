@@ -108,9 +108,10 @@ class SendSession:
         conn = self.channel.conn
         conn.send_frame(kv_pb2.KVFrame(begin=self._begin()), self.watch)
         self.source = self.core.transport.source(self.channel.peer_id)
-        self._stream(conn, self.channel.peer_id, self.source)
+        finished_at = self._stream(conn, self.channel.peer_id, self.source)
         expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
         self._phase("ack")
+        self.phases["tail"] = time.monotonic() - finished_at
 
     def _begin(self) -> kv_pb2.KVBegin:
         core, handle = self.core, self.handle
@@ -125,7 +126,8 @@ class SendSession:
             begin.src_block_ids.extend(handle.src_block_ids)
         return begin
 
-    def _stream(self, conn: FrameConnection, peer_id: bytes, source: PartSource) -> None:
+    def _stream(self, conn: FrameConnection, peer_id: bytes, source: PartSource) -> float:
+        """Ship the caller's parts, then KVDone; returns when the caller called finish() (time.monotonic())."""
         core, handle = self.core, self.handle
         progress = None
         if core.chunk_hook is not None:
@@ -153,7 +155,7 @@ class SendSession:
                 continue
             conn.send_frame(kv_pb2.KVFrame(done=kv_pb2.KVDone(first_token=_token_message(item))), self.watch)
             self._phase("stream")
-            return
+            return item.queued_at
 
     def _next_item(self, conn: FrameConnection) -> PartRequest | DoneRequest:
         """The caller's next layer group (or the end), while watching our deadline and the receiver."""

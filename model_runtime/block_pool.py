@@ -157,6 +157,17 @@ class BlockPool:
             if self._refs[block_id] == 0:
                 self._release(block_id)
 
+    def retain(self, block_ids: Sequence[int]) -> None:
+        """One more reference on each held block (all checked first: an invalid list retains nothing). A reader
+        that must outlive the blocks' owner (a KV transfer that starts while the prompt still runs) takes one
+        and frees it when done."""
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._refs[block_id] == 0:
+                raise ValueError(f"retain: block {block_id} is free; only held blocks can be retained")
+        for block_id in block_ids:
+            self._refs[block_id] += 1
+
     def _release(self, block_id: int) -> None:
         self._free[block_id] = None  # appended at the most-recently-freed end
         if block_id not in self._hash_of_block:

@@ -24,6 +24,7 @@ import torch
 from model_runtime.block_pool import BlockPool
 from model_runtime.config import EngineConfig
 from model_runtime.detokenizer import IncrementalDetokenizer
+from model_runtime.layer_stream import LayerListener, LayerStreams
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.parallel.group import TPGroup
 from model_runtime.request import Priority, Request, RequestStatus, SamplingParams
@@ -91,6 +92,7 @@ class Engine:
         self.sampler = Sampler(self.device, seed=config.device.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._trackers: dict[str, OutputTracker | TokenTracker] = {}
+        self._layer_streams = LayerStreams(self.pool, mc.num_layers, self.runner.kv_cache.device)
         self.requests_total = 0  # requests accepted (add_request / add_prefilled) since start
         self.last_step: StepRecord | None = None  # the last step(), None when it found nothing runnable
         log.info(
@@ -200,8 +202,16 @@ class Engine:
         self._trackers[request_id] = tracker
         return None
 
+    def stream_layers(self, request_id: str, listener: LayerListener, groups: int) -> None:
+        """Hand `request_id`'s KV to `listener` in `groups` layer groups while the step that completes its
+        prompt runs (model_runtime.layer_stream); the request must be waiting or running."""
+        if request_id not in self._trackers:
+            raise InvalidRequest(f"request_id: {request_id!r} is not running here")
+        self._layer_streams.add(request_id, listener, groups)
+
     def abort(self, request_id: str) -> bool:
         self._trackers.pop(request_id, None)
+        self._layer_streams.drop(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -224,7 +234,7 @@ class Engine:
             self.last_step = None
             return []
         planned = StepRecord.planned(out)
-        logits = self.runner.execute(out)
+        logits = self.runner.execute(out, layer_hook=self._layer_streams.hook_for(out))
         sampled_chunks = [c for c in out.chunks if c.sample]
         tokens, logprobs = self._sample(logits, [c.request for c in sampled_chunks])
         self.scheduler.advance(out)

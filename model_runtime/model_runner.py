@@ -237,14 +237,24 @@ class ModelRunner:
 
     # --- execution -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, use_graphs: bool = True) -> torch.Tensor:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        use_graphs: bool = True,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling chunks, vocab] in chunk order.
 
-        `use_graphs=False` forces the eager path (tests and benchmarks compare the two)."""
+        `use_graphs=False` forces the eager path (tests and benchmarks compare the two). `layer_hook(n)` runs
+        after the n-th layer's kernels were queued (a step with prompt chunks is eager, so it always runs)."""
         batch = build_host_batch(out, self.layout.block_size, self.block_tables)
         if self.tensor_parallel is not None:  # the other ranks run this same batch, in lockstep
             self.tensor_parallel.publish(batch)
-        return self.execute_batch(batch, use_graphs)
+        self.model.layer_hook = layer_hook
+        try:
+            return self.execute_batch(batch, use_graphs)
+        finally:
+            self.model.layer_hook = None
 
     @torch.inference_mode()
     def execute_batch(self, batch: HostBatch, use_graphs: bool = True) -> torch.Tensor:

@@ -2,12 +2,17 @@
 
 One Prefill call:
     add the prompt to the engine (batched with other prompts, chunked under the token budget)
+    -> during the step that completes the prompt, ship each group of layers as soon as it is written
+       (transfer.layer_groups > 0: LayerSend; the transfer overlaps the rest of the forward pass)
     -> first token sampled: yield FirstToken now (time to first token does not wait for the transfer)
-    -> hand the blocks to the KV sender (non-blocking; it frees them on ack, abort or deadline)
+    -> finish the transfer with the first token (or, with layer_groups 0, hand all the blocks to the sender
+       now); the sender frees what it holds on ack, abort or deadline
     -> yield TransferDone, or fail the call with the transfer's reason
 
 Block ownership: engine (prompt running) -> this call (first token sampled, blocks detached) -> KV sender
-(send started) -> free. The `finally` releases whatever this call still owns, however it ends.
+(send started) -> free. A transfer that starts during the prompt's last step holds its own reference on the
+blocks (taken by the engine, given back by the sender's on_release), so this call keeps and frees its own.
+The `finally` releases whatever this call still owns, however it ends.
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
 from kv_transfer import FirstToken, KVSender, SendHandle
-from model_runtime.engine import InvalidRequest, StepOutput
+from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError
 from model_runtime.scheduler import RequestRejected
-from tandem_api.tandem.v1 import admin_pb2, worker_pb2, worker_pb2_grpc
+from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls
 from worker_host.node import WorkerNode
@@ -36,12 +42,18 @@ log = logging.getLogger(__name__)
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(
-        self, worker_id: str, loop: EngineLoop, sender: KVSender, prefill_timeout_s: float = 600.0
+        self,
+        worker_id: str,
+        loop: EngineLoop,
+        sender: KVSender,
+        prefill_timeout_s: float = 600.0,
+        layer_groups: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.loop = loop
         self.sender = sender
         self.prefill_timeout_s = prefill_timeout_s
+        self.layer_groups = layer_groups  # transfer.layer_groups: 0 ships the KV after the first token
         self.address = ""
         self.node: WorkerNode | None = None  # where it runs, its KV transports: set by start() before serving
         self.draining = threading.Event()
@@ -63,11 +75,19 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         outputs: queue.Queue[StepOutput] = queue.Queue()
         self.loop.subscribe(rid, outputs.put)
         held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
+        streamed = LayerSend(self.sender, request.target) if request.HasField("target") else None
+        groups = self.layer_groups if streamed is not None else 0
         try:
             try:
                 offset, priority = request.output_offset, priority_from_proto(request.priority)
                 arrived = time.monotonic()  # the wait for the engine thread counts as waiting time
-                self.loop.call(lambda e: e.add_request(rid, prompt, sampling, offset, priority, arrived))
+
+                def add(engine: Engine) -> None:
+                    engine.add_request(rid, prompt, sampling, offset, priority, arrived)
+                    if groups and streamed is not None:
+                        engine.stream_layers(rid, streamed, groups)
+
+                self.loop.call(add)
             except (InvalidRequest, RequestRejected, SamplingError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             out = wait_for(
@@ -75,15 +95,21 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             )
             held = out.kv_block_ids
             yield worker_pb2.PrefillEvent(first_token=self._first_token(out))
-            if out.finish_reason is not None or not request.HasField("target"):
+            if out.finish_reason is not None or streamed is None:
                 return
-            handle = self.sender.send(request.target, held, out.num_prompt_tokens, _kv_first_token(out))
-            held = ()  # the sender owns them now and frees them through on_release
+            handle = streamed.handle
+            if handle is not None:  # layers already on their way; it holds its own reference on the blocks
+                handle.finish(_kv_first_token(out))
+            else:
+                handle = self.sender.send(request.target, held, out.num_prompt_tokens, _kv_first_token(out))
+                held = ()  # the sender owns them now and frees them through on_release
             yield from self._await_transfer(handle, context)
         except CallEnded:
             return
         finally:
-            self.loop.end(rid)
+            self.loop.end(rid)  # from here the engine no longer calls `streamed`
+            if streamed is not None and streamed.handle is not None and not streamed.handle.done():
+                streamed.handle.abort("the prefill call ended before the transfer")  # no-op once finished
             # The call may end right after the engine detached the prompt's blocks and queued its output,
             # before this handler read it: those blocks are ours too.
             while not outputs.empty():
@@ -131,6 +157,31 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             known_prefix_version=request.known_prefix_version,
             node=self.node,
         )
+
+
+class LayerSend:
+    """The engine's layer listener for one Prefill call (model_runtime.layer_stream): opens the transfer at
+    the first group written and queues each group with the event behind its kernels. Runs on the engine thread
+    and never blocks: open() and send_layers() only queue work for a sender thread."""
+
+    def __init__(self, sender: KVSender, target: kv_pb2.KVTarget) -> None:
+        self.sender = sender
+        self.target = target
+        self.handle: SendHandle | None = None
+
+    def layers_written(
+        self, block_ids: tuple[int, ...], num_tokens: int, layer_begin: int, layer_end: int, ready: Any
+    ) -> bool:
+        try:
+            if self.handle is None:
+                self.handle = self.sender.open(self.target, block_ids, num_tokens)
+            self.handle.send_layers(layer_begin, layer_end, ready)
+        except (ValueError, TypeError, RuntimeError) as exc:  # a closing sender, a target it refuses
+            log.warning("request %r: KV not sent while the prompt runs: %s", self.target.request_id, exc)
+            if self.handle is not None:
+                self.handle.abort(f"queueing layers failed: {exc}")
+            return self.handle is not None  # an open handle holds (and will give back) its reference
+        return True
 
 
 def _kv_first_token(out: StepOutput) -> FirstToken:

@@ -44,7 +44,9 @@ class PrefillWorker(WorkerLifecycle):
         self.sender = KVSender(
             engine.layout, engine.runner.kv_cache, spec.transfer, on_release=release, tls=tls
         )
-        self.service = PrefillService(spec.worker_id, loop, self.sender, spec.prefill_timeout_s)
+        self.service = PrefillService(
+            spec.worker_id, loop, self.sender, spec.prefill_timeout_s, spec.transfer.layer_groups
+        )
         self.service.node = describe_node(spec.node_id, engine.runner.kv_cache)
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]

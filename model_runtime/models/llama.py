@@ -18,6 +18,7 @@ residual add is fused into the norm that follows it:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -197,6 +198,9 @@ class LlamaForCausalLM(nn.Module):
             self.rope = RotaryEmbedding(config, rope_device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend, ops) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Called with n after the n-th layer's kernels were queued (ModelRunner sets it for one eager step, so
+        # that the KV of a prompt's first layers can leave while its last layers run).
+        self.layer_hook: Callable[[int], None] | None = None
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -213,8 +217,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_cache: [L, 2, N, B, Hkv, D]. Returns final hidden states [T, H]."""
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        hook = self.layer_hook
+        for n, layer in enumerate(self.layers, 1):
             hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
+            if hook is not None:
+                hook(n)
         if residual is None:  # a model with no layers
             return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]

@@ -44,10 +44,17 @@ def test_autoscale_aims_at_the_slo_within_the_deployments_gpus() -> None:
 def test_ipc_moves_the_kv_over_cuda_ipc_and_changes_nothing_else() -> None:
     config = deployment_config("disagg-1p1d-ipc")
     plain = deployment_config("disagg-1p1d")
-    assert plain["transfer"]["kind"] == "nccl" and config["transfer"] == {"kind": "cuda_ipc"}
+    assert plain["transfer"]["kind"] == "nccl" and config["transfer"]["kind"] == "cuda_ipc"
     assert {k: v for k, v in config.items() if k != "transfer"} == {
         k: v for k, v in plain.items() if k != "transfer"
     }
+    parse_config(config)
+
+
+def test_nostream_ships_the_kv_after_the_first_token() -> None:
+    config = deployment_config("disagg-1p1d-ipc-nostream")
+    assert config["transfer"] == {"kind": "cuda_ipc", "layer_groups": 0}
+    assert "layer_groups" not in deployment_config("disagg-1p1d")["transfer"]  # the default: streamed
     parse_config(config)
 
 
