@@ -152,11 +152,17 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
         blocks, offset = result.lease.block_ids, request.output_offset
         priority = priority_from_proto(request.priority)
-        landed = time.monotonic()
-        done = self.loop.call(
-            lambda e: e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority)
-        )
-        receiver.record_phase("admit", time.monotonic() - landed)  # waits for the engine's step to end
+        landed = result.landed_at or time.monotonic()
+        admitted: list[float] = []
+
+        def admit(engine: Engine) -> StepOutput | None:
+            admitted.append(time.monotonic())  # on the engine thread, between two steps
+            return engine.add_prefilled(
+                rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority
+            )
+
+        done = self.loop.call(admit)
+        receiver.record_phase("admit", admitted[0] - landed)  # landed -> the engine took it (a step boundary)
         return finished_event(done).finished if done is not None else None
 
     def _reserve(self, rid: str, prompt: list[int], sampling: SamplingParams, ttl: float | None) -> Lease:

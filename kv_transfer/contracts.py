@@ -114,6 +114,7 @@ class TransferResult:
     first_token: FirstToken | None = None
     num_bytes: int = 0
     seconds: float = 0.0  # from the sender's claim (KVBegin) to landing; 0 when never claimed
+    landed_at: float = 0.0  # time.monotonic() when the blocks became the caller's (0 unless ok)
     # seconds by phase: "claim" (KVBegin read -> lease claimed), "stream" (claimed -> KVDone read), "land"
     # (KVDone -> every write complete); and, within stream, this thread's "read" (blocked reading frames),
     # "post" (queueing the parts' GPU work) and "stream_cpu" (its CPU time)

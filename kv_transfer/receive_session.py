@@ -298,7 +298,13 @@ class ReceiveSession:
             log.warning("request %r landed but the ack was not delivered: %s", lease.request_id, exc)
         self.core.deliver(
             TransferResult(
-                lease, True, first_token=first, num_bytes=num_bytes, seconds=seconds, phases=dict(self.phases)
+                lease,
+                True,
+                first_token=first,
+                num_bytes=num_bytes,
+                seconds=seconds,
+                phases=dict(self.phases),
+                landed_at=self.claimed_at + seconds,
             )
         )
 
