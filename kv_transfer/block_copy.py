@@ -72,7 +72,10 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Only the cache-side pointers and strides are specialized (their 16-byte alignment lets the copy use wide
+    # loads); the ids, the block count and the chunk size vary with every part and would each make another
+    # variant to compile and load. warm() loads the variants a pair uses before any NCCL call is pending.
+    @triton.jit(do_not_specialize=["src_ids", "dst_ids", "num_blocks", "chunk"])
     def copy_blocks_kernel(
         src,
         dst,
@@ -125,6 +128,22 @@ def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
     _COMPILED[0][grid](
         src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], chunk, STEP=CHUNK_ELEMENTS
     )
+
+
+def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool) -> None:
+    """Compile and load the kernel variant a pair's gathers (cache -> staging) or scatters (staging -> cache)
+    use, by copying the null block (0: padding only, never a request's) through ring slot `staging`, and wait.
+
+    Why before any NCCL call of the pair: loading a GPU module may wait for the device's running kernels
+    (CUDA's lazy-loading caveat), and an NCCL receive whose peer never sends runs until it is aborted; a first
+    load queued behind it would block its transfer thread, which then never gets to abort it."""
+    cache_layer = cache_pointer(cache).layers(0, 1)
+    null = ids_pointer(ids, 0, 1)  # ids[0] == 0
+    if gather:
+        copy_blocks(cache_layer, staging, null, null)
+    else:
+        copy_blocks(staging, cache_layer, null, null)
+    torch.cuda.synchronize(cache.device)
 
 
 def _chunk_elements(shape: Any) -> int:

@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks, ids_pointer, staging_pointer
+from kv_transfer.block_copy import (
+    DevicePointer,
+    cache_pointer,
+    copy_blocks,
+    ids_pointer,
+    staging_pointer,
+    warm,
+)
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
@@ -150,7 +157,8 @@ class _Pair:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, comm: Any, device: torch.device, layout: KVLayout, rank: int) -> _Pair:
+    def build(cls, comm: Any, cache: torch.Tensor, layout: KVLayout, rank: int) -> _Pair:
+        device = cache.device
         size = ring_bytes(layout)
         ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(RING_SLOTS)]
         arange = torch.arange(layout.num_blocks, dtype=torch.long, device=device)
@@ -158,6 +166,8 @@ class _Pair:
         ops = gpu_ops()
         ids = IdsPool(first if rank == SENDER_RANK else second, layout.num_blocks)
         torch.cuda.synchronize(device)  # the buffers exist before any side stream uses them
+        slot = staging_pointer(ring[0].data_ptr(), cache.dtype, layout.staging_shape(1, (0, 1)))
+        warm(cache, slot, arange, gather=rank == SENDER_RANK)  # no kernel loads once NCCL calls are pending
         events = [ops.new_event() for _ in range(2 * RING_SLOTS)]
         return cls(comm, first, second, ring, arange, ops, ids, events[:RING_SLOTS], events[RING_SLOTS:])
 
@@ -272,7 +282,7 @@ class NcclSenderTransport(SenderTransport):
             conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
             expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
             comm = init_comm(uid, SENDER_RANK, self._device, self._config.pair_setup_timeout_s, watch)
-            self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout, SENDER_RANK))
+            self._pairs.put(peer_id, _Pair.build(comm, self._cache, self._layout, SENDER_RANK))
 
     def source(self, peer_id: bytes) -> PartSource:
         return _NcclSource(self, peer_id)
@@ -350,7 +360,7 @@ class NcclReceiverTransport(ReceiverTransport):
         comm = init_comm(
             bytes(setup.nccl.unique_id), RECEIVER_RANK, self._device, self._config.pair_setup_timeout_s, watch
         )
-        self._pairs.put(peer_id, _Pair.build(comm, self._device, self._layout, RECEIVER_RANK))
+        self._pairs.put(peer_id, _Pair.build(comm, self._cache, self._layout, RECEIVER_RANK))
 
     def sink(self, peer_id: bytes) -> PartSink:
         return _NcclSink(self, peer_id)
