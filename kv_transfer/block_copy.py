@@ -72,10 +72,11 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    # Only the cache-side pointers and strides are specialized (their 16-byte alignment lets the copy use wide
-    # loads); the ids, the block count and the chunk size vary with every part and would each make another
-    # variant to compile and load. warm() loads the variants a pair uses before any NCCL call is pending.
-    @triton.jit(do_not_specialize=["src_ids", "dst_ids", "num_blocks", "chunk"])
+    # The ids and the block count vary with every part (an id pointer's alignment, a count of 1 or a multiple of
+    # 16) and would each make another variant to compile and load; they do not change the copy's code. The cache
+    # pointers, strides and chunk size (one per layout) stay specialized: their 16-element alignment is what
+    # lets the copy use wide loads. warm() loads the variants a pair uses before any NCCL call is pending.
+    @triton.jit(do_not_specialize=["src_ids", "dst_ids", "num_blocks"])
     def copy_blocks_kernel(
         src,
         dst,
