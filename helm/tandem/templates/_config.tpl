@@ -80,6 +80,7 @@ they were before the chart knew the key. */ -}}
 {{- end -}}
 {{- $transfer := dict "kind" $v.transfer.kind "transfer_timeout_s" $v.transfer.transferTimeoutSeconds -}}
 {{- $_ := set $transfer "pair_setup_timeout_s" $v.transfer.pairSetupTimeoutSeconds -}}
+{{- $_ := set $transfer "layer_groups" (int $v.transfer.layerGroups) -}}
 {{- $routers := list (printf "%s.%s.svc:%d" (include "tandem.routerHeadlessName" .) .Release.Namespace (int $v.router.grpcPort)) -}}
 {{- $controller := dict "routers" $routers "restart_limit" (int $v.controller.restartLimit) -}}
 {{- $_ := set $controller "health_interval_s" $v.controller.healthIntervalSeconds -}}
