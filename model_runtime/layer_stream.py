@@ -16,6 +16,7 @@ worker: when the transfer ends). A listener that returns False is not called aga
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ import torch
 
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 class LayerListener(Protocol):
@@ -98,7 +101,13 @@ class LayerStreams:
             ready.record()
         for stream in due:
             begin, stream.sent_to = stream.sent_to, n
-            if not stream.listener.layers_written(stream.block_ids, stream.num_tokens, begin, n, ready):
+            try:
+                taken = stream.listener.layers_written(stream.block_ids, stream.num_tokens, begin, n, ready)
+            except Exception:  # a listener's bug must not fail the step of every prompt in it
+                log.exception("layer listener failed; it gets no more layers (and keeps what it holds)")
+                active.remove(stream)
+                continue
+            if not taken:
                 active.remove(stream)
                 continue
             if not stream.reading:

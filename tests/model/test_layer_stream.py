@@ -98,6 +98,20 @@ def test_a_listener_that_declines_is_not_called_again_and_holds_nothing(engine: 
     assert engine.pool.num_used == 0
 
 
+class Broken:
+    def layers_written(self, *args) -> bool:
+        raise RuntimeError("a listener bug")
+
+
+def test_a_failing_listener_does_not_fail_the_step(engine: Engine) -> None:
+    engine.add_request("d", list(range(5, 30)), SamplingParams(max_tokens=4))
+    engine.stream_layers("d", Broken(), groups=3)
+    first = _run(engine, "d")[0]
+    assert len(first.token_ids) == 1 and all(engine.pool.ref_count(b) == 1 for b in first.kv_block_ids)
+    engine.release_blocks(first.kv_block_ids)
+    assert engine.pool.num_used == 0
+
+
 def test_an_aborted_prompt_hands_nothing_over(engine: Engine) -> None:
     recorder = Recorder(engine)
     engine.add_request("c", list(range(5, 60)), SamplingParams(max_tokens=4))
