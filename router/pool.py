@@ -211,7 +211,7 @@ class WorkerPool:
         self._workers: dict[str, WorkerHandle] = {}
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
-        self._closers: set[asyncio.Task[None]] = set()
+        self._closers: dict[asyncio.Task[None], WorkerHandle] = {}  # retired members, closed once idle
         self.pairs = ActivePairs()  # prefill/decode pairs with requests on them now (dispatch opens them)
 
     # --- membership ----------------------------------------------------------------------------------
@@ -236,8 +236,8 @@ class WorkerPool:
                 handle.removed = True
                 handle.dead.set()
             task = asyncio.create_task(self._close_when_idle(handle))
-            self._closers.add(task)
-            task.add_done_callback(self._closers.discard)
+            self._closers[task] = handle
+            task.add_done_callback(lambda done: self._closers.pop(done, None))
         if changed or retired or current or set(self._workers) != before:  # unchanged sets are resent
             names = ", ".join(
                 f"{e.worker_id}({e.role.value}{', draining' if e.draining else ''})" for e in endpoints
@@ -321,9 +321,12 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
-        for task in list(self._closers):
+        retired = list(self._closers.items())
+        for task, _ in retired:
             task.cancel()
-        for handle in self._workers.values():
+        # A retired member's channel is closed here too: a closer cancelled before (or while) it closed would
+        # leave the channel, and the calls open on it, to the worker (whose own stop then waits for them).
+        for handle in [*self._workers.values(), *(h for _, h in retired)]:
             await handle.channel.close()
         self._workers = {}
 
