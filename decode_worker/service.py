@@ -153,16 +153,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         blocks, offset = result.lease.block_ids, request.output_offset
         priority = priority_from_proto(request.priority)
         landed = result.landed_at or time.monotonic()
-        admitted: list[float] = []
-
-        def admit(engine: Engine) -> StepOutput | None:
-            admitted.append(time.monotonic())  # on the engine thread, between two steps
-            return engine.add_prefilled(
-                rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority
+        taken_at, done = self.loop.call(  # on the engine thread, between two steps
+            lambda e: (
+                time.monotonic(),
+                e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority),
             )
-
-        done = self.loop.call(admit)
-        receiver.record_phase("admit", admitted[0] - landed)  # landed -> the engine took it (a step boundary)
+        )
+        receiver.record_phase("admit", taken_at - landed)  # landed -> the engine took it (a step boundary)
         return finished_event(done).finished if done is not None else None
 
     def _reserve(self, rid: str, prompt: list[int], sampling: SamplingParams, ttl: float | None) -> Lease:

@@ -12,7 +12,7 @@ loop nothing measurable.
                                           # found, else TorchOps (torch and CuPy calls); TANDEM_KV_RAW_CALLS=0
                                           # forces TorchOps
     event = ops.new_event(); ops.record(event, stream); ops.wait(other_stream, event); event.query()
-    ops.nccl_send(comm, ptr, nbytes, peer, stream); ops.nccl_recv(...)
+    ops.nccl(send, comm, ptr, nbytes, peer, stream)       # ncclSend (send=True) or ncclRecv of NCCL_UINT8
     ids = ops.ids(pool, block_ids)        # block ids on the device: a memmove and one async copy on pool.stream
 
 Raw calls go through ctypes.PyDLL, which keeps the lock during the call (ctypes.CDLL would release it). The NCCL
@@ -210,7 +210,8 @@ class GpuOps:
             raise ValueError(f"{len(block_ids)} block ids exceed the cache's {pool.capacity} blocks")
         slot, n = pool.take(self), len(block_ids)
         try:
-            ctypes.memmove(slot.host.data_ptr(), array.array("q", block_ids).tobytes(), 8 * n)
+            ids = array.array("q", block_ids)
+            ctypes.memmove(slot.host.data_ptr(), ids.buffer_info()[0], 8 * n)
             self._copy_ids(slot, n, pool.stream)
             self.record(slot.copied, pool.stream)
         finally:
@@ -248,6 +249,7 @@ class RawOps(GpuOps):
     def __init__(self, driver: _Driver, nccl: _Nccl | None) -> None:
         self._driver = driver
         self._nccl = nccl
+        self._cupy_nccl = TorchOps()  # NCCL through CuPy when its libnccl could not be called directly
 
     def new_event(self) -> RawEvent:
         return RawEvent(self._driver)
@@ -262,7 +264,7 @@ class RawOps(GpuOps):
         self, send: bool, comm: Any, ptr: int, nbytes: int, peer: int, stream: torch.cuda.Stream
     ) -> None:
         if self._nccl is None:
-            TorchOps().nccl(send, comm, ptr, nbytes, peer, stream)
+            self._cupy_nccl.nccl(send, comm, ptr, nbytes, peer, stream)
         else:
             self._nccl.call(send, comm, ptr, nbytes, peer, stream.cuda_stream)
 

@@ -76,7 +76,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.loop.subscribe(rid, outputs.put)
         held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
         streamed = LayerSend(self.sender, request.target) if request.HasField("target") else None
-        groups = self.layer_groups if streamed is not None else 0
         try:
             try:
                 offset, priority = request.output_offset, priority_from_proto(request.priority)
@@ -84,8 +83,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
                 def add(engine: Engine) -> None:
                     engine.add_request(rid, prompt, sampling, offset, priority, arrived)
-                    if groups and streamed is not None:
-                        engine.stream_layers(rid, streamed, groups)
+                    if streamed is not None and self.layer_groups:
+                        engine.stream_layers(rid, streamed, self.layer_groups)
 
                 self.loop.call(add)
             except (InvalidRequest, RequestRejected, SamplingError) as exc:
