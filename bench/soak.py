@@ -10,7 +10,7 @@ deadline (deadline_fraction). At the end: every worker holds zero KV blocks and 
 request, and (with --metrics, the router's /metrics URL) the router recorded exactly one outcome per request
 that reached it (accepted = ok + failed + cancelled), matching what the clients saw (see reconcile()). With
 --pid the process's RSS is sampled every 5 s. Exit code 0 when all checks pass. tests/e2e/test_soak.py runs the
-same loop for 90 s in CI.
+same loop in CI (60 s, and on until 56 requests were sent).
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ class SoakConfig:
     max_prompt_words: int = 120
     max_tokens: int = 48
     seed: int = 0
+    # Go on past duration_s until this many requests were sent, but never past max_duration_s: a soak that must
+    # show N requests through a fault gets them on a slow or loaded host too, and still ends.
+    min_requests: int = 0
+    max_duration_s: float | None = None
 
 
 @dataclass
@@ -102,32 +106,47 @@ async def _one(client: AsyncClient, rng: random.Random, config: SoakConfig, repo
         report.tokens += len(result.token_ids)
 
 
-async def _client_loop(config: SoakConfig, index: int, stop_at: float, report: SoakReport) -> None:
+class _Clock:
+    """When the loops stop: at duration_s, or later while fewer than min_requests were sent (up to
+    max_duration_s)."""
+
+    def __init__(self, config: SoakConfig, report: SoakReport) -> None:
+        self.start = time.monotonic()
+        self.stop_at = self.start + config.duration_s
+        self.hard_stop = self.start + max(config.duration_s, config.max_duration_s or config.duration_s)
+        self.min_requests = config.min_requests
+        self.report = report
+
+    def running(self) -> bool:
+        now = time.monotonic()
+        return now < self.stop_at or (self.report.sent < self.min_requests and now < self.hard_stop)
+
+
+async def _client_loop(config: SoakConfig, index: int, clock: _Clock, report: SoakReport) -> None:
     rng = random.Random(config.seed * 1000 + index)
     async with AsyncClient(config.address, retries=0) as client:
-        while time.monotonic() < stop_at:
+        while clock.running():
             await _one(client, rng, config, report)
 
 
-async def _sample_rss(pid: int, stop_at: float, report: SoakReport) -> None:
+async def _sample_rss(pid: int, clock: _Clock, report: SoakReport) -> None:
     import psutil
 
     process = psutil.Process(pid)
-    while time.monotonic() < stop_at:
+    while clock.running():
         report.rss_mib.append(round(process.memory_info().rss / 2**20, 1))
         await asyncio.sleep(5.0)
 
 
 async def run_soak(config: SoakConfig, pid: int | None = None) -> SoakReport:
-    """The traffic loop; returns when duration_s has passed and every request in flight has ended."""
+    """The traffic loop; returns when the clock has run out (see _Clock) and every request in flight has ended."""
     report = SoakReport()
-    start = time.monotonic()
-    stop_at = start + config.duration_s
-    loops = [_client_loop(config, i, stop_at, report) for i in range(config.concurrency)]
+    clock = _Clock(config, report)
+    loops = [_client_loop(config, i, clock, report) for i in range(config.concurrency)]
     if pid is not None:
-        loops.append(_sample_rss(pid, stop_at, report))
+        loops.append(_sample_rss(pid, clock, report))
     await asyncio.gather(*loops)
-    report.seconds = time.monotonic() - start
+    report.seconds = time.monotonic() - clock.start
     return report
 
 
@@ -207,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-fraction", type=float, default=0.1)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--min-requests", type=int, default=0, help="go on past --duration until this many were sent"
+    )
+    parser.add_argument("--max-duration", type=float, help="... but not past this many seconds")
     parser.add_argument("--metrics", help="router /metrics URL, e.g. http://127.0.0.1:9464/metrics")
     parser.add_argument("--pid", type=int, help="sample this process's RSS (the tandem serve process)")
     parser.add_argument("--json", type=Path, help="write the report here")
@@ -219,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         args.deadline_fraction,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        min_requests=args.min_requests,
+        max_duration_s=args.max_duration,
     )
     before = router_outcomes(args.metrics) if args.metrics else Counter()
     report = asyncio.run(run_soak(config, args.pid))
