@@ -19,7 +19,7 @@ from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_block
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.parallel.group import TPGroup
 from model_runtime.parallel.weights import load_weight_shard
-from model_runtime.quantization.apply import quantize_weights
+from model_runtime.quantization.apply import quantize_weights, resolve_method
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import ModelSource, load_weights
 
@@ -52,6 +52,7 @@ def build_runner(
     dtype_name = config.device.resolved_dtype()
     tp = TensorParallel.join(config.parallel, model, group)
     local = model if tp is None else tp.shard.local_model(model)
+    quantization = resolve_method(config.device.quantization, source)  # a pre-quantized checkpoint's own
     if tp is None:
         weights = load_weights(source, model, TORCH_DTYPES[dtype_name], device, progress.weights)
     else:
@@ -59,9 +60,9 @@ def build_runner(
             source, model, tp.shard, TORCH_DTYPES[dtype_name], device, progress.weights
         )
     # Before the cache is sized: on a GPU the bytes the quantized weights free go to the KV cache.
-    if config.device.quantization != "none":
-        progress.phase(f"quantizing weights ({config.device.quantization})")
-    quantize_weights(weights, config.device.quantization)
+    if quantization != "none" and source.fp8 is None:
+        progress.phase(f"quantizing weights ({quantization})")
+    quantize_weights(weights, quantization)
     progress.phase("sizing the KV cache")
     max_model_len = min(
         config.scheduler.max_model_len or model.max_position_embeddings, model.max_position_embeddings
@@ -79,7 +80,7 @@ def build_runner(
         on_graph_progress=progress.graphs,
         ops=make_fused_ops(config.device.kernels, device),
         tensor_parallel=tp,
-        quantization=config.device.quantization,
+        quantization=quantization,
     )
     return RankRunner(runner, layout, max_model_len, tp)
 

@@ -88,6 +88,10 @@ class TPShard:
     def piece_slice(self, hf_name: str) -> PieceSlice | None:
         """How to cut the checkpoint tensor `hf_name` (Hugging Face name, torch layout) for this rank; None
         for a tensor every rank holds whole (norms)."""
+        if hf_name.endswith(".weight_scale"):
+            # An FP8 weight's scales, one per output row: cut with its rows; a column cut keeps every row.
+            cut = self.piece_slice(hf_name.removesuffix("_scale"))
+            return cut if cut is not None and cut.dim == 0 else None
         d = self.head_dim
         for suffix, dim, span, scale in (
             ("self_attn.q_proj", 0, self.q_heads, d),

@@ -29,7 +29,7 @@ from model_runtime.weights.canonical import ByteProgress, Piece, TensorSource, a
 from model_runtime.weights.dummy import iter_dummy_weights
 from model_runtime.weights.errors import ModelLoadError
 from model_runtime.weights.gguf_loader import GGUFTensorSource
-from model_runtime.weights.hf import open_safetensors
+from model_runtime.weights.hf import open_hf_checkpoint
 from model_runtime.weights.source import ModelSource, SourceFormat
 from model_runtime.weights.weight_cache import load_cached
 
@@ -102,8 +102,9 @@ def load_weight_shard(
 
         weights = load_cached(gguf.path, model, dtype, device, cut, progress, shard)
     else:
-        with open_safetensors(source.require_path(), source.weight_files) as tensors:
-            weights = assemble(local, ShardedSource(tensors, model, shard), dtype, device, progress)
+        with open_hf_checkpoint(source, model) as tensors:
+            sharded = ShardedSource(tensors, model, shard)
+            weights = assemble(local, sharded, dtype, device, progress, fp8=source.fp8 is not None)
     gc.collect()
     return weights
 

@@ -1,19 +1,41 @@
 """The quantization method of `DeviceConfig.quantization`, applied to the weights and to the model built for them.
 
-build_runner:  weights = load_weights(...); quantize_weights(weights, method)     (before the KV cache is sized)
+build_runner:  method = resolve_method(configured, source)                        (a pre-quantized checkpoint's own)
+               weights = load_weights(...); quantize_weights(weights, method)     (before the KV cache is sized)
 ModelRunner:   model built on meta; quantize_model(model, method, ...); model.load_weights(weights)
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from model_runtime.models.llama import LlamaForCausalLM
 from model_runtime.quantization.fp8 import quantize_projection_weights, use_fp8_projections
+from model_runtime.weights import ModelLoadError, ModelSource
+
+log = logging.getLogger(__name__)
+
+
+def resolve_method(configured: str, source: ModelSource) -> str:
+    """The method the runner builds with. A pre-quantized FP8 checkpoint (`source.fp8`) brings its own, as vLLM
+    takes the method from a checkpoint's quantization_config: `none` (the default) follows it, with a log line,
+    `fp8` agrees with it, any other method conflicts and is refused. Otherwise `configured` (`fp8` on a model
+    stored in bf16 or fp32 quantizes it at load)."""
+    if source.fp8 is None or configured == "fp8":
+        return configured
+    if configured != "none":
+        raise ModelLoadError(
+            f"device.quantization: {configured!r} conflicts with {source.spec}, whose weights are stored in FP8 "
+            f"({source.fp8.method}); use none or fp8"
+        )
+    log.info("%s is pre-quantized (%s): loading its FP8 weights as stored", source.spec, source.fp8.method)
+    return "fp8"
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], method: str) -> None:
-    """Quantize canonical `weights` in place ("none": leave them)."""
+    """Quantize canonical `weights` in place ("none": leave them; projections already FP8 are kept)."""
     if method == "fp8":
         quantize_projection_weights(weights)
     elif method != "none":

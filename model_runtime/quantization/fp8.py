@@ -6,7 +6,8 @@
 
 Quantized: the projections, q/k/v (the fused qkv), o_proj, gate/up (the fused gate_up) and down. Embeddings, norms
 and lm_head keep the model dtype. A fused tensor's rows are independent (one scale each), so fusing q|k|v or
-gate|up changes nothing. Stored as e4m3 these weights take half of their bfloat16 bytes.
+gate|up changes nothing. Stored as e4m3 these weights take half of their bfloat16 bytes. A pre-quantized FP8
+checkpoint (model_runtime.weights.fp8_source) arrives in this form already and is not quantized again.
 
 Two matmuls, chosen once per module when the model is built, never per step:
 - scaled_mm (CUDA sm_90+, bfloat16 activations, K and N multiples of 16): each token's activations quantized to
@@ -25,10 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.models.llama import LlamaForCausalLM, Projection
+from model_runtime.weights.canonical import FP8_DTYPE, is_projection_weight
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # canonical names: layers.{i}.<projection>.weight
 # An all-zero row still gets a positive scale (its values quantize to zero, nothing divides by zero).
 _MIN_SCALE = torch.finfo(torch.float32).tiny
 # Rows quantized at once: the float32 scratch is one chunk's, not a whole (maybe 57344-row) matrix's.
@@ -118,11 +118,7 @@ def use_fp8_projections(model: LlamaForCausalLM, device: torch.device, dtype: to
 def quantize_projection_weights(weights: dict[str, torch.Tensor]) -> None:
     """Quantize the projection weights of canonical `weights` in place: `layers.{i}.qkv.weight` becomes e4m3 and
     `layers.{i}.qkv.weight_scale` appears beside it (likewise o_proj, gate_up, down). Each original is dropped as
-    its copy is made, so the peak is the unquantized weights plus one projection's FP8 copy."""
-    for name in [n for n in weights if _is_projection_weight(n)]:
+    its copy is made, so the peak is the unquantized weights plus one projection's FP8 copy. A projection that
+    has its scale already (a pre-quantized checkpoint) is kept as stored: quantizing it again would round it."""
+    for name in [n for n in weights if is_projection_weight(n) and n + "_scale" not in weights]:
         weights[name], weights[name + "_scale"] = quantize_fp8(weights[name])
-
-
-def _is_projection_weight(name: str) -> bool:
-    parts = name.split(".")
-    return len(parts) == 4 and parts[0] == "layers" and parts[2] in PROJECTIONS and parts[3] == "weight"

@@ -6,7 +6,8 @@
 
 Module map: source.py (specs -> ModelSource), config_loading.py (ModelConfig), gguf_file.py (GGUF metadata and
 tensor index; gguf_header.py parses the bytes), canonical.py (engine names, fusing), hf.py / gguf_loader.py /
-dummy.py (one per format), weight_cache.py (a GGUF's dequantized tensors on disk, whole or one tensor-parallel
+dummy.py (one per format), quant_config.py (an HF checkpoint's FP8 quantization_config) and fp8_source.py (its
+FP8 tensors and scales, checked and served for fusing), weight_cache.py (a GGUF's dequantized tensors on disk, whole or one tensor-parallel
 shard; CPU), shapes.py (named dummy shapes), gguf_vocab.py (a GGUF's tokenizer), dummy_vocab.py (the dummy
 shapes' byte-level tokenizer). Importing this package does not import torch: the router resolves models for
 their tokenizer alone. `load_weights` imports it when called.

@@ -13,6 +13,8 @@
 
 With `device.quantization: fp8` the four projection weights (qkv, o_proj, gate_up, down) become float8_e4m3fn
 after the load, each with `layers.{i}.<projection>.weight_scale` [rows] float32 beside it (model_runtime.quantization).
+A pre-quantized FP8 checkpoint (`assemble(..., fp8=True)`) has them so from the start: its fp8 rows are fused as
+stored, byte for byte, and each scale entry is its pieces' per-row scales stacked (q | k | v, gate | up).
 
 Every format hands `assemble` a `TensorSource` that serves tensors by their Hugging Face name in torch layout;
 `assemble` allocates each output once, in the target dtype on the target device, and copies the pieces in, so a
@@ -33,6 +35,8 @@ from model_runtime.weights.errors import ModelLoadError
 
 # Tensors a checkpoint may carry that the engine recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # layers.{i}.<projection>.weight: the quantizable ones
+FP8_DTYPE = torch.float8_e4m3fn
 ByteProgress = Callable[[int, int], None]  # (bytes loaded so far, bytes in all)
 
 
@@ -54,8 +58,9 @@ class Piece:
     shape: tuple[int, ...]
 
 
-def canonical_layout(config: ModelConfig) -> dict[str, list[Piece]]:
-    """Canonical name -> the checkpoint pieces stacked (on dim 0, in order) to make it."""
+def canonical_layout(config: ModelConfig, fp8: bool = False) -> dict[str, list[Piece]]:
+    """Canonical name -> the checkpoint pieces stacked (on dim 0, in order) to make it. `fp8`: the projections
+    come with their per-row scales, `<projection>.weight_scale` from the pieces' `weight_scale`s."""
     h, i_size, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
     layout: dict[str, list[Piece]] = {"embed_tokens.weight": [Piece("model.embed_tokens.weight", (v, h))]}
@@ -84,7 +89,16 @@ def canonical_layout(config: ModelConfig) -> dict[str, list[Piece]]:
     layout["norm.weight"] = [Piece("model.norm.weight", (h,))]
     if not config.tie_word_embeddings:
         layout["lm_head.weight"] = [Piece("lm_head.weight", (v, h))]
+    if fp8:
+        for name in [n for n in layout if is_projection_weight(n)]:
+            layout[name + "_scale"] = [Piece(p.hf_name + "_scale", p.shape[:1]) for p in layout[name]]
     return layout
+
+
+def is_projection_weight(name: str) -> bool:
+    """Whether canonical `name` is a projection's weight (layers.{i}.qkv.weight, ...), the tensors FP8 holds."""
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "layers" and parts[2] in PROJECTIONS and parts[3] == "weight"
 
 
 def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -98,21 +112,34 @@ def assemble(
     dtype: torch.dtype,
     device: torch.device | str,
     progress: ByteProgress | None = None,
+    fp8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Build every canonical tensor from `source`; unknown checkpoint tensors are errors, not silently dropped.
-    `progress(done_bytes, total_bytes)` is called after each tensor (a 70B load takes minutes)."""
-    layout = canonical_layout(config)
+    `progress(done_bytes, total_bytes)` is called after each tensor (a 70B load takes minutes). `fp8`: the
+    source is a pre-quantized checkpoint (weights.fp8_source): projections stay float8_e4m3fn, with their
+    float32 `weight_scale`s; everything else is in `dtype`."""
+    layout = canonical_layout(config, fp8)
     _reject_unknown_tensors(config, source, layout)
-    element = torch.empty((), dtype=dtype).element_size()
-    total = sum(math.prod(_stacked_shape(pieces)) for pieces in layout.values()) * element
-    done = 0
+    dtypes = {name: _entry_dtype(name, dtype, fp8) for name in layout}
+    sizes = {
+        name: math.prod(_stacked_shape(pieces)) * dtypes[name].itemsize for name, pieces in layout.items()
+    }
+    total, done = sum(sizes.values()), 0
     out: dict[str, torch.Tensor] = {}
     for name, pieces in layout.items():
-        out[name] = _fuse(pieces, source.get, source.where, dtype, device)
-        done += out[name].numel() * element
+        out[name] = _fuse(pieces, source.get, source.where, dtypes[name], device)
+        done += sizes[name]
         if progress is not None:
             progress(done, total)
     return out
+
+
+def _entry_dtype(name: str, dtype: torch.dtype, fp8: bool) -> torch.dtype:
+    if fp8 and is_projection_weight(name):
+        return FP8_DTYPE
+    if fp8 and name.endswith(".weight_scale"):
+        return torch.float32
+    return dtype
 
 
 def _fuse(
@@ -130,6 +157,13 @@ def _fuse(
             raise ModelLoadError(
                 f"{where}: tensor {piece.hf_name} has shape {tuple(tensor.shape)}, expected {piece.shape} "
                 "from the model config"
+            )
+        stored_fp8 = tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
+        if stored_fp8 != (dtype == FP8_DTYPE) or (stored_fp8 and tensor.dtype != dtype):
+            # fp8 values copied into a wider dtype lose their scale; wider ones copied into fp8 get rounded.
+            raise ModelLoadError(
+                f"{where}: tensor {piece.hf_name} is stored as {tensor.dtype}, expected {dtype} here (an FP8 "
+                "weight needs config.json's quantization_config; only projections may be FP8)"
             )
         target[row : row + piece.shape[0]].copy_(tensor)
         row += piece.shape[0]

@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints (single file or sharded) as a `TensorSource`."""
+"""Hugging Face safetensors checkpoints (single file or sharded) as a `TensorSource`; a pre-quantized FP8 one
+through `fp8_source.FP8CheckpointSource` (`open_hf_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from model_runtime.config import ModelConfig
 from model_runtime.weights.errors import ModelLoadError
+from model_runtime.weights.fp8_source import FP8CheckpointSource
+from model_runtime.weights.source import ModelSource
 
 
 class SafetensorsSource:
@@ -26,6 +30,10 @@ class SafetensorsSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it (BF16, F32, F8_E4M3, ...), from the header."""
+        return str(self._handle(name).get_slice(name).get_dtype())
 
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
@@ -60,3 +68,13 @@ def open_safetensors(directory: Path, files: tuple[Path, ...]) -> Iterator[Safet
                     raise ModelLoadError(f"{file}: tensor {name} also appears in another shard")
                 handles[name] = handle
         yield SafetensorsSource(directory, files, handles)
+
+
+@contextlib.contextmanager
+def open_hf_checkpoint(
+    source: ModelSource, model: ModelConfig
+) -> Iterator[SafetensorsSource | FP8CheckpointSource]:
+    """`open_safetensors` of an HF source; a pre-quantized FP8 one (`source.fp8`) checked and served through
+    FP8CheckpointSource, for `assemble(..., fp8=True)`. `model`: the whole model's config (not a rank's)."""
+    with open_safetensors(source.require_path(), source.weight_files) as tensors:
+        yield tensors if source.fp8 is None else FP8CheckpointSource(tensors, source.fp8, model)

@@ -10,7 +10,7 @@ from model_runtime.config import ModelConfig
 from model_runtime.weights.canonical import ByteProgress, assemble
 from model_runtime.weights.dummy import dummy_weights
 from model_runtime.weights.gguf_loader import GGUFTensorSource
-from model_runtime.weights.hf import open_safetensors
+from model_runtime.weights.hf import open_hf_checkpoint
 from model_runtime.weights.source import ModelSource, SourceFormat
 from model_runtime.weights.weight_cache import load_cached
 
@@ -34,7 +34,7 @@ def load_weights(
 
         weights = load_cached(gguf.path, config, dtype, device, dequantize, progress)  # CPU starts only
     else:
-        with open_safetensors(source.require_path(), source.weight_files) as tensors:
-            weights = assemble(config, tensors, dtype, device, progress)
+        with open_hf_checkpoint(source, config) as tensors:
+            weights = assemble(config, tensors, dtype, device, progress, fp8=source.fp8 is not None)
     gc.collect()  # return the dequantization buffers and mmaps now, not at some later collection
     return weights

