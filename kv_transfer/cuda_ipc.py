@@ -141,7 +141,8 @@ class _Mapping:
 
     def source(self) -> DevicePointer:
         """The sender's cache as a kernel argument."""
-        dtype = getattr(torch, self.remote.dtype)
+        # An FP8 cache's codes move as bytes, as the receiver's own cache does (transport.byte_cache).
+        dtype = torch.uint8 if self.remote.quantized else getattr(torch, self.remote.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         elements = tuple(stride // itemsize for stride in self.strides)
         return DevicePointer(self.cache_ptr, dtype, self.remote.cache_shape, elements)

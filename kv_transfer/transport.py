@@ -159,10 +159,16 @@ def check_cache(layout: KVLayout, cache: torch.Tensor) -> None:
     """The cache tensor must be exactly the layout's: transports index and view it by KVLayout's shape."""
     if tuple(cache.shape) != layout.cache_shape:
         raise ValueError(f"cache: shape {tuple(cache.shape)} differs from the layout's {layout.cache_shape}")
-    if cache.dtype != getattr(torch, layout.dtype):
+    if cache.dtype != getattr(torch, layout.dtype):  # float8_e4m3fn is torch's name too
         raise ValueError(f"cache: dtype {cache.dtype} differs from the layout's {layout.dtype}")
     if not cache.is_contiguous():
         raise ValueError("cache: must be contiguous")
+
+
+def byte_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as transports handle it. An FP8 cache travels as its bytes (a uint8 view of the same memory):
+    the handoff copies codes, never values, and CPU torch has no FP8 index_copy_."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 def device_uuid(cache: torch.Tensor) -> str:
@@ -186,6 +192,7 @@ def make_receiver_transport(
     config: TransferConfig, layout: KVLayout, cache: torch.Tensor
 ) -> ReceiverTransport:
     check_cache(layout, cache)
+    cache = byte_cache(cache)
     if config.kind == "tcp":
         from kv_transfer.tcp import TcpReceiverTransport
 
@@ -201,6 +208,7 @@ def make_receiver_transport(
 
 def make_sender_transport(config: TransferConfig, layout: KVLayout, cache: torch.Tensor) -> SenderTransport:
     check_cache(layout, cache)
+    cache = byte_cache(cache)
     if config.kind == "tcp":
         from kv_transfer.tcp import TcpSenderTransport
 

@@ -14,6 +14,8 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "float16", "bfloat16")
+# cache.dtype: a model dtype, or FP8 e4m3 with per-channel power-of-two scales (model_runtime.kv_quant).
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8")
 
 
@@ -130,7 +132,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int | None = None
-    dtype: str | None = None  # None: the model dtype
+    dtype: str | None = None  # None: the model dtype; "fp8_e4m3": one byte per element (kv_quant.py)
     gpu_memory_utilization: float = 0.90
     cpu_cache_bytes: int = 512 * 2**20
     enable_prefix_caching: bool = True
@@ -146,7 +148,11 @@ class CacheConfig:
             "cache.num_blocks",
             f"must be >= 2 (block 0 is reserved), got {self.num_blocks}",
         )
-        _require(self.dtype is None or self.dtype in DTYPES, "cache.dtype", f"must be one of {DTYPES}")
+        _require(
+            self.dtype is None or self.dtype in KV_CACHE_DTYPES,
+            "cache.dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}",
+        )
         _require(
             0.05 <= self.gpu_memory_utilization <= 0.99,
             "cache.gpu_memory_utilization",

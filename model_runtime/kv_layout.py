@@ -20,6 +20,10 @@ Under tensor parallelism each rank's cache holds only its KV heads: H is the ran
 which of the model's heads they are (model heads [head_start, head_start + H), replicated on several ranks when
 the model has fewer KV heads than ranks). A sharded layout's fingerprint covers the sharding, so a rank never
 pairs with a peer that holds other heads; an unsharded layout (shard None) fingerprints exactly as before.
+
+An FP8 cache (dtype float8_e4m3fn, `quantized`) stores one byte per element; each (layer, K|V, head, channel)
+has a scale (model_runtime.kv_quant) that the weights fix, and `scale_digest` names them, so only workers that
+decode the bytes alike pair. A handoff moves the FP8 bytes as they are: half of a bfloat16 cache's.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from dataclasses import dataclass
 
 from model_runtime.config import DTYPES, ConfigError
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FP8_KV_DTYPE = "float8_e4m3fn"  # the layout's (and torch's) name for cache.dtype fp8_e4m3
+LAYOUT_DTYPES = (*DTYPES, FP8_KV_DTYPE)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8_KV_DTYPE: 1}
 NULL_BLOCK = 0
 
 # The fields that define what a block's bytes mean. num_blocks is not among them: the two sides of a
@@ -68,6 +74,9 @@ class KVLayout:
     num_blocks: int
     dtype: str
     shard: KVShard | None = None  # None: one rank holds every head
+    # FP8 caches: a digest of the per-channel scales (model_runtime.kv_quant) that give the bytes their values;
+    # "" for 16/32-bit caches, which need none.
+    scale_digest: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -77,8 +86,13 @@ class KVLayout:
             raise ConfigError(
                 f"KVLayout.num_blocks: must be >= 2 (block 0 is reserved), got {self.num_blocks}"
             )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"KVLayout.dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in LAYOUT_DTYPES:
+            raise ConfigError(f"KVLayout.dtype: must be one of {LAYOUT_DTYPES}, got {self.dtype!r}")
+        if (self.dtype == FP8_KV_DTYPE) != bool(self.scale_digest):
+            raise ConfigError(
+                f"KVLayout.scale_digest: an FP8 cache needs the digest of its scales and no other cache has one "
+                f"(dtype {self.dtype}, scale_digest {self.scale_digest!r})"
+            )
         if self.shard is not None and self.shard.head_start + self.num_kv_heads > self.shard.model_kv_heads:
             raise ConfigError(
                 f"KVLayout.shard: heads [{self.shard.head_start}, {self.shard.head_start + self.num_kv_heads}) "
@@ -89,6 +103,11 @@ class KVLayout:
     @property
     def cache_shape(self) -> tuple[int, int, int, int, int, int]:
         return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def quantized(self) -> bool:
+        """The cache holds FP8 codes: reading a value means multiplying by its channel's scale."""
+        return self.dtype == FP8_KV_DTYPE
 
     @property
     def element_bytes(self) -> int:
@@ -149,6 +168,8 @@ class KVLayout:
         text = ";".join(f"{k}={v}" for k, v in self.format_dict().items())
         if self.shard is not None:  # appended only when sharded: unsharded fingerprints stay as they were
             text += ";" + self.shard.describe()
+        if self.scale_digest:  # likewise only for FP8 caches: two sides must decode the bytes with one scale
+            text += ";scales=" + self.scale_digest
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def mismatch(self, other_format: dict[str, int | str]) -> str | None:

@@ -25,7 +25,7 @@ from model_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from model_runtime.fused.base import FusedOps
 from model_runtime.host_batch import HostBatch, HostBlockTables, build_host_batch
-from model_runtime.kv_layout import KVLayout
+from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
 from model_runtime.models.llama import LlamaForCausalLM
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.quantization.apply import quantize_model
@@ -34,6 +34,7 @@ from model_runtime.request import SchedulerOutput
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CACHE_TORCH_DTYPES = {**TORCH_DTYPES, FP8_KV_DTYPE: torch.float8_e4m3fn}  # by KVLayout.dtype
 # Packed segments start on 16-byte boundaries: Triton specializes kernels on pointer alignment, and an
 # unaligned view would compile (and later hit) a second variant of every kernel.
 _ALIGN_BYTES = 16
@@ -120,11 +121,13 @@ class ModelRunner:
         ops: FusedOps | None = None,
         tensor_parallel: TensorParallel | None = None,
         quantization: str = "none",
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
         share); None for one device. `quantization`: how `weights` were quantized
-        (quantization.apply.quantize_weights), so the model holds them in that form."""
+        (quantization.apply.quantize_weights), so the model holds them in that form. `kv_scales`: an FP8
+        layout's [num_layers, 2, Hkv, D] scales (model_runtime.kv_quant), required exactly when it is FP8."""
         self.config = model_config
         self.layout = layout
         self.device = torch.device(device)
@@ -138,7 +141,20 @@ class ModelRunner:
             tensor_parallel.shard_model(model)
         self.tensor_parallel = tensor_parallel
         self.model = model.eval()
-        self.kv_cache = torch.zeros(layout.cache_shape, dtype=TORCH_DTYPES[layout.dtype], device=self.device)
+        if layout.quantized != (kv_scales is not None):
+            raise ValueError(
+                f"ModelRunner: a {layout.dtype} KV cache {'needs' if kv_scales is None else 'takes no'} kv_scales"
+            )
+        if kv_scales is not None:
+            expected = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+            if tuple(kv_scales.shape) != expected:
+                raise ValueError(
+                    f"ModelRunner: kv_scales shape {tuple(kv_scales.shape)}, expected {expected}"
+                )
+            model.use_kv_scales(kv_scales.to(self.device, torch.float32))
+        self.kv_cache = torch.zeros(
+            layout.cache_shape, dtype=CACHE_TORCH_DTYPES[layout.dtype], device=self.device
+        )
         self._on_cuda = self.device.type == "cuda"
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=2 * max_num_seqs)
         use_graphs = self._on_cuda and not enforce_eager
@@ -164,7 +180,9 @@ class ModelRunner:
             hidden_size=mc.hidden_size,
         )
         graphs.capture(progress)
-        planned = graph_memory_estimate(mc, self.max_num_seqs, self.layout.element_bytes)
+        # Activations are in the model dtype, whatever the cache's.
+        activation_bytes = self.model.embed_tokens.weight.element_size()
+        planned = graph_memory_estimate(mc, self.max_num_seqs, activation_bytes)
         if graphs.pool_bytes > planned:
             log.warning(
                 "CUDA graph pool: %.0f MiB, more than the %.0f MiB memory planning set aside",

@@ -14,7 +14,8 @@ from model_runtime.attention.select import make_attention_backend
 from model_runtime.config import EngineConfig, ModelConfig
 from model_runtime.cuda_graphs import graph_memory_estimate
 from model_runtime.fused.select import make_fused_ops
-from model_runtime.kv_layout import KVLayout
+from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
+from model_runtime.kv_quant import fp8_kv_scales, layout_dtype, scale_digest
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.parallel.group import TPGroup
@@ -67,7 +68,12 @@ def build_runner(
     max_model_len = min(
         config.scheduler.max_model_len or model.max_position_embeddings, model.max_position_embeddings
     )
-    layout = plan_layout(config, model, local, device, tp)
+    kv_scales = None
+    if layout_dtype(config.cache.dtype, dtype_name) == FP8_KV_DTYPE:
+        kv_scales = fp8_kv_scales(weights, local)
+    layout = plan_layout(
+        config, model, local, device, tp, "" if kv_scales is None else scale_digest(kv_scales)
+    )
     runner = ModelRunner(
         local,
         weights,
@@ -81,29 +87,44 @@ def build_runner(
         ops=make_fused_ops(config.device.kernels, device),
         tensor_parallel=tp,
         quantization=quantization,
+        kv_scales=kv_scales,
     )
     return RankRunner(runner, layout, max_model_len, tp)
 
 
 def plan_layout(
-    config: EngineConfig, model: ModelConfig, local: ModelConfig, device: str, tp: TensorParallel | None
+    config: EngineConfig,
+    model: ModelConfig,
+    local: ModelConfig,
+    device: str,
+    tp: TensorParallel | None,
+    digest: str = "",
 ) -> KVLayout:
     """The rank's KV layout: its own heads (`local`), as many blocks as its memory allows; under tensor
-    parallelism the smallest count of any rank, since every rank's cache holds the lead's block ids."""
-    kv_dtype = config.cache.dtype or config.device.resolved_dtype()
+    parallelism the smallest count of any rank, since every rank's cache holds the lead's block ids.
+    `digest`: an FP8 cache's kv_quant.scale_digest."""
+    kv_dtype = layout_dtype(config.cache.dtype, config.device.resolved_dtype())
     shard = None if tp is None else tp.shard.kv_shard(model)
     probe = KVLayout(
-        local.num_layers, local.num_kv_heads, local.head_dim, config.cache.block_size, 2, kv_dtype
+        local.num_layers,
+        local.num_kv_heads,
+        local.head_dim,
+        config.cache.block_size,
+        2,
+        kv_dtype,
+        scale_digest=digest,
     )
+    # Activations are in the model dtype, whatever the cache's.
+    activation_bytes = TORCH_DTYPES[config.device.resolved_dtype()].itemsize
     sched = config.scheduler
     # Activations are the rank's own, but the gathered logits span the whole vocabulary.
     sized = local if tp is None else dataclasses.replace(local, vocab_size=model.vocab_size)
     activations = activation_estimate(
-        sized, sched.max_num_batched_tokens, sched.max_num_seqs, probe.element_bytes
+        sized, sched.max_num_batched_tokens, sched.max_num_seqs, activation_bytes
     )
     if device != "cpu" and not config.device.enforce_eager:
         # The decode CUDA graphs' private pool, allocated after the cache (eager steps cannot reuse it).
-        activations += graph_memory_estimate(local, sched.max_num_seqs, probe.element_bytes)
+        activations += graph_memory_estimate(local, sched.max_num_seqs, activation_bytes)
     num_blocks = plan_num_blocks(local, config.cache, probe.bytes_per_block, device, activations)
     if tp is not None:
         num_blocks = tp.group.agree_min(num_blocks)
@@ -115,4 +136,5 @@ def plan_layout(
         num_blocks,
         kv_dtype,
         shard,
+        digest,
     )

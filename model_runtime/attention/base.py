@@ -8,6 +8,9 @@ A step runs a packed batch of T query tokens from B sequences (prefill chunks an
 
 A backend (1) writes k and v into the paged cache at `slot_mapping` (slot -1: padding, skipped) and (2) returns
 causal attention of each query over its sequence's context read through `block_tables`.
+
+An FP8 cache (float8_e4m3fn pages) comes with `kv_scale` [2, Hkv, D] float32, the layer's K and V scales
+(model_runtime.kv_quant): the backend stores k / scale and reads stored * scale. Other caches get None.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from model_runtime.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -83,16 +88,36 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store k/v at meta.slot_mapping into k_cache/v_cache ([N, B, Hkv, D] each), return [T, Hq, D]."""
+        """Store k/v at meta.slot_mapping into k_cache/v_cache ([N, B, Hkv, D] each), return [T, Hq, D].
+        `kv_scale`: the layer's [2, Hkv, D] scales when the cache is FP8, else None."""
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter new K/V rows into the pages; rows whose slot is -1 are padding and are dropped."""
+    """Scatter new K/V rows into the pages; rows whose slot is -1 are padding and are dropped. An FP8 cache
+    stores k / kv_scale[0] and v / kv_scale[1] (as bytes: CPU torch has no FP8 index_copy_)."""
     n, b, h, d = k_cache.shape
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(n * b, h, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
-    v_cache.view(n * b, h, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+    if kv_scale is None:
+        k_cache.view(n * b, h, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
+        v_cache.view(n * b, h, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+        return
+    for rows, cache, channel_scale in ((k[valid], k_cache, kv_scale[0]), (v[valid], v_cache, kv_scale[1])):
+        codes = quantize_kv(rows, channel_scale).view(torch.uint8)
+        cache.view(torch.uint8).view(n * b, h, d).index_copy_(0, slots, codes)
+
+
+def read_kv(pages: torch.Tensor, channel_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., Hkv, D] as values in `dtype`: dequantized with channel_scale [Hkv, D] when FP8."""
+    if channel_scale is None:
+        return pages.to(dtype)
+    return dequantize_kv(pages, channel_scale, dtype)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from model_runtime.attention.base import MixedPlan
+from model_runtime.attention.base import MixedPlan, read_kv
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,22 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def context_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: MixedPlan
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: MixedPlan,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill chunks' keys and values (see the module docstring); gathered from an FP8 cache, they are
+    dequantized with kv_scale, so a chunk with a cached prefix reads every key as the decode kernel does."""
     if plan.context_slots is not None:
-        return gather_slots(k_cache, plan.context_slots), gather_slots(v_cache, plan.context_slots)
+        if kv_scale is None:
+            return gather_slots(k_cache, plan.context_slots), gather_slots(v_cache, plan.context_slots)
+        return (
+            read_kv(gather_slots(k_cache, plan.context_slots), kv_scale[0], k.dtype),
+            read_kv(gather_slots(v_cache, plan.context_slots), kv_scale[1], v.dtype),
+        )
     if plan.prefill_rows is None:
         return k, v
     return k.index_select(0, plan.prefill_rows), v.index_select(0, plan.prefill_rows)

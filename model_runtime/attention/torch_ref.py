@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata, store_kv
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata, read_kv, store_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -20,9 +20,16 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 def paged_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its paged context (cache already holds the new K/V)."""
+    """Causal attention of each sequence's queries over its paged context (cache already holds the new K/V;
+    an FP8 cache is read through kv_scale)."""
+    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     start = 0
@@ -30,10 +37,10 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = gather_context(k_cache, meta.block_tables[i], seq_len)
-        v = gather_context(v_cache, meta.block_tables[i], seq_len)
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [Hq, S, D]
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        k = read_kv(gather_context(k_cache, meta.block_tables[i], seq_len), k_scale, q.dtype)
+        v = read_kv(gather_context(v_cache, meta.block_tables[i], seq_len), v_scale, q.dtype)
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         # Query j sits at position seq_len - q_len + j and sees keys 0 .. that position.
         qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
@@ -44,7 +51,12 @@ def paged_attention_ref(
 
 
 def batched_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every sequence has one query: gather all pages at once and run one SDPA.
 
@@ -55,8 +67,9 @@ def batched_decode(
     hkv = k_cache.shape[2]
     tables = meta.block_tables.long()
     width = tables.shape[1] * k_cache.shape[1]
-    k = k_cache[tables].reshape(b, width, hkv, d).transpose(1, 2).to(q.dtype)
-    v = v_cache[tables].reshape(b, width, hkv, d).transpose(1, 2).to(q.dtype)
+    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k = read_kv(k_cache[tables].reshape(b, width, hkv, d), k_scale, q.dtype).transpose(1, 2)
+    v = read_kv(v_cache[tables].reshape(b, width, hkv, d), v_scale, q.dtype).transpose(1, 2)
     mask = torch.arange(width, device=q.device)[None, :] < meta.seq_lens[:, None]
     qg = q.view(b, hkv, hq // hkv, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
@@ -75,8 +88,9 @@ class TorchAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.decode_only and q.shape[0] == meta.num_seqs:
-            return batched_decode(q, k_cache, v_cache, meta, scale)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+            return batched_decode(q, k_cache, v_cache, meta, scale, kv_scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scale)

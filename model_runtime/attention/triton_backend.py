@@ -82,11 +82,12 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.decode_only and q.shape[0] == meta.num_seqs:
-            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        return self._forward_mixed(q, k, v, k_cache, v_cache, meta, scale)
+            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kv_scale)
+        return self._forward_mixed(q, k, v, k_cache, v_cache, meta, scale, kv_scale)
 
     def decode(
         self,
@@ -96,12 +97,23 @@ class TritonAttention(AttentionBackend):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Row s of q is sequence s's single query token; returns [S, Hq, D] (zeros where seq_lens is 0)."""
         out = torch.empty_like(q)
         segments = self.segments_for(q.shape[0], k_cache.shape[2], q.device)
         return decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, self.workspace, segments, self.tuning
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            out,
+            self.workspace,
+            segments,
+            self.tuning,
+            kv_scale,
         )
 
     def _forward_mixed(
@@ -113,6 +125,7 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """Prefill chunks as one packed varlen attention, single-token chunks as one decode launch; the
         split was computed once for the step (meta.mixed). Rows of padding sequences stay zero."""
@@ -122,11 +135,11 @@ class TritonAttention(AttentionBackend):
                 "TritonAttention: a step with a prefill chunk needs meta.mixed (ModelRunner builds it)"
             )
         if plan.decode_rows is None and plan.prefill_rows is None:  # every row is a prefill chunk's
-            kc, vc = context_kv(k, v, k_cache, v_cache, plan)
+            kc, vc = context_kv(k, v, k_cache, v_cache, plan, kv_scale)
             return self.prefill(q, kc, vc, plan, scale)
         out = torch.zeros_like(q)
         if plan.prefill_query_lens:
-            kc, vc = context_kv(k, v, k_cache, v_cache, plan)
+            kc, vc = context_kv(k, v, k_cache, v_cache, plan, kv_scale)
             rows = plan.prefill_rows
             qp = q if rows is None else q.index_select(0, rows)
             o = self.prefill(qp, kc, vc, plan, scale)
@@ -142,6 +155,7 @@ class TritonAttention(AttentionBackend):
                 meta.block_tables.index_select(0, plan.decode_seqs),
                 meta.seq_lens.index_select(0, plan.decode_seqs),
                 scale,
+                kv_scale,
             )
             out.index_copy_(0, plan.decode_rows, o)
         return out

@@ -11,6 +11,10 @@ Each program keeps an fp32 online softmax (log2 domain) and writes its normalise
 log-sum-exp into preallocated scratch; stage 2 merges the segments per (sequence, query head). With one
 segment, stage 1 writes the final output directly and stage 2 is skipped.
 
+An FP8 cache (QUANTIZED) comes with per-channel K and V scales ([Hkv, D] each, powers of two): the program
+multiplies its queries by the K scales once (q . (k8 * s) = (q * s) . k8) and its output by the V scales once,
+so the loop reads one byte per element and does no more arithmetic than for a 16-bit cache.
+
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
 from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
 seq_len 0 (graph padding) runs no loop iteration and yields an all-zero output row.
@@ -43,11 +47,12 @@ def _load_tokens(cache_ptr, block, in_page, kv_head, d, mask, stride_n, stride_b
 @triton.jit
 def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    scale_log2,
+    k_scale_ptr, v_scale_ptr, scale_log2,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_bt,
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     # fmt: on
     seq = tl.program_id(0)
@@ -61,6 +66,9 @@ def _decode_segment_kernel(
     d = tl.arange(0, BLOCK_D)
     out_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
+    if QUANTIZED:
+        k_scale = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
+        q = (q.to(tl.float32) * k_scale[None, :]).to(q_ptr.dtype.element_ty)
 
     # Segments are whole tiles so only the last tile of the context is partial.
     per_seg = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), TILE_N) * TILE_N
@@ -90,6 +98,9 @@ def _decode_segment_kernel(
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]  # all zeros for an empty segment or a padded sequence
+    if QUANTIZED:
+        v_scale = tl.load(v_scale_ptr + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
+        o = o * v_scale[None, :]
     if NUM_SEGMENTS == 1:
         out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -241,6 +252,21 @@ def _check_inputs(
         )
 
 
+def _check_scales(k_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    quantized = k_cache.dtype == torch.float8_e4m3fn
+    if quantized != (kv_scale is not None):
+        raise ValueError(
+            f"decode_attention: a {k_cache.dtype} cache {'needs' if quantized else 'takes no'} kv_scale"
+        )
+    if kv_scale is not None and (
+        kv_scale.shape != (2, *k_cache.shape[2:]) or not kv_scale.is_contiguous() or kv_scale.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"decode_attention: kv_scale must be contiguous float32 [2, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+            f"got {kv_scale.dtype} {tuple(kv_scale.shape)}"
+        )
+
+
 @dataclass(frozen=True)
 class DecodeTuning:
     """Launch knobs of the stage-1 kernel: tokens per loop step, warps per program, software-pipeline depth.
@@ -275,13 +301,18 @@ def decode_attention(
     workspace: DecodeWorkspace,
     num_segments: int,
     tuning: DecodeTuning | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[s] = attention of q[s] ([Hq, D], one token) over tokens [0, seq_lens[s]) of its pages. Returns out."""
+    """out[s] = attention of q[s] ([Hq, D], one token) over tokens [0, seq_lens[s]) of its pages. Returns out.
+    `kv_scale` [2, Hkv, D] float32 (contiguous): an FP8 cache's K and V scales."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_segments)
+    _check_scales(k_cache, kv_scale)
     num_seqs, num_heads, head_dim = q.shape
     scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
     tuning = tuning or DecodeTuning()
-    _launch_segments(q, k_cache, v_cache, block_tables, seq_lens, scale, out, scratch, num_segments, tuning)
+    _launch_segments(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, scratch, num_segments, tuning, kv_scale
+    )
     if num_segments > 1:
         _launch_reduce(scratch, out, num_segments)
     return out
@@ -298,8 +329,10 @@ def _launch_segments(
     scratch: DecodeScratch,
     num_segments: int,
     tuning: DecodeTuning,
+    kv_scale: torch.Tensor | None,
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
+    k_scale, v_scale = (seq_lens, seq_lens) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     po, pl = scratch.partial_out, scratch.partial_lse
@@ -308,7 +341,7 @@ def _launch_segments(
     # fmt: off
     _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
-        scale * math.log2(math.e),
+        k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -319,7 +352,7 @@ def _launch_segments(
         GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tuning.tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        QUANTIZED=kv_scale is not None, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     # fmt: on
 

@@ -108,6 +108,8 @@ class Attention(nn.Module):
         )
         self.o_proj = Projection(config.q_size, config.hidden_size, False, ops)
         self.backend = backend
+        # An FP8 cache's scales for this layer, [2, Hkv, D] float32 (LlamaForCausalLM.use_kv_scales); None else.
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(
         self,
@@ -128,7 +130,7 @@ class Attention(nn.Module):
         )
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(
-            q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
+            q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale, self.kv_scale
         )
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -229,6 +231,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.ops.linear(hidden, weight).float()
+
+    def use_kv_scales(self, scales: torch.Tensor) -> None:
+        """An FP8 cache's scales, [num_layers, 2, Hkv, D] float32 on the model's device (model_runtime.kv_quant):
+        each layer's attention stores and reads its cache through its own [2, Hkv, D] slice."""
+        for i, layer in enumerate(self.layers):
+            attn = layer.get_submodule("attn")
+            assert isinstance(attn, Attention)
+            attn.kv_scale = scales[i].contiguous()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt the canonical fused tensors from model_runtime.weights (no copy); a missing or extra name, or

@@ -51,7 +51,7 @@ def peer():
 
 
 # --- data moves bit-exact ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])  # FP8: codes move as bytes
 @pytest.mark.parametrize(("num_tokens", "mode"), [(3, "all"), (11, "groups"), (27, "all")])
 def test_handoff_bytes_identical(peer, dtype, num_tokens, mode):
     layout = make_layout(dtype)
@@ -181,6 +181,15 @@ def test_layout_mismatch_is_refused_naming_the_field(peer):
     assert (
         sent["failure"] == "LAYOUT_MISMATCH" and "num_kv_heads" in sent["message"] and sent["released"] == 1
     )
+
+
+def test_an_fp8_cache_refuses_a_bfloat16_sender_naming_the_dtype(peer):
+    layout = make_layout("float8_e4m3fn")
+    with KVReceiver(layout, make_cache(layout, 5), ShuffledFreeList(NUM_BLOCKS, 4), config()) as receiver:
+        lease = receiver.reserve("req", 4)
+        sent = peer.run(**send_cmd(receiver, lease, "bfloat16", "all"))
+    assert sent["failure"] == "LAYOUT_MISMATCH" and "dtype" in sent["message"], sent
+    assert sent["released"] == 1
 
 
 # --- dead and stopped peers ------------------------------------------------------------------------------
