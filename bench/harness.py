@@ -204,6 +204,9 @@ def measure_matmul_tflops(device: str, dtype: torch.dtype, n: int, reps: int = 1
 
 
 # --- arithmetic floors -----------------------------------------------------------------------------------
+FP8_BYTES, FP8_SCALE_BYTES = 1, 4  # an e4m3 element; a float32 scale
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """Per-token work of a Llama-family decoder, from its shape alone (no weights needed)."""
@@ -215,16 +218,29 @@ class ModelCost:
     attn_flops_per_key: int  # QK^T and PV of one query against one cached key, all layers and heads
 
     @classmethod
-    def from_config(cls, mc: ModelConfig, dtype_bytes: int) -> ModelCost:
+    def from_config(
+        cls, mc: ModelConfig, dtype_bytes: int, fp8_weights: bool = False, fp8_kv: bool = False
+    ) -> ModelCost:
+        """`dtype_bytes`: the model dtype's. `fp8_weights` (device.quantization fp8): the projections at one byte
+        an element plus a float32 scale per output row; embeddings, norms and lm_head keep the model dtype.
+        `fp8_kv` (cache.dtype fp8_e4m3): K and V at one byte an element (its scales are per channel, not per
+        token). FLOPs are the same either way."""
         per_layer = mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size
         per_layer += 3 * mc.hidden_size * mc.intermediate_size
-        embed = mc.vocab_size * mc.hidden_size
+        projections, embed = mc.num_layers * per_layer, mc.vocab_size * mc.hidden_size
         read = mc.param_count() - (0 if mc.tie_word_embeddings else embed)
+        weight_bytes = read * dtype_bytes
+        if fp8_weights:  # output rows: q|k|v, o, gate|up, down
+            rows = mc.num_layers * (
+                mc.q_size + 2 * mc.kv_size + 2 * mc.hidden_size + 2 * mc.intermediate_size
+            )
+            weight_bytes += projections * (FP8_BYTES - dtype_bytes) + rows * FP8_SCALE_BYTES
+        kv_element_bytes = FP8_BYTES if fp8_kv else dtype_bytes
         return cls(
-            layer_matmul_params=mc.num_layers * per_layer,
+            layer_matmul_params=projections,
             head_params=embed,
-            weight_bytes_read=read * dtype_bytes,
-            kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * dtype_bytes,
+            weight_bytes_read=weight_bytes,
+            kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * kv_element_bytes,
             attn_flops_per_key=4 * mc.num_layers * mc.num_heads * mc.head_dim,
         )
 
@@ -251,6 +267,7 @@ class ThroughputFloor:
     prefill_s: float
     decode_s: float
     output_tokens: int
+    decode_bytes: float  # weights + KV the decode steps read, all waves (the floor's memory side)
     tokens_per_s: float
 
 
@@ -271,8 +288,9 @@ def throughput_floor(
         steps * rates.step_floor_s(cost.decode_step_flops(b, context), cost.decode_step_bytes(b, context))
         for b in waves
     )
+    decode_bytes = sum(steps * cost.decode_step_bytes(b, context) for b in waves)
     tokens = num_prompts * output_len
-    return ThroughputFloor(batch, prefill_s, decode_s, tokens, tokens / (prefill_s + decode_s))
+    return ThroughputFloor(batch, prefill_s, decode_s, tokens, decode_bytes, tokens / (prefill_s + decode_s))
 
 
 # --- engine and models -----------------------------------------------------------------------------------
@@ -307,16 +325,27 @@ def build_engine(
     scheduler: SchedulerConfig,
     memory_fraction: float,
     prefix_caching: bool = False,
+    quantization: str = "none",
+    cache_dtype: str | None = None,
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
     work); the cache size comes from the engine's memory planner. Token ids out, no text (emit_text=False), as the
-    prefill and decode workers run the engine: the router owns detokenization."""
-    log(f"building engine: {model}, {where.device} {where.dtype}, graphs {'off' if where.eager else 'on'}")
+    prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
+    are device.quantization and cache.dtype (None: the model dtype)."""
+    graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
+    log(
+        f"building engine: {model}, {where.device} {where.dtype}, weights {quantization}, KV {kv}, graphs {graphs}"
+    )
     t0 = time.perf_counter()
     cache = CacheConfig(
-        BLOCK_SIZE, enable_prefix_caching=prefix_caching, gpu_memory_utilization=memory_fraction
+        BLOCK_SIZE,
+        dtype=cache_dtype,
+        enable_prefix_caching=prefix_caching,
+        gpu_memory_utilization=memory_fraction,
     )
-    device = DeviceConfig(device=where.device, dtype=where.dtype, enforce_eager=where.eager)
+    device = DeviceConfig(
+        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization
+    )
     config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device)
     engine = Engine(config, emit_text=False)
     if (engine.runner.graphs is None) != where.eager:

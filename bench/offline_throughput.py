@@ -7,15 +7,25 @@ GPU, one command (with the gguf wheel of ../shared/gpu/make-kit.sh on PYTHONPATH
                                           #  --max-num-seqs 512 --skip-hf --skip-tandem --admit-all --budget-s 540
                                           #  --out PATH: give partial reruns their own file]
     python3 bench/offline_throughput.py --smoke   # the CPU check: tiny model and shapes, seconds
+    python3 bench/offline_throughput.py --variants bf16,fp8 --skip-hf   # issue 19's FP8 goals, one command
 
-Order: device rates (2 GiB HBM copy, 8192^3 bf16 matmul), Tandem on every shape (one engine: dummy:llama-3-8b,
-CUDA graphs, cache from the memory planner), then transformers on every shape. Per shape:
+--variants (a comma list of bf16, fp8-weights, fp8-kv, fp8; default bf16): the engines Tandem runs, each its
+own engine (the previous one freed first) on every shape, bf16 first; rows carry "variant". fp8-weights sets
+device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both. Each variant's ceiling counts the bytes it reads
+(FP8 projections and FP8 K/V at one byte an element; the table in bench/offline_variants.py); its FLOP side is
+the measured bf16 matmul rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of
+the shape); fp8 rows add the issue's goals: fp8_goal_tok_s (75% of TensorRT-LLM FP8), fraction_of_fp8_goal and
+speedup_goal (1.6x bf16). The JSON's "variants" holds each one's model_cost and engine; each variant's engine
+and each of its shapes is a job, so a spent --budget-s starts none of the rest.
+
+Order: device rates (2 GiB HBM copy, 8192^3 bf16 matmul), Tandem on every shape (one engine a variant:
+dummy:llama-3-8b, CUDA graphs, cache from the memory planner), then transformers on every shape. Per shape:
 - Tandem: N prompts, at most B in the engine at once, B = min(N, --max-num-seqs, sequences whose full length
   fits in the KV cache), topped up as requests finish so the scheduler never preempts (--admit-all adds all N
   at once and lets it preempt). Output tok/s = N * output_len / wall time, split into steps that ran any
   prefill and pure decode steps. Every request must get exactly output_len tokens or the run fails.
 - Ceiling: harness.throughput_floor for the same N and B at the measured rates; fraction = tok/s / ceiling.
-  The published TensorRT-LLM FP8 H100 numbers and the 60 % goal are stored alongside.
+  The published TensorRT-LLM FP8 H100 numbers, the 60 % bf16 goal and the FP8 goals are stored alongside.
 - transformers: LlamaForCausalLM of the same shape, random init made directly in bf16 on the GPU; static
   batches 256,128,64,32,16,8, the largest that runs (OOM caught) is timed for up to 3 batches or 30 s.
 Progress on stderr, the table on stdout. bench/results/offline_throughput_<gpu>.json is rewritten after every
@@ -40,6 +50,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as gpu
+from bench.offline_variants import (
+    BF16,
+    FP8_GOAL_TOK_S,
+    SPEEDUP_GOAL,
+    VARIANTS,
+    Variant,
+    parse_variants,
+    versus_bf16,
+)
 from model_runtime.config import ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
@@ -60,6 +79,9 @@ REFERENCE = {
     "tok_s": REFERENCE_TOK_S,
     "goal": "bf16 on an H100 >= 60% of the reference",
     "goal_tok_s": GOAL_TOK_S,
+    "fp8_goal": f"FP8 weights + FP8 KV on an H100 >= 75% of the reference and >= {SPEEDUP_GOAL}x bf16 (same run)",
+    "fp8_goal_tok_s": FP8_GOAL_TOK_S,
+    "speedup_goal": SPEEDUP_GOAL,
     "transformers_h100_published": {k: {"tok_s": v, "batch": b} for k, (v, b) in PUBLISHED_HF_H100.items()},
 }
 
@@ -92,13 +114,15 @@ class Setup:  # what every job reads
     where: gpu.RunDevice
     rates: gpu.DeviceRates
     model_config: ModelConfig
-    cost: gpu.ModelCost
+    cost: gpu.ModelCost  # the variant's (transformers: the model dtype's)
     run: gpu.BenchRun
+    variant: Variant = BF16  # the engine Tandem's jobs run
 
 
 # --- Tandem ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TandemRow:
+    variant: str
     shape: str
     num_prompts: int
     batch: int  # B: sequences in the engine at once
@@ -110,7 +134,7 @@ class TandemRow:
     ceiling: gpu.ThroughputFloor
     fraction_of_ceiling: float
     reference_tok_s: float | None
-    goal_tok_s: float | None
+    goal_tok_s: float | None  # the bf16 goal: bf16 rows only
     fraction_of_goal: float | None
 
 
@@ -162,8 +186,8 @@ def drive(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, de
 
 
 def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setup) -> TandemRow:
-    batch = concurrency(engine, shape, num_prompts)
-    gpu.log(f"tandem {shape.key}: {num_prompts} prompts, {batch} at once; warming up")
+    batch, name = concurrency(engine, shape, num_prompts), f"{setup.variant.job_prefix} {shape.key}"
+    gpu.log(f"{name}: {num_prompts} prompts, {batch} at once; warming up")
     warm_up(engine, shape)
     vocab, limit = engine.model_config.vocab_size, num_prompts if setup.args.admit_all else batch
     prompts = gpu.random_prompts(num_prompts, shape.input_len, vocab, seed=shape.input_len)
@@ -180,33 +204,42 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
     ceiling = gpu.throughput_floor(
         setup.cost, setup.rates, num_prompts, shape.input_len, shape.output_len, batch
     )
-    goal = GOAL_TOK_S.get(shape.key)
-    gpu.log(f"tandem {shape.key}: {rate:.0f} tok/s, {rate / ceiling.tokens_per_s:.0%} of the ceiling")
+    goal = GOAL_TOK_S.get(shape.key) if setup.variant.baseline else None
+    gpu.log(f"{name}: {rate:.0f} tok/s, {rate / ceiling.tokens_per_s:.0%} of the ceiling")
     return TandemRow(
-        shape.key, num_prompts, batch, complete, sum(counts), wall, rate, split, ceiling,
+        setup.variant.name, shape.key, num_prompts, batch, complete, sum(counts), wall, rate, split, ceiling,
         rate / ceiling.tokens_per_s, REFERENCE_TOK_S.get(shape.key), goal, rate / goal if goal else None,
     )  # fmt: skip
 
 
 def tandem_shapes(engine: Engine, setup: Setup, work: list[tuple[Shape, int]]) -> None:
-    run = setup.run
-    run.doc["engine"] = {"num_blocks": engine.layout.num_blocks, "kv_gib": engine.layout.total_bytes / 2**30}
+    run, variant, layout = setup.run, setup.variant, engine.layout
+    run.doc["variants"][variant.name]["engine"] = {
+        "num_blocks": layout.num_blocks, "kv_gib": layout.total_bytes / 2**30, "kv_dtype": layout.dtype
+    }  # fmt: skip
     for shape, n in work:
-        row = run.job(f"tandem {shape.key}", partial(run_tandem_shape, engine, shape, n, setup))
+        row = run.job(f"{variant.job_prefix} {shape.key}", partial(run_tandem_shape, engine, shape, n, setup))
         if row is not None:
-            run.doc["tandem"].append(dataclasses.asdict(row))
+            versus = versus_bf16(variant, row.shape, row.output_tok_s, run.doc["tandem"])
+            run.doc["tandem"].append(dataclasses.asdict(row) | dataclasses.asdict(versus))
             run.save()
 
 
 def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
-    a, longest = setup.args, max(s.input_len + s.output_len for s, _ in work)
+    """One variant: its engine on every shape, then the engine freed (the next variant or transformers loads)."""
+    a, v, longest = setup.args, setup.variant, max(s.input_len + s.output_len for s, _ in work)
     limits = SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, max_model_len=longest + 16)
-    engine = setup.run.job(
-        "tandem engine", lambda: gpu.build_engine(model, setup.where, limits, a.gpu_memory_utilization)
-    )
+    setup.run.doc["variants"][v.name] = {
+        "quantization": v.quantization, "cache_dtype": v.cache_dtype, "model_cost": dataclasses.asdict(setup.cost)
+    }  # fmt: skip
+    build = partial(
+        gpu.build_engine, model, setup.where, limits, a.gpu_memory_utilization,
+        quantization=v.quantization, cache_dtype=v.cache_dtype,
+    )  # fmt: skip
+    engine = setup.run.job(f"{v.job_prefix} engine", build)
     if engine is not None:
         tandem_shapes(engine, setup, work)
-        engine = None  # the last reference: weights, KV cache and graph pools go before transformers loads
+        engine = None  # the last reference: weights, KV cache and graph pools go before the next engine loads
     gc.collect()
     if setup.where.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -328,23 +361,29 @@ def run_transformers(setup: Setup, work: list[tuple[Shape, int]]) -> None:
 
 # --- main ----------------------------------------------------------------------------------------------
 def print_table(doc: dict) -> None:
-    tandem, hf = ({r["shape"]: r for r in doc[key]} for key in ("tandem", "transformers"))
-    print(f"\noffline throughput on {doc['gpu']} ({doc['settings']['dtype']}), output tokens/s")
+    """One block of rows per variant; %goal: the 60% goal on bf16 rows, the FP8 goal on fp8 rows."""
+    hf, dtype = {r["shape"]: r for r in doc["transformers"]}, doc["settings"]["dtype"]
+    print(f"\noffline throughput on {doc['gpu']} ({dtype}), output tokens/s")
+    heads = ("tandem", "ceiling", "%ceil", "%goal", "x bf16", "trt-llm", "hf", "hf bs")
+    print(f"{'shape':>10} " + " ".join(f"{h:>7}" for h in heads) + " done")
+    for name in doc["variants"] or [None]:  # None: --skip-tandem, transformers only
+        rows = {r["shape"]: r for r in doc["tandem"] if r["variant"] == name}
+        print(VARIANTS[name].describe(dtype) if name else "transformers only")
+        for shape in dict.fromkeys([*rows, *hf]):
+            t, h = rows.get(shape, {}), hf.get(shape, {})
+            goal = t.get("fraction_of_goal") or t.get("fraction_of_fp8_goal")
+            cells = (
+                f"{t.get('output_tok_s', 0):.0f}", f"{t.get('ceiling', {}).get('tokens_per_s', 0):.0f}",
+                f"{t.get('fraction_of_ceiling', 0):.0%}", f"{goal:.0%}" if goal else "-",
+                f"{t['speedup_vs_bf16']:.2f}x" if t.get("speedup_vs_bf16") else "-",
+                f"{REFERENCE_TOK_S.get(shape, 0):.0f}", f"{h.get('output_tok_s', 0):.0f}", f"{h.get('batch', 0)}",
+            )  # fmt: skip
+            print(f"{shape:>10} " + " ".join(f"{c:>7}" for c in cells) + f" {t.get('complete', '-')}")
     print(
-        f"{'shape':>10} {'tandem':>7} {'ceiling':>7} {'%ceil':>5} {'%goal':>5} {'trt-llm':>7} {'hf':>6} {'hf bs':>5} done"
+        "ceiling: prefill FLOPs at the measured matmul rate + decode steps at max(FLOPs, weight + KV bytes),"
     )
-    for shape in dict.fromkeys([*tandem, *hf]):
-        t, h = tandem.get(shape, {}), hf.get(shape, {})
-        print(
-            f"{shape:>10} {t.get('output_tok_s', 0):>7.0f} {t.get('ceiling', {}).get('tokens_per_s', 0):>7.0f} "
-            f"{t.get('fraction_of_ceiling', 0):>5.0%} {t.get('fraction_of_goal') or 0:>5.0%} "
-            f"{REFERENCE_TOK_S.get(shape, 0):>7.0f} {h.get('output_tok_s', 0):>6.0f} {h.get('batch', 0):>5} "
-            f"{t.get('complete', '-')}"
-        )
-    print(
-        "ceiling: prefill FLOPs at the measured matmul rate + decode steps at max(FLOPs, weight + KV bytes)"
-    )
-    print("goal: 60% of TensorRT-LLM FP8 on one H100 (the trt-llm column)")
+    print("  the bytes in the variant's format (FP8 weights and KV: one byte an element)")
+    print(f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); fp8 75% of it and {SPEEDUP_GOAL}x bf16")
     for key in ("skipped", "errors"):
         if doc[key]:
             print(f"{key}: {doc[key]}")
@@ -360,6 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--admit-all", action="store_true", help="add all prompts at once (scheduler may preempt)")
     p.add_argument("--hf-batches", help="descending static batches to try (default 256,128,64,32,16,8)")
+    p.add_argument(
+        "--variants", default="bf16", help="Tandem engines: bf16,fp8-weights,fp8-kv,fp8 (default bf16)"
+    )
     p.add_argument("--skip-hf", action="store_true", help="run only Tandem")
     p.add_argument("--skip-tandem", action="store_true", help="run only transformers (mind --out)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new job after this many seconds")
@@ -376,17 +418,18 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     deadline = gpu.Deadline(args.budget_s)
     where = gpu.RunDevice.for_mode(args.smoke)
-    work = parse_shapes(args.shapes, args.num_prompts)
+    work, variants = parse_shapes(args.shapes, args.num_prompts), parse_variants(args.variants)
     model = args.model or (gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
     mc = load_model_config(resolve_model(model))
     run = gpu.BenchRun("offline_throughput", BENCHMARK, args, where, deadline)
-    run.doc.update(model=model, reference=REFERENCE, tandem=[], transformers=[])
+    run.doc.update(model=model, reference=REFERENCE, variants={}, tandem=[], transformers=[])
     rates = run.measure_rates(where)
     setup = Setup(args, where, rates, mc, gpu.ModelCost.from_config(mc, where.dtype_bytes), run)
     run.doc["model_cost"] = dataclasses.asdict(setup.cost)
     run.save()
-    if not args.skip_tandem:
-        run_tandem(setup, model, work)
+    for variant in [] if args.skip_tandem else variants:
+        cost = variant.cost(mc, where.dtype_bytes)
+        run_tandem(dataclasses.replace(setup, variant=variant, cost=cost), model, work)
     if not args.skip_hf:
         run_transformers(setup, work)
     print_table(run.doc)

@@ -1,6 +1,6 @@
-"""The fast-path GPU benchmarks (bench/offline_throughput.py, bench/ttft.py): their floor arithmetic on
-hand-computed numbers, and both scripts end to end in --smoke mode (CPU, tiny model) checking the JSON they
-write. The GPU runs themselves happen on the GPU machine; these keep the scripts correct until then."""
+"""The fast-path GPU benchmarks (bench/offline_throughput.py with its FP8 variants, bench/ttft.py): their floor
+arithmetic on hand-computed numbers, and both scripts end to end in --smoke mode (CPU, tiny model) checking the
+JSON they write. The GPU runs themselves happen on the GPU machine; these keep the scripts correct until then."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import offline_throughput, ttft
+from bench import offline_throughput, offline_variants, ttft
 from bench.harness import (
     Deadline,
     DeviceRates,
@@ -53,6 +53,24 @@ def test_model_cost_of_a_toy_shape_by_hand():
     assert tied.weight_bytes_read == (1352 - 80) * 2  # tied: one table, read as the head
 
 
+def test_model_cost_with_fp8_weights_and_kv_by_hand():
+    fp8 = ModelCost.from_config(TOY, dtype_bytes=2, fp8_weights=True, fp8_kv=True)
+    # the 1152 projection weights at 1 byte instead of 2, plus a 4-byte scale per output row: q 8, k 4, v 4,
+    # o 8, gate 16, up 16, down 8 = 64 a layer, 128 in all; norms and the head keep 2 bytes
+    assert fp8.weight_bytes_read == 2544 - 1152 + 128 * 4 == 1904
+    assert fp8.kv_bytes_per_token == 2 * 2 * 4 * 1
+    bf16 = ModelCost.from_config(TOY, dtype_bytes=2)
+    assert (fp8.layer_matmul_params, fp8.head_params, fp8.attn_flops_per_key) == (1152, 80, 64)  # same FLOPs
+    assert fp8.decode_step_flops(3, 6) == bf16.decode_step_flops(3, 6)
+    weights_only = ModelCost.from_config(TOY, dtype_bytes=2, fp8_weights=True)
+    assert (weights_only.weight_bytes_read, weights_only.kv_bytes_per_token) == (
+        1904,
+        bf16.kv_bytes_per_token,
+    )
+    kv_only = ModelCost.from_config(TOY, dtype_bytes=2, fp8_kv=True)
+    assert (kv_only.weight_bytes_read, kv_only.kv_bytes_per_token) == (2544, 16)
+
+
 def test_step_floor_takes_the_slower_of_flops_and_bytes():
     assert DeviceRates(1e-9, 1e-12).step_floor_s(8544, 3120) == pytest.approx(8544)  # 1 FLOP/s: compute
     assert ONE_BYTE_TEN_FLOPS.step_floor_s(8544, 3120) == pytest.approx(3120)  # 10 FLOP/s: memory
@@ -65,6 +83,7 @@ def test_throughput_floor_by_hand():
     # waves of 3 and 2, each 4 decode steps at mean context 4 + 5/2 = 6.5, both memory-bound at 1 byte/s:
     # 3 seqs: 2544 + 3 x 6.5 x 32 = 3168 bytes (vs 864 s of FLOPs); 2 seqs: 2544 + 416 = 2960 bytes
     assert floor.decode_s == pytest.approx(4 * 3168 + 4 * 2960)
+    assert floor.decode_bytes == 4 * 3168 + 4 * 2960  # memory-bound at 1 byte/s: the seconds are the bytes
     assert floor.output_tokens == 25
     assert floor.tokens_per_s == pytest.approx(25 / (5008 + 24512))
     one_token = throughput_floor(cost, ONE_BYTE_TEN_FLOPS, num_prompts=5, input_len=4, output_len=1, batch=8)
@@ -111,7 +130,8 @@ def test_offline_throughput_smoke_counts_every_token(tiny_model, tmp_path):
     assert doc["rates"]["hbm_gbps"] > 0 and doc["rates"]["matmul_tflops"] > 0
     assert doc["reference"]["goal_tok_s"]["128/128"] == 17000.0
     rows = {r["shape"]: r for r in doc["tandem"]}
-    assert set(rows) == {"16/8", "24/4"}
+    assert set(rows) == {"16/8", "24/4"} and {r["variant"] for r in doc["tandem"]} == {"bf16"}
+    assert list(doc["variants"]) == ["bf16"] and doc["variants"]["bf16"]["model_cost"] == doc["model_cost"]
     for shape, n, out_len in (("16/8", 6, 8), ("24/4", 3, 4)):
         r = rows[shape]
         assert r["complete"] and r["output_tokens"] == n * out_len
@@ -125,11 +145,71 @@ def test_offline_throughput_smoke_counts_every_token(tiny_model, tmp_path):
         assert r["ceiling"]["output_tokens"] == r["output_tokens"] and r["ceiling"]["tokens_per_s"] > 0
         assert r["fraction_of_ceiling"] == pytest.approx(r["output_tok_s"] / r["ceiling"]["tokens_per_s"])
         assert r["reference_tok_s"] is None  # no published number for toy shapes
+        assert r["speedup_vs_bf16"] is None and r["speedup_goal"] is None
     hf = {r["shape"]: r for r in doc["transformers"]}
     for shape, out_len in (("16/8", 8), ("24/4", 4)):
         h = hf[shape]
         assert h["batch"] == 8 and h["attempts"] == ["8: ran"] and h["complete"]  # the largest batch tried
         assert h["output_tokens"] == h["batch"] * out_len * h["batches_timed"] and h["output_tok_s"] > 0
+
+
+def test_offline_throughput_fp8_variants_compare_with_bf16(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    argv = [
+        "--smoke",
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--shapes",
+        "16/8,24/4",
+        "--num-prompts",
+        "6,3",
+    ]
+    offline_throughput.main([*argv, "--max-num-seqs", "4", "--variants", "fp8,bf16", "--skip-hf"])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["errors"] == [] and doc["transformers"] == []
+    assert list(doc["variants"]) == ["bf16", "fp8"]  # bf16 first, whatever the order given
+    assert (
+        doc["reference"]["fp8_goal_tok_s"]["128/128"] == 21200.0 and doc["reference"]["speedup_goal"] == 1.6
+    )
+    rows = {(r["variant"], r["shape"]): r for r in doc["tandem"]}
+    assert set(rows) == {(v, s) for v in ("bf16", "fp8") for s in ("16/8", "24/4")}
+    costs = {v: ModelCost(**doc["variants"][v]["model_cost"]) for v in ("bf16", "fp8")}
+    mc = load_model_config(resolve_model(tiny_model))
+    assert costs["fp8"] == ModelCost.from_config(mc, dtype_bytes=4, fp8_weights=True, fp8_kv=True)
+    assert costs["fp8"].kv_bytes_per_token * 4 == costs["bf16"].kv_bytes_per_token  # float32 in the smoke
+    assert doc["variants"]["fp8"]["engine"]["kv_dtype"] == "float8_e4m3fn"
+    rates = DeviceRates(doc["rates"]["hbm_gbps"], doc["rates"]["matmul_tflops"])
+    for shape, n, out_len in (("16/8", 6, 8), ("24/4", 3, 4)):
+        bf16, fp8 = rows["bf16", shape], rows["fp8", shape]
+        for r in (bf16, fp8):
+            assert r["complete"] and r["output_tokens"] == n * out_len  # each request got all its tokens
+            floor = throughput_floor(costs[r["variant"]], rates, n, *map(int, shape.split("/")), r["batch"])
+            assert r["ceiling"] == pytest.approx(dataclasses.asdict(floor))  # the variant's own bytes
+        assert (
+            fp8["ceiling"]["decode_bytes"] < bf16["ceiling"]["decode_bytes"] and fp8["batch"] == bf16["batch"]
+        )
+        assert fp8["ceiling"]["tokens_per_s"] >= bf16["ceiling"]["tokens_per_s"]
+        assert fp8["speedup_vs_bf16"] == pytest.approx(fp8["output_tok_s"] / bf16["output_tok_s"])
+        assert fp8["speedup_goal"] == 1.6 and fp8["fp8_goal_tok_s"] is None  # no FP8 goal for toy shapes
+        assert bf16["speedup_vs_bf16"] is None and fp8["goal_tok_s"] is None  # the 60% goal is bf16's
+
+
+def test_versus_bf16_goals_and_an_unknown_variant():
+    fp8, kv = offline_variants.VARIANTS["fp8"], offline_variants.VARIANTS["fp8-kv"]
+    rows = [{"variant": "bf16", "shape": "128/128", "complete": True, "output_tok_s": 10000.0}]
+    assert offline_variants.versus_bf16(fp8, "128/128", 16960.0, rows) == offline_variants.VersusBf16(
+        1.696, 21200.0, 0.8, 1.6
+    )
+    assert offline_variants.versus_bf16(kv, "128/128", 12000.0, rows) == offline_variants.VersusBf16(1.2)
+    assert offline_variants.versus_bf16(fp8, "2048/128", 2600.0, rows).speedup_vs_bf16 is None  # bf16 not run
+    cut = [{**rows[0], "complete": False}]  # stopped by the budget: its rate covers part of the work
+    assert offline_variants.versus_bf16(kv, "128/128", 12000.0, cut).speedup_vs_bf16 is None
+    names = [v.name for v in offline_variants.parse_variants("fp8, fp8-weights,bf16,fp8")]
+    assert names == ["bf16", "fp8-weights", "fp8"]
+    with pytest.raises(SystemExit, match=r"--variants: unknown 'fp4'.*bf16, fp8-weights, fp8-kv, fp8"):
+        offline_throughput.main(["--smoke", "--variants", "bf16,fp4"])
 
 
 def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model):
@@ -163,9 +243,11 @@ def test_offline_throughput_records_a_failed_job_and_still_runs_the_rest(tiny_mo
 
 def test_offline_throughput_spent_budget_skips_jobs_but_writes_json(tiny_model, tmp_path):
     out = tmp_path / "offline.json"
-    offline_throughput.main(["--smoke", "--model", tiny_model, "--out", str(out), "--budget-s", "0.001"])
+    argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--budget-s", "0.001"]
+    offline_throughput.main([*argv, "--variants", "bf16,fp8-weights"])
     doc = json.loads(out.read_text())
-    assert doc["skipped"] == ["tandem engine", "transformers model"] and not doc["complete"]
+    assert doc["skipped"] == ["tandem engine", "tandem fp8-weights engine", "transformers model"]
+    assert not doc["complete"]
     assert doc["tandem"] == [] and doc["rates"]["hbm_gbps"] > 0
 
 

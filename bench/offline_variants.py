@@ -1,0 +1,100 @@
+"""The engine variants bench/offline_throughput.py runs (--variants): which FP8 parts each turns on, the bytes its
+ceiling counts, and how its rows compare with the bf16 rows of the same run (issue 19's goals).
+
+    variant       device.quantization  cache.dtype   the ceiling's decode bytes (harness.ModelCost)
+    bf16          none                 model dtype   every weight but the embedding table, K and V: model dtype
+    fp8-weights   fp8                  model dtype   projections 1 byte an element + a float32 scale a row
+    fp8-kv        none                 fp8_e4m3      K and V 1 byte an element
+    fp8           fp8                  fp8_e4m3      both
+
+"bf16" is the model dtype: bfloat16 on a GPU, float32 in the CPU smoke. Embeddings, norms and lm_head stay in
+the model dtype in every variant. The ceiling's FLOP side is the measured model-dtype matmul rate for all of
+them (the FP8 tensor-core rate is not measured): where a step is compute-bound (prefill, the largest decode
+batches) an FP8-weights ceiling is the bf16 one, which FP8 matmuls may beat, so fraction_of_ceiling reads high
+there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bench.harness import ModelCost
+from model_runtime.config import ModelConfig
+
+# Issue 19: FP8 weights + FP8 KV >= 75% of TensorRT-LLM's published FP8 H100 numbers (28,312 / 15,220 / 3,450
+# tok/s), and >= 1.6x this run's own bf16 rows.
+FP8_GOAL_TOK_S = {"128/128": 21200.0, "1000/1000": 11400.0, "2048/128": 2600.0}
+SPEEDUP_GOAL = 1.6
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    quantization: str  # device.quantization
+    cache_dtype: str | None  # cache.dtype; None: the model dtype
+
+    @property
+    def baseline(self) -> bool:
+        return self.name == "bf16"
+
+    @property
+    def job_prefix(
+        self,
+    ) -> str:  # job names: "tandem 128/128" for bf16 (as before variants), else "tandem fp8 ..."
+        return "tandem" if self.baseline else f"tandem {self.name}"
+
+    def cost(self, mc: ModelConfig, dtype_bytes: int) -> ModelCost:
+        fp8_weights, fp8_kv = self.quantization == "fp8", self.cache_dtype == "fp8_e4m3"
+        return ModelCost.from_config(mc, dtype_bytes, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
+
+    def describe(self, model_dtype: str) -> str:
+        weights = "fp8 projections" if self.quantization == "fp8" else model_dtype
+        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}"
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("bf16", "none", None),
+        Variant("fp8-weights", "fp8", None),
+        Variant("fp8-kv", "none", "fp8_e4m3"),
+        Variant("fp8", "fp8", "fp8_e4m3"),
+    )
+}
+BF16 = VARIANTS["bf16"]
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """--variants NAME,... -> the variants in VARIANTS' order, whatever the order given: bf16 runs first, so the
+    others' rows find its rows to compare with."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(
+            f"--variants: unknown {', '.join(map(repr, unknown))}; a comma list of {', '.join(VARIANTS)}"
+        )
+    return [v for v in VARIANTS.values() if v.name in names]
+
+
+@dataclass(frozen=True)
+class VersusBf16:
+    """What a row adds beside its own numbers (every key None on bf16 rows)."""
+
+    speedup_vs_bf16: float | None = None  # tok/s / the complete bf16 row's of the same shape in this run
+    fp8_goal_tok_s: float | None = None  # variant fp8 only: 75% of TensorRT-LLM FP8
+    fraction_of_fp8_goal: float | None = None
+    speedup_goal: float | None = None  # variant fp8 only: SPEEDUP_GOAL
+
+
+def versus_bf16(variant: Variant, shape: str, tok_s: float, rows: list[dict[str, Any]]) -> VersusBf16:
+    """`rows`: the run's Tandem rows so far (as written to the JSON). No speedup when bf16 did not run this
+    shape, or stopped before it finished (its rate would be over part of the work)."""
+    if variant.baseline:
+        return VersusBf16()
+    base = [r for r in rows if r["variant"] == BF16.name and r["shape"] == shape and r["complete"]]
+    speedup = tok_s / base[0]["output_tok_s"] if base else None
+    if variant.name != "fp8":
+        return VersusBf16(speedup)
+    goal = FP8_GOAL_TOK_S.get(shape)
+    return VersusBf16(speedup, goal, tok_s / goal if goal else None, SPEEDUP_GOAL)
