@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import grpc
 
 from kv_transfer import KVReceiver, Lease, NoRoom, TransferResult
-from kv_transfer.pairing import TRANSPORT_FROM_PROTO, TRANSPORT_TO_PROTO
+from kv_transfer.pairing import TRANSPORT_FROM_PROTO
 from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError, SamplingParams
@@ -119,18 +119,21 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         first token already ended it, else None."""
         rid = request.request_id
         assert self.receiver is not None, "remote prefill needs a KV receiver"
-        held = self.receiver.config.kind
+        held = self.receiver.transports
         wanted = request.kv_transport
-        if wanted != kv_pb2.KV_TRANSPORT_UNSPECIFIED and wanted != TRANSPORT_TO_PROTO[held]:
-            name = TRANSPORT_FROM_PROTO.get(wanted, f"transport {wanted}")
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"kv_transport: the router chose {name} for this pair; decode worker {self.worker_id}'s KV "
-                f"receiver holds {held} (do the router's and the workers' transfer.kinds differ?)",
-            )
+        transport = None  # unspecified (a router without transfer.kinds): the receiver's first
+        if wanted != kv_pb2.KV_TRANSPORT_UNSPECIFIED:
+            transport = TRANSPORT_FROM_PROTO.get(wanted, f"transport {wanted}")
+            if transport not in held:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"kv_transport: the router chose {transport} for this pair; decode worker "
+                    f"{self.worker_id}'s KV receiver holds {', '.join(held)} (do the router's and the workers' "
+                    "transfer.kinds differ?)",
+                )
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
         try:
-            lease = self._reserve(rid, prompt, sampling, ttl)
+            lease = self._reserve(rid, prompt, sampling, ttl, transport)
         except NoRoom as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {exc}")
         except ValueError as exc:  # InvalidRequest (the engine's rules) or the lease table's own checks
@@ -162,7 +165,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         receiver.record_phase("admit", taken_at - landed)  # landed -> the engine took it (a step boundary)
         return finished_event(done).finished if done is not None else None
 
-    def _reserve(self, rid: str, prompt: list[int], sampling: SamplingParams, ttl: float | None) -> Lease:
+    def _reserve(
+        self,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        ttl: float | None,
+        transport: str | None = None,
+    ) -> Lease:
         """The request checked and its blocks taken in one call onto the engine thread (each call may wait a
         step). Not inside EngineLoop.call itself: the receiver's reserve() takes the lease table first (lock
         order: receiver, then engine)."""
@@ -176,7 +186,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
             return loop.call(check_and_take)
 
-        return self.receiver.reserve(rid, len(prompt), ttl, allocate)
+        return self.receiver.reserve(rid, len(prompt), ttl, allocate, transport)
 
     def _add_local(
         self,

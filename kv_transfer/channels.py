@@ -3,8 +3,8 @@
 A channel is one TCP connection to one receiver, past its handshake (KVHello both ways, pair setup when the
 transport needs one). It carries one transfer at a time; after a transfer that ended with the receiver's KVAck
 it goes back to the pool, after any failure it is closed (a failed transfer never shares a connection with the
-next, so a half-read stream cannot confuse the two). Pools are keyed by the receiver's address and instance id:
-a restarted receiver is a new key.
+next, so a half-read stream cannot confuse the two). Pools are keyed by the receiver's address, its instance id
+and the transport (a worker may hold several; a connection has one): a restarted receiver is a new key.
 
 An exclusive transport (nccl) gets at most one channel per receiver, so transfers to one receiver take turns on
 it and the receiver posts its receives in the order the sender posted its sends. The others open as many
@@ -18,6 +18,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kv_transfer.config import TransferConfig
@@ -28,7 +29,7 @@ from kv_transfer.transport import SenderTransport
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
-Key = tuple[str, int, bytes]
+Key = tuple[str, int, bytes, str]  # the receiver's host, port and instance id; the transport
 
 
 @dataclass
@@ -40,6 +41,11 @@ class Channel:
     released_at: float = field(default_factory=time.monotonic)
     transfers: int = 0  # completed on this channel; 0 while the first runs (a cold handoff)
 
+    @property
+    def kind(self) -> str:
+        """The channel's transport."""
+        return self.key[3]
+
     def fresh(self, now: float) -> bool:
         """Reusable: not idle too long, and the receiver has not closed it or spoken (it only would to go)."""
         return now - self.released_at < self.reuse_within_s and not self.conn.frame_waiting()
@@ -50,7 +56,7 @@ class ChannelPool:
         self,
         layout: KVLayout,
         config: TransferConfig,
-        transport: SenderTransport,
+        transports: Mapping[str, SenderTransport],
         instance_id: bytes,
         device_uuid: str,
         tls: ssl.SSLContext | None = None,
@@ -58,7 +64,7 @@ class ChannelPool:
         self._layout = layout
         self._tls = tls
         self._config = config
-        self._transport = transport
+        self._transports = transports
         self._instance_id = instance_id
         self._device_uuid = device_uuid
         self._cond = threading.Condition()
@@ -66,10 +72,12 @@ class ChannelPool:
         self._busy: dict[Key, int] = {}
         self._closed = False
 
-    def acquire(self, target: kv_pb2.KVTarget, watch: Watch, since: float) -> Channel:
-        """An idle channel to the target's receiver, or a new one (connect, handshake, pair setup). Waits for
-        its turn on an exclusive transport. `since`: when the transfer started (see ensure_pair)."""
-        key = (target.host, target.port, bytes(target.receiver_id))
+    def acquire(self, target: kv_pb2.KVTarget, kind: str, watch: Watch, since: float) -> Channel:
+        """An idle channel of transport `kind` (held) to the target's receiver, or a new one (connect, handshake,
+        pair setup). Waits for its turn on an exclusive transport. `since`: when the transfer started (see
+        ensure_pair)."""
+        key = (target.host, target.port, bytes(target.receiver_id), kind)
+        transport = self._transports[kind]
         stale: list[Channel] = []
         try:
             with self._cond:
@@ -83,7 +91,7 @@ class ChannelPool:
                             self._busy[key] = self._busy.get(key, 0) + 1
                             return channel
                         stale.append(channel)
-                    if not self._transport.exclusive or self._busy.get(key, 0) == 0:
+                    if not transport.exclusive or self._busy.get(key, 0) == 0:
                         self._busy[key] = self._busy.get(key, 0) + 1
                         break
                     self._cond.wait(self._config.poll_interval_s)
@@ -146,17 +154,19 @@ class ChannelPool:
                 ) from None
         conn = FrameConnection(sock, config.poll_interval_s)
         try:
-            hello = self._handshake(conn, target, handshake)
+            hello = self._handshake(conn, target, key[3], handshake)
             peer_id = bytes(hello.instance_id)
-            self._transport.ensure_pair(peer_id, hello.pair_ready, conn, watch, since)
+            self._transports[key[3]].ensure_pair(peer_id, hello.pair_ready, conn, watch, since)
         except BaseException:
             conn.close()
             raise
         idle_s = hello.idle_timeout_ms / 1000 if hello.idle_timeout_ms else config.idle_timeout_s
         return Channel(key, conn, peer_id, reuse_within_s=idle_s / 2)
 
-    def _handshake(self, conn: FrameConnection, target: kv_pb2.KVTarget, watch: Watch) -> kv_pb2.KVHello:
-        layout, kind = self._layout, self._config.kind
+    def _handshake(
+        self, conn: FrameConnection, target: kv_pb2.KVTarget, kind: str, watch: Watch
+    ) -> kv_pb2.KVHello:
+        layout = self._layout
         conn.send_frame(make_hello(layout, self._instance_id, kind, self._device_uuid), watch)
         try:
             reply = conn.read_frame(watch)

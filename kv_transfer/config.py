@@ -43,10 +43,6 @@ def _check_kinds(value: object) -> tuple[str, ...]:
         kinds.append(kind)
     if len(set(kinds)) != len(kinds):
         _fail("kinds", f"names a transport twice: {kinds}")
-    if len(kinds) > 1:
-        # Each worker's KVSender / KVReceiver holds one transport; choosing one per pair among several is the
-        # part of issue 21 that docs/architecture.md ("Transport per pair") lists as not built yet.
-        _fail("kinds", f"one transport per deployment for now (a worker holds one), got {kinds}")
     return tuple(kinds)
 
 
@@ -61,9 +57,10 @@ class TransferConfig:
 
     kinds: the transports allowed, in order of preference: "tcp" (CPU or GPU caches, bytes over the control
         socket), "nccl" (GPU to GPU, two different GPUs), "cuda_ipc" (same node: the receiver copies from the
-        sender's mapped cache; the GPUs may be the same). One entry for now: a worker holds one transport.
+        sender's mapped cache; the GPUs may be the same). A worker holds each of them its device can use
+        (kv_transfer.transport.held_kinds); the router picks one per pair and the request names it.
     kind: the older spelling of a one-element `kinds` (`kind: nccl` is `kinds: [nccl]`); after validation it
-        is always `kinds[0]`, the transport this worker's sender / receiver use. Set one of the two.
+        is always `kinds[0]`, the first preference. Set one of the two.
     host, port: where a receiver listens (port 0 picks a free port). advertise_host: the address put in
         KVTargets; needed when host is a wildcard such as 0.0.0.0.
     connect_timeout_s: connecting plus the handshake; also how long an unclaimed connection may idle.

@@ -100,6 +100,7 @@ class Lease:
     num_tokens: int
     reserved_at: float  # time.monotonic()
     expires_at: float  # time.monotonic()
+    transport: str = "tcp"  # the one transport a sender may deliver it over (the receiver holds it)
 
 
 @dataclass(frozen=True)

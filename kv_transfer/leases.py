@@ -75,10 +75,15 @@ class LeaseTable:
 
     # --- reserve ---------------------------------------------------------------------------------------
     def reserve(
-        self, request_id: str, num_tokens: int, ttl_s: float, allocate: Allocate | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        ttl_s: float,
+        allocate: Allocate | None = None,
+        transport: str = "tcp",
     ) -> Lease:
         """`allocate` takes the blocks instead of the allocator's allocate() (its errors propagate); they go
-        back through the allocator's free() either way."""
+        back through the allocator's free() either way. `transport`: the only one the lease may arrive over."""
         num_blocks = self._check_request(request_id, num_tokens, ttl_s)
         with self._lock:
             if request_id in self._by_request:
@@ -89,7 +94,13 @@ class LeaseTable:
         self._check_allocation(block_ids, num_blocks)
         now = self._clock()
         lease = Lease(
-            request_id, secrets.token_bytes(HANDLE_BYTES), tuple(block_ids), num_tokens, now, now + ttl_s
+            request_id,
+            secrets.token_bytes(HANDLE_BYTES),
+            tuple(block_ids),
+            num_tokens,
+            now,
+            now + ttl_s,
+            transport,
         )
         with self._lock:
             duplicate = request_id in self._by_request

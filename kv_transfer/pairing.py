@@ -1,10 +1,14 @@
 """Pairing: what two peers check about each other before any KV byte moves.
 
 The block format comes from KVLayout alone (`format_dict`, `fingerprint`, `mismatch`): a mismatch is refused
-with a message naming the differing field. The transport kinds must agree, and nccl needs two GPUs.
+with a message naming the differing field. A connection has one transport, which both sides must hold (a worker
+may hold several: the sender's hello names the one its channel is for, a target the one its lease is for), and
+nccl needs two GPUs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from kv_transfer.contracts import FailureReason, TransferFailed
 from model_runtime.kv_layout import FORMAT_FIELDS, KVLayout
@@ -67,8 +71,10 @@ def make_hello(
     )
 
 
-def check_hello(layout: KVLayout, kind: str, device_uuid: str, hello: kv_pb2.KVHello) -> None:
-    """What both sides check in the peer's KVHello: version, block format, transport and GPUs."""
+def check_hello(layout: KVLayout, held: Sequence[str] | str, device_uuid: str, hello: kv_pb2.KVHello) -> str:
+    """What both sides check in the peer's KVHello: version, block format, transport and GPUs. `held`: the
+    transports this side holds (a worker may hold several); returns the connection's transport, the first the
+    peer names that this side holds (a sender names exactly one: its channel's)."""
     if hello.protocol_version != PROTOCOL_VERSION:
         raise TransferFailed(
             FailureReason.PROTOCOL_ERROR,
@@ -77,18 +83,25 @@ def check_hello(layout: KVLayout, kind: str, device_uuid: str, hello: kv_pb2.KVH
     if len(hello.instance_id) != HANDLE_BYTES:
         raise TransferFailed(FailureReason.PROTOCOL_ERROR, "hello.instance_id must be 16 bytes")
     check_format(layout, hello.format, hello.layout_fingerprint)
-    if TRANSPORT_TO_PROTO[kind] not in hello.transports:
-        theirs = ", ".join(TRANSPORT_FROM_PROTO.get(t, str(t)) for t in hello.transports) or "none"
-        raise TransferFailed(FailureReason.TRANSPORT_MISMATCH, f"transport: ours={kind} theirs={theirs}")
+    kinds = (held,) if isinstance(held, str) else tuple(held)
+    theirs = [TRANSPORT_FROM_PROTO.get(t, str(t)) for t in hello.transports]
+    kind = next((k for k in theirs if k in kinds), None)
+    if kind is None:
+        raise TransferFailed(
+            FailureReason.TRANSPORT_MISMATCH,
+            f"transport: ours={','.join(kinds)} theirs={','.join(theirs) or 'none'}",
+        )
     if kind == "nccl" and device_uuid and hello.device_uuid == device_uuid:
         raise TransferFailed(
             FailureReason.TRANSPORT_MISMATCH,
             "nccl needs two different GPUs but both caches are on one GPU; use cuda_ipc",
         )
+    return kind
 
 
-def check_target(layout: KVLayout, kind: str, target: kv_pb2.KVTarget) -> None:
-    """A sender's checks of a KVTarget before it connects (raise TransferFailed, nothing is sent)."""
+def check_target(layout: KVLayout, held: Sequence[str] | str, target: kv_pb2.KVTarget) -> str:
+    """A sender's checks of a KVTarget before it connects (raise TransferFailed, nothing is sent); returns the
+    transport the target names, which this sender must hold (`held`)."""
     if not target.host or not 0 < target.port < 65536:
         raise TransferFailed(
             FailureReason.CONNECT_FAILED, f"target address {target.host!r}:{target.port} is invalid"
@@ -98,6 +111,10 @@ def check_target(layout: KVLayout, kind: str, target: kv_pb2.KVTarget) -> None:
     if not target.request_id:
         raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, "target.request_id is empty")
     check_format(layout, target.format, target.layout_fingerprint)
-    if target.transport != TRANSPORT_TO_PROTO[kind]:
-        theirs = TRANSPORT_FROM_PROTO.get(target.transport, str(target.transport))
-        raise TransferFailed(FailureReason.TRANSPORT_MISMATCH, f"transport: ours={kind} target={theirs}")
+    kinds = (held,) if isinstance(held, str) else tuple(held)
+    wanted = TRANSPORT_FROM_PROTO.get(target.transport, str(target.transport))
+    if wanted not in kinds:
+        raise TransferFailed(
+            FailureReason.TRANSPORT_MISMATCH, f"transport: ours={','.join(kinds)} target={wanted}"
+        )
+    return wanted

@@ -1,6 +1,6 @@
 """One control connection on the receiver, run on its own thread from accept to close.
 
-    KVHello -> check layout/transport -> KVHello      (refuse: KVError, close)
+    KVHello -> check layout, pick the transport the sender names -> KVHello      (refuse: KVError, close)
     then, until the sender closes or the connection idles out:
     [KVPairSetup -> transport builds the pair -> KVPairSetupAck]
     KVBegin -> claim the lease, check counts        (nothing is answered: the sender does not wait)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kv_transfer.config import TransferConfig
@@ -43,7 +43,7 @@ class ReceiverCore:
     layout: KVLayout
     config: TransferConfig
     table: LeaseTable
-    transport: ReceiverTransport
+    transports: Mapping[str, ReceiverTransport]  # the ones held, by kind
     instance_id: bytes
     device_uuid: str
     deliver: Callable[[TransferResult], None]
@@ -55,6 +55,8 @@ class ReceiveSession:
     def __init__(self, core: ReceiverCore, conn: FrameConnection) -> None:
         self.core = core
         self.conn = conn
+        self.kind = ""  # the connection's transport, from the sender's hello
+        self.transport: ReceiverTransport | None = None
         self.lease: Lease | None = None  # claimed and not landed: ours to fail
         self.sink: PartSink | None = None  # the claimed lease's writes, until they completed
         self.claimed_at = 0.0
@@ -83,14 +85,11 @@ class ReceiveSession:
     # --- steps -----------------------------------------------------------------------------------------
     def _handshake(self) -> bytes:
         hello = expect(self.conn.read_frame(self.watch), "hello", FailureReason.PROTOCOL_ERROR).hello
-        check_hello(self.core.layout, self.core.config.kind, self.core.device_uuid, hello)
-        ready = self.core.transport.pair_ready(hello.instance_id)
+        self.kind = check_hello(self.core.layout, tuple(self.core.transports), self.core.device_uuid, hello)
+        self.transport = self.core.transports[self.kind]
+        ready = self.transport.pair_ready(hello.instance_id)
         reply = make_hello(
-            self.core.layout,
-            self.core.instance_id,
-            self.core.config.kind,
-            self.core.device_uuid,
-            pair_ready=ready,
+            self.core.layout, self.core.instance_id, self.kind, self.core.device_uuid, pair_ready=ready
         )
         reply.hello.idle_timeout_ms = int(self.core.config.idle_timeout_s * 1000)
         self.conn.send_frame(reply, self.watch)
@@ -114,7 +113,7 @@ class ReceiveSession:
                 raise
             kind = frame.WhichOneof("body")
             if kind == "pair_setup":
-                self.core.transport.setup_pair(peer_id, frame.pair_setup, self.conn, idle)
+                self._transport().setup_pair(peer_id, frame.pair_setup, self.conn, idle)
             elif kind == "begin":
                 try:
                     self._claim(frame.begin)
@@ -138,7 +137,7 @@ class ReceiveSession:
         (a refusal would otherwise cost the pair a new communicator). False when the transport cannot drain or
         the counts are out of range: the caller closes the connection as for any failure."""
         layout = self.core.layout
-        sink = self.core.transport.drain_sink(peer_id)
+        sink = self._transport().drain_sink(peer_id)
         if (
             sink is None
             or refusal.reason is FailureReason.SHUTDOWN
@@ -189,6 +188,11 @@ class ReceiveSession:
         )
 
     def _check_begin(self, begin: kv_pb2.KVBegin, lease: Lease) -> None:
+        if lease.transport != self.kind:  # the sender connected over another transport than the lease names
+            raise TransferFailed(
+                FailureReason.TRANSPORT_MISMATCH,
+                f"request {lease.request_id!r}: its lease is for {lease.transport}, this connection is {self.kind}",
+            )
         n = len(lease.block_ids)
         expected_bytes = self.core.layout.bytes_per_block * n
         problems = []
@@ -198,7 +202,7 @@ class ReceiveSession:
             problems.append(f"num_tokens: lease={lease.num_tokens} sender={begin.num_tokens}")
         if begin.num_bytes != expected_bytes:
             problems.append(f"num_bytes: lease={expected_bytes} sender={begin.num_bytes}")
-        if self.core.config.kind == "cuda_ipc" and len(begin.src_block_ids) != n:
+        if self.kind == "cuda_ipc" and len(begin.src_block_ids) != n:
             problems.append(f"src_block_ids: {len(begin.src_block_ids)} ids for {n} blocks")
         if problems:
             raise TransferFailed(
@@ -210,7 +214,7 @@ class ReceiveSession:
         time: `read` blocked reading frames, `post` queueing the parts' GPU work, and `stream_cpu` the CPU time
         the thread used (wall time well above it is time spent waiting, for the peer or for the GIL)."""
         covered: set[int] = set()
-        self.sink = self.core.transport.sink(peer_id)
+        self.sink = self._transport().sink(peer_id)
         cpu_start = time.thread_time()
         while True:
             mark = time.monotonic()
@@ -230,6 +234,10 @@ class ReceiveSession:
                 raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
                     FailureReason.PROTOCOL_ERROR, f"unexpected {kind} frame after KVBegin"
                 )
+
+    def _transport(self) -> ReceiverTransport:
+        assert self.transport is not None, "set by the handshake"
+        return self.transport
 
     def _add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds

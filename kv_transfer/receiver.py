@@ -39,7 +39,7 @@ from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import TRANSPORT_TO_PROTO, format_message
 from kv_transfer.receive_session import ReceiverCore, ReceiveSession
 from kv_transfer.stats import StatsRecorder, TransferStats
-from kv_transfer.transport import device_uuid, make_receiver_transport
+from kv_transfer.transport import device_uuid, make_receiver_transports
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
@@ -74,13 +74,15 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._sessions: set[threading.Thread] = set()
         self.receiver_id = secrets.token_bytes(16)
-        self._transport = make_receiver_transport(self.config, layout, cache)
+        self._transports = make_receiver_transports(self.config, layout, cache)
+        # The transports held, in order of preference (the first is the default): a lease names one of them.
+        self.transports: tuple[str, ...] = tuple(self._transports)
         self._table = LeaseTable(layout, allocator, self._lease_failed)
         self._core = ReceiverCore(
             layout,
             self.config,
             self._table,
-            self._transport,
+            self._transports,
             self.receiver_id,
             device_uuid(cache),
             self._deliver,
@@ -107,9 +109,11 @@ class KVReceiver:
         num_tokens: int,
         ttl_s: float | None = None,
         allocate: Allocate | None = None,
+        transport: str | None = None,
     ) -> Lease:
-        """Reserve blocks for `num_tokens` prompt tokens for ttl_s seconds (default config.lease_ttl_s).
-        Raises NoRoom when the allocator has no room, ValueError for a bad or duplicate request.
+        """Reserve blocks for `num_tokens` prompt tokens for ttl_s seconds (default config.lease_ttl_s), to
+        arrive over `transport` (one of `transports`; None: the first). Raises NoRoom when the allocator has no
+        room, ValueError for a bad or duplicate request or a transport this receiver does not hold.
 
         `allocate(num_blocks)`, when given, takes this reservation's blocks instead of the allocator (the decode
         worker checks the request and allocates in one call onto its engine thread); its errors propagate and
@@ -117,7 +121,10 @@ class KVReceiver:
         if self._closing.is_set():
             raise RuntimeError("KVReceiver is closed")
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
-        return self._table.reserve(request_id, num_tokens, ttl, allocate)
+        kind = self.transports[0] if transport is None else transport
+        if kind not in self._transports:
+            raise ValueError(f"transport: this KV receiver holds {', '.join(self.transports)}, not {kind!r}")
+        return self._table.reserve(request_id, num_tokens, ttl, allocate, kind)
 
     def target(self, lease: Lease) -> kv_pb2.KVTarget:
         """The KVTarget that tells a sender where and under which handle to ship this lease's blocks."""
@@ -131,7 +138,7 @@ class KVReceiver:
             format=format_message(self.layout),
             num_blocks=len(lease.block_ids),
             num_tokens=lease.num_tokens,
-            transport=TRANSPORT_TO_PROTO[self.config.kind],
+            transport=TRANSPORT_TO_PROTO[lease.transport],
             receiver_id=self.receiver_id,
             lease_ttl_ms=int((lease.expires_at - lease.reserved_at) * 1000),
         )
@@ -176,7 +183,8 @@ class KVReceiver:
             sessions = list(self._sessions)
         for thread in sessions:
             thread.join(timeout=self.config.connect_timeout_s + 2.0)
-        self._transport.close()
+        for transport in self._transports.values():
+            transport.close()
 
     def __enter__(self) -> KVReceiver:
         return self

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kv_transfer.channels import Channel, ChannelPool
@@ -37,7 +37,7 @@ class SenderCore:
 
     layout: KVLayout
     config: TransferConfig
-    transport: SenderTransport
+    transports: Mapping[str, SenderTransport]  # the ones held, by kind
     channels: ChannelPool
     shutdown: Callable[[], TransferFailed | None]
     chunk_hook: Callable[[str, int], None] | None
@@ -94,7 +94,7 @@ class SendSession:
 
     def _run(self) -> None:
         target = self.handle.target
-        check_target(self.core.layout, self.core.config.kind, target)
+        kind = check_target(self.core.layout, tuple(self.core.transports), target)
         n = len(self.handle.src_block_ids)
         if target.num_tokens != self.handle.num_tokens or target.num_blocks != n:
             raise TransferFailed(
@@ -103,17 +103,17 @@ class SendSession:
                 f"send has {self.handle.num_tokens} tokens in {n} blocks",
             )
         self.watch.check()
-        self.channel = self.core.channels.acquire(target, self.watch, self.handle.started_at)
+        self.channel = self.core.channels.acquire(target, kind, self.watch, self.handle.started_at)
         self._phase("connect" if self.channel.transfers == 0 else "channel")
         conn = self.channel.conn
-        conn.send_frame(kv_pb2.KVFrame(begin=self._begin()), self.watch)
-        self.source = self.core.transport.source(self.channel.peer_id)
+        conn.send_frame(kv_pb2.KVFrame(begin=self._begin(kind)), self.watch)
+        self.source = self.core.transports[kind].source(self.channel.peer_id)
         finished_at = self._stream(conn, self.channel.peer_id, self.source)
         expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
         self._phase("ack")
         self.phases["tail"] = time.monotonic() - finished_at
 
-    def _begin(self) -> kv_pb2.KVBegin:
+    def _begin(self, kind: str) -> kv_pb2.KVBegin:
         core, handle = self.core, self.handle
         begin = kv_pb2.KVBegin(
             handle=handle.target.handle,
@@ -122,7 +122,7 @@ class SendSession:
             num_tokens=handle.num_tokens,
             num_bytes=core.layout.bytes_per_block * len(handle.src_block_ids),
         )
-        if core.config.kind == "cuda_ipc":
+        if kind == "cuda_ipc":
             begin.src_block_ids.extend(handle.src_block_ids)
         return begin
 

@@ -32,7 +32,7 @@ from kv_transfer.contracts import FailureReason, FirstToken, SendResult, Transfe
 from kv_transfer.send_handle import SendHandle
 from kv_transfer.send_session import SenderCore, SendSession
 from kv_transfer.stats import StatsRecorder, TransferStats
-from kv_transfer.transport import device_uuid, make_sender_transport
+from kv_transfer.transport import device_uuid, make_sender_transports
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
@@ -68,12 +68,14 @@ class KVSender:
         self._closing = threading.Event()
         self._closed = False
         self._active = 0
-        self._transport = make_sender_transport(self.config, layout, cache)
+        self._transports = make_sender_transports(self.config, layout, cache)
+        # The transports held, in order of preference: a target names the one its transfer takes.
+        self.transports: tuple[str, ...] = tuple(self._transports)
         self._channels = ChannelPool(
-            layout, self.config, self._transport, self.instance_id, device_uuid(cache), tls
+            layout, self.config, self._transports, self.instance_id, device_uuid(cache), tls
         )
         self._core = SenderCore(
-            layout, self.config, self._transport, self._channels, self._shutdown_failure, chunk_hook
+            layout, self.config, self._transports, self._channels, self._shutdown_failure, chunk_hook
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(self.config.max_inflight_sends, "kv-send")
 
@@ -132,7 +134,8 @@ class KVSender:
         self._closing.set()
         self._executor.shutdown(wait=True)
         self._channels.close()
-        self._transport.close()
+        for transport in self._transports.values():
+            transport.close()
 
     def __enter__(self) -> KVSender:
         return self

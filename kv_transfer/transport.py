@@ -19,15 +19,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.frames import FrameConnection, Watch
+from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
+
+_T = TypeVar("_T", "ReceiverTransport", "SenderTransport")
 
 
 @dataclass(frozen=True)
@@ -188,16 +191,58 @@ def device_transports(cache: torch.Tensor) -> tuple[str, ...]:
     return ("tcp", "nccl", "cuda_ipc") if nccl else ("tcp", "cuda_ipc")
 
 
-def make_receiver_transport(
+def held_kinds(config: TransferConfig, cache: torch.Tensor) -> tuple[str, ...]:
+    """The transports a worker holds: those of config.kinds that its cache's device can use, in the config's order
+    (the first is its default). One config may serve CPU and GPU workers alike: each holds what it can. None at
+    all is a ConfigError naming transfer.kinds."""
+    usable = device_transports(cache)
+    kinds = tuple(kind for kind in config.kinds if kind in usable)
+    if not kinds:
+        raise ConfigError(
+            f"transfer.kinds: none of {list(config.kinds)} works with a KV cache on {cache.device} "
+            f"(it can use {', '.join(usable)})"
+        )
+    return kinds
+
+
+def make_receiver_transports(
     config: TransferConfig, layout: KVLayout, cache: torch.Tensor
-) -> ReceiverTransport:
+) -> dict[str, ReceiverTransport]:
+    """One receiver transport per held kind (held_kinds), in order of preference."""
     check_cache(layout, cache)
-    cache = byte_cache(cache)
-    if config.kind == "tcp":
+    return _each_kind(
+        config, cache, lambda kind: _receiver_transport(kind, config, layout, byte_cache(cache))
+    )
+
+
+def make_sender_transports(
+    config: TransferConfig, layout: KVLayout, cache: torch.Tensor
+) -> dict[str, SenderTransport]:
+    """One sender transport per held kind (held_kinds), in order of preference."""
+    check_cache(layout, cache)
+    return _each_kind(config, cache, lambda kind: _sender_transport(kind, config, layout, byte_cache(cache)))
+
+
+def _each_kind(config: TransferConfig, cache: torch.Tensor, make: Callable[[str], _T]) -> dict[str, _T]:
+    made: dict[str, _T] = {}
+    try:
+        for kind in held_kinds(config, cache):
+            made[kind] = make(kind)
+    except BaseException:
+        for transport in made.values():
+            transport.close()
+        raise
+    return made
+
+
+def _receiver_transport(
+    kind: str, config: TransferConfig, layout: KVLayout, cache: torch.Tensor
+) -> ReceiverTransport:
+    if kind == "tcp":
         from kv_transfer.tcp import TcpReceiverTransport
 
         return TcpReceiverTransport(layout, cache, config)
-    if config.kind == "nccl":
+    if kind == "nccl":
         from kv_transfer.nccl import NcclReceiverTransport
 
         return NcclReceiverTransport(layout, cache, config)
@@ -206,14 +251,14 @@ def make_receiver_transport(
     return IpcReceiverTransport(layout, cache, config)
 
 
-def make_sender_transport(config: TransferConfig, layout: KVLayout, cache: torch.Tensor) -> SenderTransport:
-    check_cache(layout, cache)
-    cache = byte_cache(cache)
-    if config.kind == "tcp":
+def _sender_transport(
+    kind: str, config: TransferConfig, layout: KVLayout, cache: torch.Tensor
+) -> SenderTransport:
+    if kind == "tcp":
         from kv_transfer.tcp import TcpSenderTransport
 
         return TcpSenderTransport(layout, cache, config)
-    if config.kind == "nccl":
+    if kind == "nccl":
         from kv_transfer.nccl import NcclSenderTransport
 
         return NcclSenderTransport(layout, cache, config)

@@ -62,8 +62,8 @@ def check_config(r: Rendering) -> list[str]:
             found.append(f"config {role}.ray_resources is {pool.ray_resources}, want {{{resource}: 1}}")
             continue
         found += _placement_problems(role, pool, group)
-        if pool.num_gpus == 0 and config.transfer.kind != "tcp":
-            found.append(f"{role}: CPU workers with transfer.kind {config.transfer.kind} (needs GPUs)")
+        if pool.num_gpus == 0 and "tcp" not in config.transfer.kinds:
+            found.append(f"{role}: CPU workers with transfer.kinds {list(config.transfer.kinds)} (need tcp)")
         found += _autoscaler_problems(role, config, pool, group)
     return found + _router_config_problems(r, config)
 

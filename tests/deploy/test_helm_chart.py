@@ -175,7 +175,7 @@ def test_multi_gpu_values_map_onto_groups_and_pools() -> None:
         120.5,
     )
     assert config.controller.routers == ("demo-tandem-router-headless.llm.svc:8443",)
-    assert config.transfer.kind == "nccl" and config.transfer.transfer_timeout_s == 60
+    assert config.transfer.kinds == ("cuda_ipc", "nccl") and config.transfer.transfer_timeout_s == 60
 
 
 def test_cpu_values_have_no_gpus_and_use_tcp() -> None:

@@ -61,6 +61,10 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
     [
         ({"mode": "colocated", "colocated": {"replicas": 0}}, "colocated.replicas: mode colocated needs"),
         ({"prefill": {"gpusPerWorker": 0}}, "transfer.kind: nccl needs GPUs"),
+        (
+            {"prefill": {"gpusPerWorker": 0}, "transfer": {"kinds": ["cuda_ipc", "nccl"]}},
+            "transfer.kinds: [cuda_ipc nccl] has no tcp, but prefill.gpusPerWorker is 0",
+        ),
         ({"decode": {"engine": {"cache": {"blockSize": 32}}}}, "decode.engine.cache.blockSize: must equal"),
         (
             {"workers": {"metricsPort": 8080}},

@@ -192,6 +192,32 @@ def test_an_fp8_cache_refuses_a_bfloat16_sender_naming_the_dtype(peer):
     assert sent["released"] == 1
 
 
+def test_workers_allowed_several_transports_hold_the_ones_a_cpu_can_use_and_leases_name_theirs():
+    """transfer.kinds [cuda_ipc, nccl, tcp] on CPU caches: both sides hold tcp alone; a lease names its transport
+    (the first held unless asked), one the receiver lacks is refused at reserve, and a target naming one the
+    sender lacks fails before any connection (TRANSPORT_MISMATCH). Both sides in this process."""
+    layout = make_layout("float32")
+    several = config(kinds=("cuda_ipc", "nccl", "tcp"))
+    cache, src = make_cache(layout, 1), make_cache(layout, 2)
+    alloc = ShuffledFreeList(NUM_BLOCKS, 3)
+    with KVReceiver(layout, cache, alloc, several) as receiver, KVSender(layout, src, several) as sender:
+        assert receiver.transports == ("tcp",) and sender.transports == ("tcp",)
+        with pytest.raises(ValueError, match="holds tcp, not 'nccl'"):
+            receiver.reserve("refused", 5, transport="nccl")
+        lease = receiver.reserve("r1", 5)
+        target = receiver.target(lease)
+        assert lease.transport == "tcp" and target.transport == kv_pb2.KV_TRANSPORT_TCP
+        sent = sender.send(target, [3, 7], 5, FIRST).future.result(timeout=20)
+        (landed,) = wait_results(receiver)
+        assert sent.ok and landed.ok and checksum(cache, lease.block_ids) == checksum(src, [3, 7])
+        other = receiver.target(receiver.reserve("r2", 5))
+        other.transport = kv_pb2.KV_TRANSPORT_NCCL
+        refused = sender.send(other, [3, 7], 5, FIRST).future.result(timeout=20)
+        assert refused.failure is FailureReason.TRANSPORT_MISMATCH and "target=nccl" in refused.message
+        assert receiver.abort("r2")
+    assert alloc.total - len(alloc.free_ids) == len(lease.block_ids)  # only the landed lease's blocks are out
+
+
 # --- dead and stopped peers ------------------------------------------------------------------------------
 def test_sender_killed_mid_stream_frees_the_lease():
     victim = Peer()
@@ -386,7 +412,7 @@ def test_an_exclusive_transport_takes_turns_on_one_connection():
         KVReceiver(layout, make_cache(layout, 26), alloc, config()) as receiver,
         KVSender(layout, cache, config()) as sender,
     ):
-        sender._transport.exclusive = True  # type: ignore[attr-defined]
+        sender._transports["tcp"].exclusive = True  # type: ignore[attr-defined]
         first_lease, second_lease = receiver.reserve("a", 11), receiver.reserve("b", 11)
         first_ids, second_ids = [1, 2, 3], [4, 5, 6]
         first = sender.open(receiver.target(first_lease), first_ids, 11)  # holds the connection until finish

@@ -69,8 +69,9 @@ def devices(kind: str) -> tuple[str, str]:
 
 
 def config(kind: str, **kw) -> TransferConfig:
+    """`kind`: one transport, or several comma-separated ("cuda_ipc,nccl": transfer.kinds in that order)."""
     base = dict(
-        kind=kind,
+        kinds=tuple(kind.split(",")),
         poll_interval_s=0.01,
         connect_timeout_s=10.0,
         transfer_timeout_s=30.0,

@@ -13,11 +13,13 @@ import time
 import pytest
 
 from kv_transfer import FailureReason, KVReceiver, KVSender
+from kv_transfer.pairing import TRANSPORT_TO_PROTO
 from tandem_api.tandem.v1 import kv_pb2
 from tests.gpu.kv_gpu_support import (
     FIRST,
     KINDS,
     MARKS,
+    NCCL_ONLY,
     NUM_BLOCKS,
     FreeList,
     checksum,
@@ -105,6 +107,31 @@ def test_handoff_bytes_identical(sender_peer, num_tokens, mode):
             assert result.ok and result.first_token == FIRST
             assert checksum(cache, lease.block_ids) == sent["checksum"]
             alloc.free(lease.block_ids)
+
+
+@NCCL_ONLY
+def test_workers_holding_cuda_ipc_and_nccl_move_each_lease_over_the_transport_it_names():
+    """transfer.kinds [cuda_ipc, nccl] on both sides (two GPUs of one node): each lease names its transport, the
+    sender opens a channel of that transport, and both kinds move the bytes intact, alternating, each reusing
+    its pair the second time."""
+    conn, proc = spawn(_sender_peer, "cuda_ipc,nccl", "cuda:1")
+    try:
+        cache, alloc = make_cache(99, "cuda:0"), FreeList(5)
+        with KVReceiver(layout_of(), cache, alloc, config("cuda_ipc,nccl")) as receiver:
+            assert receiver.transports == ("cuda_ipc", "nccl")
+            for i, kind in enumerate(("nccl", "cuda_ipc", "nccl", "cuda_ipc")):
+                lease = receiver.reserve(f"req-{i}", 48, transport=kind)
+                assert receiver.target(lease).transport == TRANSPORT_TO_PROTO[kind]
+                sent = ask(conn, command(receiver, lease, "all"))
+                (result,) = wait_results(receiver)
+                assert sent["ok"] and result.ok, (kind, sent, result)
+                assert checksum(cache, lease.block_ids) == sent["checksum"]
+                alloc.free(lease.block_ids)
+            assert receiver.stats().transfers_ok == 4
+    finally:
+        conn.send(None)
+        proc.join(30)
+        proc.kill()
 
 
 def test_aborts_and_forged_handles_free_everything(sender_peer):

@@ -180,6 +180,15 @@ def test_hello_checks_transport_and_refuses_nccl_on_one_gpu():
     check_hello(LAYOUT, "nccl", "GPU-2", gpu_hello)
 
 
+def test_a_side_holding_several_transports_takes_the_one_the_hello_names():
+    ipc_hello = make_hello(LAYOUT, b"i" * 16, "cuda_ipc", "GPU-1").hello
+    assert check_hello(LAYOUT, ("nccl", "cuda_ipc", "tcp"), "GPU-1", ipc_hello) == "cuda_ipc"
+    nccl_hello = make_hello(LAYOUT, b"i" * 16, "nccl", "GPU-1").hello
+    assert check_hello(LAYOUT, ("cuda_ipc", "nccl"), "GPU-2", nccl_hello) == "nccl"
+    with pytest.raises(TransferFailed, match="ours=nccl,tcp theirs=cuda_ipc"):
+        check_hello(LAYOUT, ("nccl", "tcp"), "GPU-2", ipc_hello)
+
+
 # --- lease table -----------------------------------------------------------------------------------------
 def test_forged_handle_is_unknown_and_touches_nothing():
     table, alloc, _, failed = make_table()

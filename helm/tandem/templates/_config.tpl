@@ -78,7 +78,12 @@ they were before the chart knew the key. */ -}}
 {{- $_ := set $router "auth" $auth -}}
 {{- end -}}
 {{- end -}}
-{{- $transfer := dict "kind" $v.transfer.kind "transfer_timeout_s" $v.transfer.transferTimeoutSeconds -}}
+{{- $transfer := dict "transfer_timeout_s" $v.transfer.transferTimeoutSeconds -}}
+{{- if $v.transfer.kinds -}}
+{{- $_ := set $transfer "kinds" $v.transfer.kinds -}}
+{{- else -}}
+{{- $_ := set $transfer "kind" $v.transfer.kind -}}
+{{- end -}}
 {{- $_ := set $transfer "pair_setup_timeout_s" $v.transfer.pairSetupTimeoutSeconds -}}
 {{- $_ := set $transfer "layer_groups" (int $v.transfer.layerGroups) -}}
 {{- $routers := list (printf "%s.%s.svc:%d" (include "tandem.routerHeadlessName" .) .Release.Namespace (int $v.router.grpcPort)) -}}

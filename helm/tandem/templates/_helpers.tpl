@@ -160,7 +160,10 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- if and (gt $max (int $pool.replicas)) (not (dig "autoscaling" "enabled" false $.Values.ray)) }}
 {{- fail (printf "%s.maxReplicas: %d pods, above %s.replicas (%d), need ray.autoscaling.enabled: without it no pod would ever hold the workers past the running ones" $role $max $role (int $pool.replicas)) }}
 {{- end }}
-{{- if and (eq (int $pool.gpusPerWorker) 0) (ne $.Values.transfer.kind "tcp") }}
+{{- if and (eq (int $pool.gpusPerWorker) 0) $.Values.transfer.kinds (not (has "tcp" $.Values.transfer.kinds)) }}
+{{- fail (printf "transfer.kinds: %v has no tcp, but %s.gpusPerWorker is 0 and CPU pools move KV over tcp only; add tcp" $.Values.transfer.kinds $role) }}
+{{- end }}
+{{- if and (eq (int $pool.gpusPerWorker) 0) (not $.Values.transfer.kinds) (ne $.Values.transfer.kind "tcp") }}
 {{- fail (printf "transfer.kind: %s needs GPUs, but %s.gpusPerWorker is 0; use tcp for CPU pools" $.Values.transfer.kind $role) }}
 {{- end }}
 {{- end }}
