@@ -41,11 +41,6 @@ class Channel:
     released_at: float = field(default_factory=time.monotonic)
     transfers: int = 0  # completed on this channel; 0 while the first runs (a cold handoff)
 
-    @property
-    def kind(self) -> str:
-        """The channel's transport."""
-        return self.key[3]
-
     def fresh(self, now: float) -> bool:
         """Reusable: not idle too long, and the receiver has not closed it or spoken (it only would to go)."""
         return now - self.released_at < self.reuse_within_s and not self.conn.frame_waiting()
