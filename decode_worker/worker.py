@@ -63,6 +63,8 @@ class DecodeWorker(WorkerLifecycle):
                 tls=spec.tls.ssl_context() if spec.tls is not None else None,  # KV control connections too
             )
             self.service.receiver = self.receiver
+            # What the router may name for this worker's pairs: the transports its receiver holds.
+            self.service.node = describe_node(spec.node_id, engine.runner.kv_cache, self.receiver.transports)
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, s), [SERVICE]
         )

@@ -47,7 +47,7 @@ class PrefillWorker(WorkerLifecycle):
         self.service = PrefillService(
             spec.worker_id, loop, self.sender, spec.prefill_timeout_s, spec.transfer.layer_groups
         )
-        self.service.node = describe_node(spec.node_id, engine.runner.kv_cache)
+        self.service.node = describe_node(spec.node_id, engine.runner.kv_cache, self.sender.transports)
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]
         )

@@ -4,7 +4,8 @@ transport can be chosen (router.transport_choice).
     node_id        the Ray node id (set by deploy.actors); outside Ray, "host:<hostname>/<boot id>": equal for
                    two processes of one kernel and one hostname (one host, one container), different otherwise,
                    so two workers never look like one node when CUDA IPC could not join them
-    kv_transports  kv_transfer.transport.device_transports of the worker's cache
+    kv_transports  the KV transports the worker holds (its KVSender's or KVReceiver's: the transfer.kinds its
+                   device can use); a worker without either (colocated) names what its cache's device can use
     kv_gpu_uuid    the cache's GPU ("" on CPU)
 """
 
@@ -45,6 +46,8 @@ def host_identity() -> str:
     return f"host:{host}/{boot}" if boot else f"host:{host}"
 
 
-def describe_node(node_id: str, cache: torch.Tensor) -> WorkerNode:
-    """`node_id`: the spec's (Ray's) when set, else this host's identity."""
-    return WorkerNode(node_id or host_identity(), device_transports(cache), device_uuid(cache))
+def describe_node(node_id: str, cache: torch.Tensor, held: tuple[str, ...] | None = None) -> WorkerNode:
+    """`node_id`: the spec's (Ray's) when set, else this host's identity. `held`: the transports the worker's
+    KVSender or KVReceiver holds; None for a worker without one."""
+    transports = device_transports(cache) if held is None else held
+    return WorkerNode(node_id or host_identity(), transports, device_uuid(cache))

@@ -29,6 +29,8 @@ def test_outside_ray_a_worker_names_its_host_and_a_cpu_cache_travels_over_tcp_on
     assert (node.node_id, node.kv_transports, node.kv_gpu_uuid) == (host_identity(), ("tcp",), "")
     assert node.kv_transport_values == [kv_pb2.KV_TRANSPORT_TCP]
     assert describe_node("0f3a-ray-node", torch.zeros(1)).node_id == "0f3a-ray-node"  # Ray's, when it has one
+    # A worker with a KV sender or receiver names the transports it holds, not all its device could use.
+    assert describe_node("", torch.zeros(1), ("nccl", "tcp")).kv_transports == ("nccl", "tcp")
 
 
 @contextmanager
