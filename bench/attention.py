@@ -1,6 +1,7 @@
 """Decode attention on the GPU: Triton paged kernel vs the HBM roofline, Llama-3-8B shapes.
 
     python bench/attention.py [--batches 1,8,32] [--contexts 512,2048] [--segments N] [--tile-n N]
+                              [--kv-dtypes bf16,fp8]
 
 One layer: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, every sequence at the full context,
 block tables a random permutation of the pool. For each (batch, context) it checks the kernel against the torch
@@ -8,6 +9,9 @@ reference on a few sequences, then times it with CUDA events (CUDA-graph replays
 calls, so launch overhead is excluded; median over `--reps`). Roofline = KV bytes read / HBM bandwidth, the
 bandwidth measured in the same run by a large device-to-device copy (read + write bytes). For context, the
 same batch through torch SDPA (FlashAttention, enable_gqa) on a dense, contiguous KV copy.
+`--kv-dtypes bf16,fp8` also runs every point with an FP8 cache (cache.dtype fp8_e4m3: e4m3 codes, per-channel
+power-of-two scales folded into the query and the output, model_runtime.kv_quant); its roofline counts one byte
+an element, and its row carries the speedup over the bf16 row of the same point.
 Prints a table and writes bench/results/attention_<gpu-name>.json.
 """
 
@@ -32,9 +36,11 @@ from model_runtime.attention.base import AttentionMetadata
 from model_runtime.attention.torch_ref import paged_attention_ref
 from model_runtime.attention.triton_backend import TritonAttention
 from model_runtime.attention.triton_decode import DecodeTuning
+from model_runtime.kv_quant import quantize_kv
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+KV_DTYPES = ("bf16", "fp8")  # the cache: bf16, or e4m3 codes with per-channel scales (cache.dtype fp8_e4m3)
 SCALE = HEAD_DIM**-0.5
 CHECK_SEQS = 4
 TOL = 1e-2
@@ -52,6 +58,8 @@ class Row:
     achieved_gbps: float
     sdpa_dense_us: float | None
     max_rel_err: float
+    kv_dtype: str = "bf16"
+    speedup_vs_bf16: float | None = None
 
 
 def time_graph(fn, inner: int, reps: int) -> float:
@@ -97,37 +105,52 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def build(batch: int, context: int, gen: torch.Generator):
-    """A paged pool holding exactly `batch` sequences of `context` tokens, in scattered blocks."""
+def build(batch: int, context: int, gen: torch.Generator, fp8: bool = False):
+    """A paged pool holding exactly `batch` sequences of `context` tokens, in scattered blocks; with `fp8` the
+    pool holds e4m3 codes of the same values and the scales come back too (else None)."""
     per_seq = -(-context // BLOCK)
     num_blocks = batch * per_seq + 1
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
+    scales = None
+    if fp8:
+        exponents = torch.randint(-4, 2, (2, KV_HEADS, HEAD_DIM), generator=gen).float()
+        scales = torch.exp2(exponents).to("cuda").contiguous()
+        k_cache, v_cache = quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1])
     perm = torch.randperm(num_blocks - 1, generator=gen).to("cuda") + 1
     tables = perm.view(batch, per_seq).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    return q, k_cache, v_cache, tables, seq_lens
+    return q, k_cache, v_cache, tables, seq_lens, scales
 
 
-def check(out: torch.Tensor, q, k_cache, v_cache, tables, context: int) -> float:
-    """Relative error of the first CHECK_SEQS sequences against the fp32 torch reference."""
+def _pages(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A zero null block followed by `cache`'s pages `ids`, in cache's dtype (FP8 pages copied as bytes)."""
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    pages = torch.cat([torch.zeros_like(raw[:1]), raw[ids]])
+    return pages.view(cache.dtype)
+
+
+def check(out: torch.Tensor, q, k_cache, v_cache, tables, context: int, scales=None) -> float:
+    """Relative error of the first CHECK_SEQS sequences against the fp32 torch reference (which reads an FP8
+    pool through its scales)."""
     n = min(CHECK_SEQS, q.shape[0])
-    used = tables[:n].long()  # copy just their pages (in fp32) into a small pool: block i+1 <- used[i]
-    sub_k = torch.cat([torch.zeros_like(k_cache[:1]), k_cache[used.flatten()]]).float()
-    sub_v = torch.cat([torch.zeros_like(v_cache[:1]), v_cache[used.flatten()]]).float()
-    sub_tables = torch.arange(1, used.numel() + 1, device="cuda", dtype=torch.int32).view_as(used)
+    used = tables[:n].long()  # copy just their pages into a small pool: block i+1 <- used[i]
+    sub_k, sub_v = (_pages(cache, used.flatten()) for cache in (k_cache, v_cache))
+    if scales is None:
+        sub_k, sub_v = sub_k.float(), sub_v.float()
+    sub_tables = torch.arange(1, used.numel() + 1, device=q.device, dtype=torch.int32).view_as(used)
     meta = AttentionMetadata(
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((n,), context, dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=q.device),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=q.device),
+        seq_lens=torch.full((n,), context, dtype=torch.int32, device=q.device),
         block_tables=sub_tables,
         query_lens_host=[1] * n,
         seq_lens_host=[context] * n,
         max_query_len=1,
         max_seq_len=context,
     )
-    ref = paged_attention_ref(q[:n].float(), sub_k, sub_v, meta, SCALE)
+    ref = paged_attention_ref(q[:n].float(), sub_k, sub_v, meta, SCALE, scales)
     err = float((out[:n].float() - ref).abs().max() / ref.abs().max())
     if not err < TOL:
         raise SystemExit(f"kernel disagrees with the reference at context {context}: rel err {err:.3e}")
@@ -148,36 +171,54 @@ def dense_sdpa_us(q, k_cache, v_cache, tables, context: int, args) -> float | No
     return us
 
 
-def bench_one(batch: int, context: int, bw_gbps: float, args, gen: torch.Generator) -> Row:
-    q, k_cache, v_cache, tables, seq_lens = build(batch, context, gen)
+def bench_one(
+    batch: int, context: int, bw_gbps: float, args, gen: torch.Generator, kv_dtype: str = "bf16"
+) -> Row:
+    q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, fp8=kv_dtype == "fp8")
     tuning = DecodeTuning(tile_n=args.tile_n, num_warps=args.num_warps, num_stages=args.num_stages)
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
-    out = backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE)
-    err = check(out, q, k_cache, v_cache, tables, context)
+    out = backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE, scales)
+    err = check(out, q, k_cache, v_cache, tables, context, scales)
     us = time_graph(
-        lambda: backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE), args.inner, args.reps
+        lambda: backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE, scales), args.inner, args.reps
     )
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
-    dense = None if args.no_sdpa else dense_sdpa_us(q, k_cache, v_cache, tables, context, args)
-    return Row(batch, context, segments, kv_bytes, us, roof_us, roof_us / us, kv_bytes / us / 1e3, dense, err)
+    dense = None
+    if not args.no_sdpa and scales is None:  # SDPA reads 16-bit K/V only
+        dense = dense_sdpa_us(q, k_cache, v_cache, tables, context, args)
+    return Row(
+        batch,
+        context,
+        segments,
+        kv_bytes,
+        us,
+        roof_us,
+        roof_us / us,
+        kv_bytes / us / 1e3,
+        dense,
+        err,
+        kv_dtype,
+    )
 
 
 def print_table(rows: list[Row], bw_gbps: float, gpu: str) -> None:
     print(
-        f"\n{gpu}: decode attention, Llama-3-8B layer (32/8 heads, D 128, bf16, block {BLOCK}); "
+        f"\n{gpu}: decode attention, Llama-3-8B layer (32/8 heads, D 128, bf16 queries, block {BLOCK}); "
         f"HBM copy {bw_gbps:.0f} GB/s"
     )
     print(
-        f"{'batch':>6} {'ctx':>6} {'segs':>5} {'KV MB':>9} {'triton us':>10} {'roof us':>9} "
-        f"{'% roof':>7} {'GB/s':>7} {'sdpa dense us':>14}"
+        f"{'kv':>4} {'batch':>6} {'ctx':>6} {'segs':>5} {'KV MB':>9} {'triton us':>10} {'roof us':>9} "
+        f"{'% roof':>7} {'GB/s':>7} {'x bf16':>7} {'sdpa dense us':>14}"
     )
     for r in rows:
         dense = f"{r.sdpa_dense_us:14.1f}" if r.sdpa_dense_us is not None else f"{'-':>14}"
+        speedup = f"{r.speedup_vs_bf16:6.2f}x" if r.speedup_vs_bf16 is not None else f"{'-':>7}"
         print(
-            f"{r.batch:>6} {r.context:>6} {r.num_segments:>5} {r.kv_bytes / 1e6:>9.1f} {r.triton_us:>10.1f} "
-            f"{r.roofline_us:>9.1f} {100 * r.fraction_of_roofline:>6.1f}% {r.achieved_gbps:>7.0f} {dense}"
+            f"{r.kv_dtype:>4} {r.batch:>6} {r.context:>6} {r.num_segments:>5} {r.kv_bytes / 1e6:>9.1f} "
+            f"{r.triton_us:>10.1f} {r.roofline_us:>9.1f} {100 * r.fraction_of_roofline:>6.1f}% "
+            f"{r.achieved_gbps:>7.0f} {speedup} {dense}"
         )
 
 
@@ -194,8 +235,12 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
+    parser.add_argument("--kv-dtypes", default="bf16", help="bf16, fp8, or both (bf16,fp8)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<gpu>.json)")
     args = parser.parse_args()
+    kv_dtypes = args.kv_dtypes.split(",")
+    if not kv_dtypes or any(d not in KV_DTYPES for d in kv_dtypes):
+        raise SystemExit(f"--kv-dtypes: a comma list of {', '.join(KV_DTYPES)}, got {args.kv_dtypes!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
@@ -204,14 +249,20 @@ def main() -> None:
     rows = []
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
-            rows.append(bench_one(batch, context, bw, args, gen))
-            torch.cuda.empty_cache()  # the last config's pool is garbage now
-            r = rows[-1]
-            print(
-                f"batch {batch} ctx {context}: {r.triton_us:.1f} us ({100 * r.fraction_of_roofline:.0f}% of "
-                f"roofline), err {r.max_rel_err:.1e}",
-                flush=True,
-            )
+            point: dict[str, Row] = {}
+            for kv_dtype in kv_dtypes:
+                r = bench_one(batch, context, bw, args, gen, kv_dtype)
+                base = point.get("bf16")
+                if base is not None and kv_dtype != "bf16":
+                    r = dataclasses.replace(r, speedup_vs_bf16=base.triton_us / r.triton_us)
+                point[kv_dtype] = r
+                rows.append(r)
+                torch.cuda.empty_cache()  # the last config's pool is garbage now
+                print(
+                    f"{kv_dtype} batch {batch} ctx {context}: {r.triton_us:.1f} us "
+                    f"({100 * r.fraction_of_roofline:.0f}% of roofline), err {r.max_rel_err:.1e}",
+                    flush=True,
+                )
     print_table(rows, bw, gpu)
     write_json(rows, bw, gpu, args)
 
@@ -234,6 +285,7 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
             "head_dim": HEAD_DIM,
             "block_size": BLOCK,
             "dtype": "bfloat16",
+            "kv_dtypes": args.kv_dtypes,
         },
         "settings": {
             "segments": args.segments or "auto",
