@@ -209,13 +209,17 @@ def serve(tmp: Path, prefill: int, decode: int, transfer: dict, controller: dict
 
 
 @contextmanager
-def offline_engine(num_blocks: int, model: str | None = None) -> Iterator[LLM]:
+def offline_engine(
+    num_blocks: int, model: str | None = None, cache_dtype: str | None = None
+) -> Iterator[LLM]:
     """The engine offline, set up as the clusters' CPU workers are (`engine_section`, one torch intra-op thread: the
     same reduction order), the reference their greedy output must equal. The caller's thread count comes back
-    after."""
+    after. `cache_dtype`: the workers' engine.cache.dtype, when the cluster sets one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     section = engine_section(num_blocks)
+    if cache_dtype is not None:
+        section["cache"]["dtype"] = cache_dtype
     try:
         yield LLM(config=EngineConfig.from_dict(section if model is None else {**section, "model": model}))
     finally:

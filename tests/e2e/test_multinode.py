@@ -6,8 +6,9 @@
     B2    127.0.0.5  {decode_slot: 1}         joins after B is lost (a replacement machine)
 
 `tandem serve --config` joins the cluster through `ray.address`; every prompt is computed on the head and its KV
-crosses to a decode worker on another node (over tcp, the CPU transport), and the greedy tokens equal the
-engine's offline. B's raylet is then killed under load: every request ends (served, resumed on C, or with a
+crosses to a decode worker on another node, and the greedy tokens equal the engine's offline. The deployment
+allows `transfer.kinds: [cuda_ipc, nccl, tcp]`: CPU workers hold tcp alone, so every pair runs over tcp. Its
+caches are FP8 (`cache.dtype: fp8_e4m3`, the offline reference's too): the KV crosses nodes as e4m3 codes. B's raylet is then killed under load: every request ends (served, resumed on C, or with a
 clear status), nothing is left held, the controller replaces B's worker and says why the replacement cannot be
 placed, and once B2 joins the replacement starts there and serves.
 """
@@ -20,11 +21,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
 from deploy.config import load_config
 from model_runtime.llm import LLM
+from tandem_api.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem_client import Client
 from tests.e2e.cluster import ServeProcess
 from tests.e2e.faults_support import assert_all_idle, greedy, offline_engine, workers
@@ -42,11 +45,12 @@ PROMPTS = [
 MAX_TOKENS = 12
 NUM_BLOCKS = 192
 DECODE_LOAD = RequestKind("decode", max_tokens=24)
+CACHE_DTYPE = "fp8_e4m3"
 
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[LLM]:
-    with offline_engine(NUM_BLOCKS) as llm:
+    with offline_engine(NUM_BLOCKS, cache_dtype=CACHE_DTYPE) as llm:
         yield llm
 
 
@@ -102,6 +106,17 @@ def check_greedy(address: str, offline: LLM) -> None:
             assert list(got.token_ids) == greedy(offline, prompt, MAX_TOKENS), prompt
 
 
+def layout_fingerprint(worker) -> str:
+    """The worker's own status (the SDK's WorkerInfo leaves the KV layout out)."""
+    stub = (
+        worker_pb2_grpc.PrefillWorkerStub
+        if worker.role.name == "PREFILL"
+        else worker_pb2_grpc.DecodeWorkerStub
+    )
+    with grpc.insecure_channel(worker.address) as channel:
+        return str(stub(channel).Status(worker_pb2.WorkerStatusRequest(), timeout=10).layout_fingerprint)
+
+
 def node_ip(address: str) -> str:
     return address.rpartition(":")[0]
 
@@ -128,6 +143,9 @@ def test_pools_on_chosen_nodes_survive_the_loss_of_one(nodes: Nodes, tmp_path: P
     config.update(config_for(nodes.head.gcs_address))
     config["prefill"]["ray_labels"] = {"tandem.io/pool": "prefill"}
     config["decode"]["ray_resources"] = {"decode_slot": 1}
+    config["transfer"] = {"kinds": ["cuda_ipc", "nccl", "tcp"]}
+    for role in ("prefill", "decode"):
+        config[role]["engine"]["cache"]["dtype"] = CACHE_DTYPE
     serve.config_path.write_text(yaml.safe_dump(config))
     assert load_config(serve.config_path).ray.address == nodes.head.gcs_address
 
@@ -145,6 +163,9 @@ def _scenario(cluster: ServeProcess, nodes: Nodes, b: RayNode, offline: LLM) -> 
     assert placed["prefill-0"] == "127.0.0.2", placed
     assert sorted([placed["decode-0"], placed["decode-1"]]) == ["127.0.0.3", "127.0.0.4"], placed
     assert len({w.node_id for w in found.values()}) == 3, "each worker on its own Ray node"
+    # Every worker's KV layout is the offline FP8 engine's: FP8 codes with the same scales on every node.
+    assert offline.engine.layout.quantized
+    assert {layout_fingerprint(w) for w in found.values()} == {offline.engine.layout.fingerprint()}
     check_greedy(cluster.address, offline)
     on_b = next(wid for wid, ip in placed.items() if ip == "127.0.0.3")
 
