@@ -174,7 +174,7 @@ class ChannelPool:
                 "(does it require TLS? the deploy config's tls.cluster)",
             ) from None
         hello = expect(reply, "hello", FailureReason.PROTOCOL_ERROR).hello
-        check_hello(layout, kind, self._device_uuid, hello)
+        check_hello(layout, (kind,), self._device_uuid, hello)
         if hello.instance_id != target.receiver_id:
             raise TransferFailed(
                 FailureReason.UNKNOWN_HANDLE,

@@ -71,7 +71,7 @@ def make_hello(
     )
 
 
-def check_hello(layout: KVLayout, held: Sequence[str] | str, device_uuid: str, hello: kv_pb2.KVHello) -> str:
+def check_hello(layout: KVLayout, held: Sequence[str], device_uuid: str, hello: kv_pb2.KVHello) -> str:
     """What both sides check in the peer's KVHello: version, block format, transport and GPUs. `held`: the
     transports this side holds (a worker may hold several); returns the connection's transport, the first the
     peer names that this side holds (a sender names exactly one: its channel's)."""
@@ -83,13 +83,12 @@ def check_hello(layout: KVLayout, held: Sequence[str] | str, device_uuid: str, h
     if len(hello.instance_id) != HANDLE_BYTES:
         raise TransferFailed(FailureReason.PROTOCOL_ERROR, "hello.instance_id must be 16 bytes")
     check_format(layout, hello.format, hello.layout_fingerprint)
-    kinds = (held,) if isinstance(held, str) else tuple(held)
     theirs = [TRANSPORT_FROM_PROTO.get(t, str(t)) for t in hello.transports]
-    kind = next((k for k in theirs if k in kinds), None)
+    kind = next((k for k in theirs if k in held), None)
     if kind is None:
         raise TransferFailed(
             FailureReason.TRANSPORT_MISMATCH,
-            f"transport: ours={','.join(kinds)} theirs={','.join(theirs) or 'none'}",
+            f"transport: ours={','.join(held)} theirs={','.join(theirs) or 'none'}",
         )
     if kind == "nccl" and device_uuid and hello.device_uuid == device_uuid:
         raise TransferFailed(
@@ -99,7 +98,7 @@ def check_hello(layout: KVLayout, held: Sequence[str] | str, device_uuid: str, h
     return kind
 
 
-def check_target(layout: KVLayout, held: Sequence[str] | str, target: kv_pb2.KVTarget) -> str:
+def check_target(layout: KVLayout, held: Sequence[str], target: kv_pb2.KVTarget) -> str:
     """A sender's checks of a KVTarget before it connects (raise TransferFailed, nothing is sent); returns the
     transport the target names, which this sender must hold (`held`)."""
     if not target.host or not 0 < target.port < 65536:
@@ -111,10 +110,9 @@ def check_target(layout: KVLayout, held: Sequence[str] | str, target: kv_pb2.KVT
     if not target.request_id:
         raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, "target.request_id is empty")
     check_format(layout, target.format, target.layout_fingerprint)
-    kinds = (held,) if isinstance(held, str) else tuple(held)
     wanted = TRANSPORT_FROM_PROTO.get(target.transport, str(target.transport))
-    if wanted not in kinds:
+    if wanted not in held:
         raise TransferFailed(
-            FailureReason.TRANSPORT_MISMATCH, f"transport: ours={','.join(kinds)} target={wanted}"
+            FailureReason.TRANSPORT_MISMATCH, f"transport: ours={','.join(held)} target={wanted}"
         )
     return wanted

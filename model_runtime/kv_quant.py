@@ -31,9 +31,8 @@ import torch
 
 from model_runtime.config import ModelConfig
 from model_runtime.kv_layout import FP8_KV_DTYPE
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MARGIN = 1.0625  # above the exact bound: a bf16 forward pass rounds a little past it
 CACHE_DTYPE_NAMES = {"fp8_e4m3": FP8_KV_DTYPE}  # cache.dtype -> KVLayout.dtype (others are the same name)
 

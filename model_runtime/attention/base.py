@@ -116,8 +116,11 @@ def store_kv(
         cache.view(torch.uint8).view(n * b, h, d).index_copy_(0, slots, codes)
 
 
-def read_kv(pages: torch.Tensor, channel_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., Hkv, D] as values in `dtype`: dequantized with channel_scale [Hkv, D] when FP8."""
-    if channel_scale is None:
+def read_kv(
+    pages: torch.Tensor, kv_scale: torch.Tensor | None, which: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """K (`which` 0) or V (1) cache rows [..., Hkv, D] as values in `dtype`: dequantized with kv_scale[which]
+    ([Hkv, D]) when the cache is FP8 (kv_scale given)."""
+    if kv_scale is None:
         return pages.to(dtype)
-    return dequantize_kv(pages, channel_scale, dtype)
+    return dequantize_kv(pages, kv_scale[which], dtype)

@@ -53,11 +53,9 @@ def context_kv(
     """The prefill chunks' keys and values (see the module docstring); gathered from an FP8 cache, they are
     dequantized with kv_scale, so a chunk with a cached prefix reads every key as the decode kernel does."""
     if plan.context_slots is not None:
-        if kv_scale is None:
-            return gather_slots(k_cache, plan.context_slots), gather_slots(v_cache, plan.context_slots)
         return (
-            read_kv(gather_slots(k_cache, plan.context_slots), kv_scale[0], k.dtype),
-            read_kv(gather_slots(v_cache, plan.context_slots), kv_scale[1], v.dtype),
+            read_kv(gather_slots(k_cache, plan.context_slots), kv_scale, 0, k.dtype),
+            read_kv(gather_slots(v_cache, plan.context_slots), kv_scale, 1, v.dtype),
         )
     if plan.prefill_rows is None:
         return k, v

@@ -29,7 +29,6 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context (cache already holds the new K/V;
     an FP8 cache is read through kv_scale)."""
-    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     start = 0
@@ -37,8 +36,8 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = read_kv(gather_context(k_cache, meta.block_tables[i], seq_len), k_scale, q.dtype)
-        v = read_kv(gather_context(v_cache, meta.block_tables[i], seq_len), v_scale, q.dtype)
+        k = read_kv(gather_context(k_cache, meta.block_tables[i], seq_len), kv_scale, 0, q.dtype)
+        v = read_kv(gather_context(v_cache, meta.block_tables[i], seq_len), kv_scale, 1, q.dtype)
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         # Query j sits at position seq_len - q_len + j and sees keys 0 .. that position.
@@ -67,9 +66,8 @@ def batched_decode(
     hkv = k_cache.shape[2]
     tables = meta.block_tables.long()
     width = tables.shape[1] * k_cache.shape[1]
-    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-    k = read_kv(k_cache[tables].reshape(b, width, hkv, d), k_scale, q.dtype).transpose(1, 2)
-    v = read_kv(v_cache[tables].reshape(b, width, hkv, d), v_scale, q.dtype).transpose(1, 2)
+    k = read_kv(k_cache[tables].reshape(b, width, hkv, d), kv_scale, 0, q.dtype).transpose(1, 2)
+    v = read_kv(v_cache[tables].reshape(b, width, hkv, d), kv_scale, 1, q.dtype).transpose(1, 2)
     mask = torch.arange(width, device=q.device)[None, :] < meta.seq_lens[:, None]
     qg = q.view(b, hkv, hq // hkv, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)

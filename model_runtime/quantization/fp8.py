@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.models.llama import LlamaForCausalLM, Projection
-from model_runtime.weights.canonical import FP8_DTYPE, is_projection_weight
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, is_projection_weight
 
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # An all-zero row still gets a positive scale (its values quantize to zero, nothing divides by zero).
 _MIN_SCALE = torch.finfo(torch.float32).tiny
 # Rows quantized at once: the float32 scratch is one chunk's, not a whole (maybe 57344-row) matrix's.

@@ -36,7 +36,8 @@ from model_runtime.weights.errors import ModelLoadError
 # Tensors a checkpoint may carry that the engine recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # layers.{i}.<projection>.weight: the quantizable ones
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = torch.float8_e4m3fn  # FP8 weights and the FP8 KV cache alike
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: e4m3fn's largest finite value
 ByteProgress = Callable[[int, int], None]  # (bytes loaded so far, bytes in all)
 
 

@@ -111,19 +111,14 @@ def tiny_model(tmp_path_factory) -> str:
     return str(write_tiny_hf(tmp_path_factory.mktemp("bench-smoke")))
 
 
+def _smoke_argv(model: str, out: Path) -> list[str]:
+    """offline_throughput --smoke on the tiny model: two toy shapes, 6 and 3 prompts, the JSON at `out`."""
+    return ["--smoke", "--model", model, "--out", str(out), "--shapes", "16/8,24/4", "--num-prompts", "6,3"]
+
+
 def test_offline_throughput_smoke_counts_every_token(tiny_model, tmp_path):
     out = tmp_path / "offline.json"
-    argv = [
-        "--smoke",
-        "--model",
-        tiny_model,
-        "--out",
-        str(out),
-        "--shapes",
-        "16/8,24/4",
-        "--num-prompts",
-        "6,3",
-    ]
+    argv = _smoke_argv(tiny_model, out)
     path = offline_throughput.main([*argv, "--max-num-seqs", "4"])
     doc = json.loads(Path(path).read_text())
     assert path == out and doc["complete"] and doc["errors"] == [] and doc["skipped"] == []
@@ -155,17 +150,7 @@ def test_offline_throughput_smoke_counts_every_token(tiny_model, tmp_path):
 
 def test_offline_throughput_fp8_variants_compare_with_bf16(tiny_model, tmp_path):
     out = tmp_path / "offline.json"
-    argv = [
-        "--smoke",
-        "--model",
-        tiny_model,
-        "--out",
-        str(out),
-        "--shapes",
-        "16/8,24/4",
-        "--num-prompts",
-        "6,3",
-    ]
+    argv = _smoke_argv(tiny_model, out)
     offline_throughput.main([*argv, "--max-num-seqs", "4", "--variants", "fp8,bf16", "--skip-hf"])
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["errors"] == [] and doc["transformers"] == []

@@ -172,12 +172,12 @@ def test_fingerprint_disagreement_with_equal_fields_is_refused():
 
 def test_hello_checks_transport_and_refuses_nccl_on_one_gpu():
     hello = make_hello(LAYOUT, b"i" * 16, "tcp", "").hello
-    check_hello(LAYOUT, "tcp", "", hello)
-    assert reason_of(lambda: check_hello(LAYOUT, "nccl", "", hello)) is FailureReason.TRANSPORT_MISMATCH
+    check_hello(LAYOUT, ("tcp",), "", hello)
+    assert reason_of(lambda: check_hello(LAYOUT, ("nccl",), "", hello)) is FailureReason.TRANSPORT_MISMATCH
     gpu_hello = make_hello(LAYOUT, b"i" * 16, "nccl", "GPU-1").hello
     with pytest.raises(TransferFailed, match="two different GPUs"):
-        check_hello(LAYOUT, "nccl", "GPU-1", gpu_hello)
-    check_hello(LAYOUT, "nccl", "GPU-2", gpu_hello)
+        check_hello(LAYOUT, ("nccl",), "GPU-1", gpu_hello)
+    check_hello(LAYOUT, ("nccl",), "GPU-2", gpu_hello)
 
 
 def test_a_side_holding_several_transports_takes_the_one_the_hello_names():
