@@ -51,8 +51,11 @@ def test_a_prompt_reports_its_waiting_and_prefill_time_once(engine: Engine) -> N
     assert len(firsts) == 1 and records[2].first_tokens == (firsts[0],)  # sampled by the third chunk's step
     (first,) = firsts
     assert 0.25 <= first.waiting_s < 0.25 + elapsed
-    # the prefill spans the three chunk steps: more than their step durations, less than the whole run
-    assert sum(r.duration_s for r in records[:3]) <= first.prefill_s + 1e-3 and first.prefill_s <= elapsed
+    # The prefill runs from the prompt's admission (inside the first chunk's step, after that step's scheduling
+    # began) to its first token (at the end of the third): it holds the second and third steps whole, and lies
+    # within the run. The first step's scheduling before the admission is not in it (on a loaded box that
+    # part alone took 1.8 ms, past the 1 ms allowance an earlier form of this check had for it).
+    assert sum(r.duration_s for r in records[1:3]) <= first.prefill_s + 1e-3 and first.prefill_s <= elapsed
     assert first.cached_tokens == 0
 
 
