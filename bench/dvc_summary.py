@@ -71,6 +71,7 @@ def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path
     out["scaling"] = scaling(out, runs)
     out["prefix_cache"] = prefix_comparison(points)
     out["autoscaler"] = autoscaler_comparison(out, runs, points)
+    out["pair_transports"] = pair_transports(points)
     if not set(BASES) <= set(runs):
         return out
     dis, col = points["disagg"], points["colocated"]
@@ -135,6 +136,45 @@ def autoscaler_comparison(out: dict, runs: dict[str, dict], points: dict[str, li
                        "goal_met": ratio is not None and ratio >= AUTOSCALE_GOAL,
                        "pools_by_rate": [(p["settings"]["rate"], p.get("pools")) for p in points[dep]]}  # fmt: skip
     return result
+
+
+def pair_transports(points: dict[str, list[dict]]) -> dict:
+    """Every deployment whose points recorded their pairs' transports (bench/dvc_deployments.Server.pair_totals):
+    per rate, the disaggregated attempts by transport and nodes, the mean KV handoff, TTFT p50 and p90 and the
+    first -> second token gap p50, so that a "-both" deployment (the router picks cuda_ipc on one node) reads
+    beside its nccl and "-ipc" twins (issue 21)."""
+    result = {}
+    for dep, dep_points in points.items():
+        rows = []
+        for p in dep_points:
+            if not p.get("pairs"):
+                continue
+            gaps = sorted(p.get("samples", {}).get("first_itl", []))
+            rows.append({"rate": p["settings"]["rate"], "pairs": p["pairs"],
+                         "kv_handoff_mean_s": (p.get("kv_transfer") or {}).get("mean_s"),
+                         "ttft_p50": p["ttft"]["p50"], "ttft_p90": p["ttft"]["p90"],
+                         "first_itl_p50": gaps[len(gaps) // 2] if gaps else None, "slo_share": share(p)})  # fmt: skip
+        if rows:
+            result[dep] = rows
+    return result
+
+
+def pair_table(rows: list[dict]) -> str:
+    lines = ["| workload | deployment | rate (req/s) | pairs | KV handoff mean (ms) | TTFT p50 / p90 (ms) | "
+             "first -> second token p50 (ms) | within SLO |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    for row in rows:
+        for dep, points in row.get("pair_transports", {}).items():
+            for r in points:
+                pairs = ", ".join(f"{k} x{n}" for k, n in r["pairs"].items())
+                lines.append(
+                    f"| {row['workload']} | {dep} | {r['rate']:g} | {pairs} | {ms(r['kv_handoff_mean_s'])} | "
+                    f"{ms(r['ttft_p50'])} / {ms(r['ttft_p90'])} | {ms(r['first_itl_p50'])} | {r['slo_share']:.0%} |"
+                )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def prefix_table(rows: list[dict]) -> str:
@@ -247,8 +287,9 @@ def summarize(slo: SLO, out_dir: Path) -> None:
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(rows) + "\n\n" + capacity_table(rows)
-    if prefix_table(rows):
-        table += "\n\n" + prefix_table(rows)
+    for extra in (prefix_table(rows), pair_table(rows)):
+        if extra:
+            table += "\n\n" + extra
     (out_dir / "summary.md").write_text(table + "\n")
     print(table)
     print(json.dumps(summary["goals"]))

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.disagg_vs_colocated import pair_delta
 from bench.dvc_deployments import config_gpus, deployment_config, smoke_config
-from bench.dvc_summary import autoscaler_comparison, prefix_comparison
+from bench.dvc_summary import autoscaler_comparison, pair_transports, prefix_comparison
 from deploy.config import parse_config
 
 pytestmark = pytest.mark.unit
@@ -51,6 +52,33 @@ def test_ipc_moves_the_kv_over_cuda_ipc_and_changes_nothing_else() -> None:
     parse_config(config)
 
 
+def test_both_lets_the_router_pick_cuda_ipc_or_nccl_per_pair_and_changes_nothing_else() -> None:
+    config = deployment_config("disagg-1p1d-both")
+    plain = deployment_config("disagg-1p1d")
+    assert config["transfer"] == {
+        "kinds": ["cuda_ipc", "nccl"]
+    }  # the single "kind" is gone, not left to clash
+    assert {k: v for k, v in config.items() if k != "transfer"} == {
+        k: v for k, v in plain.items() if k != "transfer"
+    }
+    assert parse_config(config).transfer.kinds == ("cuda_ipc", "nccl")
+    assert smoke_config(config)["transfer"] == {"kinds": ["tcp"]}  # CPU workers hold tcp only
+
+
+def test_each_point_counts_its_own_pairs_and_the_summary_lists_them_by_transport() -> None:
+    before = {"cuda_ipc:same": 10.0, "nccl:same": 2.0}
+    after = {"cuda_ipc:same": 33.0, "nccl:same": 2.0, "nccl:cross": 1.0}
+    assert pair_delta(before, after) == {"cuda_ipc:same": 23, "nccl:cross": 1}
+    point = {**_point(2, 0.96, 0.150), "pairs": {"cuda_ipc:same": 23}, "kv_transfer": {"mean_s": 0.07},
+             "samples": {"first_itl": [0.02, 0.01, 0.03]}}  # fmt: skip
+    points = {"disagg-1p1d-both": [point], "colocated": [_point(2, 1.0, 0.1)]}
+    rows = pair_transports(points)
+    assert list(rows) == ["disagg-1p1d-both"]  # a deployment without recorded pairs is not listed
+    assert rows["disagg-1p1d-both"] == [{"rate": 2, "pairs": {"cuda_ipc:same": 23}, "kv_handoff_mean_s": 0.07,
+                                         "ttft_p50": 0.150, "ttft_p90": 0.150, "first_itl_p50": 0.02,
+                                         "slo_share": 0.96}]  # fmt: skip
+
+
 def test_nostream_ships_the_kv_after_the_first_token() -> None:
     config = deployment_config("disagg-1p1d-ipc-nostream")
     assert config["transfer"] == {"kind": "cuda_ipc", "layer_groups": 0}
@@ -63,7 +91,7 @@ def _point(rate: float, share: float, ttft_p50: float, cached: int | None = None
     return {
         "settings": {"rate": rate},
         "goodput": {"share": share},
-        "ttft": {"p50": ttft_p50},
+        "ttft": {"p50": ttft_p50, "p90": ttft_p50},
         "prefix_cache": use,
     }
 
