@@ -1,0 +1,86 @@
+"""FP8 projection weights on a Hopper GPU: torch._scaled_mm with per-token activation scales against the same
+arithmetic in float32, and an engine with quantization fp8 that decodes in CUDA graphs what its eager twin
+decodes. The CPU tests (tests/model/test_fp8_weights.py) cover the emulated path; this covers the one H100s run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.engine import Engine
+from model_runtime.quantization.fp8 import (
+    FP8Linear,
+    quantize_fp8,
+    scaled_mm_linear,
+    scaled_mm_supported,
+)
+from model_runtime.request import SamplingParams
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX
+from tests.model.tiny_models import write_tiny_hf
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90+"
+    ),
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_scaled_mm_matches_its_arithmetic_in_float32(tokens: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 4096, device="cuda", generator=gen).bfloat16()
+    x[0, 5] = 40.0  # an outlier: its row's scale grows, the other rows keep theirs
+    w = (torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(1024, device="cuda", generator=gen).bfloat16()
+    q, scale = quantize_fp8(w)
+    out = scaled_mm_linear(x, q, scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 1024)
+
+    # The same arithmetic in float32: x quantized per token (its row max onto 448), both sides dequantized.
+    x_scale = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    x_deq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * x_scale
+    ref = x_deq @ (q.float() * scale[:, None]).t() + bias.float()
+    assert _rel(out, ref) < 1e-2  # bfloat16 output rounding and accumulation order only
+    # And within e4m3's precision of the unquantized bf16 product (both sides quantized: a few percent).
+    exact = x.float() @ w.float().t() + bias.float()
+    assert _rel(out, exact) < 0.08
+
+
+def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cuda_graphs_as_eager(
+    tmp_path,
+) -> None:
+    assert scaled_mm_supported(torch.device("cuda"), torch.bfloat16)
+    path = str(write_tiny_hf(tmp_path, "llama"))
+    prompts = [[(7 * i + j) % 90 + 5 for i in range(11 + 5 * j)] for j in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for eager in (False, True):
+        config = EngineConfig(
+            model=path,
+            cache=CacheConfig(num_blocks=512),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
+            device=DeviceConfig(device="cuda", dtype="bfloat16", enforce_eager=eager, quantization="fp8"),
+        )
+        engine = Engine(config, emit_text=False)
+        try:
+            assert (engine.runner.graphs is None) == eager
+            fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
+            assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE for m in fp8)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, params)
+            out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+            while engine.has_unfinished():
+                for step in engine.step():
+                    out[step.request_id] += step.token_ids
+            tokens.append(out)
+        finally:
+            engine.close()
+    assert all(len(t) == 24 for t in tokens[0].values())
+    assert tokens[0] == tokens[1]
