@@ -13,7 +13,11 @@ segment, stage 1 writes the final output directly and stage 2 is skipped.
 
 An FP8 cache (QUANTIZED) comes with per-channel K and V scales ([Hkv, D] each, powers of two): the program
 multiplies its queries by the K scales once (q . (k8 * s) = (q * s) . k8) and its output by the V scales once,
-so the loop reads one byte per element and does no more arithmetic than for a 16-bit cache.
+so the loop reads one byte per element and does no more arithmetic than for a 16-bit cache. Its dots run in
+float16 (float32 accumulation) whatever the query dtype: Hopper converts two e4m3 codes to float16 in one
+instruction, while bfloat16 takes a detour through float32 that made the FP8 kernel 0.8x the bf16 one (H200,
+bench/results/fp8_h200/attention_fp8_run1.json). Codes (|c| <= 448), probabilities and scaled queries all fit
+float16, whose 10-bit mantissa holds more than bfloat16's 7.
 
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
 from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
@@ -68,7 +72,7 @@ def _decode_segment_kernel(
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
     if QUANTIZED:
         k_scale = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
-        q = (q.to(tl.float32) * k_scale[None, :]).to(q_ptr.dtype.element_ty)
+        q = (q.to(tl.float32) * k_scale[None, :]).to(tl.float16)  # and k, p, v follow q's dtype below
 
     # Segments are whole tiles so only the last tile of the context is partial.
     per_seg = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), TILE_N) * TILE_N

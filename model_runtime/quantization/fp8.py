@@ -11,15 +11,18 @@ checkpoint (model_runtime.weights.fp8_source) arrives in this form already and i
 
 Two matmuls, chosen once per module when the model is built, never per step:
 - scaled_mm (CUDA sm_90+, bfloat16 activations, K and N multiples of 16): each token's activations quantized to
-  e4m3 on the fly with a scale of its own (per token: max |x| of the row / 448), then torch._scaled_mm with the
-  row-wise scales of both sides, bfloat16 out. Shapes are static and nothing syncs with the host, so a decode
-  CUDA graph captures it. Not yet run on a GPU.
+  e4m3 on the fly with a scale of its own (per token: max |x| of the row / 448; one Triton kernel,
+  model_runtime.quantization.act_quant), then torch._scaled_mm with the row-wise scales of both sides, bfloat16
+  out. Shapes are static and nothing syncs with the host, so a decode CUDA graph captures it
+  (tests/gpu/test_fp8_weights_gpu.py).
 - emulation (CPU, other GPUs, other dtypes): the weight dequantized to the activation dtype (q * scale in
   float32, rounded once) and a plain matmul: the weights used are exactly the stored FP8 ones; activations are
   not quantized.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +65,28 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes [T, K] e4m3, scales [T, 1] float32): each token's row max onto 448, in torch ops (the
+    reference for model_runtime.quantization.act_quant's one-kernel version, which the GPU path uses)."""
+    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def scaled_mm_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantize: Quantizer = quantize_rows_torch,
 ) -> torch.Tensor:
     """x [T, K] bfloat16 @ dequant(weight [N, K], weight_scale [N])^T (+ bias) -> [T, N] bfloat16, with x
-    quantized per token. No host sync: the scales stay on the device."""
+    quantized per token by `quantize`. No host sync: the scales stay on the device."""
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)  # [T, 1]
-    x_q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_q, x_scale = quantize(x)
     # mat2 must be column-major: weight [N, K] row-major, transposed, is.
     out = torch._scaled_mm(
         x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.unsqueeze(0), out_dtype=x.dtype
@@ -92,10 +108,15 @@ class FP8Linear(nn.Module):
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
         # Fixed at build: shapes and device do not change, and the choice must not cost a step anything.
         self.scaled_mm = scaled_mm and in_features % 16 == 0 and out_features % 16 == 0
+        self._quantize: Quantizer = quantize_rows_torch
+        if self.scaled_mm:  # CUDA: one Triton kernel quantizes the activations (Triton is imported only then)
+            from model_runtime.quantization.act_quant import quantize_rows
+
+            self._quantize = quantize_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaled_mm:
-            return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+            return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias, self._quantize)
         return F.linear(x, dequantize_fp8(self.weight, self.weight_scale, x.dtype), self.bias)
 
 

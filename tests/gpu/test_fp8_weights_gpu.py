@@ -10,9 +10,11 @@ import torch
 
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.engine import Engine
+from model_runtime.quantization.act_quant import quantize_rows
 from model_runtime.quantization.fp8 import (
     FP8Linear,
     quantize_fp8,
+    quantize_rows_torch,
     scaled_mm_linear,
     scaled_mm_supported,
 )
@@ -32,6 +34,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.parametrize("width", [4096, 14336, 2500])
+def test_the_activation_kernel_quantizes_byte_for_byte_as_torch(width: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn(300, width, device="cuda", generator=gen) * 3).bfloat16()
+    x[7] = 0.0
+    x[9, 11] = 1e4
+    codes, scales = quantize_rows(x)
+    want_codes, want_scales = quantize_rows_torch(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_scaled_mm_matches_its_arithmetic_in_float32(tokens: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -40,7 +54,7 @@ def test_scaled_mm_matches_its_arithmetic_in_float32(tokens: int) -> None:
     w = (torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
     bias = torch.randn(1024, device="cuda", generator=gen).bfloat16()
     q, scale = quantize_fp8(w)
-    out = scaled_mm_linear(x, q, scale, bias)
+    out = scaled_mm_linear(x, q, scale, bias, quantize_rows)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 1024)
 
     # The same arithmetic in float32: x quantized per token (its row max onto 448), both sides dequantized.

@@ -1,0 +1,142 @@
+"""FP8 projections on the GPU, piece by piece: where an FP8Linear's time goes against the bf16 matmul it replaces
+(issue 19). Llama-3-8B's four projections (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at
+decode batches and prefill chunk sizes.
+
+    python3 bench/fp8_matmul.py [--tokens 1,32,128,256,512,2048,8192] [--reps 20] [--out PATH]
+    python3 bench/fp8_matmul.py --smoke      # CPU: checks every variant's numbers, times nothing
+
+Per (projection, tokens), CUDA-event-timed CUDA-graph replays of 10 back-to-back calls (median of --reps):
+- bf16: F.linear with the bf16 weight (the baseline, measured in the same run);
+- fp8: FP8Linear.forward as the engine runs it (the activation quantization kernel + torch._scaled_mm);
+- fp8 torch-quant: the same with the activations quantized by torch ops (five kernels; the earlier path);
+- quant: the activation quantization kernel alone; scaled_mm: torch._scaled_mm alone (codes made beforehand);
+- scaled_mm fast-accum: the same with use_fast_accum=True (Hopper's faster, less exact FP8 accumulation).
+Floors: the weight's bytes at the HBM copy rate measured in the same run (bf16: 2 bytes an element, FP8: 1) and
+the FLOPs at the bf16 matmul rate measured in the same run (FP8's tensor-core peak is twice that).
+Each FP8 output is checked against the bf16 product (relative error printed). Writes
+bench/results/fp8_matmul_<gpu>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import harness as gpu
+from bench.attention import time_graph
+from model_runtime.quantization.fp8 import FP8Linear, quantize_fp8, quantize_rows_torch, scaled_mm_linear
+
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TOKENS = "1,32,128,256,512,2048,8192"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def variants(x: torch.Tensor, w: torch.Tensor, fp8: FP8Linear) -> dict:
+    """name -> a call with no arguments; every call is shape-static and host-sync-free (CUDA graphs)."""
+    codes, scales = fp8._quantize(x)
+    calls = {
+        "bf16": partial(F.linear, x, w),
+        "fp8": partial(fp8.forward, x),
+        "fp8_torch_quant": partial(
+            scaled_mm_linear, x, fp8.weight, fp8.weight_scale, None, quantize_rows_torch
+        ),
+        "quant": partial(fp8._quantize, x),
+    }
+    if x.is_cuda:
+        mm = partial(torch._scaled_mm, codes, fp8.weight.t(), scale_a=scales,
+                     scale_b=fp8.weight_scale.unsqueeze(0), out_dtype=x.dtype)  # fmt: skip
+        calls["scaled_mm"] = mm
+        calls["scaled_mm_fast_accum"] = partial(mm, use_fast_accum=True)
+    return calls
+
+
+def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args: argparse.Namespace) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(tokens * 7 + n)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(tokens, k, device=device, generator=gen).to(dtype)
+    w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
+    fp8 = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda").to(device)
+    q, scale = quantize_fp8(w)
+    fp8.weight.data, fp8.weight_scale.data = q, scale
+    calls = variants(x, w, fp8)
+    ref = calls["bf16"]()
+    row: dict = {"projection": name, "n": n, "k": k, "tokens": tokens,
+                 "err_vs_bf16": {v: rel_err(calls[v](), ref) for v in ("fp8", "fp8_torch_quant")}}  # fmt: skip
+    if device == "cuda":
+        row["us"] = {v: time_graph(call, 10, args.reps) for v, call in calls.items()}
+        flops = 2 * tokens * n * k
+        row["floor_us"] = {
+            "bf16": max(2 * n * k / rates.bytes_per_s, flops / rates.flops_per_s) * 1e6,
+            "fp8": max(n * k / rates.bytes_per_s, flops / (2 * rates.flops_per_s)) * 1e6,
+        }
+        row["fp8_speedup"] = row["us"]["bf16"] / row["us"]["fp8"]
+    return row
+
+
+def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None:
+    print(f"\n{gpu_name}: FP8 projections vs bf16 (us per call; HBM {rates.hbm_gbps:.0f} GB/s, "
+          f"bf16 matmul {rates.matmul_tflops:.0f} TFLOP/s)")  # fmt: skip
+    cols = ("bf16", "fp8", "fp8_torch_quant", "quant", "scaled_mm", "scaled_mm_fast_accum")
+    print(
+        f"{'proj':>8} {'T':>5} "
+        + " ".join(f"{c[:16]:>16}" for c in cols)
+        + f" {'fp8 floor':>9} {'x bf16':>6}"
+    )
+    for r in rows:
+        us = r.get("us", {})
+        cells = " ".join(f"{us[c]:>16.1f}" if c in us else f"{'-':>16}" for c in cols)
+        floor = r.get("floor_us", {}).get("fp8")
+        tail = f" {floor:>9.1f} {r['fp8_speedup']:>5.2f}x" if floor else ""
+        print(f"{r['projection']:>8} {r['tokens']:>5} {cells}{tail}  err {r['err_vs_bf16']['fp8']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default=TOKENS)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, checks only")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --smoke)")
+    tokens = [int(t) for t in ("1,4" if args.smoke else args.tokens).split(",")]
+    projections = {"qkv": (96, 64), "down": (64, 160)} if args.smoke else PROJECTIONS
+    rates = gpu.DeviceRates(0.0, 0.0)
+    if device == "cuda":
+        rates = gpu.DeviceRates(
+            gpu.measure_copy_gbps(device, 2 << 30), gpu.measure_matmul_tflops(device, torch.bfloat16, 8192)
+        )
+    rows = []
+    for name, (n, k) in projections.items():
+        for t in tokens:
+            rows.append(measure(name, n, k, t, rates, args))
+            gpu.log(f"{name} x {t} tokens done")
+    gpu_name = gpu.device_name(device)
+    doc = {"benchmark": "FP8 projections vs bf16", "gpu": gpu_name, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "hbm_gbps": rates.hbm_gbps,
+           "matmul_tflops": rates.matmul_tflops, "rows": rows}  # fmt: skip
+    path = Path(args.out) if args.out else gpu.result_path(None, "fp8_matmul", device, args.smoke)
+    gpu.write_json_atomic(path, doc)
+    print_table(rows, gpu_name, rates)
+    print(f"wrote {path}")
+    bad = [r for r in rows if r["err_vs_bf16"]["fp8"] > 0.08]
+    if bad:
+        print(f"FP8 output off the bf16 product by more than 8%: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
