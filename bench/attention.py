@@ -175,7 +175,9 @@ def bench_one(
     batch: int, context: int, bw_gbps: float, args, gen: torch.Generator, kv_dtype: str = "bf16"
 ) -> Row:
     q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, fp8=kv_dtype == "fp8")
-    tuning = DecodeTuning(tile_n=args.tile_n, num_warps=args.num_warps, num_stages=args.num_stages)
+    tuning = DecodeTuning(
+        tile_n=args.tile_n, num_warps=args.num_warps, num_stages=args.num_stages, fp8_tile_n=args.fp8_tile_n
+    )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
     out = backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE, scales)
@@ -230,6 +232,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048,8192")
     parser.add_argument("--segments", type=int, default=None, help="fixed split-KV count (default: auto)")
     parser.add_argument("--tile-n", type=int, default=DecodeTuning.tile_n)
+    parser.add_argument("--fp8-tile-n", type=int, default=DecodeTuning.fp8_tile_n, help="with an FP8 cache")
     parser.add_argument("--num-warps", type=int, default=DecodeTuning.num_warps)
     parser.add_argument("--num-stages", type=int, default=DecodeTuning.num_stages)
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
@@ -290,6 +293,7 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
         "settings": {
             "segments": args.segments or "auto",
             "tile_n": args.tile_n,
+            "fp8_tile_n": args.fp8_tile_n,
             "num_warps": args.num_warps,
             "num_stages": args.num_stages,
             "inner": args.inner,

@@ -278,16 +278,20 @@ class DecodeTuning:
     Defaults from a sweep on an H200 (Llama-3-8B layer, bf16, block 16; bench/attention.py): 64/4/2 is within
     a few percent of the best setting everywhere and at the roofline for large batches. 32 tokens with 2 warps
     is 5-15% faster at batch <= 32 but 25% slower at batch 128 with one segment; 128-token tiles or 8 warps
-    are slower throughout.
+    are slower throughout. An FP8 cache takes 128-token tiles (`fp8_tile_n`): with 64 its kernel ran at 0.96x
+    the bf16 one, with 128 at 1.06-1.13x (batch 32-256, contexts 2k-8k; 4 pipeline stages or 8 warps were
+    slower; bench/results/fp8_h200/attention_tiles_run2.txt).
     """
 
     tile_n: int = DEFAULT_TILE_N
     num_warps: int = 4
     num_stages: int = 2
+    fp8_tile_n: int = 128
 
     def __post_init__(self) -> None:
-        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
-            raise ValueError(f"DecodeTuning.tile_n: must be a power of two >= 16, got {self.tile_n}")
+        for name, tile in (("tile_n", self.tile_n), ("fp8_tile_n", self.fp8_tile_n)):
+            if tile < 16 or tile & (tile - 1):
+                raise ValueError(f"DecodeTuning.{name}: must be a power of two >= 16, got {tile}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"DecodeTuning.num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if not 1 <= self.num_stages <= 6:
@@ -343,6 +347,7 @@ def _launch_segments(
     # fp32 inputs stay exact (no tf32); the setting is irrelevant for 16-bit inputs.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # fmt: off
+    tile_n = tuning.fp8_tile_n if kv_scale is not None else tuning.tile_n
     _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
         k_scale, v_scale, scale * math.log2(math.e),
@@ -355,7 +360,7 @@ def _launch_segments(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        PAGE=k_cache.shape[1], TILE_N=tuning.tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
+        PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
         QUANTIZED=kv_scale is not None, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     # fmt: on

@@ -235,7 +235,7 @@ def _decode_case(
             out,
             DecodeWorkspace(),
             segments,
-            DecodeTuning(tile_n=tile_n),
+            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n),
             scales,
         )
         live = [s > 0 for s in seq_lens]
