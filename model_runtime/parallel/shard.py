@@ -34,6 +34,17 @@ class PieceSlice:
     size: int
 
 
+def kv_head_range(model_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The model's KV heads that rank `rank` of `tp_size` holds: an equal run of them when there are at least as
+    many heads as ranks, else the one head `rank // (tp_size / heads)` (replicated on tp_size / heads ranks).
+    The sizes must divide one another (ParallelConfig.check_model)."""
+    if model_kv_heads >= tp_size:
+        per_rank = model_kv_heads // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank // (tp_size // model_kv_heads)
+    return range(head, head + 1)
+
+
 @dataclass(frozen=True)
 class TPShard:
     tp_size: int
@@ -54,12 +65,7 @@ class TPShard:
         if not 0 <= rank < n:
             raise ValueError(f"TPShard.plan: rank must be in [0, {n}), got {rank}")
         q, i = model.num_heads // n, model.intermediate_size // n
-        if model.num_kv_heads >= n:
-            per_rank = model.num_kv_heads // n
-            kv = range(rank * per_rank, (rank + 1) * per_rank)
-        else:
-            head = rank // (n // model.num_kv_heads)
-            kv = range(head, head + 1)
+        kv = kv_head_range(model.num_kv_heads, n, rank)
         rows = -(-model.vocab_size // n)
         return cls(
             tp_size=n,
