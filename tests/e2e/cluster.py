@@ -65,7 +65,11 @@ class ServeProcess:
                 "http_port": http_port,
                 "metrics_port": metrics_port,
             },
-            "controller": {"health_interval_s": 0.5, "drain_timeout_s": 20},
+            # heartbeat_timeout_s: how long an engine loop may go without a step before the controller replaces
+            # the worker. One 512-token CPU step of a worker beside both halves of `make test` once took over the
+            # default 10 s, and the controller replaced a working prefill worker mid-test. The hang tests stop a
+            # worker's process (SIGSTOP), which unanswered heartbeats catch in seconds, not the loop's age.
+            "controller": {"health_interval_s": 0.5, "drain_timeout_s": 20, "heartbeat_timeout_s": 60},
         }
         for role, replicas in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
             if replicas:

@@ -323,4 +323,7 @@ class RouterHarness:
             for worker in self.workers:
                 await worker.stop()
 
-        self.loop.run(stop())
+        # Stopping takes milliseconds alone; a clean-clone run with the other half of `make test` beside it once
+        # took over 30 s for two of these in a row (the next test's stop was quick again): a starved box, so the
+        # bound is generous. A stop that never ends still fails here.
+        self.loop.run(stop(), timeout=120.0)
