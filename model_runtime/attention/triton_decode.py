@@ -16,7 +16,7 @@ multiplies its queries by the K scales once (q . (k8 * s) = (q * s) . k8) and it
 so the loop reads one byte per element and does no more arithmetic than for a 16-bit cache. Its dots run in
 float16 (float32 accumulation) whatever the query dtype: Hopper converts two e4m3 codes to float16 in one
 instruction, while bfloat16 takes a detour through float32 that made the FP8 kernel 0.8x the bf16 one (H200,
-bench/results/fp8_h200/attention_fp8_run1.json). Codes (|c| <= 448), probabilities and scaled queries all fit
+bench/results/fp8/attention_fp8_run1.json). Codes (|c| <= 448), probabilities and scaled queries all fit
 float16, whose 10-bit mantissa holds more than bfloat16's 7.
 
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
@@ -280,7 +280,7 @@ class DecodeTuning:
     is 5-15% faster at batch <= 32 but 25% slower at batch 128 with one segment; 128-token tiles or 8 warps
     are slower throughout. An FP8 cache takes 128-token tiles (`fp8_tile_n`): with 64 its kernel ran at 0.96x
     the bf16 one, with 128 at 1.06-1.13x (batch 32-256, contexts 2k-8k; 4 pipeline stages or 8 warps were
-    slower; bench/results/fp8_h200/attention_tiles_run2.txt).
+    slower; bench/results/fp8/attention_tiles_run2.txt).
     """
 
     tile_n: int = DEFAULT_TILE_N
