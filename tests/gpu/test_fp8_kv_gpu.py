@@ -12,12 +12,11 @@ import torch
 
 from model_runtime.attention.base import store_kv
 from model_runtime.attention.torch_ref import TorchAttention, paged_attention_ref
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.config import CacheConfig
 from model_runtime.engine import Engine
 from model_runtime.kv_quant import quantize_kv
-from model_runtime.request import SamplingParams
+from tests.gpu.graphs_vs_eager import graphs_and_eager_tokens
 from tests.gpu.test_attention_gpu import TOL, make_meta, paged_inputs, rel_err
-from tests.model.tiny_models import write_tiny_hf
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,29 +84,10 @@ def test_a_mixed_step_over_cached_prefixes_matches_the_reference() -> None:
 
 
 def test_an_fp8_cache_engine_decodes_the_same_in_cuda_graphs_as_eager(tmp_path) -> None:
-    path = str(write_tiny_hf(tmp_path, "llama"))
-    prompts = [[(7 * i + j) % 90 + 5 for i in range(11 + 5 * j)] for j in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = []
-    for eager in (False, True):
-        config = EngineConfig(
-            model=path,
-            cache=CacheConfig(num_blocks=512, dtype="fp8_e4m3"),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
-            device=DeviceConfig(device="cuda", dtype="bfloat16", enforce_eager=eager),
-        )
-        engine = Engine(config, emit_text=False)
-        try:
-            assert (engine.runner.graphs is None) == eager
-            assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{i}", prompt, params)
-            out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-            while engine.has_unfinished():
-                for step in engine.step():
-                    out[step.request_id] += step.token_ids
-            tokens.append(out)
-        finally:
-            engine.close()
-    assert all(len(t) == 24 for t in tokens[0].values())
-    assert tokens[0] == tokens[1]
+    def check(engine: Engine) -> None:
+        assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+
+    graphs, eager = graphs_and_eager_tokens(
+        tmp_path, CacheConfig(num_blocks=512, dtype="fp8_e4m3"), "none", check
+    )
+    assert graphs == eager

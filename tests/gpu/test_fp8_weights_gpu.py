@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.config import CacheConfig
 from model_runtime.engine import Engine
 from model_runtime.quantization.act_quant import quantize_rows
 from model_runtime.quantization.fp8 import (
@@ -18,9 +18,8 @@ from model_runtime.quantization.fp8 import (
     scaled_mm_linear,
     scaled_mm_supported,
 )
-from model_runtime.request import SamplingParams
 from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX
-from tests.model.tiny_models import write_tiny_hf
+from tests.gpu.graphs_vs_eager import graphs_and_eager_tokens
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,30 +70,10 @@ def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cud
     tmp_path,
 ) -> None:
     assert scaled_mm_supported(torch.device("cuda"), torch.bfloat16)
-    path = str(write_tiny_hf(tmp_path, "llama"))
-    prompts = [[(7 * i + j) % 90 + 5 for i in range(11 + 5 * j)] for j in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = []
-    for eager in (False, True):
-        config = EngineConfig(
-            model=path,
-            cache=CacheConfig(num_blocks=512),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
-            device=DeviceConfig(device="cuda", dtype="bfloat16", enforce_eager=eager, quantization="fp8"),
-        )
-        engine = Engine(config, emit_text=False)
-        try:
-            assert (engine.runner.graphs is None) == eager
-            fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
-            assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE for m in fp8)
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{i}", prompt, params)
-            out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-            while engine.has_unfinished():
-                for step in engine.step():
-                    out[step.request_id] += step.token_ids
-            tokens.append(out)
-        finally:
-            engine.close()
-    assert all(len(t) == 24 for t in tokens[0].values())
-    assert tokens[0] == tokens[1]
+
+    def check(engine: Engine) -> None:
+        fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
+        assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE for m in fp8)
+
+    graphs, eager = graphs_and_eager_tokens(tmp_path, CacheConfig(num_blocks=512), "fp8", check)
+    assert graphs == eager
