@@ -14,7 +14,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -204,48 +206,48 @@ class Server:
         sides' handoff phase sums and counts ("prefill.stream", "decode.admit", ...) and every worker's
         first-token phases ("colocated.first_token_waiting", "prefill.first_token_prefill", ...); None when no
         worker is listed."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
-        targets = [(g["labels"].get("component"), t) for g in groups for t in g["targets"]]
-        if not targets:
+        if not self._targets(("prefill", "decode", "colocated")):
             return None
         total = {"seconds": 0.0, "transfers": 0.0, "bytes": 0.0}
         names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",
                  "tandem_kv_transfer_bytes_total": "bytes"}  # fmt: skip
-        for component, target in targets:
-            if component not in ("prefill", "decode", "colocated"):
-                continue
-            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
-                text = reply.read().decode()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if component == "prefill" and sample.name in names:
-                        total[names[sample.name]] += sample.value
-                    elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
-                        key = f"{component}.gil_wait.{sample.name.rsplit('_', 1)[-1]}"
-                        total[key] = total.get(key, 0.0) + sample.value
-                    elif sample.name.startswith(PHASE_FAMILIES) and "phase" in sample.labels:
-                        suffix = sample.name.rsplit("_", 1)[-1]
-                        first = "first_token_" if sample.name.startswith(PHASE_FAMILIES[1]) else ""
-                        if suffix in ("sum", "count"):
-                            key = f"{component}.{first}{sample.labels['phase']}.{suffix}"
-                            total[key] = total.get(key, 0.0) + sample.value
+        for component, sample in self._samples(("prefill", "decode", "colocated")):
+            if component == "prefill" and sample.name in names:
+                total[names[sample.name]] += sample.value
+            elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
+                key = f"{component}.gil_wait.{sample.name.rsplit('_', 1)[-1]}"
+                total[key] = total.get(key, 0.0) + sample.value
+            elif sample.name.startswith(PHASE_FAMILIES) and "phase" in sample.labels:
+                suffix = sample.name.rsplit("_", 1)[-1]
+                first = "first_token_" if sample.name.startswith(PHASE_FAMILIES[1]) else ""
+                if suffix in ("sum", "count"):
+                    key = f"{component}.{first}{sample.labels['phase']}.{suffix}"
+                    total[key] = total.get(key, 0.0) + sample.value
         return total
 
     def pair_totals(self) -> dict[str, float]:
         """The router's disaggregated attempts so far by their pair's KV transport and nodes, e.g.
         {"cuda_ipc:same": 40.0} (tandem_kv_pairs_total); {} when no router is listed or none ran."""
+        totals: dict[str, float] = {}
+        for _, sample in self._samples(("router",)):
+            if sample.name == "tandem_kv_pairs_total":
+                key = f"{sample.labels['transport']}:{sample.labels['nodes']}"
+                totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
+
+    def _targets(self, components: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(component, host:port) of every /metrics target the file_sd list gives these components."""
+        groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
+        return [(g["labels"].get("component"), t) for g in groups for t in g["targets"]
+                if g["labels"].get("component") in components]  # fmt: skip
+
+    def _samples(self, components: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+        """(component, sample) of every metric sample those components' /metrics serve now."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        groups = json.loads(self.file_sd.read_text()) if self.file_sd.exists() else []
-        totals: dict[str, float] = {}
-        for target in (t for g in groups if g["labels"].get("component") == "router" for t in g["targets"]):
+        for component, target in self._targets(components):
             with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
                 text = reply.read().decode()
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if sample.name == "tandem_kv_pairs_total":
-                        key = f"{sample.labels['transport']}:{sample.labels['nodes']}"
-                        totals[key] = totals.get(key, 0.0) + sample.value
-        return totals
+                    yield component, sample
