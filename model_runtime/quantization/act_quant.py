@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
-_MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row still gets a positive scale
 _BLOCK = 1024  # elements of a row per iteration (4096-wide rows: four)
 
 
@@ -61,6 +60,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[0]:
         _quantize_rows_kernel[(x.shape[0],)](
             x, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
-            MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK=_BLOCK, num_warps=4,
+            MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, BLOCK=_BLOCK, num_warps=4,
         )  # fmt: skip
     return codes, scales

@@ -29,10 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.models.llama import LlamaForCausalLM, Projection
-from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, is_projection_weight
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, is_projection_weight
 
-# An all-zero row still gets a positive scale (its values quantize to zero, nothing divides by zero).
-_MIN_SCALE = torch.finfo(torch.float32).tiny
 # Rows quantized at once: the float32 scratch is one chunk's, not a whole (maybe 57344-row) matrix's.
 _ROWS_PER_CHUNK = 4096
 
@@ -43,7 +41,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
         rows = weight[start : start + _ROWS_PER_CHUNK].float()
-        row_scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+        row_scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
         # The row's max divided by its scale may land a rounding above 448; clamp keeps it finite (e4m3fn has
         # no infinity: an overflow would be NaN).
         q[start : start + rows.shape[0]] = (rows / row_scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -68,7 +66,7 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (codes [T, K] e4m3, scales [T, 1] float32): each token's row max onto 448, in torch ops (the
     reference for model_runtime.quantization.act_quant's one-kernel version, which the GPU path uses)."""
-    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 

@@ -38,6 +38,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # layers.{i}.<projection>.weight: the quantizable ones
 FP8_DTYPE = torch.float8_e4m3fn  # FP8 weights and the FP8 KV cache alike
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: e4m3fn's largest finite value
+# The smallest scale a row max / 448 may give: an all-zero row still gets a positive one (nothing divides by zero).
+FP8_MIN_SCALE = torch.finfo(torch.float32).tiny
 ByteProgress = Callable[[int, int], None]  # (bytes loaded so far, bytes in all)
 
 
