@@ -47,10 +47,10 @@ def _check(side: str, tp_size: int, model_kv_heads: int) -> None:
 def handoff_plan(source_tp: int, target_tp: int, model_kv_heads: int) -> tuple[HeadPiece, ...]:
     """Every piece that moves one request's KV from a prefill worker of `source_tp` ranks to a decode worker
     of `target_tp` ranks, ordered by target rank then head. Each target head is covered exactly once."""
+    if model_kv_heads <= 0:  # before _check divides by it
+        raise ConfigError(f"model KV heads must be positive, got {model_kv_heads}")
     _check("prefill", source_tp, model_kv_heads)
     _check("decode", target_tp, model_kv_heads)
-    if model_kv_heads <= 0:
-        raise ConfigError(f"model KV heads must be positive, got {model_kv_heads}")
     holders: dict[int, list[int]] = {}
     for rank in range(source_tp):
         for head in kv_head_range(model_kv_heads, source_tp, rank):
