@@ -9,9 +9,9 @@ reference on a few sequences, then times it with CUDA events (CUDA-graph replays
 calls, so launch overhead is excluded; median over `--reps`). Roofline = KV bytes read / HBM bandwidth, the
 bandwidth measured in the same run by a large device-to-device copy (read + write bytes). For context, the
 same batch through torch SDPA (FlashAttention, enable_gqa) on a dense, contiguous KV copy.
-`--kv-dtypes bf16,fp8` also runs every point with an FP8 cache (cache.dtype fp8_e4m3: e4m3 codes, per-channel
-power-of-two scales folded into the query and the output, model_runtime.kv_quant); its roofline counts one byte
-an element, and its row carries the speedup over the bf16 row of the same point.
+`--kv-dtypes bf16,fp8` also runs every point with an FP8 cache (cache.dtype fp8_e4m3: e4m3 codes and a bfloat16
+scale per token and KV head inside the blocks, model_runtime.kv_quant); its roofline counts the bytes it reads,
+one per element plus two per token and head, and its row carries the speedup over the bf16 row of the same point.
 Prints a table and writes bench/results/attention_<gpu-name>.json.
 """
 
@@ -36,11 +36,11 @@ from model_runtime.attention.base import AttentionMetadata
 from model_runtime.attention.torch_ref import paged_attention_ref
 from model_runtime.attention.triton_backend import TritonAttention
 from model_runtime.attention.triton_decode import DecodeTuning
-from model_runtime.kv_quant import quantize_kv
+from model_runtime.kv_quant import fp8_pages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-KV_DTYPES = ("bf16", "fp8")  # the cache: bf16, or e4m3 codes with per-channel scales (cache.dtype fp8_e4m3)
+KV_DTYPES = ("bf16", "fp8")  # the cache: bf16, or e4m3 codes and per-token-head scales (fp8_e4m3)
 SCALE = HEAD_DIM**-0.5
 CHECK_SEQS = 4
 TOL = 1e-2
@@ -114,9 +114,7 @@ def build(batch: int, context: int, gen: torch.Generator, fp8: bool = False):
     v_cache = torch.randn_like(k_cache)
     scales = None
     if fp8:
-        exponents = torch.randint(-4, 2, (2, KV_HEADS, HEAD_DIM), generator=gen).float()
-        scales = torch.exp2(exponents).to("cuda").contiguous()
-        k_cache, v_cache = quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1])
+        k_cache, v_cache, scales = fp8_pages(k_cache, v_cache)
     perm = torch.randperm(num_blocks - 1, generator=gen).to("cuda") + 1
     tables = perm.view(batch, per_seq).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -125,7 +123,8 @@ def build(batch: int, context: int, gen: torch.Generator, fp8: bool = False):
 
 
 def _pages(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A zero null block followed by `cache`'s pages `ids`, in cache's dtype (FP8 pages copied as bytes)."""
+    """A zero null block followed by `cache`'s pages `ids` ([N, B, ...]), in cache's dtype (FP8 pages copied as
+    bytes)."""
     raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
     pages = torch.cat([torch.zeros_like(raw[:1]), raw[ids]])
     return pages.view(cache.dtype)
@@ -137,8 +136,11 @@ def check(out: torch.Tensor, q, k_cache, v_cache, tables, context: int, scales=N
     n = min(CHECK_SEQS, q.shape[0])
     used = tables[:n].long()  # copy just their pages into a small pool: block i+1 <- used[i]
     sub_k, sub_v = (_pages(cache, used.flatten()) for cache in (k_cache, v_cache))
+    sub_scales = None
     if scales is None:
         sub_k, sub_v = sub_k.float(), sub_v.float()
+    else:
+        sub_scales = torch.stack([_pages(scales[i], used.flatten()) for i in (0, 1)])
     sub_tables = torch.arange(1, used.numel() + 1, device=q.device, dtype=torch.int32).view_as(used)
     meta = AttentionMetadata(
         slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=q.device),
@@ -150,7 +152,7 @@ def check(out: torch.Tensor, q, k_cache, v_cache, tables, context: int, scales=N
         max_query_len=1,
         max_seq_len=context,
     )
-    ref = paged_attention_ref(q[:n].float(), sub_k, sub_v, meta, SCALE, scales)
+    ref = paged_attention_ref(q[:n].float(), sub_k, sub_v, meta, SCALE, sub_scales)
     err = float((out[:n].float() - ref).abs().max() / ref.abs().max())
     if not err < TOL:
         raise SystemExit(f"kernel disagrees with the reference at context {context}: rel err {err:.3e}")
@@ -186,6 +188,8 @@ def bench_one(
         lambda: backend.decode(q, k_cache, v_cache, tables, seq_lens, SCALE, scales), args.inner, args.reps
     )
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    if scales is not None:  # and each token's scales, one per KV head
+        kv_bytes += 2 * batch * context * KV_HEADS * scales.element_size()
     roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
     dense = None
     if not args.no_sdpa and scales is None:  # SDPA reads 16-bit K/V only

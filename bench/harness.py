@@ -204,7 +204,8 @@ def measure_matmul_tflops(device: str, dtype: torch.dtype, n: int, reps: int = 1
 
 
 # --- arithmetic floors -----------------------------------------------------------------------------------
-FP8_BYTES, FP8_SCALE_BYTES = 1, 4  # an e4m3 element; a float32 scale
+FP8_BYTES, FP8_SCALE_BYTES = 1, 4  # an e4m3 element; a float32 weight scale
+FP8_KV_SCALE_BYTES = 2  # an FP8 KV cache's bfloat16 scale per token and KV head (model_runtime.kv_quant)
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,8 @@ class ModelCost:
     ) -> ModelCost:
         """`dtype_bytes`: the model dtype's. `fp8_weights` (device.quantization fp8): the projections at one byte
         an element plus a float32 scale per output row; embeddings, norms and lm_head keep the model dtype.
-        `fp8_kv` (cache.dtype fp8_e4m3): K and V at one byte an element (its scales are per channel, not per
-        token). FLOPs are the same either way."""
+        `fp8_kv` (cache.dtype fp8_e4m3): K and V at one byte an element plus a bfloat16 scale per token and KV
+        head (what attention reads; a block's padding is not read). FLOPs are the same either way."""
         per_layer = mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size
         per_layer += 3 * mc.hidden_size * mc.intermediate_size
         projections, embed = mc.num_layers * per_layer, mc.vocab_size * mc.hidden_size
@@ -236,11 +237,12 @@ class ModelCost:
             )
             weight_bytes += projections * (FP8_BYTES - dtype_bytes) + rows * FP8_SCALE_BYTES
         kv_element_bytes = FP8_BYTES if fp8_kv else dtype_bytes
+        kv_scale_bytes = FP8_KV_SCALE_BYTES * mc.num_kv_heads if fp8_kv else 0
         return cls(
             layer_matmul_params=projections,
             head_params=embed,
             weight_bytes_read=weight_bytes,
-            kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * kv_element_bytes,
+            kv_bytes_per_token=2 * mc.num_layers * (mc.kv_size * kv_element_bytes + kv_scale_bytes),
             attn_flops_per_key=4 * mc.num_layers * mc.num_heads * mc.head_dim,
         )
 

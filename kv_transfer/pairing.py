@@ -41,12 +41,6 @@ def check_format(layout: KVLayout, message: kv_pb2.KVFormat, fingerprint: str) -
     diff = layout.mismatch(format_from_message(message))
     if diff is not None:
         raise TransferFailed(FailureReason.LAYOUT_MISMATCH, f"KV layouts differ: {diff}")
-    if fingerprint != layout.fingerprint() and layout.quantized:
-        raise TransferFailed(
-            FailureReason.LAYOUT_MISMATCH,
-            "KV layouts differ: the FP8 cache scales differ (scale_digest "
-            f"{layout.scale_digest!r} here): the two workers derived them from different weights",
-        )
     if fingerprint != layout.fingerprint():
         raise TransferFailed(
             FailureReason.LAYOUT_MISMATCH,

@@ -14,7 +14,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "float16", "bfloat16")
-# cache.dtype: a model dtype, or FP8 e4m3 with per-channel power-of-two scales (model_runtime.kv_quant).
+# cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8")
 

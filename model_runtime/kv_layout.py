@@ -21,9 +21,12 @@ which of the model's heads they are (model heads [head_start, head_start + H), r
 the model has fewer KV heads than ranks). A sharded layout's fingerprint covers the sharding, so a rank never
 pairs with a peer that holds other heads; an unsharded layout (shard None) fingerprints exactly as before.
 
-An FP8 cache (dtype float8_e4m3fn, `quantized`) stores one byte per element; each (layer, K|V, head, channel)
-has a scale (model_runtime.kv_quant) that the weights fix, and `scale_digest` names them, so only workers that
-decode the bytes alike pair. A handoff moves the FP8 bytes as they are: half of a bfloat16 cache's.
+An FP8 cache (dtype float8_e4m3fn, `quantized`) stores one byte per element and, beside each token's codes, one
+bfloat16 scale per KV head (model_runtime.kv_quant): a block is [B, token_bytes] bytes, a token's row its H * D
+codes, then its H scales, padded to 16 bytes. The scales live inside the blocks, so every path that moves blocks
+(prefix copies, each transport) moves them with the codes, and a block's bytes mean the same on every worker
+that has the same format fields. A handoff moves about half of a bfloat16 cache's bytes (1040 per token and
+layer for 8 heads of 128 against 2048).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ FP8_KV_DTYPE = "float8_e4m3fn"  # the layout's (and torch's) name for cache.dtyp
 LAYOUT_DTYPES = (*DTYPES, FP8_KV_DTYPE)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8_KV_DTYPE: 1}
 NULL_BLOCK = 0
+FP8_SCALE_BYTES = 2  # one bfloat16 scale per (token, KV head) in an FP8 cache
+ROW_ALIGN = 16  # an FP8 token row is padded to this many bytes, so that every row's codes start aligned
 
 # The fields that define what a block's bytes mean. num_blocks is not among them: the two sides of a
 # handoff may size their caches differently.
@@ -74,9 +79,6 @@ class KVLayout:
     num_blocks: int
     dtype: str
     shard: KVShard | None = None  # None: one rank holds every head
-    # FP8 caches: a digest of the per-channel scales (model_runtime.kv_quant) that give the bytes their values;
-    # "" for 16/32-bit caches, which need none.
-    scale_digest: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -88,11 +90,6 @@ class KVLayout:
             )
         if self.dtype not in LAYOUT_DTYPES:
             raise ConfigError(f"KVLayout.dtype: must be one of {LAYOUT_DTYPES}, got {self.dtype!r}")
-        if (self.dtype == FP8_KV_DTYPE) != bool(self.scale_digest):
-            raise ConfigError(
-                f"KVLayout.scale_digest: an FP8 cache needs the digest of its scales and no other cache has one "
-                f"(dtype {self.dtype}, scale_digest {self.scale_digest!r})"
-            )
         if self.shard is not None and self.shard.head_start + self.num_kv_heads > self.shard.model_kv_heads:
             raise ConfigError(
                 f"KVLayout.shard: heads [{self.shard.head_start}, {self.shard.head_start + self.num_kv_heads}) "
@@ -101,12 +98,20 @@ class KVLayout:
 
     # --- shape and bytes -------------------------------------------------------------------------------
     @property
-    def cache_shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer's K (or V): [B, H, D] elements, or an FP8 cache's [B, token_bytes] bytes."""
+        if self.quantized:
+            return (self.block_size, self.token_bytes)
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        """[L, 2, N, B, H, D] (FP8: [L, 2, N, B, token_bytes]): the one tensor of the whole cache."""
+        return (self.num_layers, 2, self.num_blocks, *self.block_shape)
 
     @property
     def quantized(self) -> bool:
-        """The cache holds FP8 codes: reading a value means multiplying by its channel's scale."""
+        """The cache holds FP8 codes and their scales: reading a value means multiplying by its scale."""
         return self.dtype == FP8_KV_DTYPE
 
     @property
@@ -114,9 +119,19 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def token_bytes(self) -> int:
+        """One token's K (or V) in one layer: its values, or an FP8 cache's codes and scales (padded)."""
+        return token_row_bytes(self.num_kv_heads, self.head_dim, self.element_bytes, self.quantized)
+
+    @property
+    def scale_offset(self) -> int:
+        """Where an FP8 token row's scales start (bytes): after its H * D codes."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        return 2 * self.num_layers * self.token_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -140,7 +155,7 @@ class KVLayout:
     def staging_shape(self, num_blocks: int, layers: tuple[int, int] | None = None) -> tuple[int, ...]:
         """Shape of `cache[l0:l1, :, block_ids]`: the contiguous buffer a request's blocks travel in."""
         l0, l1 = layers if layers is not None else (0, self.num_layers)
-        return (l1 - l0, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (l1 - l0, 2, num_blocks, *self.block_shape)
 
     # --- slot arithmetic -------------------------------------------------------------------------------
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -168,8 +183,8 @@ class KVLayout:
         text = ";".join(f"{k}={v}" for k, v in self.format_dict().items())
         if self.shard is not None:  # appended only when sharded: unsharded fingerprints stay as they were
             text += ";" + self.shard.describe()
-        if self.scale_digest:  # likewise only for FP8 caches: two sides must decode the bytes with one scale
-            text += ";scales=" + self.scale_digest
+        if self.quantized:  # names the FP8 block format (codes, then per-token-head bf16 scales)
+            text += ";fp8_scales=token_head_bf16"
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def mismatch(self, other_format: dict[str, int | str]) -> str | None:
@@ -180,3 +195,12 @@ class KVLayout:
             if getattr(self, k) != other_format.get(k)
         ]
         return "; ".join(diffs) if diffs else None
+
+
+def token_row_bytes(num_kv_heads: int, head_dim: int, element_bytes: int, quantized: bool) -> int:
+    """Bytes of one token's K (or V) in one layer: H * D values, or FP8 codes then H bf16 scales, padded so that
+    the next row starts on a ROW_ALIGN boundary."""
+    if not quantized:
+        return num_kv_heads * head_dim * element_bytes
+    raw = num_kv_heads * head_dim + FP8_SCALE_BYTES * num_kv_heads
+    return -(-raw // ROW_ALIGN) * ROW_ALIGN

@@ -1,40 +1,34 @@
-"""The FP8 KV cache (cache.dtype fp8_e4m3): what a stored byte means, and where its scale comes from.
+"""The FP8 KV cache (cache.dtype fp8_e4m3): what a stored byte means, and where its scale lives.
 
-    stored  = e4m3(k / scale)           scale: one float32 per (layer, K|V, KV head, channel), a power of two
-    read    = stored * scale            (exact: a power-of-two scale only moves the exponent)
+Each new key or value row of one token and one KV head (D values) is stored as D e4m3 codes and one scale:
 
-The scales come from the weights, not from traffic, so every worker that loads the same weights derives the
-same ones (a prefill and a decode worker must: the KV bytes travel as they are), whatever it serves and
-however its ranks are split. They bound what the layer can write. The attention input is RMSNorm's output
-x_hat = x / rms(x) * g, with ||x / rms(x)||_2 <= sqrt(hidden), so by Cauchy-Schwarz channel j of K or V is at
-most
+    scale  = bf16(max |row| / 448)        (448: e4m3's largest value; an all-zero row gets FP8_MIN_SCALE)
+    code   = e4m3(row / scale)            rounded to nearest even, clamped to +-448
+    read   = code * scale
 
-    bound_j = sqrt(hidden) * ||W_j * g||_2 + |b_j|          (W_j: the projection's row j, b: its bias)
+so each row's largest value is stored almost exactly (bfloat16's rounding of the scale moves it by at most
+2^-9, and a code past 448 clamps by as little) and the others keep e4m3's 3 mantissa bits. Attention scores are
+dominated by a few large channels, which is why this matters: on SmolLM2-135M, static per-channel
+power-of-two scales (the previous scheme) cost 1.5% of perplexity on tests/model/test_fp8_weights.TEXT and a
+scale per token and head 0.05% (bench/diag/fp8_kv_scale_schemes.py).
 
-and rotary embedding mixes channels j and j + D/2 of a key by a rotation, so both get sqrt(bound_j^2 +
-bound_{j+D/2}^2). A scale is the power of two at or above bound * MARGIN / 448 (448: e4m3's largest value), so
-no key or value saturates (MARGIN covers the rounding of a 16-bit forward pass). The bound is loose (measured on
-SmolLM2: the largest key a text produced is a few tens of times below it), which costs nothing in relative
-precision: e4m3 keeps 3 mantissa bits at every exponent, and its normal range spans 2^15, so values far below
-the bound stay normal.
-
-Per-channel scales cost the kernels nothing: a key's scale folds into the query (q . (k8 * s) = (q * s) . k8)
-and a value's into the output (sum_t p_t v8_t * s = s * sum_t p_t v8_t).
+The scales sit inside the cache's blocks (KVLayout: a token row is its H * D codes, then its H bfloat16 scales,
+padded to 16 bytes), so whatever moves blocks moves them, and the bytes need nothing from the weights or the
+worker to be read: two workers with equal format fields decode a block alike. `split_fp8_cache` gives the two
+views the kernels use: codes [..., B, H, D] (float8_e4m3fn) and scales [..., B, H] (bfloat16) over the same
+memory. In the kernels a key's scale multiplies its score (q . (k8 * s) = (q . k8) * s) and a value's scale its
+probability (p * (v8 * s) = (p * s) * v8), one multiply per token rather than per element.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-
 import torch
 
-from model_runtime.config import ModelConfig
-from model_runtime.kv_layout import FP8_KV_DTYPE
-from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX
+from model_runtime.kv_layout import FP8_KV_DTYPE, token_row_bytes
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
-MARGIN = 1.0625  # above the exact bound: a bf16 forward pass rounds a little past it
 CACHE_DTYPE_NAMES = {"fp8_e4m3": FP8_KV_DTYPE}  # cache.dtype -> KVLayout.dtype (others are the same name)
+SCALE_DTYPE = torch.bfloat16
 
 
 def layout_dtype(cache_dtype: str | None, model_dtype: str) -> str:
@@ -44,50 +38,56 @@ def layout_dtype(cache_dtype: str | None, model_dtype: str) -> str:
     return CACHE_DTYPE_NAMES.get(cache_dtype, cache_dtype)
 
 
-def fp8_kv_scales(weights: dict[str, torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """[num_layers, 2, num_kv_heads, head_dim] float32 scales (K, V) on the weights' device, from canonical
-    `weights` (a tensor-parallel rank's own: its rows are its heads). FP8 projection weights count as the values
-    they stand for (weight * weight_scale)."""
-    sqrt_hidden = math.sqrt(config.hidden_size)
-    q_size, kv_size = config.q_size, config.kv_size
-    per_layer = []
-    for i in range(config.num_layers):
-        prefix = f"layers.{i}"
-        gain = weights[f"{prefix}.input_norm.weight"].double()
-        rows = weights[f"{prefix}.qkv.weight"][q_size : q_size + 2 * kv_size]
-        scale = weights.get(f"{prefix}.qkv.weight_scale")
-        w = rows.double() if scale is None else rows.double() * scale[q_size:].double()[:, None]
-        bound = torch.linalg.vector_norm(w * gain, dim=1) * sqrt_hidden
-        bias = weights.get(f"{prefix}.qkv.bias")
-        if bias is not None:
-            bound = bound + bias[q_size : q_size + 2 * kv_size].double().abs()
-        k_bound, v_bound = bound.view(2, config.num_kv_heads, config.head_dim)
-        half = config.head_dim // 2
-        paired = torch.sqrt(k_bound[:, :half] ** 2 + k_bound[:, half:] ** 2)
-        per_layer.append(torch.stack([paired.repeat(1, 2), v_bound]))
-    bounds = torch.stack(per_layer)
-    return power_of_two_scales(bounds)
+def split_fp8_cache(
+    storage: torch.Tensor, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of FP8 cache storage [..., token_bytes] (float8_e4m3fn or uint8, token rows as KVLayout lays them
+    out): codes [..., H, D] float8_e4m3fn and scales [..., H] bfloat16, over the same memory."""
+    if storage.element_size() != 1 or storage.stride(-1) != 1:
+        raise ValueError(
+            f"split_fp8_cache: storage must be a byte tensor with dense rows, got {storage.dtype} "
+            f"strides {storage.stride()}"
+        )
+    codes_end = num_kv_heads * head_dim
+    if storage.shape[-1] < codes_end + 2 * num_kv_heads or storage.shape[-1] % 2:
+        raise ValueError(
+            f"split_fp8_cache: rows of {storage.shape[-1]} bytes cannot hold {num_kv_heads} heads of "
+            f"{head_dim} codes and their scales"
+        )
+    raw = storage.view(torch.uint8)
+    codes = raw[..., :codes_end].view(FP8_DTYPE).unflatten(-1, (num_kv_heads, head_dim))
+    scales = raw.view(SCALE_DTYPE)[..., codes_end // 2 : codes_end // 2 + num_kv_heads]
+    return codes, scales
 
 
-def power_of_two_scales(bounds: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two s with bounds * MARGIN / s <= FP8_MAX, as float32 (a bound of 0, a channel
-    that is always 0, gets the scale of the smallest positive bound's range, never 0)."""
-    wanted = (bounds.double() * MARGIN / FP8_MAX).clamp(min=2.0**-100)
-    return torch.exp2(torch.ceil(torch.log2(wanted))).float()
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] -> [..., H] float32 scales, each the bfloat16 nearest max |row| / 448 (never below
+    FP8_MIN_SCALE, so an all-zero row divides by something)."""
+    amax = x.float().abs().amax(dim=-1)
+    return (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE).to(SCALE_DTYPE).float()
 
 
-def scale_digest(scales: torch.Tensor) -> str:
-    """A short name for a rank's scales: equal scales, equal digest (KVLayout.scale_digest)."""
-    data = scales.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:16]
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H, D] -> (codes [..., H, D] float8_e4m3fn, scales [..., H] bfloat16); codes are rounded to nearest
+    even and clamped, since e4m3fn has no infinity (an overflow would read back as NaN)."""
+    scale = row_scales(x)
+    codes = (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scale.to(SCALE_DTYPE)
 
 
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., H, D] / scale [H, D] -> float8_e4m3fn, rounded to nearest even; clamped, since e4m3fn has no
-    infinity (an overflow would read back as NaN)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., H, D] float8_e4m3fn * scales [..., H] -> `dtype` (exact in float32; 16-bit rounds once)."""
+    return (codes.float() * scales.float()[..., None]).to(dtype)
 
 
-def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x8 [..., H, D] float8_e4m3fn * scale [H, D] -> `dtype` (exact for float32; 16-bit rounds once)."""
-    return (x8.float() * scale).to(dtype)
+def fp8_pages(
+    k_pages: torch.Tensor, v_pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values [N, B, H, D] of K and V as an FP8 cache holds them: (K codes, V codes, scales [2, N, B, H]), views of
+    one storage whose token rows are laid out as KVLayout's (for tests and benchmarks that build caches)."""
+    n, b, h, d = k_pages.shape
+    storage = torch.zeros((2, n, b, token_row_bytes(h, d, 1, True)), dtype=FP8_DTYPE, device=k_pages.device)
+    codes, scales = split_fp8_cache(storage, h, d)
+    for i, pages in enumerate((k_pages, v_pages)):
+        codes[i], scales[i] = quantize_kv(pages)
+    return codes[0], codes[1], scales

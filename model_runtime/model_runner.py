@@ -26,6 +26,7 @@ from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from model_runtime.fused.base import FusedOps
 from model_runtime.host_batch import HostBatch, HostBlockTables, build_host_batch
 from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
+from model_runtime.kv_quant import split_fp8_cache
 from model_runtime.models.llama import LlamaForCausalLM
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.quantization.apply import quantize_model
@@ -121,13 +122,15 @@ class ModelRunner:
         ops: FusedOps | None = None,
         tensor_parallel: TensorParallel | None = None,
         quantization: str = "none",
-        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
         share); None for one device. `quantization`: how `weights` were quantized
-        (quantization.apply.quantize_weights), so the model holds them in that form. `kv_scales`: an FP8
-        layout's [num_layers, 2, Hkv, D] scales (model_runtime.kv_quant), required exactly when it is FP8."""
+        (quantization.apply.quantize_weights), so the model holds them in that form.
+
+        `kv_cache` is the cache's storage, shaped as KVLayout.cache_shape (what transports move); `kv_pages` is
+        the model's view of it, [L, 2, N, B, Hkv, D]: the same tensor, or an FP8 cache's codes, whose scales
+        `kv_scales` [L, 2, N, B, Hkv] (None for other caches) view the same blocks (kv_quant)."""
         self.config = model_config
         self.layout = layout
         self.device = torch.device(device)
@@ -141,20 +144,15 @@ class ModelRunner:
             tensor_parallel.shard_model(model)
         self.tensor_parallel = tensor_parallel
         self.model = model.eval()
-        if layout.quantized != (kv_scales is not None):
-            raise ValueError(
-                f"ModelRunner: a {layout.dtype} KV cache {'needs' if kv_scales is None else 'takes no'} kv_scales"
-            )
-        if kv_scales is not None:
-            expected = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
-            if tuple(kv_scales.shape) != expected:
-                raise ValueError(
-                    f"ModelRunner: kv_scales shape {tuple(kv_scales.shape)}, expected {expected}"
-                )
-            model.use_kv_scales(kv_scales.to(self.device, torch.float32))
         self.kv_cache = torch.zeros(
             layout.cache_shape, dtype=CACHE_TORCH_DTYPES[layout.dtype], device=self.device
         )
+        self.kv_pages, self.kv_scales = self.kv_cache, None
+        if layout.quantized:
+            self.kv_pages, self.kv_scales = split_fp8_cache(
+                self.kv_cache, layout.num_kv_heads, layout.head_dim
+            )
+            model.use_kv_scales(self.kv_scales)
         self._on_cuda = self.device.type == "cuda"
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=2 * max_num_seqs)
         use_graphs = self._on_cuda and not enforce_eager
@@ -174,7 +172,7 @@ class ModelRunner:
         backend.reserve(self.max_num_seqs, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device)
         graphs = DecodeGraphs(
             self.model,
-            self.kv_cache,
+            self.kv_pages,
             max_num_seqs=self.max_num_seqs,
             max_blocks_per_seq=self.max_blocks_per_seq,
             hidden_size=mc.hidden_size,
@@ -293,7 +291,7 @@ class ModelRunner:
                 hidden = hidden[self._to_device(batch.logits_indices)]
             return self._logits(hidden)
         inputs = self._upload(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)
         if not batch.samples_every_row:
             hidden = hidden[inputs.logits_indices]
         return self._logits(hidden)

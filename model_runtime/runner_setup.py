@@ -14,8 +14,8 @@ from model_runtime.attention.select import make_attention_backend
 from model_runtime.config import EngineConfig, ModelConfig
 from model_runtime.cuda_graphs import graph_memory_estimate
 from model_runtime.fused.select import make_fused_ops
-from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
-from model_runtime.kv_quant import fp8_kv_scales, layout_dtype, scale_digest
+from model_runtime.kv_layout import KVLayout
+from model_runtime.kv_quant import layout_dtype
 from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_blocks
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.parallel.group import TPGroup
@@ -68,12 +68,7 @@ def build_runner(
     max_model_len = min(
         config.scheduler.max_model_len or model.max_position_embeddings, model.max_position_embeddings
     )
-    kv_scales = None
-    if layout_dtype(config.cache.dtype, dtype_name) == FP8_KV_DTYPE:
-        kv_scales = fp8_kv_scales(weights, local)
-    layout = plan_layout(
-        config, model, local, device, tp, "" if kv_scales is None else scale_digest(kv_scales)
-    )
+    layout = plan_layout(config, model, local, device, tp)
     runner = ModelRunner(
         local,
         weights,
@@ -87,7 +82,6 @@ def build_runner(
         ops=make_fused_ops(config.device.kernels, device),
         tensor_parallel=tp,
         quantization=quantization,
-        kv_scales=kv_scales,
     )
     return RankRunner(runner, layout, max_model_len, tp)
 
@@ -98,11 +92,9 @@ def plan_layout(
     local: ModelConfig,
     device: str,
     tp: TensorParallel | None,
-    digest: str = "",
 ) -> KVLayout:
     """The rank's KV layout: its own heads (`local`), as many blocks as its memory allows; under tensor
-    parallelism the smallest count of any rank, since every rank's cache holds the lead's block ids.
-    `digest`: an FP8 cache's kv_quant.scale_digest."""
+    parallelism the smallest count of any rank, since every rank's cache holds the lead's block ids."""
     kv_dtype = layout_dtype(config.cache.dtype, config.device.resolved_dtype())
     shard = None if tp is None else tp.shard.kv_shard(model)
     probe = KVLayout(
@@ -112,7 +104,6 @@ def plan_layout(
         config.cache.block_size,
         2,
         kv_dtype,
-        scale_digest=digest,
     )
     # Activations are in the model dtype, whatever the cache's.
     activation_bytes = TORCH_DTYPES[config.device.resolved_dtype()].itemsize
@@ -136,5 +127,4 @@ def plan_layout(
         num_blocks,
         kv_dtype,
         shard,
-        digest,
     )

@@ -9,8 +9,9 @@ A step runs a packed batch of T query tokens from B sequences (prefill chunks an
 A backend (1) writes k and v into the paged cache at `slot_mapping` (slot -1: padding, skipped) and (2) returns
 causal attention of each query over its sequence's context read through `block_tables`.
 
-An FP8 cache (float8_e4m3fn pages) comes with `kv_scale` [2, Hkv, D] float32, the layer's K and V scales
-(model_runtime.kv_quant): the backend stores k / scale and reads stored * scale. Other caches get None.
+An FP8 cache (float8_e4m3fn pages) comes with `kv_scale` [2, N, B, Hkv] bfloat16: one scale per cached token
+and KV head for K and for V, a view of the same blocks (model_runtime.kv_quant): the backend stores each row's
+codes and scale and reads code * scale. Other caches get None.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class AttentionBackend(ABC):
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k/v at meta.slot_mapping into k_cache/v_cache ([N, B, Hkv, D] each), return [T, Hq, D].
-        `kv_scale`: the layer's [2, Hkv, D] scales when the cache is FP8, else None."""
+        `kv_scale`: the layer's [2, N, B, Hkv] scale pages when the cache is FP8, else None."""
 
 
 def store_kv(
@@ -103,7 +104,8 @@ def store_kv(
     kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new K/V rows into the pages; rows whose slot is -1 are padding and are dropped. An FP8 cache
-    stores k / kv_scale[0] and v / kv_scale[1] (as bytes: CPU torch has no FP8 index_copy_)."""
+    stores each row's codes and its scale in kv_scale[0] (K) / kv_scale[1] (V) (codes as bytes: CPU torch has
+    no FP8 index_copy_)."""
     n, b, h, d = k_cache.shape
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
@@ -111,16 +113,15 @@ def store_kv(
         k_cache.view(n * b, h, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
         v_cache.view(n * b, h, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))
         return
-    for rows, cache, channel_scale in ((k[valid], k_cache, kv_scale[0]), (v[valid], v_cache, kv_scale[1])):
-        codes = quantize_kv(rows, channel_scale).view(torch.uint8)
-        cache.view(torch.uint8).view(n * b, h, d).index_copy_(0, slots, codes)
+    for rows, cache, scale_pages in ((k[valid], k_cache, kv_scale[0]), (v[valid], v_cache, kv_scale[1])):
+        codes, scales = quantize_kv(rows)
+        cache.view(torch.uint8).view(n * b, h, d).index_copy_(0, slots, codes.view(torch.uint8))
+        scale_pages.view(n * b, h).index_copy_(0, slots, scales)
 
 
-def read_kv(
-    pages: torch.Tensor, kv_scale: torch.Tensor | None, which: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """K (`which` 0) or V (1) cache rows [..., Hkv, D] as values in `dtype`: dequantized with kv_scale[which]
-    ([Hkv, D]) when the cache is FP8 (kv_scale given)."""
-    if kv_scale is None:
+def read_kv(pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., Hkv, D] as values in `dtype`: an FP8 cache's codes times their rows' scales [..., Hkv]
+    (gathered like the rows), else the values as they are (scales None)."""
+    if scales is None:
         return pages.to(dtype)
-    return dequantize_kv(pages, kv_scale[which], dtype)
+    return dequantize_kv(pages, scales, dtype)

@@ -37,9 +37,9 @@ CUDNN_MAX_CHUNKS = 4
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of a [N, B, H, D] paged cache by flat slot: [len(slots), H, D]."""
-    n, b, h, d = cache.shape
-    return cache.view(n * b, h, d).index_select(0, slots)
+    """Rows of [N, B, ...] pages (values [.., H, D], or an FP8 cache's scales [.., H]) by flat slot:
+    [len(slots), ...]."""
+    return cache.flatten(0, 1).index_select(0, slots)
 
 
 def context_kv(
@@ -51,11 +51,14 @@ def context_kv(
     kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill chunks' keys and values (see the module docstring); gathered from an FP8 cache, they are
-    dequantized with kv_scale, so a chunk with a cached prefix reads every key as the decode kernel does."""
-    if plan.context_slots is not None:
+    dequantized with their rows' scales (kv_scale), so a chunk with a cached prefix reads every key as the
+    decode kernel does."""
+    slots = plan.context_slots
+    if slots is not None:
+        ks, vs = (None, None) if kv_scale is None else (gather_slots(kv_scale[i], slots) for i in (0, 1))
         return (
-            read_kv(gather_slots(k_cache, plan.context_slots), kv_scale, 0, k.dtype),
-            read_kv(gather_slots(v_cache, plan.context_slots), kv_scale, 1, v.dtype),
+            read_kv(gather_slots(k_cache, slots), ks, k.dtype),
+            read_kv(gather_slots(v_cache, slots), vs, v.dtype),
         )
     if plan.prefill_rows is None:
         return k, v

@@ -11,13 +11,15 @@ Each program keeps an fp32 online softmax (log2 domain) and writes its normalise
 log-sum-exp into preallocated scratch; stage 2 merges the segments per (sequence, query head). With one
 segment, stage 1 writes the final output directly and stage 2 is skipped.
 
-An FP8 cache (QUANTIZED) comes with per-channel K and V scales ([Hkv, D] each, powers of two): the program
-multiplies its queries by the K scales once (q . (k8 * s) = (q * s) . k8) and its output by the V scales once,
-so the loop reads one byte per element and does no more arithmetic than for a 16-bit cache. Its dots run in
-float16 (float32 accumulation) whatever the query dtype: Hopper converts two e4m3 codes to float16 in one
-instruction, while bfloat16 takes a detour through float32 that made the FP8 kernel 0.8x the bf16 one (H200,
-bench/results/fp8/attention_fp8_run1.json). Codes (|c| <= 448), probabilities and scaled queries all fit
-float16, whose 10-bit mantissa holds more than bfloat16's 7.
+An FP8 cache (QUANTIZED) comes with scale pages: one bfloat16 scale per cached token and KV head, for K and for V
+(model_runtime.kv_quant). A tile loads its tokens' scales beside their codes (2 bytes per 128 codes) and applies
+them per token, never per element: a key's scale multiplies its score column (q . (k8 * s) = (q . k8) * s), a
+value's scale its probability before the PV dot (p * (v8 * s) = (p * s) . v8), so the loop still reads one
+byte per element. Its dots run in float16 (float32 accumulation) whatever the query dtype: Hopper converts two
+e4m3 codes to float16 in one instruction, while bfloat16 takes a detour through float32 that made the FP8 kernel
+0.8x the bf16 one (H200, bench/results/fp8/attention_fp8_run1.json). Codes (|c| <= 448) and queries fit
+float16, whose 10-bit mantissa holds more than bfloat16's 7; the scaled probabilities are lifted by
+V_SCALE_LIFT (a power of two, undone on the output) so that small ones stay out of float16's subnormals.
 
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
 from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
@@ -33,9 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
+from model_runtime.attention.triton_store import check_scale_pages
+
 MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
 MAX_SEGMENTS = 64
 DEFAULT_TILE_N = 64
+# p * v_scale runs in float16: v_scale is max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products
+# would often fall below float16's smallest normal (6e-5). 2^8 lifts them; a v_scale up to 255 (|v| ~ 1e5) fits.
+V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -52,7 +59,8 @@ def _load_tokens(cache_ptr, block, in_page, kv_head, d, mask, stride_n, stride_b
 def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, scale_log2,
-    stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_bt,
+    stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+    stride_sn, stride_sb, stride_bt,
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -71,8 +79,7 @@ def _decode_segment_kernel(
     out_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
     if QUANTIZED:
-        k_scale = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
-        q = (q.to(tl.float32) * k_scale[None, :]).to(tl.float16)  # and k, p, v follow q's dtype below
+        q = q.to(tl.float16)  # and k, p, v follow q's dtype below
 
     # Segments are whole tiles so only the last tile of the context is partial.
     per_seg = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), TILE_N) * TILE_N
@@ -90,21 +97,27 @@ def _decode_segment_kernel(
         kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
         k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        if QUANTIZED:
+            scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head
+            s = s * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        pv = p
+        if QUANTIZED:
+            v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
+            pv = p * (v_scale * V_SCALE_LIFT)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]  # all zeros for an empty segment or a padded sequence
     if QUANTIZED:
-        v_scale = tl.load(v_scale_ptr + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
-        o = o * v_scale[None, :]
+        o = o * (1.0 / V_SCALE_LIFT)
     if NUM_SEGMENTS == 1:
         out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -256,21 +269,6 @@ def _check_inputs(
         )
 
 
-def _check_scales(k_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
-    quantized = k_cache.dtype == torch.float8_e4m3fn
-    if quantized != (kv_scale is not None):
-        raise ValueError(
-            f"decode_attention: a {k_cache.dtype} cache {'needs' if quantized else 'takes no'} kv_scale"
-        )
-    if kv_scale is not None and (
-        kv_scale.shape != (2, *k_cache.shape[2:]) or not kv_scale.is_contiguous() or kv_scale.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"decode_attention: kv_scale must be contiguous float32 [2, {k_cache.shape[2]}, {k_cache.shape[3]}], "
-            f"got {kv_scale.dtype} {tuple(kv_scale.shape)}"
-        )
-
-
 @dataclass(frozen=True)
 class DecodeTuning:
     """Launch knobs of the stage-1 kernel: tokens per loop step, warps per program, software-pipeline depth.
@@ -312,9 +310,9 @@ def decode_attention(
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[s] = attention of q[s] ([Hq, D], one token) over tokens [0, seq_lens[s]) of its pages. Returns out.
-    `kv_scale` [2, Hkv, D] float32 (contiguous): an FP8 cache's K and V scales."""
+    `kv_scale` [2, N, B, Hkv] bfloat16: an FP8 cache's scale pages (kv_quant.split_fp8_cache)."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_segments)
-    _check_scales(k_cache, kv_scale)
+    check_scale_pages(k_cache, kv_scale, "decode_attention")
     num_seqs, num_heads, head_dim = q.shape
     scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
     tuning = tuning or DecodeTuning()
@@ -341,6 +339,7 @@ def _launch_segments(
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
     k_scale, v_scale = (seq_lens, seq_lens) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
+    scale_strides = (0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2))
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     po, pl = scratch.partial_out, scratch.partial_lse
@@ -354,7 +353,7 @@ def _launch_segments(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        *scale_strides, block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1),

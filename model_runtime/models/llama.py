@@ -108,7 +108,7 @@ class Attention(nn.Module):
         )
         self.o_proj = Projection(config.q_size, config.hidden_size, False, ops)
         self.backend = backend
-        # An FP8 cache's scales for this layer, [2, Hkv, D] float32 (LlamaForCausalLM.use_kv_scales); None else.
+        # An FP8 cache's scale pages for this layer, [2, N, B, Hkv] bfloat16 (use_kv_scales); None else.
         self.kv_scale: torch.Tensor | None = None
 
     def forward(
@@ -233,12 +233,12 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.linear(hidden, weight).float()
 
     def use_kv_scales(self, scales: torch.Tensor) -> None:
-        """An FP8 cache's scales, [num_layers, 2, Hkv, D] float32 on the model's device (model_runtime.kv_quant):
-        each layer's attention stores and reads its cache through its own [2, Hkv, D] slice."""
+        """An FP8 cache's scale pages, [num_layers, 2, N, B, Hkv] bfloat16 (kv_quant.split_fp8_cache): each
+        layer's attention stores and reads its rows' scales through its own [2, N, B, Hkv] view."""
         for i, layer in enumerate(self.layers):
             attn = layer.get_submodule("attn")
             assert isinstance(attn, Attention)
-            attn.kv_scale = scales[i].contiguous()
+            attn.kv_scale = scales[i]
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Adopt the canonical fused tensors from model_runtime.weights (no copy); a missing or extra name, or

@@ -14,7 +14,7 @@ import time
 import torch
 
 from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig
-from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
+from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
 NUM_BLOCKS = 40
@@ -30,7 +30,6 @@ def make_layout(dtype: str, kv_heads: int = 2) -> KVLayout:
         block_size=4,
         num_blocks=NUM_BLOCKS,
         dtype=dtype,
-        scale_digest="same-scales" if dtype == FP8_KV_DTYPE else "",  # an FP8 cache names its scales
     )
 
 

@@ -163,7 +163,7 @@ def _scenario(cluster: ServeProcess, nodes: Nodes, b: RayNode, offline: LLM) -> 
     assert placed["prefill-0"] == "127.0.0.2", placed
     assert sorted([placed["decode-0"], placed["decode-1"]]) == ["127.0.0.3", "127.0.0.4"], placed
     assert len({w.node_id for w in found.values()}) == 3, "each worker on its own Ray node"
-    # Every worker's KV layout is the offline FP8 engine's: FP8 codes with the same scales on every node.
+    # Every worker's KV layout is the offline FP8 engine's: FP8 blocks (codes and their scales) on every node.
     assert offline.engine.layout.quantized
     assert {layout_fingerprint(w) for w in found.values()} == {offline.engine.layout.fingerprint()}
     check_greedy(cluster.address, offline)

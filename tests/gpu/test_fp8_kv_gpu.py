@@ -1,6 +1,6 @@
-"""The FP8 KV cache on a CUDA GPU: the Triton store's rounding and saturation against the torch store (byte for
-byte), the decode kernel and a mixed step against the torch reference reading the same codes, and an engine
-whose decode steps run in CUDA graphs producing the tokens its eager twin produces.
+"""The FP8 KV cache on a CUDA GPU: the Triton store's codes and per-row scales against the torch store (byte for
+byte), the decode kernel and a mixed step against the torch reference reading the same codes and scales, and an
+engine whose decode steps run in CUDA graphs producing the tokens its eager twin produces.
 
 The CPU interpreter cannot check the store's rounding (tests/unit/test_triton_interpret.py says why); this can.
 """
@@ -14,7 +14,7 @@ from model_runtime.attention.base import store_kv
 from model_runtime.attention.torch_ref import TorchAttention, paged_attention_ref
 from model_runtime.config import CacheConfig
 from model_runtime.engine import Engine
-from model_runtime.kv_quant import quantize_kv
+from model_runtime.kv_quant import fp8_pages
 from tests.gpu.graphs_vs_eager import graphs_and_eager_tokens
 from tests.gpu.test_attention_gpu import TOL, make_meta, paged_inputs, rel_err
 
@@ -24,38 +24,37 @@ pytestmark = [
 ]
 
 
-def _scales(seed: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.exp2(torch.randint(-4, 2, (2, kv_heads, head_dim), generator=gen).float()).cuda()
-
-
-def _fp8(kc: torch.Tensor, vc: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_kv(kc, scales[0]), quantize_kv(vc, scales[1])
-
-
-def test_store_rounds_and_saturates_as_the_torch_store() -> None:
+def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
+    """Rows of every magnitude (1e-4 .. 1e4, one all zero), not on the FP8 grid: the kernel's rounding, scale
+    and clamping are the torch store's, byte for byte, and every written row reaches 448 in its largest code."""
     from model_runtime.attention.triton_store import store_kv_triton
 
     _, k, v, kc, vc, meta = paged_inputs(0, [40, 0, 9], [40, 1, 9], 8, 4, 128, 16, torch.bfloat16)
-    scales = _scales(0, 8, 128)
-    kc, vc = _fp8(kc, vc, scales)
-    k, v = k * 64, v * 64  # many values past 448 * scale: they saturate
-    ref_k, ref_v = kc.clone(), vc.clone()
-    store_kv(k, v, ref_k, ref_v, meta.slot_mapping, scales)
+    kc, vc, scales = fp8_pages(kc, vc)
+    magnitude = torch.logspace(-4, 4, k.shape[0], device="cuda", dtype=torch.float32)[:, None, None]
+    k, v = (k.float() * magnitude).to(torch.bfloat16), (v.float() * magnitude.flip(0)).to(torch.bfloat16)
+    k[3, 2] = 0.0
+    ref_k, ref_v, ref_scales = kc.clone(), vc.clone(), scales.clone()
+    store_kv(k, v, ref_k, ref_v, meta.slot_mapping, ref_scales)
     store_kv_triton(k, v, kc, vc, meta.slot_mapping, scales)
     assert torch.equal(kc.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), ref_v.view(torch.uint8))
-    assert not kc.float().isnan().any() and kc.float().abs().max().item() == 448.0
+    assert torch.equal(scales, ref_scales)
+    slots = meta.slot_mapping[meta.slot_mapping >= 0]
+    peaks = vc.flatten(0, 1)[slots].float().abs().amax(-1)
+    assert not kc.float().isnan().any() and bool((peaks == 448.0).all())
 
 
 @pytest.mark.parametrize("segments", [1, 8])
-def test_decode_reads_codes_times_scales(segments: int) -> None:
+@pytest.mark.parametrize("v_magnitude", [1.0, 1e-3])
+def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float) -> None:
+    """Against the reference reading the same codes; values of 1e-3 (scales near 2e-6) check that the scaled
+    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT)."""
     from model_runtime.attention.triton_decode import DecodeWorkspace, decode_attention
 
     seq_lens = [3000, 0, 17, 1200]
     q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 4, 8, 4, 128, 16, torch.bfloat16)
-    scales = _scales(3, 8, 128)
-    kc, vc = _fp8(kc, vc, scales)
+    kc, vc, scales = fp8_pages(kc, vc * v_magnitude)
     out = torch.full_like(q, float("nan"))
     decode_attention(
         q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments, kv_scale=scales
@@ -72,12 +71,11 @@ def test_a_mixed_step_over_cached_prefixes_matches_the_reference() -> None:
     (A fresh prompt's Triton prefill attends to its own unquantized rows, the torch reference to the cache.)"""
     seq_lens, query_lens = [700, 129, 5000, 0, 64], [64, 1, 1, 0, 17]
     q, k, v, kc, vc, meta = paged_inputs(11, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16)
-    scales = _scales(11, 8, 128)
-    kc, vc = _fp8(kc, vc, scales)
+    kc, vc, scales = fp8_pages(kc, vc)
     from model_runtime.attention.triton_backend import TritonAttention
 
-    ref_kc, ref_vc = kc.clone(), vc.clone()
-    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, scales)
+    ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, ref_scales)
     out = TritonAttention().forward(q, k, v, kc, vc, meta, 0.088, scales)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
@@ -85,7 +83,9 @@ def test_a_mixed_step_over_cached_prefixes_matches_the_reference() -> None:
 
 def test_an_fp8_cache_engine_decodes_the_same_in_cuda_graphs_as_eager(tmp_path) -> None:
     def check(engine: Engine) -> None:
-        assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        runner = engine.runner
+        assert runner.kv_pages.dtype == torch.float8_e4m3fn and runner.kv_scales is not None
+        assert runner.kv_pages.data_ptr() == runner.kv_cache.data_ptr()
 
     graphs, eager = graphs_and_eager_tokens(
         tmp_path, CacheConfig(num_blocks=512, dtype="fp8_e4m3"), "none", check

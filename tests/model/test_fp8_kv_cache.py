@@ -1,35 +1,31 @@
 """The FP8 KV cache (cache.dtype fp8_e4m3) on CPU, where the torch attention reads every key and value back from
-the cache (code * scale): the scales bound what the layers write, a tiny random model's logits stay near float32,
-a tensor-parallel rank derives the scales of its heads that one device derives, and the embedded SmolLM2-135M
-stays close to its float32 self in perplexity and greedy choices.
+the cache (code * scale): each row is stored as e4m3 codes and a bfloat16 scale inside its block, a tiny random
+model's logits stay near float32, a prompt prefilled on one engine decodes on another from the moved bytes, and
+the embedded SmolLM2-135M stays within the issue's 1% of its float32 perplexity.
 
-Measured (torch 2.13 CPU, float32 activations, this file's prints): SmolLM2's perplexity on TEXT 23.53 -> 23.89
-with the FP8 cache (+1.5%), 24.18 (+2.8%) with FP8 weights as well; next-token agreement with float32 0.956 and
-0.902. The issue's goal (within 1% of 16-bit) is not met with these static per-channel power-of-two scales
-(the largest code a text writes is 56-112 of 448; under 0.03% of the codes are subnormal). A scale per token and
-head would meet it: emulated in bench/diag/fp8_kv_scale_schemes.py, +0.05%.
+Measured (torch 2.13 CPU, float32 activations, this file's prints; see KV_PERPLEXITY_RTOL): with the previous
+static per-channel power-of-two scales SmolLM2's perplexity on TEXT rose 1.5% (23.53 -> 23.89); with a scale per
+token and head it moves by under 0.5%.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from model_runtime.attention.base import store_kv
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.engine import Engine
-from model_runtime.kv_layout import KVLayout
-from model_runtime.kv_quant import FP8_MAX, MARGIN, fp8_kv_scales
+from model_runtime.kv_layout import FP8_KV_DTYPE, ROW_ALIGN, KVLayout
+from model_runtime.kv_quant import dequantize_kv, quantize_kv, split_fp8_cache
 from model_runtime.llm import LLM
-from model_runtime.parallel.shard import TPShard
-from model_runtime.parallel.weights import load_weight_shard
 from model_runtime.request import PromptInput, SamplingParams
 from model_runtime.runner_setup import build_runner
 from model_runtime.startup import StartupProgress
-from model_runtime.weights import load_model_config, load_weights, resolve_model
+from model_runtime.weights import load_model_config, resolve_model
 from tests.model import tp_ranks
 from tests.model.test_fp8_weights import PROMPTS, TEXT, _choices
 from tests.model.tiny_models import write_tiny_hf
@@ -37,11 +33,12 @@ from tests.model.tiny_models import write_tiny_hf
 pytestmark = pytest.mark.model
 
 TINY_LOGITS_RTOL = 0.10  # of the largest float32 logit
-KV_PERPLEXITY_RTOL = 0.025  # measured 1.5%; the issue's goal is 1% (see the module docstring)
-BOTH_PERPLEXITY_RTOL = 0.04  # FP8 weights and cache: measured 2.8%
-MIN_KV_AGREEMENT = 0.93  # measured 0.956
-MIN_BOTH_AGREEMENT = 0.85  # measured 0.902
+KV_PERPLEXITY_RTOL = 0.01  # the issue's goal; measured -0.37% (23.53 -> 23.44)
+BOTH_PERPLEXITY_RTOL = 0.025  # FP8 weights and cache: measured 1.8% (the weights alone: 1%)
+MIN_KV_AGREEMENT = 0.93
+MIN_BOTH_AGREEMENT = 0.85
 MAX_NEW = 8
+NEAR_TIE = 0.1  # logits; see test_smollm2_with_an_fp8_cache_generates_greedily_through_the_engine
 
 
 def _config(model: str, kv_dtype: str | None, quantization: str = "none") -> EngineConfig:
@@ -55,29 +52,64 @@ def _config(model: str, kv_dtype: str | None, quantization: str = "none") -> Eng
     )
 
 
-def test_the_scales_bound_every_key_and_value_a_tiny_model_writes(tmp_path) -> None:
-    """Keys (after rotation) and values of a float32 run, read from its cache, stay within 448 * scale /
-    MARGIN for every channel: nothing an FP8 cache stores saturates. The scales are powers of two, and not
-    absurdly loose: the largest value of each layer uses more than 1/64 of its range."""
+def test_each_written_row_is_codes_and_a_scale_whose_largest_code_is_448(tmp_path) -> None:
+    """After a tiny model's prefill and decode steps, every row the FP8 cache holds (one token, one KV head, K or
+    V) has a bfloat16 scale beside its codes and reaches 448 in its largest code: the row's largest value is
+    stored (nearly) exactly, which is what keeps attention scores right. Unwritten slots stay zero."""
     path = str(write_tiny_hf(tmp_path, "llama"))
     source = resolve_model(path)
     model = load_model_config(source)
     prompts = [[5, 9, 14, 3, 7, 21, 8, 40, 2, 19, 33], [11, 4, 30, 30, 30, 2]]
-    rank = build_runner(_config(path, None), source, model, StartupProgress(None))
+    rank = build_runner(_config(path, "fp8_e4m3"), source, model, StartupProgress(None))
     for batch in tp_ranks.prefill_then_decode(prompts):
         rank.runner.execute_batch(batch)
-    weights = load_weights(source, model, torch.float32, "cpu")
-    scales = fp8_kv_scales(weights, model)
-    assert scales.shape == (model.num_layers, 2, model.num_kv_heads, model.head_dim)
-    assert torch.equal(torch.exp2(torch.log2(scales).round()), scales), "scales are not powers of two"
-    used = sum(-(-(len(p) + 1) // tp_ranks.BLOCK_SIZE) for p in prompts)
-    written = rank.runner.kv_cache[:, :, 1 : 1 + used]  # [L, 2, blocks, B, H, D]
-    peak = written.abs().amax(dim=(2, 3))  # [L, 2, H, D]
-    limit = FP8_MAX * scales / MARGIN
-    fill = (peak.amax(dim=(1, 2, 3)) / limit.amax(dim=(1, 2, 3))).tolist()
-    print(f"largest value per layer / its FP8 limit: {[round(f, 3) for f in fill]}")
-    assert bool((peak <= limit).all()), f"a value past its scale's range: {(peak / limit).max().item():.3f}"
-    assert min(fill) > 1 / 64, fill
+    layout, runner = rank.layout, rank.runner
+    assert runner.kv_cache.shape == layout.cache_shape == (*runner.kv_cache.shape[:4], layout.token_bytes)
+    codes, scales = runner.kv_pages, runner.kv_scales
+    assert codes is not None and scales is not None
+    assert codes.data_ptr() == runner.kv_cache.data_ptr() and scales.dtype == torch.bfloat16
+    b = layout.block_size
+    rows = []  # (block, offset) of every token written: prompt + 1 decoded each, blocks handed out in order
+    block = 1
+    for prompt in prompts:
+        n = len(prompt) + 1
+        rows += [(block + t // b, t % b) for t in range(n)]
+        block += -(-n // b)
+    peaks = torch.stack([codes[:, :, blk, off].float().abs().amax(-1) for blk, off in rows])  # [T, L, 2, H]
+    assert bool((peaks == 448).all()), f"rows whose largest code is not 448: {int((peaks != 448).sum())}"
+    written = torch.stack([scales[:, :, blk, off] for blk, off in rows])
+    assert bool((written > 0).all())
+    assert not runner.kv_cache.view(torch.uint8)[:, :, block:].any(), "bytes past the written blocks"
+
+
+def test_quantize_and_store_agree_byte_for_byte_with_the_row_layout() -> None:
+    """The torch store writes each row's codes then its scale where KVLayout says a token row keeps them, and
+    reading back gives each value within e4m3's rounding of its row's scale (the row's largest value exactly up
+    to the scale's bfloat16 rounding)."""
+    heads, dim, block = 3, 16, 4
+    layout = KVLayout(1, heads, dim, block, 5, FP8_KV_DTYPE)
+    storage = torch.zeros(layout.cache_shape, dtype=torch.float8_e4m3fn)
+    codes, scales = split_fp8_cache(storage, heads, dim)
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(6, heads, dim, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[:, None]
+    v = torch.randn(6, heads, dim, generator=gen)
+    k[2, 1] = 0.0  # an all-zero row
+    slots = torch.tensor([4, 5, 9, -1, 13, 19])
+    store_kv(k, v, codes[0, 0], codes[0, 1], slots, scales[0])
+    want_codes, want_scales = quantize_kv(k)
+    raw = storage.view(torch.uint8)[0, 0].reshape(-1, layout.token_bytes)  # [N * B, token_bytes]
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(raw[slot, : heads * dim], want_codes[row].view(torch.uint8).flatten())
+        stored_scales = raw[slot, layout.scale_offset : layout.scale_offset + 2 * heads].view(torch.bfloat16)
+        assert torch.equal(stored_scales, want_scales[row])
+    assert not raw[[0, 1, 2, 3, 6, 7, 8]].any()
+    back = dequantize_kv(want_codes, want_scales, torch.float32)
+    top = k.abs().amax(-1, keepdim=True)
+    assert bool(((back - k).abs() <= top / 16 + 1e-30).all()), "a value off by more than e4m3's rounding"
+    assert torch.allclose(back.abs().amax(-1), top.squeeze(-1), rtol=2**-8), "a row's largest value moved"
+    assert bool((back[2, 1] == 0).all())
 
 
 def test_a_tiny_model_with_an_fp8_cache_stays_near_float32(tmp_path) -> None:
@@ -93,8 +125,10 @@ def test_a_tiny_model_with_an_fp8_cache_stays_near_float32(tmp_path) -> None:
         if kv is not None:
             assert rank.runner.kv_cache.dtype == torch.float8_e4m3fn
     fp8, fp32 = layouts["fp8_e4m3"], layouts[None]
-    assert fp8.quantized and fp8.bytes_per_block * 4 == fp32.bytes_per_block
-    assert fp8.fingerprint() != fp32.fingerprint() and fp8.scale_digest
+    codes_and_scales = -(-(model.num_kv_heads * (model.head_dim + 2)) // ROW_ALIGN) * ROW_ALIGN
+    assert fp8.quantized and fp8.bytes_per_block == 2 * fp8.num_layers * fp8.block_size * codes_and_scales
+    assert fp8.bytes_per_block < fp32.bytes_per_block // 2
+    assert fp8.fingerprint() != fp32.fingerprint()
     err = (logits["fp8_e4m3"] - logits[None]).abs().max().item()
     scale = logits[None].abs().max().item()
     print(f"tiny model: FP8-cache logits off by {err:.4f}, largest float32 logit {scale:.4f}")
@@ -104,9 +138,9 @@ def test_a_tiny_model_with_an_fp8_cache_stays_near_float32(tmp_path) -> None:
 
 def test_a_prompt_prefilled_on_one_engine_decodes_on_another_from_its_fp8_codes(tmp_path) -> None:
     """Disaggregated at the engine level: a prefill-only engine computes the prompt into its FP8 cache, the
-    blocks' bytes move as a transport moves them (codes, byte for byte: test_kv_transfer_tcp checks that for
-    FP8), and a decode engine admitted with them generates exactly the tokens one colocated FP8 engine
-    generates. Both engines derive the same scales from the same weights (equal fingerprints)."""
+    blocks' bytes move as a transport moves them (codes and the scales inside the blocks, byte for byte:
+    test_kv_transfer_tcp checks that for FP8), and a decode engine admitted with them generates exactly the
+    tokens one colocated FP8 engine generates."""
     path = str(write_tiny_hf(tmp_path, "llama"))
     config = _config(path, "fp8_e4m3")
     prompt = [(7 * i) % 90 + 5 for i in range(13)]
@@ -143,41 +177,15 @@ def _tokens(engine: Engine, request_id: str) -> list[int]:
     return tokens
 
 
-def test_an_fp8_layout_pairs_only_with_the_same_scales() -> None:
-    def layout(dtype: str, digest: str) -> KVLayout:
-        return KVLayout(2, 2, 8, 4, 16, dtype, scale_digest=digest)
-
-    a, b = layout("float8_e4m3fn", "aaaa"), layout("float8_e4m3fn", "bbbb")
-    assert a.fingerprint() != b.fingerprint() and a.mismatch(b.format_dict()) is None
-    assert "dtype" in (layout("bfloat16", "").mismatch(a.format_dict()) or "")
-    with pytest.raises(ValueError, match="scale_digest"):
-        layout("float8_e4m3fn", "")
-    with pytest.raises(ValueError, match="scale_digest"):
-        layout("bfloat16", "aaaa")
-
-
-def _rank_scales(path: str, size: int) -> list[np.ndarray]:
-    """Each rank's scales from its own weight shard (no processes needed: a shard is a plan and a load)."""
-    source = resolve_model(path)
-    model = load_model_config(source)
-    out = []
-    for rank in range(size):
-        shard = TPShard.plan(model, ParallelConfig(tensor_parallel_size=size), rank)
-        weights = load_weight_shard(source, model, shard, torch.float32, "cpu")
-        out.append(fp8_kv_scales(weights, shard.local_model(model)).numpy())
-    return out
-
-
-def test_a_tensor_parallel_rank_derives_the_scales_of_its_heads(tmp_path) -> None:
-    """Rank r's scales are exactly one device's scales of the KV heads rank r holds: the two sides of a
-    handoff agree however their workers are split."""
-    path = str(write_tiny_hf(tmp_path, "llama"))
-    source = resolve_model(path)
-    model = load_model_config(source)
-    whole = fp8_kv_scales(load_weights(source, model, torch.float32, "cpu"), model).numpy()
-    for rank, scales in enumerate(_rank_scales(path, 2)):
-        heads = TPShard.plan(model, ParallelConfig(tensor_parallel_size=2), rank).kv_heads
-        np.testing.assert_array_equal(scales, whole[:, :, heads.start : heads.stop])
+def test_an_fp8_layout_names_its_block_format() -> None:
+    """FP8 blocks are [B, token_bytes] bytes (codes, scales, padding to 16) and pair only with FP8 blocks."""
+    fp8, bf16 = KVLayout(2, 2, 8, 4, 16, FP8_KV_DTYPE), KVLayout(2, 2, 8, 4, 16, "bfloat16")
+    assert fp8.token_bytes == 32 and fp8.scale_offset == 16 and fp8.block_shape == (4, 32)
+    assert fp8.cache_shape == (2, 2, 16, 4, 32) and fp8.staging_shape(3, (0, 1)) == (1, 2, 3, 4, 32)
+    assert bf16.block_shape == (4, 2, 8) and bf16.token_bytes == 32
+    assert KVLayout(32, 8, 128, 16, 2, FP8_KV_DTYPE).token_bytes == 1040
+    assert fp8.fingerprint() != bf16.fingerprint()
+    assert "dtype" in (bf16.mismatch(fp8.format_dict()) or "")
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +216,27 @@ def test_smollm2_with_an_fp8_cache_perplexity_and_next_tokens(smollm2) -> None:
 
 def test_smollm2_with_an_fp8_cache_generates_greedily_through_the_engine(smollm2) -> None:
     """Prefill, decode steps reading the FP8 cache, sampler: fp8's own picks recomputed in one prefill are the
-    tokens it generated, and float32 teacher forced on them picks mostly the same."""
+    tokens it generated, and float32 teacher forced on them picks mostly the same.
+
+    A recomputation computes the generated tokens' K/V rows in one batch instead of one per step, and float32
+    rounding of that order can move a code by one e4m3 step: a pick whose two best logits were closer than
+    NEAR_TIE may flip (seen once: 0.045 apart). Every generated token must be within NEAR_TIE of the recomputed
+    best, and most must be it."""
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = smollm2["fp8 kv"].generate([PromptInput(text=p) for p in PROMPTS], params)
     assert all(len(out.token_ids) == MAX_NEW for out in outs)
     sequences = [out.prompt_token_ids + out.token_ids for out in outs]
+    logits = smollm2["fp8 kv"].engine.runner.execute_batch(tp_ranks.prefill_then_decode(sequences)[0])
+    row, behind = 0, []
+    for ids, out in zip(sequences, outs):
+        start = row + len(out.prompt_token_ids) - 1
+        picked = logits[start : start + MAX_NEW]
+        behind += (picked.amax(-1) - picked[torch.arange(MAX_NEW), out.token_ids]).tolist()
+        row += len(ids)
+    exact = sum(gap == 0 for gap in behind) / len(behind)
+    print(f"generated tokens behind the recomputed best by up to {max(behind):.4f}; {exact:.3f} exactly it")
+    assert max(behind) <= NEAR_TIE and exact >= 0.9, behind
     chosen = {name: _choices(smollm2[name].engine.runner, sequences, outs) for name in ("float32", "fp8 kv")}
-    assert chosen["fp8 kv"] == [out.token_ids for out in outs]
     pairs = [(a, b) for ref, got in zip(chosen["float32"], chosen["fp8 kv"]) for a, b in zip(ref, got)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     print(f"teacher-forced agreement {agreement:.3f}")

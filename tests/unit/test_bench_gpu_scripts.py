@@ -58,7 +58,7 @@ def test_model_cost_with_fp8_weights_and_kv_by_hand():
     # the 1152 projection weights at 1 byte instead of 2, plus a 4-byte scale per output row: q 8, k 4, v 4,
     # o 8, gate 16, up 16, down 8 = 64 a layer, 128 in all; norms and the head keep 2 bytes
     assert fp8.weight_bytes_read == 2544 - 1152 + 128 * 4 == 1904
-    assert fp8.kv_bytes_per_token == 2 * 2 * 4 * 1
+    assert fp8.kv_bytes_per_token == 2 * 2 * (4 * 1 + 2)  # K and V, 2 layers: 4 codes and a bf16 scale
     bf16 = ModelCost.from_config(TOY, dtype_bytes=2)
     assert (fp8.layer_matmul_params, fp8.head_params, fp8.attn_flops_per_key) == (1152, 80, 64)  # same FLOPs
     assert fp8.decode_step_flops(3, 6) == bf16.decode_step_flops(3, 6)
@@ -68,7 +68,7 @@ def test_model_cost_with_fp8_weights_and_kv_by_hand():
         bf16.kv_bytes_per_token,
     )
     kv_only = ModelCost.from_config(TOY, dtype_bytes=2, fp8_kv=True)
-    assert (kv_only.weight_bytes_read, kv_only.kv_bytes_per_token) == (2544, 16)
+    assert (kv_only.weight_bytes_read, kv_only.kv_bytes_per_token) == (2544, 24)
 
 
 def test_step_floor_takes_the_slower_of_flops_and_bytes():
@@ -163,7 +163,9 @@ def test_offline_throughput_fp8_variants_compare_with_bf16(tiny_model, tmp_path)
     costs = {v: ModelCost(**doc["variants"][v]["model_cost"]) for v in ("bf16", "fp8")}
     mc = load_model_config(resolve_model(tiny_model))
     assert costs["fp8"] == ModelCost.from_config(mc, dtype_bytes=4, fp8_weights=True, fp8_kv=True)
-    assert costs["fp8"].kv_bytes_per_token * 4 == costs["bf16"].kv_bytes_per_token  # float32 in the smoke
+    per_head = mc.num_layers * 2 * mc.num_kv_heads  # K and V rows of one token; float32 in the smoke
+    assert costs["bf16"].kv_bytes_per_token == per_head * mc.head_dim * 4
+    assert costs["fp8"].kv_bytes_per_token == per_head * (mc.head_dim + 2)
     assert doc["variants"]["fp8"]["engine"]["kv_dtype"] == "float8_e4m3fn"
     rates = DeviceRates(doc["rates"]["hbm_gbps"], doc["rates"]["matmul_tflops"])
     for shape, n, out_len in (("16/8", 6, 8), ("24/4", 3, 4)):

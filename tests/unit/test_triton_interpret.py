@@ -24,7 +24,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 TOL = 1e-4  # fp32 interpreter: numpy matmuls, so only summation-order differences remain
-# The FP8-cache decode kernel's dots run in float16 (triton_decode says why): its scaled queries and probabilities
+# The FP8-cache decode kernel's dots run in float16 (triton_decode says why): its queries and scaled probabilities
 # round to float16's 11-bit significand (2^-11 relative), the rest is exact.
 TOL_FP8_DECODE = 2e-3
 
@@ -132,51 +132,52 @@ def _case_store() -> tuple[bool, str]:
     return ok, f"caches equal: {ok}"
 
 
-def _fp8_scales(gen: torch.Generator, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """[2, H, D] power-of-two scales, as kv_quant makes them (2^-3 .. 2^1, per channel)."""
-    return torch.exp2(torch.randint(-3, 2, (2, kv_heads, head_dim), generator=gen).float())
+def _fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """Float pages as an FP8 cache: (K codes, V codes, scale pages [2, N, B, H]) over one storage."""
+    from model_runtime.kv_quant import fp8_pages
+
+    return fp8_pages(k_cache, v_cache)
 
 
-def _fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: torch.Tensor):
-    from model_runtime.kv_quant import quantize_kv
-
-    return quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1])
-
-
-def _on_grid(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x moved onto the values an FP8 cache with `scale` holds exactly (so storing it rounds nothing)."""
+def _on_grid(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., H, D] moved onto values an FP8 cache stores exactly: each row's codes times its scale, one code
+    at +-448, so storing it again gives the same scale and rounds nothing."""
     from model_runtime.kv_quant import dequantize_kv, quantize_kv
 
-    return dequantize_kv(quantize_kv(x, scale), scale, x.dtype)
+    return dequantize_kv(*quantize_kv(x), x.dtype)
 
 
 def _case_store_fp8() -> tuple[bool, str]:
-    """The Triton store divides by each channel's scale and clamps at 448 as kv_quant does: byte for byte what
-    the torch store writes. Inputs sit on the FP8 grid (and some far past 448 * scale, which saturate): the
-    interpreter's float32 -> e4m3 conversion drops the carry when rounding crosses a power of two (31.8 -> 16,
-    not 32), which the GPU's conversion instruction does not; rounding itself is checked on the GPU."""
+    """The Triton store computes each row's scale (bf16 of max / 448) and codes as kv_quant does: byte for byte
+    what the torch store writes, codes and scales. Inputs sit on the FP8 grid: the interpreter's float32 ->
+    e4m3 conversion drops the carry when rounding crosses a power of two (31.8 -> 16, not 32), which the GPU's
+    conversion instruction does not; rounding itself is checked on the GPU. Rows span 1e-3 .. 1e3 and one is
+    all zero (its scale the smallest, its codes zero)."""
     from model_runtime.attention.base import store_kv
     from model_runtime.attention.triton_store import store_kv_triton
 
     gen = torch.Generator().manual_seed(0)
-    scales = _fp8_scales(gen, 2, 24)
-    kc, vc = _fp8_caches(
-        torch.randn(6, 4, 2, 24, generator=gen), torch.randn(6, 4, 2, 24, generator=gen), scales
+    kc, vc, scales = _fp8_caches(
+        torch.randn(6, 4, 2, 24, generator=gen), torch.randn(6, 4, 2, 24, generator=gen)
     )
-    fused = torch.randn(7, 3, 2, 24, generator=gen) * 40
-    k, v = _on_grid(fused[:, 1], scales[0]), _on_grid(fused[:, 2], scales[1])
-    k[0, 0, :4] = torch.tensor([1e4, -1e4, 5e3, -600.0])  # past 448 * scale: saturate at +-448
+    magnitude = torch.logspace(-3, 3, 7)[:, None, None, None]
+    fused = _on_grid(torch.randn(7, 3, 2, 24, generator=gen) * magnitude)
+    k, v = fused[:, 1], fused[:, 2]
+    k[3, 1] = 0.0
     slots = torch.tensor([5, -1, 22, 4, -1, 9, 23], dtype=torch.int64)
-    ref_k, ref_v = kc.clone(), vc.clone()
-    store_kv(k, v, ref_k, ref_v, slots, scales)
+    ref_k, ref_v, ref_scales = kc.clone(), vc.clone(), scales.clone()
+    store_kv(k, v, ref_k, ref_v, slots, ref_scales)
     store_kv_triton(k, v, kc, vc, slots, scales)
     same = torch.equal(kc.view(torch.uint8), ref_k.view(torch.uint8)) and torch.equal(
         vc.view(torch.uint8), ref_v.view(torch.uint8)
     )
-    saturated = kc[1, 1, 0, :4].float().tolist()  # slot 5 = block 1, offset 1: row 0's first four keys
-    finite = not bool(kc.float().isnan().any() or vc.float().isnan().any())
-    ok = same and finite and saturated == [448.0, -448.0, 448.0, -448.0]
-    return ok, f"caches byte-equal: {same}, no NaN: {finite}, saturated codes {saturated}"
+    same_scales = torch.equal(scales, ref_scales)
+    peaks = kc.flatten(0, 1)[slots[slots >= 0]].float().abs().amax(-1)  # [stored rows, H]
+    zero_row = peaks[2, 1].item() == 0.0  # k[3] went to slot 4, the third stored row
+    peaks[2, 1] = 448.0
+    full = bool((peaks == 448.0).all())
+    ok = same and same_scales and zero_row and full
+    return ok, f"codes byte-equal: {same}, scales equal: {same_scales}, zero row {zero_row}, peaks 448 {full}"
 
 
 def _case_quantize_rows() -> tuple[bool, str]:
@@ -221,9 +222,8 @@ def _decode_case(
             seed, seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size
         )
         scales = None
-        if fp8:  # an FP8 cache: codes plus per-channel scales, read back as code * scale
-            scales = _fp8_scales(torch.Generator().manual_seed(seed), 2, head_dim)
-            kc, vc = _fp8_caches(kc, vc, scales)
+        if fp8:  # an FP8 cache: codes plus a scale per token and head, read back as code * scale
+            kc, vc, scales = _fp8_caches(kc, vc)
         out = torch.full_like(q, float("nan"))
         decode_attention(
             q,
@@ -260,19 +260,21 @@ def _backend_case(
         from model_runtime.attention.torch_ref import TorchAttention
 
         q, k, v, kc, vc, meta = _paged_case(7, seq_lens, query_lens, 2, 2, 32, 4)
-        scales = None
+        scales = ref_scales = None
         if fp8:  # new rows on the FP8 grid: see _case_store_fp8 on the interpreter's rounding
-            scales = _fp8_scales(torch.Generator().manual_seed(7), 2, 32)
-            kc, vc = _fp8_caches(kc, vc, scales)
-            k, v = _on_grid(k, scales[0]), _on_grid(v, scales[1])
+            kc, vc, scales = _fp8_caches(kc, vc)
+            k, v = _on_grid(k), _on_grid(v)
+            ref_scales = scales.clone()
         backend = make_attention_backend("triton", "cpu")
         ref_kc, ref_vc = kc.clone(), vc.clone()
-        ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, scales)
+        ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, ref_scales)
         out = backend.forward(q, k, v, kc, vc, meta, 0.25, scales)
         live = [s > 0 for s, n in zip(seq_lens, query_lens) for _ in range(n)]
         ok, detail = _compare(out, torch.nan_to_num(ref), live, TOL_FP8_DECODE if fp8 else TOL)
-        caches = torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8)) and torch.equal(
-            vc.view(torch.uint8), ref_vc.view(torch.uint8)
+        caches = (
+            torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8))
+            and torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))
+            and (scales is None or torch.equal(scales, ref_scales))
         )
         return ok and caches, f"{detail} caches_equal={caches} backend={backend.name}"
 
@@ -291,7 +293,7 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "backend_mixed_prefill_prefix_decode": _backend_case([5, 11, 9, 0], [5, 4, 1, 0]),
     "backend_packed_prompts_no_prefix": _backend_case([7, 3, 12], [7, 3, 12]),
     "backend_packed_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2]),
-    "store_fp8_quantizes_per_channel": _case_store_fp8,
+    "store_fp8_quantizes_per_token_head": _case_store_fp8,
     "decode_fp8_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True),
     "decode_fp8_one_segment_padded": _decode_case(5, [23, 0, 70], 4, 8, segments=1, fp8=True),
     "backend_fp8_decode_only": _backend_case([9, 0, 21], [1, 1, 1], fp8=True),
