@@ -21,12 +21,16 @@ which of the model's heads they are (model heads [head_start, head_start + H), r
 the model has fewer KV heads than ranks). A sharded layout's fingerprint covers the sharding, so a rank never
 pairs with a peer that holds other heads; an unsharded layout (shard None) fingerprints exactly as before.
 
-An FP8 cache (dtype float8_e4m3fn, `quantized`) stores one byte per element and, beside each token's codes, one
-bfloat16 scale per KV head (model_runtime.kv_quant): a block is [B, token_bytes] bytes, a token's row its H * D
-codes, then its H scales, padded to 16 bytes. The scales live inside the blocks, so every path that moves blocks
-(prefix copies, each transport) moves them with the codes, and a block's bytes mean the same on every worker
-that has the same format fields. A handoff moves about half of a bfloat16 cache's bytes (1040 per token and
-layer for 8 heads of 128 against 2048).
+An FP8 cache (dtype float8_e4m3fn, `quantized`) stores one byte per element and one bfloat16 scale per token
+and KV head (model_runtime.kv_quant). A block of one layer's K (or V) is `block_bytes` bytes: its codes
+[B, H, D], then its scales [H, B] (a head's B scales side by side, so a kernel reads them in one 32-byte
+sector), padded to 16 bytes:
+
+    cache[layer, kv, block, byte]      block: B*H*D codes | H*B bf16 scales | padding
+
+The scales live inside the blocks, so every path that moves blocks (prefix copies, each transport) moves them
+with the codes, and a block's bytes mean the same on every worker that has the same format fields. A handoff
+moves about half of a bfloat16 cache's bytes (Llama-3-8B: 16,640 per block and layer against 32,768).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ LAYOUT_DTYPES = (*DTYPES, FP8_KV_DTYPE)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8_KV_DTYPE: 1}
 NULL_BLOCK = 0
 FP8_SCALE_BYTES = 2  # one bfloat16 scale per (token, KV head) in an FP8 cache
-ROW_ALIGN = 16  # an FP8 token row is padded to this many bytes, so that every row's codes start aligned
+BLOCK_ALIGN = 16  # an FP8 block is padded to this many bytes, so that every block's codes start aligned
 
 # The fields that define what a block's bytes mean. num_blocks is not among them: the two sides of a
 # handoff may size their caches differently.
@@ -99,14 +103,14 @@ class KVLayout:
     # --- shape and bytes -------------------------------------------------------------------------------
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block of one layer's K (or V): [B, H, D] elements, or an FP8 cache's [B, token_bytes] bytes."""
+        """One block of one layer's K (or V): [B, H, D] elements, or an FP8 cache's [block_bytes] bytes."""
         if self.quantized:
-            return (self.block_size, self.token_bytes)
+            return (self.block_bytes,)
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
-        """[L, 2, N, B, H, D] (FP8: [L, 2, N, B, token_bytes]): the one tensor of the whole cache."""
+        """[L, 2, N, B, H, D] (FP8: [L, 2, N, block_bytes]): the one tensor of the whole cache."""
         return (self.num_layers, 2, self.num_blocks, *self.block_shape)
 
     @property
@@ -119,29 +123,26 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def token_bytes(self) -> int:
-        """One token's K (or V) in one layer: its values, or an FP8 cache's codes and scales (padded)."""
-        return token_row_bytes(self.num_kv_heads, self.head_dim, self.element_bytes, self.quantized)
-
-    @property
-    def scale_offset(self) -> int:
-        """Where an FP8 token row's scales start (bytes): after its H * D codes."""
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.token_bytes
+    def block_bytes(self) -> int:
+        """One block of one layer's K (or V): its values, or an FP8 cache's codes and scales (padded)."""
+        return block_layer_bytes(
+            self.block_size, self.num_kv_heads, self.head_dim, self.element_bytes, self.quantized
+        )
 
     @property
     def bytes_per_block(self) -> int:
         """One block across all layers, K and V."""
-        return self.bytes_per_token * self.block_size
+        return 2 * self.num_layers * self.block_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers (an FP8 block's padding spread over its tokens)."""
+        return self.bytes_per_block // self.block_size
 
     @property
     def bytes_per_block_layer(self) -> int:
         """One block of one layer, K and V."""
-        return self.bytes_per_block // self.num_layers
+        return 2 * self.block_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -183,8 +184,8 @@ class KVLayout:
         text = ";".join(f"{k}={v}" for k, v in self.format_dict().items())
         if self.shard is not None:  # appended only when sharded: unsharded fingerprints stay as they were
             text += ";" + self.shard.describe()
-        if self.quantized:  # names the FP8 block format (codes, then per-token-head bf16 scales)
-            text += ";fp8_scales=token_head_bf16"
+        if self.quantized:  # names the FP8 block format: codes [B, H, D], then bf16 scales [H, B]
+            text += ";fp8_block=codes_bhd+scales_hb_bf16"
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def mismatch(self, other_format: dict[str, int | str]) -> str | None:
@@ -197,10 +198,13 @@ class KVLayout:
         return "; ".join(diffs) if diffs else None
 
 
-def token_row_bytes(num_kv_heads: int, head_dim: int, element_bytes: int, quantized: bool) -> int:
-    """Bytes of one token's K (or V) in one layer: H * D values, or FP8 codes then H bf16 scales, padded so that
-    the next row starts on a ROW_ALIGN boundary."""
+def block_layer_bytes(
+    block_size: int, num_kv_heads: int, head_dim: int, element_bytes: int, quantized: bool
+) -> int:
+    """Bytes of one block of one layer's K (or V): B * H * D values, or FP8 codes then B * H bf16 scales, padded
+    so that the next block starts on a BLOCK_ALIGN boundary."""
+    values = block_size * num_kv_heads * head_dim * element_bytes
     if not quantized:
-        return num_kv_heads * head_dim * element_bytes
-    raw = num_kv_heads * head_dim + FP8_SCALE_BYTES * num_kv_heads
-    return -(-raw // ROW_ALIGN) * ROW_ALIGN
+        return values
+    raw = values + FP8_SCALE_BYTES * num_kv_heads * block_size
+    return -(-raw // BLOCK_ALIGN) * BLOCK_ALIGN

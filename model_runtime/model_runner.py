@@ -150,7 +150,7 @@ class ModelRunner:
         self.kv_pages, self.kv_scales = self.kv_cache, None
         if layout.quantized:
             self.kv_pages, self.kv_scales = split_fp8_cache(
-                self.kv_cache, layout.num_kv_heads, layout.head_dim
+                self.kv_cache, layout.block_size, layout.num_kv_heads, layout.head_dim
             )
             model.use_kv_scales(self.kv_scales)
         self._on_cuda = self.device.type == "cuda"

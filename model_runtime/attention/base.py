@@ -113,10 +113,12 @@ def store_kv(
         k_cache.view(n * b, h, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
         v_cache.view(n * b, h, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))
         return
+    # An FP8 block is its codes then its scales, so neither view flattens to slots: index by (block, offset).
+    blocks, offsets = slots // b, slots % b
     for rows, cache, scale_pages in ((k[valid], k_cache, kv_scale[0]), (v[valid], v_cache, kv_scale[1])):
         codes, scales = quantize_kv(rows)
-        cache.view(torch.uint8).view(n * b, h, d).index_copy_(0, slots, codes.view(torch.uint8))
-        scale_pages.view(n * b, h).index_copy_(0, slots, scales)
+        cache.view(torch.uint8)[blocks, offsets] = codes.view(torch.uint8)
+        scale_pages[blocks, offsets] = scales
 
 
 def read_kv(pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -125,3 +127,13 @@ def read_kv(pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
     if scales is None:
         return pages.to(dtype)
     return dequantize_kv(pages, scales, dtype)
+
+
+def slot_rows(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of [N, B, ...] pages (values [.., H, D], or an FP8 cache's scales [.., H]) by flat slot:
+    [len(slots), ...]. Pages whose blocks are back to back take one index_select; an FP8 cache's codes and
+    scales (a block is both, so neither view's blocks are adjacent) are indexed by (block, offset)."""
+    b = pages.shape[1]
+    if pages.stride(0) == b * pages.stride(1):
+        return pages.flatten(0, 1).index_select(0, slots)
+    return pages[slots // b, slots % b]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from model_runtime.attention.base import MixedPlan, read_kv
+from model_runtime.attention.base import MixedPlan, read_kv, slot_rows
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,8 @@ CUDNN_MAX_CHUNKS = 4
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of [N, B, ...] pages (values [.., H, D], or an FP8 cache's scales [.., H]) by flat slot:
-    [len(slots), ...]."""
-    return cache.flatten(0, 1).index_select(0, slots)
+    """Rows of [N, B, ...] pages by flat slot (base.slot_rows)."""
+    return slot_rows(cache, slots)
 
 
 def context_kv(

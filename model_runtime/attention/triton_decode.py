@@ -12,7 +12,8 @@ log-sum-exp into preallocated scratch; stage 2 merges the segments per (sequence
 segment, stage 1 writes the final output directly and stage 2 is skipped.
 
 An FP8 cache (QUANTIZED) comes with scale pages: one bfloat16 scale per cached token and KV head, for K and for V
-(model_runtime.kv_quant). A tile loads its tokens' scales beside their codes (2 bytes per 128 codes) and applies
+(model_runtime.kv_quant; a block keeps a head's B scales side by side). A tile loads its tokens' scales beside
+their codes (2 bytes per 128 codes, one 32-byte sector per block and head) and applies
 them per token, never per element: a key's scale multiplies its score column (q . (k8 * s) = (q . k8) * s), a
 value's scale its probability before the PV dot (p * (v8 * s) = (p * s) . v8), so the loop still reads one
 byte per element. Its dots run in float16 (float32 accumulation) whatever the query dtype: Hopper converts two
@@ -60,7 +61,7 @@ def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, scale_log2,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
-    stride_sn, stride_sb, stride_bt,
+    stride_sn, stride_sb, stride_sh, stride_bt,
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -98,7 +99,7 @@ def _decode_segment_kernel(
         k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         if QUANTIZED:
-            scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head
+            scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
             s = s * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -339,7 +340,7 @@ def _launch_segments(
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
     k_scale, v_scale = (seq_lens, seq_lens) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
-    scale_strides = (0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2))
+    scale_strides = (0, 0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3))
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     po, pl = scratch.partial_out, scratch.partial_lse

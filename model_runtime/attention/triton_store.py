@@ -1,6 +1,6 @@
 """Triton scatter of new K/V rows into the paged cache by slot.
 
-One program per token row: it copies the row's [Hkv, D] keys and values to `cache.view(N * B, Hkv, D)[slot]`.
+One program per token row: it copies the row's [Hkv, D] keys and values to `cache[slot // B, slot % B]`.
 A slot of -1 marks a padding row (CUDA-graph padding, unused tail of a bucket): the program masks every load
 and store off instead of branching, so the grid is the static token count and nothing syncs with the host.
 An FP8 cache (QUANTIZED) stores each head's row as e4m3 codes and one bfloat16 scale (model_runtime.kv_quant):
@@ -30,11 +30,16 @@ def _store_kv_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_ks,
+    stride_kn,
+    stride_kb,
     stride_kch,
-    stride_vs,
+    stride_vn,
+    stride_vb,
     stride_vch,
-    stride_ss,
+    stride_sn,
+    stride_sb,
+    stride_sh,
+    PAGE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -45,6 +50,8 @@ def _store_kv_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
+    block = slot // PAGE
+    offset = slot % PAGE
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
@@ -60,35 +67,29 @@ def _store_kv_kernel(
         k_scale = k_scale.to(tl.bfloat16, fp_downcast_rounding="rtne")
         v_scale = v_scale.to(tl.bfloat16, fp_downcast_rounding="rtne")
         head_ok = (h < NUM_HEADS) & (slot >= 0)
-        tl.store(k_scale_ptr + slot * stride_ss + h, k_scale, mask=head_ok)
-        tl.store(v_scale_ptr + slot * stride_ss + h, v_scale, mask=head_ok)
+        scale_at = block * stride_sn + offset * stride_sb + h * stride_sh
+        tl.store(k_scale_ptr + scale_at, k_scale, mask=head_ok)
+        tl.store(v_scale_ptr + scale_at, v_scale, mask=head_ok)
         k = tl.clamp(tl.math.div_rn(k, k_scale.to(tl.float32)[:, None]), -MAX, MAX)
         v = tl.clamp(tl.math.div_rn(v, v_scale.to(tl.float32)[:, None]), -MAX, MAX)
     tl.store(
-        k_cache_ptr + slot * stride_ks + h[:, None] * stride_kch + d[None, :],
+        k_cache_ptr + block * stride_kn + offset * stride_kb + h[:, None] * stride_kch + d[None, :],
         k.to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
         mask=mask,
     )
     tl.store(
-        v_cache_ptr + slot * stride_vs + h[:, None] * stride_vch + d[None, :],
+        v_cache_ptr + block * stride_vn + offset * stride_vb + h[:, None] * stride_vch + d[None, :],
         v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
         mask=mask,
     )
 
 
-def _slot_view(cache: torch.Tensor, name: str) -> torch.Tensor:
-    """[N, B, H, D] pages as [N * B, H, D] slots; the pages must be laid out back to back."""
-    if cache.dim() != 4:
+def _check_pages(cache: torch.Tensor, name: str) -> None:
+    if cache.dim() != 4 or cache.stride(3) != 1:
         raise ValueError(
-            f"store_kv_triton: {name} must be [num_blocks, block_size, kv_heads, head_dim], "
-            f"got shape {tuple(cache.shape)}"
+            f"store_kv_triton: {name} must be [num_blocks, block_size, kv_heads, head_dim] with a dense head_dim, "
+            f"got shape {tuple(cache.shape)} strides {cache.stride()}"
         )
-    n, b, h, d = cache.shape
-    if cache.stride(3) != 1 or cache.stride(0) != b * cache.stride(1):
-        raise ValueError(
-            f"store_kv_triton: {name} pages are not flattenable to slots (strides {cache.stride()})"
-        )
-    return cache.view(n * b, h, d)
 
 
 def store_kv_triton(
@@ -102,11 +103,13 @@ def store_kv_triton(
     """Write k[t], v[t] ([T, Hkv, D]) to slot slot_mapping[t] of k_cache/v_cache; slot -1 rows are skipped.
     `kv_scale` [2, N, B, Hkv] bfloat16: an FP8 cache's scale pages (kv_quant.split_fp8_cache), where each
     row's scale goes."""
-    kc, vc = _slot_view(k_cache, "k_cache"), _slot_view(v_cache, "v_cache")
-    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != kc.shape[1:]:
+    kc, vc = k_cache, v_cache
+    _check_pages(kc, "k_cache")
+    _check_pages(vc, "v_cache")
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != kc.shape[2:]:
         raise ValueError(
             f"store_kv_triton: k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, "
-            f"{kc.shape[1]}, {kc.shape[2]}] to match the cache"
+            f"{kc.shape[2]}, {kc.shape[3]}] to match the cache"
         )
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(
@@ -117,14 +120,14 @@ def store_kv_triton(
     # Rows may be strided views of a fused qkv output; only the head_dim axis has to be dense.
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
-    num_heads, head_dim = kc.shape[1], kc.shape[2]
+    num_heads, head_dim = kc.shape[2], kc.shape[3]
     check_scale_pages(k_cache, kv_scale, "store_kv_triton")
     if kv_scale is not None:
-        ks, vs = _scale_slots(kv_scale[0]), _scale_slots(kv_scale[1])
-        stride_ss = ks.stride(0)
+        ks, vs = kv_scale[0], kv_scale[1]
+        scale_strides = (ks.stride(0), ks.stride(1), ks.stride(2))
     else:
         ks = vs = slot_mapping  # unread when not QUANTIZED
-        stride_ss = 0
+        scale_strides = (0, 0, 0)
     _store_kv_kernel[(k.shape[0],)](
         k,
         v,
@@ -139,9 +142,12 @@ def store_kv_triton(
         v.stride(1),
         kc.stride(0),
         kc.stride(1),
+        kc.stride(2),
         vc.stride(0),
         vc.stride(1),
-        stride_ss,
+        vc.stride(2),
+        *scale_strides,
+        PAGE=kc.shape[1],
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads),
@@ -152,27 +158,15 @@ def store_kv_triton(
     )
 
 
-def _scale_slots(pages: torch.Tensor) -> torch.Tensor:
-    """[N, B, H] scale pages as [N * B, H] slots (heads dense)."""
-    n, b, h = pages.shape
-    if pages.stride(2) != 1 or pages.stride(0) != b * pages.stride(1):
-        raise ValueError(
-            f"store_kv_triton: scale pages are not flattenable to slots (strides {pages.stride()})"
-        )
-    return pages.view(n * b, h)
-
-
 def check_scale_pages(k_cache: torch.Tensor, kv_scale: torch.Tensor | None, where: str) -> None:
-    """An FP8 cache [N, B, H, D] needs its bfloat16 scale pages [2, N, B, H], heads dense; another takes none."""
+    """An FP8 cache [N, B, H, D] needs its bfloat16 scale pages [2, N, B, H]; another takes none."""
     quantized = k_cache.dtype == torch.float8_e4m3fn
     if quantized != (kv_scale is not None):
         raise ValueError(f"{where}: a {k_cache.dtype} cache {'needs' if quantized else 'takes no'} kv_scale")
     if kv_scale is not None and (
-        tuple(kv_scale.shape) != (2, *k_cache.shape[:3])
-        or kv_scale.dtype != torch.bfloat16
-        or kv_scale.stride(-1) != 1
+        tuple(kv_scale.shape) != (2, *k_cache.shape[:3]) or kv_scale.dtype != torch.bfloat16
     ):
         raise ValueError(
-            f"{where}: kv_scale must be bfloat16 [2, {', '.join(map(str, k_cache.shape[:3]))}] with dense heads, "
-            f"got {kv_scale.dtype} {tuple(kv_scale.shape)} strides {kv_scale.stride()}"
+            f"{where}: kv_scale must be bfloat16 [2, {', '.join(map(str, k_cache.shape[:3]))}], "
+            f"got {kv_scale.dtype} {tuple(kv_scale.shape)}"
         )

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from model_runtime.attention.base import store_kv
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.engine import Engine
-from model_runtime.kv_layout import FP8_KV_DTYPE, ROW_ALIGN, KVLayout
+from model_runtime.kv_layout import BLOCK_ALIGN, FP8_KV_DTYPE, KVLayout
 from model_runtime.kv_quant import dequantize_kv, quantize_kv, split_fp8_cache
 from model_runtime.llm import LLM
 from model_runtime.request import PromptInput, SamplingParams
@@ -64,7 +64,7 @@ def test_each_written_row_is_codes_and_a_scale_whose_largest_code_is_448(tmp_pat
     for batch in tp_ranks.prefill_then_decode(prompts):
         rank.runner.execute_batch(batch)
     layout, runner = rank.layout, rank.runner
-    assert runner.kv_cache.shape == layout.cache_shape == (*runner.kv_cache.shape[:4], layout.token_bytes)
+    assert runner.kv_cache.shape == layout.cache_shape == (*runner.kv_cache.shape[:3], layout.block_bytes)
     codes, scales = runner.kv_pages, runner.kv_scales
     assert codes is not None and scales is not None
     assert codes.data_ptr() == runner.kv_cache.data_ptr() and scales.dtype == torch.bfloat16
@@ -82,14 +82,14 @@ def test_each_written_row_is_codes_and_a_scale_whose_largest_code_is_448(tmp_pat
     assert not runner.kv_cache.view(torch.uint8)[:, :, block:].any(), "bytes past the written blocks"
 
 
-def test_quantize_and_store_agree_byte_for_byte_with_the_row_layout() -> None:
-    """The torch store writes each row's codes then its scale where KVLayout says a token row keeps them, and
-    reading back gives each value within e4m3's rounding of its row's scale (the row's largest value exactly up
-    to the scale's bfloat16 rounding)."""
+def test_quantize_and_store_agree_byte_for_byte_with_the_block_layout() -> None:
+    """The torch store writes each row's codes and its scale where KVLayout says an FP8 block keeps them (codes
+    [B, H, D], then scales [H, B]), and reading back gives each value within e4m3's rounding of its row's scale
+    (the row's largest value exactly up to the scale's bfloat16 rounding)."""
     heads, dim, block = 3, 16, 4
-    layout = KVLayout(1, heads, dim, block, 5, FP8_KV_DTYPE)
+    layout = KVLayout(1, heads, dim, block, 6, FP8_KV_DTYPE)
     storage = torch.zeros(layout.cache_shape, dtype=torch.float8_e4m3fn)
-    codes, scales = split_fp8_cache(storage, heads, dim)
+    codes, scales = split_fp8_cache(storage, block, heads, dim)
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(6, heads, dim, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[:, None]
     v = torch.randn(6, heads, dim, generator=gen)
@@ -97,14 +97,21 @@ def test_quantize_and_store_agree_byte_for_byte_with_the_row_layout() -> None:
     slots = torch.tensor([4, 5, 9, -1, 13, 19])
     store_kv(k, v, codes[0, 0], codes[0, 1], slots, scales[0])
     want_codes, want_scales = quantize_kv(k)
-    raw = storage.view(torch.uint8)[0, 0].reshape(-1, layout.token_bytes)  # [N * B, token_bytes]
+    raw = storage.view(torch.uint8)[0, 0]  # [N, block_bytes]
+    codes_end = block * heads * dim
     for row, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
-        assert torch.equal(raw[slot, : heads * dim], want_codes[row].view(torch.uint8).flatten())
-        stored_scales = raw[slot, layout.scale_offset : layout.scale_offset + 2 * heads].view(torch.bfloat16)
-        assert torch.equal(stored_scales, want_scales[row])
-    assert not raw[[0, 1, 2, 3, 6, 7, 8]].any()
+        b, off = divmod(slot, block)
+        row_codes = raw[b, off * heads * dim : (off + 1) * heads * dim]
+        assert torch.equal(row_codes, want_codes[row].view(torch.uint8).flatten())
+        head_major = raw[b, codes_end : codes_end + 2 * heads * block].view(torch.bfloat16).view(heads, block)
+        assert torch.equal(head_major[:, off], want_scales[row])
+    written = {divmod(s, block) for s in slots.tolist() if s >= 0}
+    untouched = [(b, o) for b in range(6) for o in range(block) if (b, o) not in written]
+    assert all(
+        not codes[0, 0, b, o].view(torch.uint8).any() and not scales[0, 0, b, o].any() for b, o in untouched
+    )
     back = dequantize_kv(want_codes, want_scales, torch.float32)
     top = k.abs().amax(-1, keepdim=True)
     assert bool(((back - k).abs() <= top / 16 + 1e-30).all()), "a value off by more than e4m3's rounding"
@@ -125,8 +132,10 @@ def test_a_tiny_model_with_an_fp8_cache_stays_near_float32(tmp_path) -> None:
         if kv is not None:
             assert rank.runner.kv_cache.dtype == torch.float8_e4m3fn
     fp8, fp32 = layouts["fp8_e4m3"], layouts[None]
-    codes_and_scales = -(-(model.num_kv_heads * (model.head_dim + 2)) // ROW_ALIGN) * ROW_ALIGN
-    assert fp8.quantized and fp8.bytes_per_block == 2 * fp8.num_layers * fp8.block_size * codes_and_scales
+    block = fp8.block_size * model.num_kv_heads * (model.head_dim + 2)  # codes and bf16 scales
+    assert (
+        fp8.quantized and fp8.bytes_per_block == 2 * fp8.num_layers * -(-block // BLOCK_ALIGN) * BLOCK_ALIGN
+    )
     assert fp8.bytes_per_block < fp32.bytes_per_block // 2
     assert fp8.fingerprint() != fp32.fingerprint()
     err = (logits["fp8_e4m3"] - logits[None]).abs().max().item()
@@ -178,12 +187,13 @@ def _tokens(engine: Engine, request_id: str) -> list[int]:
 
 
 def test_an_fp8_layout_names_its_block_format() -> None:
-    """FP8 blocks are [B, token_bytes] bytes (codes, scales, padding to 16) and pair only with FP8 blocks."""
+    """FP8 blocks are block_bytes bytes (codes, scales, padding to 16) and pair only with FP8 blocks."""
     fp8, bf16 = KVLayout(2, 2, 8, 4, 16, FP8_KV_DTYPE), KVLayout(2, 2, 8, 4, 16, "bfloat16")
-    assert fp8.token_bytes == 32 and fp8.scale_offset == 16 and fp8.block_shape == (4, 32)
-    assert fp8.cache_shape == (2, 2, 16, 4, 32) and fp8.staging_shape(3, (0, 1)) == (1, 2, 3, 4, 32)
-    assert bf16.block_shape == (4, 2, 8) and bf16.token_bytes == 32
-    assert KVLayout(32, 8, 128, 16, 2, FP8_KV_DTYPE).token_bytes == 1040
+    assert fp8.block_bytes == 4 * 2 * 8 + 2 * 2 * 4 == 80 and fp8.block_shape == (80,)
+    assert fp8.cache_shape == (2, 2, 16, 80) and fp8.staging_shape(3, (0, 1)) == (1, 2, 3, 80)
+    assert bf16.block_shape == (4, 2, 8) and bf16.block_bytes == 128
+    assert KVLayout(2, 3, 8, 4, 16, FP8_KV_DTYPE).block_bytes == 128  # 96 + 24, padded to 16
+    assert KVLayout(32, 8, 128, 16, 2, FP8_KV_DTYPE).block_bytes == 16640  # Llama-3-8B: bf16 32768
     assert fp8.fingerprint() != bf16.fingerprint()
     assert "dtype" in (bf16.mismatch(fp8.format_dict()) or "")
 
