@@ -178,7 +178,11 @@ def bench_one(
 ) -> Row:
     q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, fp8=kv_dtype == "fp8")
     tuning = DecodeTuning(
-        tile_n=args.tile_n, num_warps=args.num_warps, num_stages=args.num_stages, fp8_tile_n=args.fp8_tile_n
+        tile_n=args.tile_n,
+        num_warps=args.num_warps,
+        num_stages=args.num_stages,
+        fp8_tile_n=args.fp8_tile_n,
+        prefetch=args.prefetch,
     )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -239,6 +243,7 @@ def main() -> None:
     parser.add_argument("--fp8-tile-n", type=int, default=DecodeTuning.fp8_tile_n, help="with an FP8 cache")
     parser.add_argument("--num-warps", type=int, default=DecodeTuning.num_warps)
     parser.add_argument("--num-stages", type=int, default=DecodeTuning.num_stages)
+    parser.add_argument("--prefetch", action="store_true", help="load the next tile before this one's math")
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
@@ -298,6 +303,7 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
             "segments": args.segments or "auto",
             "tile_n": args.tile_n,
             "fp8_tile_n": args.fp8_tile_n,
+            "prefetch": args.prefetch,
             "num_warps": args.num_warps,
             "num_stages": args.num_stages,
             "inner": args.inner,
