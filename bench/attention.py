@@ -182,7 +182,7 @@ def bench_one(
         num_warps=args.num_warps,
         num_stages=args.num_stages,
         fp8_tile_n=args.fp8_tile_n,
-        prefetch=args.prefetch,
+        fp8_num_stages=args.fp8_num_stages,
     )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--fp8-tile-n", type=int, default=DecodeTuning.fp8_tile_n, help="with an FP8 cache")
     parser.add_argument("--num-warps", type=int, default=DecodeTuning.num_warps)
     parser.add_argument("--num-stages", type=int, default=DecodeTuning.num_stages)
-    parser.add_argument("--prefetch", action="store_true", help="load the next tile before this one's math")
+    parser.add_argument("--fp8-num-stages", type=int, default=DecodeTuning.fp8_num_stages, help="FP8 cache")
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
@@ -303,7 +303,7 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
             "segments": args.segments or "auto",
             "tile_n": args.tile_n,
             "fp8_tile_n": args.fp8_tile_n,
-            "prefetch": args.prefetch,
+            "fp8_num_stages": args.fp8_num_stages,
             "num_warps": args.num_warps,
             "num_stages": args.num_stages,
             "inner": args.inner,

@@ -57,30 +57,6 @@ def _load_tokens(cache_ptr, block, in_page, kv_head, d, mask, stride_n, stride_b
 
 # fmt: off
 @triton.jit
-def _load_tile(
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, end, kv_head, d,
-    stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_sn, stride_sb, stride_sh,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, QUANTIZED: tl.constexpr,
-):
-    """Tokens [t0, t0 + TILE_N) of one KV head (masked at `end`): K and V rows, their scales as float32 (ones
-    for a 16-bit cache), and which tokens are real."""
-    tok = t0 + tl.arange(0, TILE_N)
-    tok_ok = tok < end
-    block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-    kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
-    k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
-    v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
-    if QUANTIZED:
-        scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
-        ks = tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
-        vs = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
-    else:
-        ks = tl.full([TILE_N], 1.0, tl.float32)
-        vs = tl.full([TILE_N], 1.0, tl.float32)
-    return k, v, ks, vs, tok_ok
-
-
-@triton.jit
 def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, scale_log2,
@@ -89,7 +65,7 @@ def _decode_segment_kernel(
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr, PREFETCH: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     # fmt: on
     seq = tl.program_id(0)
@@ -115,57 +91,28 @@ def _decode_segment_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PREFETCH:
-        # The next tile's codes and scales are loaded before this tile's math, so their latency hides behind it
-        # (a conversion between load and dot keeps Triton's pipeliner from doing this for an FP8 tile).
-        k, v, ks, vs, tok_ok = _load_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, start, end, kv_head, d,
-            stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_sn, stride_sb, stride_sh,
-            HEAD_DIM, PAGE, TILE_N, QUANTIZED,
-        )
-        for t0 in range(start, end, TILE_N):
-            nk, nv, nks, nvs, next_ok = _load_tile(
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0 + TILE_N, end, kv_head, d,
-                stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_sn, stride_sb, stride_sh,
-                HEAD_DIM, PAGE, TILE_N, QUANTIZED,
-            )
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-            if QUANTIZED:
-                s = s * ks[None, :]
-            s = tl.where(tok_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = p
-            if QUANTIZED:
-                pv = p * (vs * V_SCALE_LIFT)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            m_i = m_new
-            k, v, ks, vs, tok_ok = nk, nv, nks, nvs, next_ok
-    else:
-        for t0 in range(start, end, TILE_N):
-            tok = t0 + tl.arange(0, TILE_N)
-            tok_ok = tok < end
-            block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-            kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
-            k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-            if QUANTIZED:
-                scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
-                s = s * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
-            s = tl.where(tok_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
-            pv = p
-            if QUANTIZED:
-                v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
-                pv = p * (v_scale * V_SCALE_LIFT)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            m_i = m_new
+    for t0 in range(start, end, TILE_N):
+        tok = t0 + tl.arange(0, TILE_N)
+        tok_ok = tok < end
+        block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        if QUANTIZED:
+            scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
+            s = s * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
+        pv = p
+        if QUANTIZED:
+            v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
+            pv = p * (v_scale * V_SCALE_LIFT)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -332,14 +279,15 @@ class DecodeTuning:
     is 5-15% faster at batch <= 32 but 25% slower at batch 128 with one segment; 128-token tiles or 8 warps
     are slower throughout. An FP8 cache takes 128-token tiles (`fp8_tile_n`): with 64 its kernel ran at 0.96x
     the bf16 one, with 128 at 1.06-1.13x (batch 32-256, contexts 2k-8k; 4 pipeline stages or 8 warps were
-    slower; bench/results/fp8/attention_tiles_run2.txt).
+    slower; bench/results/fp8/attention_tiles_run2.txt), and 3 pipeline stages (`fp8_num_stages`): 3-4% faster
+    than 2 on an H100 at batch 128-256 (bench/results/fp8/attention_sweep_h100_run6.log).
     """
 
     tile_n: int = DEFAULT_TILE_N
     num_warps: int = 4
     num_stages: int = 2
     fp8_tile_n: int = 128
-    prefetch: bool = False  # load the next tile before this one's math (see the kernel); FP8 experiment
+    fp8_num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name, tile in (("tile_n", self.tile_n), ("fp8_tile_n", self.fp8_tile_n)):
@@ -347,8 +295,9 @@ class DecodeTuning:
                 raise ValueError(f"DecodeTuning.{name}: must be a power of two >= 16, got {tile}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"DecodeTuning.num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 6:
-            raise ValueError(f"DecodeTuning.num_stages: must be in [1, 6], got {self.num_stages}")
+        for name, stages in (("num_stages", self.num_stages), ("fp8_num_stages", self.fp8_num_stages)):
+            if not 1 <= stages <= 6:
+                raise ValueError(f"DecodeTuning.{name}: must be in [1, 6], got {stages}")
 
 
 def decode_attention(
@@ -402,6 +351,7 @@ def _launch_segments(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # fmt: off
     tile_n = tuning.fp8_tile_n if kv_scale is not None else tuning.tile_n
+    stages = tuning.fp8_num_stages if kv_scale is not None else tuning.num_stages
     _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
         k_scale, v_scale, scale * math.log2(math.e),
@@ -415,8 +365,7 @@ def _launch_segments(
         GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
-        QUANTIZED=kv_scale is not None, PREFETCH=tuning.prefetch,
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        QUANTIZED=kv_scale is not None, num_warps=tuning.num_warps, num_stages=stages,
     )
     # fmt: on
 

@@ -22,6 +22,7 @@ from model_runtime.engine import Engine
 from model_runtime.kv_layout import BLOCK_ALIGN, FP8_KV_DTYPE, KVLayout
 from model_runtime.kv_quant import dequantize_kv, quantize_kv, split_fp8_cache
 from model_runtime.llm import LLM
+from model_runtime.quantization.fp8 import emulate_scaled_mm
 from model_runtime.request import PromptInput, SamplingParams
 from model_runtime.runner_setup import build_runner
 from model_runtime.startup import StartupProgress
@@ -34,9 +35,12 @@ pytestmark = pytest.mark.model
 
 TINY_LOGITS_RTOL = 0.10  # of the largest float32 logit
 KV_PERPLEXITY_RTOL = 0.01  # the goal; measured -0.37% (23.53 -> 23.44)
-BOTH_PERPLEXITY_RTOL = 0.025  # FP8 weights and cache: measured 1.8% (the weights alone: 1%)
-MIN_KV_AGREEMENT = 0.93
-MIN_BOTH_AGREEMENT = 0.85
+# FP8 weights and cache, computed as a Hopper GPU computes them (fp8.emulate_scaled_mm: activations rounded per
+# token): measured +1.2% on this text, where the weights with rounded activations alone measure +2.8% and the
+# cache alone -0.4%; errors of this size do not add up on 205 tokens.
+BOTH_PERPLEXITY_RTOL = 0.02
+MIN_KV_AGREEMENT = 0.93  # measured 0.976
+MIN_BOTH_AGREEMENT = 0.80  # measured 0.863 (Hopper numerics, see above)
 MAX_NEW = 8
 NEAR_TIE = 0.1  # logits; see test_smollm2_with_an_fp8_cache_generates_greedily_through_the_engine
 
@@ -201,7 +205,9 @@ def test_an_fp8_layout_names_its_block_format() -> None:
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, LLM]:
     variants = {"float32": (None, "none"), "fp8 kv": ("fp8_e4m3", "none"), "fp8 both": ("fp8_e4m3", "fp8")}
-    return {name: LLM(config=_config("smollm2-135m-instruct", kv, q)) for name, (kv, q) in variants.items()}
+    llms = {name: LLM(config=_config("smollm2-135m-instruct", kv, q)) for name, (kv, q) in variants.items()}
+    assert emulate_scaled_mm(llms["fp8 both"].engine.runner.model) > 0
+    return llms
 
 
 def test_smollm2_with_an_fp8_cache_perplexity_and_next_tokens(smollm2) -> None:

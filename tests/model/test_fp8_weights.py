@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.llm import LLM
 from model_runtime.model_runner import ModelRunner
+from model_runtime.quantization.fp8 import emulate_scaled_mm
 from model_runtime.request import Completion, PromptInput, SamplingParams
 from model_runtime.runner_setup import build_runner
 from model_runtime.startup import StartupProgress
@@ -46,7 +47,11 @@ TEXT = (
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "List three colors:"]
 MAX_NEW = 8  # each CPU decode step dequantizes every projection: the engine run is the test's cost
 TINY_LOGITS_RTOL = 0.10  # of the largest float32 logit; measured 0.045
-PERPLEXITY_RTOL = 0.015  # the goal is 1%; measured 0.99%
+PERPLEXITY_RTOL = 0.015  # weights alone (emulation); the goal is 1%; measured 0.99%
+# What a Hopper GPU computes (fp8.emulate_scaled_mm: the activations rounded per token too): measured 2.8%, the
+# issue's 1% not met. Which inputs cost it (measured by leaving one projection's activations unrounded): the
+# RMSNorm outputs feeding qkv (+0.3% without them) and gate_up (+1.0%); o_proj's and down's barely matter.
+SCALED_MM_PERPLEXITY_RTOL = 0.035
 MIN_TEXT_AGREEMENT = 0.90
 MIN_GREEDY_AGREEMENT = 0.85
 
@@ -110,7 +115,10 @@ def test_fp8_under_tensor_parallelism_stays_near_one_device(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, LLM]:
-    return {q: LLM(config=_config("smollm2-135m-instruct", q)) for q in ("none", "fp8")}
+    variants = {"none": "none", "fp8": "fp8", "fp8 scaled_mm": "fp8"}
+    llms = {name: LLM(config=_config("smollm2-135m-instruct", q)) for name, q in variants.items()}
+    assert emulate_scaled_mm(llms["fp8 scaled_mm"].engine.runner.model) == 4 * 30  # qkv, o, gate_up, down
+    return llms
 
 
 def test_smollm2_fp8_perplexity_and_next_tokens_on_a_fixed_text(smollm2) -> None:
@@ -122,8 +130,10 @@ def test_smollm2_fp8_perplexity_and_next_tokens_on_a_fixed_text(smollm2) -> None
     print(f"perplexity {ppl}, next-token agreement {agreement:.3f} over {len(target)} tokens")
     assert ppl["none"] < 60, f"float32 perplexity {ppl['none']}: the reference itself is broken"
     assert abs(ppl["fp8"] / ppl["none"] - 1) <= PERPLEXITY_RTOL, ppl
+    assert abs(ppl["fp8 scaled_mm"] / ppl["none"] - 1) <= SCALED_MM_PERPLEXITY_RTOL, ppl
     assert agreement >= MIN_TEXT_AGREEMENT
     assert not torch.equal(logits["fp8"], logits["none"])
+    assert not torch.equal(logits["fp8 scaled_mm"], logits["fp8"]), "the activations were not rounded"
 
 
 def test_smollm2_fp8_greedy_through_the_engine(smollm2) -> None:
@@ -134,7 +144,7 @@ def test_smollm2_fp8_greedy_through_the_engine(smollm2) -> None:
     outs = smollm2["fp8"].generate([PromptInput(text=p) for p in PROMPTS], params)
     assert all(len(out.token_ids) == MAX_NEW for out in outs)
     sequences = [out.prompt_token_ids + out.token_ids for out in outs]
-    chosen = {q: _choices(llm.engine.runner, sequences, outs) for q, llm in smollm2.items()}
+    chosen = {q: _choices(smollm2[q].engine.runner, sequences, outs) for q in ("none", "fp8")}
     assert chosen["fp8"] == [out.token_ids for out in outs]
     pairs = [(a, b) for ref, fp8 in zip(chosen["none"], chosen["fp8"]) for a, b in zip(ref, fp8)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)

@@ -213,7 +213,6 @@ def _decode_case(
     segments: int = 4,
     tile_n: int = 16,
     fp8: bool = False,
-    prefetch: bool = False,
 ) -> Callable[[], tuple[bool, str]]:
     def run() -> tuple[bool, str]:
         from model_runtime.attention.torch_ref import paged_attention_ref
@@ -236,7 +235,7 @@ def _decode_case(
             out,
             DecodeWorkspace(),
             segments,
-            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n, prefetch=prefetch),
+            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n),
             scales,
         )
         live = [s > 0 for s in seq_lens]
@@ -297,8 +296,6 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "store_fp8_quantizes_per_token_head": _case_store_fp8,
     "decode_fp8_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True),
     "decode_fp8_one_segment_padded": _decode_case(5, [23, 0, 70], 4, 8, segments=1, fp8=True),
-    "decode_fp8_prefetch_next_tile": _decode_case(2, [1, 8, 29, 0], 2, 8, fp8=True, prefetch=True),
-    "decode_prefetch_next_tile": _decode_case(4, [300, 2, 0], 2, 4, segments=16, prefetch=True),
     "backend_fp8_decode_only": _backend_case([9, 0, 21], [1, 1, 1], fp8=True),
     "backend_fp8_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2], fp8=True),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
