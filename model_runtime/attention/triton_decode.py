@@ -65,7 +65,7 @@ def _decode_segment_kernel(
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    QUANTIZED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # fmt: on
     seq = tl.program_id(0)
@@ -91,12 +91,23 @@ def _decode_segment_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if ALIGNED:  # tiles start on page boundaries: a tile's offsets within its pages are the same every time
+        in_page = tl.arange(0, TILE_N) % PAGE
+        k_offs = (in_page * stride_kb + kv_head * stride_kh)[:, None] + d[None, :]
+        v_offs = (in_page * stride_vb + kv_head * stride_vh)[:, None] + d[None, :]
     for t0 in range(start, end, TILE_N):
         tok = t0 + tl.arange(0, TILE_N)
         tok_ok = tok < end
         block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        kv_mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
+        # K/V rows are not masked by token: a token past `end` has block 0 (the load above), the null block,
+        # which nothing writes (zeros), so its row is read in bounds, its score is masked to -inf below and its
+        # probability is 0. Masking rows here made the FP8 kernel 10-15% slower (the d mask folds away when
+        # BLOCK_D == HEAD_DIM).
+        kv_mask = (d < HEAD_DIM)[None, :]
+        if ALIGNED:
+            k = tl.load(k_cache_ptr + (block * stride_kn)[:, None] + k_offs, mask=kv_mask, other=0.0)
+        else:
+            k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         if QUANTIZED:
             scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
@@ -106,7 +117,10 @@ def _decode_segment_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
+        if ALIGNED:
+            v = tl.load(v_cache_ptr + (block * stride_vn)[:, None] + v_offs, mask=kv_mask, other=0.0)
+        else:
+            v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
         pv = p
         if QUANTIZED:
             v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
@@ -365,7 +379,8 @@ def _launch_segments(
         GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
-        QUANTIZED=kv_scale is not None, num_warps=tuning.num_warps, num_stages=stages,
+        QUANTIZED=kv_scale is not None, ALIGNED=tile_n % k_cache.shape[1] == 0,
+        num_warps=tuning.num_warps, num_stages=stages,
     )
     # fmt: on
 

@@ -289,6 +289,8 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "decode_many_segments": _decode_case(4, [300, 2], 2, 4, segments=16),
     "decode_one_segment_direct_write": _decode_case(5, [23, 0, 70], 4, 8, segments=1),
     "decode_head_dim_40_tile_32": _decode_case(6, [45, 9], 2, 16, head_dim=40, tile_n=32),
+    "decode_pages_longer_than_tiles": _decode_case(7, [45, 9, 0], 2, 32, tile_n=16),  # tiles not page-aligned
+    "decode_fp8_pages_longer_than_tiles": _decode_case(8, [45, 9], 2, 32, tile_n=16, fp8=True),
     "backend_decode_only_with_padding": _backend_case([9, 0, 21], [1, 1, 1]),
     "backend_mixed_prefill_prefix_decode": _backend_case([5, 11, 9, 0], [5, 4, 1, 0]),
     "backend_packed_prompts_no_prefix": _backend_case([7, 3, 12], [7, 3, 12]),
