@@ -14,12 +14,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import grpc
 import torch
 from grpc_health.v1 import health_pb2
 
 from model_runtime.config import EngineConfig
 from model_runtime.llm import LLM
 from model_runtime.request import PromptInput, SamplingParams
+from tandem_api.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem_client import Client
 from tandem_client.types import WorkerInfo
 from tests.e2e.cluster import ServeProcess, engine_section
@@ -195,6 +197,32 @@ def busy_worker(address: str, role: str, before: dict[str, WorkerInfo]) -> Worke
         return None
 
     return wait_until(find, 15, f"the {role} worker that took the request", every_s=0.1)
+
+
+def open_leases(worker: WorkerInfo) -> int:
+    """The worker's own count of open KV handoff leases, asked directly (no router poll in between): a decode
+    worker's reservations not yet landed, a prefill worker's transfers not yet acknowledged."""
+    stub = (
+        worker_pb2_grpc.PrefillWorkerStub
+        if worker.role.name == "PREFILL"
+        else worker_pb2_grpc.DecodeWorkerStub
+    )
+    with grpc.insecure_channel(worker.address) as channel:
+        return stub(channel).Status(worker_pb2.WorkerStatusRequest(), timeout=5).active_leases
+
+
+def reserving_worker(before: dict[str, WorkerInfo]) -> WorkerInfo:
+    """The decode worker (of `before`, all idle) that reserved room for a new request's KV: the one whose own
+    status shows an open lease. A reservation precedes the prefill, so this finds the receiver before its KV
+    can land."""
+
+    def find() -> WorkerInfo | None:
+        for w in before.values():
+            if w.role.name == "DECODE" and open_leases(w) > 0:
+                return w
+        return None
+
+    return wait_until(find, 15, "the decode worker reserving the request's KV", every_s=0.01)
 
 
 # --- clusters ----------------------------------------------------------------------------------------------

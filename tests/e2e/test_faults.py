@@ -40,7 +40,9 @@ from tests.e2e.faults_support import (
     greedy,
     long_prompt,
     offline_engine,
+    open_leases,
     pid_of,
+    reserving_worker,
     serve,
     stopped,
     wait_all_ready,
@@ -246,20 +248,21 @@ class TestStall:
             before = wait_all_ready(stall.address, 3)
             prefill_pid = pid_of(before["prefill-0"])
             request = Background(
-                stall.address, long_prompt(600, 5 + attempt), temperature=0, max_tokens=12, ignore_eos=True
+                stall.address, long_prompt(300, 5 + attempt), temperature=0, max_tokens=12, ignore_eos=True
             )
-            receiver = busy_worker(stall.address, "DECODE", before)
-            # The receiver stopped, the KV cannot land: once its first token is out the prefill worker is
-            # mid-handoff (this cluster ships the KV after the first token: STALL_TRANSFER's layer_groups 0).
-            # The router's view of the receiver lags by a poll; on a loaded box the prompt may
-            # finish, and the receiver run a step, within that lag. Or the prefill may outlast the router's
-            # patience with the stopped receiver (dead_after_failed_polls), which then resumes the request
-            # elsewhere, the prefix cache making the second prefill instant. Either way nothing would be
-            # tested: let that request finish and try again with another prompt.
+            # The receiver is stopped as soon as it has reserved room (found by asking the decode workers
+            # themselves, before the prefill ends), so the KV cannot land: once the first token is out the
+            # prefill worker is mid-handoff (this cluster ships the KV after the first token: STALL_TRANSFER's
+            # layer_groups 0). That is checked, not assumed: the prefill worker's own status must still show
+            # the transfer open, and the router must still trust the receiver (on a loaded box the prefill
+            # may outlast the router's dead_after_failed_polls, and the router then resumes the request
+            # elsewhere). Otherwise nothing would be tested: let the request finish, try another prompt.
+            receiver = reserving_worker(before)
             with stopped(pid_of(receiver)):
                 wait_until(lambda r=request: r.num_tokens >= 1, 60, "the first token", every_s=0.02)
+                in_flight = open_leases(before["prefill-0"]) > 0
                 trusted = workers(stall.address)[receiver.worker_id].state.name == "READY"
-                if request.num_tokens == 1 and trusted:
+                if request.num_tokens == 1 and in_flight and trusted:
                     os.kill(prefill_pid, signal.SIGKILL)
                     request.join(60)
                     break
@@ -267,8 +270,7 @@ class TestStall:
             assert request.error is None, request.error
         else:
             pytest.fail(
-                "in 5 tries the KV landed before the receiver stopped, or the router gave up on the stopped "
-                "receiver before the first token, each time: nothing was tested"
+                "in 5 tries the handoff was never in flight with the receiver stopped: nothing was tested"
             )
         # No other prefill worker (and restarts are off): a clear error in bounded time, not a hang.
         assert isinstance(request.error, Unavailable), request.error
