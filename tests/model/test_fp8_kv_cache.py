@@ -11,6 +11,7 @@ token and head it moves by under 0.5%.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,8 @@ KV_PERPLEXITY_RTOL = 0.01  # the issue's goal; measured -0.37% (23.53 -> 23.44)
 # token): measured +1.2% on this text, where the weights with rounded activations alone measure +2.8% and the
 # cache alone -0.4%; errors of this size do not add up on 205 tokens.
 BOTH_PERPLEXITY_RTOL = 0.02
+LONG_TEXT = (Path(__file__).parent / "lighthouse.txt").read_text()
+LONG_BOTH_PERPLEXITY_RTOL = 0.06  # FP8 weights and cache on LONG_TEXT: measured 4.6% (the issue's 1% not met)
 MIN_KV_AGREEMENT = 0.93  # measured 0.976
 MIN_BOTH_AGREEMENT = 0.80  # measured 0.863 (Hopper numerics, see above)
 MAX_NEW = 8
@@ -228,6 +231,33 @@ def test_smollm2_with_an_fp8_cache_perplexity_and_next_tokens(smollm2) -> None:
     assert abs(ppl["fp8 both"] / ppl["float32"] - 1) <= BOTH_PERPLEXITY_RTOL, ppl
     assert agree["fp8 kv"] >= MIN_KV_AGREEMENT and agree["fp8 both"] >= MIN_BOTH_AGREEMENT, agree
     assert not torch.equal(logits["fp8 kv"], logits["float32"])
+
+
+def _windowed_perplexity(llm: LLM, text: str, window: int = 480) -> tuple[float, int]:
+    """Perplexity of `text` read in windows of `window` predicted tokens, each window prefilled on its own (the
+    engine's max_model_len here is 512); returns it and the number of tokens predicted."""
+    ids = llm.tokenizer.encode(text)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window + 1]
+        logits = llm.engine.runner.execute_batch(tp_ranks.prefill_then_decode([chunk])[0])[:-1]
+        nll += F.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / count), count
+
+
+def test_smollm2_fp8_perplexity_on_a_longer_text(smollm2) -> None:
+    """The same measures on LONG_TEXT (about 890 tokens, an original story written for this test): TEXT's 205
+    tokens are too few to resolve 1%. Measured (torch 2.13 CPU): float32 25.01; FP8 cache -0.15%; FP8 weights and
+    cache as a Hopper computes them +4.6% (on TEXT +1.2%: luck; the weights alone +2.5%, with their activations
+    rounded +3.7%)."""
+    ppl = {name: _windowed_perplexity(llm, LONG_TEXT) for name, llm in smollm2.items()}
+    base, tokens = ppl["float32"]
+    change = {name: value / base - 1 for name, (value, _) in ppl.items()}
+    print(f"perplexity over {tokens} tokens: float32 {base:.3f}, change {change}")
+    assert tokens > 800 and base < 60, ppl
+    assert abs(change["fp8 kv"]) <= KV_PERPLEXITY_RTOL, change
+    assert abs(change["fp8 both"]) <= LONG_BOTH_PERPLEXITY_RTOL, change
 
 
 def test_smollm2_with_an_fp8_cache_generates_greedily_through_the_engine(smollm2) -> None:
