@@ -18,8 +18,9 @@ worker to be read: two workers with equal format fields decode a block alike. `s
 views the kernels use: codes [..., B, H, D] (float8_e4m3fn) and scales [..., B, H] (bfloat16, a head's B scales
 adjacent) over the same memory. A first version kept each token's scales at the end of its own row; the decode
 kernel then read one 32-byte sector per token for 2 bytes, and ran 10-20% slower at large batches on an H100
-(bench/results/fp8/attention_fp8_h100_run4_token_rows.json). In the kernels a key's scale multiplies its score (q . (k8 * s) = (q . k8) * s) and a value's scale its
-probability (p * (v8 * s) = (p * s) * v8), one multiply per token rather than per element.
+(bench/results/fp8/attention_fp8_h100_run4_token_rows.json). In the kernels a key's scale multiplies its score
+(q . (k8 * s) = (q . k8) * s) and a value's scale its probability (p * (v8 * s) = (p * s) * v8), one multiply
+per token rather than per element.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ codes and scale and reads code * scale. Other caches get None.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,12 +122,20 @@ def store_kv(
         scale_pages[blocks, offsets] = scales
 
 
-def read_kv(pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., Hkv, D] as values in `dtype`: an FP8 cache's codes times their rows' scales [..., Hkv]
-    (gathered like the rows), else the values as they are (scales None)."""
-    if scales is None:
-        return pages.to(dtype)
-    return dequantize_kv(pages, scales, dtype)
+def read_kv(
+    pages: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    which: int,
+    dtype: torch.dtype,
+    rows: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """K (`which` 0) or V (1) cache rows [..., Hkv, D] as values in `dtype`. `rows` picks them from [N, B, ...]
+    pages (a gather by block table or by slot); an FP8 cache's scale pages (kv_scale[which], [N, B, Hkv]) are
+    picked alike and multiply their codes."""
+    picked = rows(pages)
+    if kv_scale is None:
+        return picked.to(dtype)
+    return dequantize_kv(picked, rows(kv_scale[which]), dtype)
 
 
 def slot_rows(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,6 @@ CUDNN_MIN_TOKENS = 1024
 CUDNN_MAX_CHUNKS = 4
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of [N, B, ...] pages by flat slot (base.slot_rows)."""
-    return slot_rows(cache, slots)
-
-
 def context_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -54,11 +49,11 @@ def context_kv(
     decode kernel does."""
     slots = plan.context_slots
     if slots is not None:
-        ks, vs = (None, None) if kv_scale is None else (gather_slots(kv_scale[i], slots) for i in (0, 1))
-        return (
-            read_kv(gather_slots(k_cache, slots), ks, k.dtype),
-            read_kv(gather_slots(v_cache, slots), vs, v.dtype),
-        )
+
+        def rows(pages: torch.Tensor) -> torch.Tensor:
+            return slot_rows(pages, slots)
+
+        return read_kv(k_cache, kv_scale, 0, k.dtype, rows), read_kv(v_cache, kv_scale, 1, v.dtype, rows)
     if plan.prefill_rows is None:
         return k, v
     return k.index_select(0, plan.prefill_rows), v.index_select(0, plan.prefill_rows)

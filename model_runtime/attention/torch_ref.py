@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -18,19 +20,6 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     n_blocks = -(-seq_len // cache.shape[1])
     pages = cache[block_table[:n_blocks].long()]  # [n, B, ...]
     return pages.flatten(0, 1)[:seq_len]
-
-
-def read_context(
-    cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    which: int,
-    block_table: torch.Tensor,
-    seq_len: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """K (`which` 0) or V (1) of one sequence's tokens [0, seq_len) as values: [seq_len, Hkv, D]."""
-    scales = None if kv_scale is None else gather_context(kv_scale[which], block_table, seq_len)
-    return read_kv(gather_context(cache, block_table, seq_len), scales, dtype)
 
 
 def paged_attention_ref(
@@ -50,8 +39,9 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = read_context(k_cache, kv_scale, 0, meta.block_tables[i], seq_len, q.dtype)
-        v = read_context(v_cache, kv_scale, 1, meta.block_tables[i], seq_len, q.dtype)
+        rows = partial(gather_context, block_table=meta.block_tables[i], seq_len=seq_len)
+        k = read_kv(k_cache, kv_scale, 0, q.dtype, rows)
+        v = read_kv(v_cache, kv_scale, 1, q.dtype, rows)
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         # Query j sits at position seq_len - q_len + j and sees keys 0 .. that position.
@@ -80,11 +70,12 @@ def batched_decode(
     hkv = k_cache.shape[2]
     tables = meta.block_tables.long()
     width = tables.shape[1] * k_cache.shape[1]
-    ks, vs = (
-        (None, None) if kv_scale is None else (kv_scale[i][tables].reshape(b, width, hkv) for i in (0, 1))
-    )
-    k = read_kv(k_cache[tables].reshape(b, width, hkv, d), ks, q.dtype).transpose(1, 2)
-    v = read_kv(v_cache[tables].reshape(b, width, hkv, d), vs, q.dtype).transpose(1, 2)
+
+    def rows(pages: torch.Tensor) -> torch.Tensor:  # [b, width, ...]: every sequence's whole table
+        return pages[tables].flatten(1, 2)
+
+    k = read_kv(k_cache, kv_scale, 0, q.dtype, rows).transpose(1, 2)
+    v = read_kv(v_cache, kv_scale, 1, q.dtype, rows).transpose(1, 2)
     mask = torch.arange(width, device=q.device)[None, :] < meta.seq_lens[:, None]
     qg = q.view(b, hkv, hq // hkv, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)

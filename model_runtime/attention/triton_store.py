@@ -103,13 +103,12 @@ def store_kv_triton(
     """Write k[t], v[t] ([T, Hkv, D]) to slot slot_mapping[t] of k_cache/v_cache; slot -1 rows are skipped.
     `kv_scale` [2, N, B, Hkv] bfloat16: an FP8 cache's scale pages (kv_quant.split_fp8_cache), where each
     row's scale goes."""
-    kc, vc = k_cache, v_cache
-    _check_pages(kc, "k_cache")
-    _check_pages(vc, "v_cache")
-    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != kc.shape[2:]:
+    _check_pages(k_cache, "k_cache")
+    _check_pages(v_cache, "v_cache")
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
             f"store_kv_triton: k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, "
-            f"{kc.shape[2]}, {kc.shape[3]}] to match the cache"
+            f"{k_cache.shape[2]}, {k_cache.shape[3]}] to match the cache"
         )
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(
@@ -120,7 +119,7 @@ def store_kv_triton(
     # Rows may be strided views of a fused qkv output; only the head_dim axis has to be dense.
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
-    num_heads, head_dim = kc.shape[2], kc.shape[3]
+    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     check_scale_pages(k_cache, kv_scale, "store_kv_triton")
     if kv_scale is not None:
         ks, vs = kv_scale[0], kv_scale[1]
@@ -131,8 +130,8 @@ def store_kv_triton(
     _store_kv_kernel[(k.shape[0],)](
         k,
         v,
-        kc,
-        vc,
+        k_cache,
+        v_cache,
         slot_mapping,
         ks,
         vs,
@@ -140,14 +139,14 @@ def store_kv_triton(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        kc.stride(0),
-        kc.stride(1),
-        kc.stride(2),
-        vc.stride(0),
-        vc.stride(1),
-        vc.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         *scale_strides,
-        PAGE=kc.shape[1],
+        PAGE=k_cache.shape[1],
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads),
