@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine, StepOutput
+from model_runtime.kv_layout import FP8_SCALE_BYTES as KV_SCALE_BYTES
 
 BLOCK_SIZE = 16
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -205,7 +206,6 @@ def measure_matmul_tflops(device: str, dtype: torch.dtype, n: int, reps: int = 1
 
 # --- arithmetic floors -----------------------------------------------------------------------------------
 FP8_BYTES, FP8_SCALE_BYTES = 1, 4  # an e4m3 element; a float32 weight scale
-FP8_KV_SCALE_BYTES = 2  # an FP8 KV cache's bfloat16 scale per token and KV head (model_runtime.kv_quant)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class ModelCost:
             )
             weight_bytes += projections * (FP8_BYTES - dtype_bytes) + rows * FP8_SCALE_BYTES
         kv_element_bytes = FP8_BYTES if fp8_kv else dtype_bytes
-        kv_scale_bytes = FP8_KV_SCALE_BYTES * mc.num_kv_heads if fp8_kv else 0
+        kv_scale_bytes = KV_SCALE_BYTES * mc.num_kv_heads if fp8_kv else 0  # a bf16 scale per token and head
         return cls(
             layer_matmul_params=projections,
             head_params=embed,
