@@ -29,7 +29,7 @@ from model_runtime.runner_setup import build_runner
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import load_model_config, resolve_model
 from tests.model import tp_ranks
-from tests.model.test_fp8_weights import PROMPTS, TEXT, _choices
+from tests.model.test_fp8_weights import PROMPTS, TEXT, _choices, _logits
 from tests.model.tiny_models import write_tiny_hf
 
 pytestmark = pytest.mark.model
@@ -216,10 +216,7 @@ def smollm2() -> dict[str, LLM]:
 def test_smollm2_with_an_fp8_cache_perplexity_and_next_tokens(smollm2) -> None:
     ids = smollm2["float32"].tokenizer.encode(TEXT)
     target = torch.tensor(ids[1:])
-    logits = {
-        name: llm.engine.runner.execute_batch(tp_ranks.prefill_then_decode([ids])[0])[:-1]
-        for name, llm in smollm2.items()
-    }
+    logits = {name: _logits(llm.engine.runner, ids)[:-1] for name, llm in smollm2.items()}
     ppl = {name: math.exp(F.cross_entropy(row, target).item()) for name, row in logits.items()}
     agree = {
         name: (row.argmax(-1) == logits["float32"].argmax(-1)).float().mean().item()
@@ -240,7 +237,7 @@ def _windowed_perplexity(llm: LLM, text: str, window: int = 480) -> tuple[float,
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]
-        logits = llm.engine.runner.execute_batch(tp_ranks.prefill_then_decode([chunk])[0])[:-1]
+        logits = _logits(llm.engine.runner, chunk)[:-1]
         nll += F.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
         count += len(chunk) - 1
     return math.exp(nll / count), count
