@@ -47,8 +47,9 @@ TOKENS = (128, 512, 2048, 8192, 32768)
 DEFAULT_SLICE_BYTES = slicing.SLICE_BYTES
 TCP_MAX_TOKENS = 2048  # tcp stages GPU blocks through host memory: a reference point, not a GPU transport
 SPARE_BLOCKS = 64
-METHOD = ("handoff: decode-side wall time reserve -> landed (includes the KVTarget pipe hop); send->ack: "
-          "prefill-side SendResult.seconds; raw: one contiguous buffer, send timed after the peer posted its "
+METHOD = ("handoff: decode-side wall time reserve -> landed (includes the KVTarget pipe hop); send->landed: "
+          "the prefill side's send call to the decode side's landing callback (time.monotonic, one host), what a "
+          "prompt whose blocks were reserved before its prefill waits; send->ack: prefill-side SendResult.seconds; raw: one contiguous buffer, send timed after the peer posted its "
           "receive (cupy, torch) or a one-sided pull (ipc); medians after warmup")  # fmt: skip
 
 
@@ -112,17 +113,20 @@ class Landing:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.result = None
+        self.landed_at = 0.0
 
     def put(self, result) -> None:
+        self.landed_at = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC is host-wide)
         self.result = result
         self.event.set()
 
 
 def decode_handoffs(
     receiver: KVReceiver, landing: Landing, alloc: FreeList, cache: torch.Tensor, peer, tokens: int, runs: int
-) -> tuple[list[float], str]:
-    """Reserve -> KVTarget to the prefill process -> landed, `runs` times; the landed blocks' checksum."""
-    times, ids, phases = [], [], []
+) -> tuple[list[float], str, list[dict], list[float]]:
+    """Reserve -> KVTarget to the prefill process -> landed, `runs` times; the landed blocks' checksum, each
+    run's phases and the moment (time.monotonic) it landed."""
+    times, ids, phases, landed = [], [], [], []
     for _ in range(runs):
         landing.event.clear()
         start = time.perf_counter()
@@ -131,11 +135,12 @@ def decode_handoffs(
         if not landing.event.wait(300) or not landing.result.ok:
             raise RuntimeError(f"handoff failed: {landing.result}")
         times.append(time.perf_counter() - start)
+        landed.append(landing.landed_at)
         phases.append(landing.result.phases)
         ids = list(lease.block_ids)
         alloc.free(ids)  # the blocks are ours after landing; hand them back for the next rep
     peer.send(b"")
-    return times, kv_checksum(cache, ids), phases
+    return times, kv_checksum(cache, ids), phases, landed
 
 
 def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
@@ -160,18 +165,23 @@ def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
 
 
 # --- the prefill process (sender) ------------------------------------------------------------------------
-def prefill_handoffs(sender: KVSender, cache: torch.Tensor, peer, tokens: int) -> tuple[list[float], str]:
-    """Serve KVTargets from the decode process until it says stop; the source blocks' checksum."""
+def prefill_handoffs(
+    sender: KVSender, cache: torch.Tensor, peer, tokens: int
+) -> tuple[list[float], str, list[dict], list[float]]:
+    """Serve KVTargets from the decode process until it says stop; the source blocks' checksum, each send's
+    phases and the moment (time.monotonic) it was called."""
     n = -(-tokens // 16)
     ids = random.Random(tokens).sample(range(1, cache.shape[2]), n)
-    times, phases = [], []
+    times, phases, starts = [], [], []
     while target := peer.recv():
-        result = sender.send(kv_pb2.KVTarget.FromString(target), ids, tokens, FirstToken(1, -0.1)).result(300)
+        lease = kv_pb2.KVTarget.FromString(target)
+        starts.append(time.monotonic())
+        result = sender.send(lease, ids, tokens, FirstToken(1, -0.1)).result(300)
         if not result.ok:
             raise RuntimeError(f"send failed: {result.failure} {result.message}")
         times.append(result.seconds)
         phases.append(result.phases)
-    return times, kv_checksum(cache, ids), phases
+    return times, kv_checksum(cache, ids), phases, starts
 
 
 def prefill_main(ctl, peer, device_index: int, max_tokens: int) -> None:
@@ -235,22 +245,24 @@ def run_handoffs(args, kind: str, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> 
         runs = args.warmup + (args.reps if kind != "tcp" else max(3, args.reps // 4))
         for ctl in (ctl_d, ctl_p):
             ctl.send(("handoff", kind, tokens, runs))
-        (d_times, d_sum, d_phases), (p_times, p_sum, p_phases) = ctl_d.recv(), ctl_p.recv()
+        (d_times, d_sum, d_phases, landed), (p_times, p_sum, p_phases, starts) = ctl_d.recv(), ctl_p.recv()
         if d_sum != p_sum:
             raise SystemExit(f"CHECKSUM MISMATCH: {kind} at {tokens} tokens")
         nbytes = layout.bytes_per_block * -(-tokens // 16)
         handoff, handoff_gbps = median_rate(d_times, args.warmup, nbytes)
         send, send_gbps = median_rate(p_times, args.warmup, nbytes)
+        landed_s, landed_gbps = median_rate([b - a for a, b in zip(starts, landed)], args.warmup, nbytes)
         phases = dict(
             sender=median_phases(p_phases[args.warmup :]), receiver=median_phases(d_phases[args.warmup :])
         )
         rows.append(dict(transport=kind, tokens=tokens, bytes=nbytes, handoff_s=handoff, handoff_gbps=handoff_gbps,
-                         send_to_ack_s=send, send_to_ack_gbps=send_gbps, checksum_ok=True, phases_s=phases,
+                         send_to_ack_s=send, send_to_ack_gbps=send_gbps, send_to_landed_s=landed_s,
+                         send_to_landed_gbps=landed_gbps, checksum_ok=True, phases_s=phases,
                          cold_handoff_s=d_times[0]))  # fmt: skip
         spent = " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases["sender"].items())
         print(
-            f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s "
-            f"(first {d_times[0] * 1e3:.1f} ms); sender ms: {spent}",
+            f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s, send->landed "
+            f"{landed_s * 1e3:.2f} ms {landed_gbps:.1f} GB/s (first {d_times[0] * 1e3:.1f} ms); sender ms: {spent}",
             flush=True,
         )
     return rows
@@ -289,15 +301,16 @@ def run_raw(args, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:
 def print_table(result: dict) -> None:
     raw = {r["tokens"]: r for r in result["raw"]}
     print(
-        f"\n{'transport':9s} {'tokens':>6s} {'MiB':>7s} | {'handoff ms':>10s} {'GB/s':>6s} | {'send->ack ms':>12s} "
-        f"{'GB/s':>6s} | raw GB/s: {'cupy':>6s} {'torch':>6s} {'ipc':>6s}"
+        f"\n{'transport':9s} {'tokens':>6s} {'MiB':>7s} | {'handoff ms':>10s} {'GB/s':>6s} | {'send->landed':>12s} "
+        f"{'GB/s':>6s} | {'send->ack ms':>12s} {'GB/s':>6s} | raw GB/s: {'cupy':>6s} {'torch':>6s} {'ipc':>6s}"
     )
     for r in result["rows"]:
         b = raw.get(r["tokens"], {})
         rates = " ".join(f"{b.get(f'{k}_gbps', float('nan')):6.1f}" for k in ("cupy", "torch", "ipc"))
         print(
             f"{r['transport']:9s} {r['tokens']:6d} {r['bytes'] / 2**20:7.1f} | {r['handoff_s'] * 1e3:10.2f} "
-            f"{r['handoff_gbps']:6.1f} | {r['send_to_ack_s'] * 1e3:12.2f} {r['send_to_ack_gbps']:6.1f} |           "
+            f"{r['handoff_gbps']:6.1f} | {r['send_to_landed_s'] * 1e3:12.2f} {r['send_to_landed_gbps']:6.1f} | "
+            f"{r['send_to_ack_s'] * 1e3:12.2f} {r['send_to_ack_gbps']:6.1f} |           "
             f"{rates}"
         )
 

@@ -16,7 +16,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 
@@ -51,6 +53,20 @@ def finished_event(out: StepOutput) -> worker_pb2.DecodeEvent:
     return worker_pb2.DecodeEvent(finished=done)
 
 
+Admitted = tuple[float, StepOutput | None]  # when the engine took the request; its output if that ended it
+
+
+@dataclass
+class KVWait:
+    """A Decode call waiting for its KV, as the receiver's callback sees it. `admit` (set before the lease is
+    handed out) builds the engine call that admits the request from its landed blocks: the receive thread
+    queues it on the engine loop itself, so the engine takes the request at its next step boundary without
+    waiting for this call's thread to wake up first. `results` gets (transfer result, admission) pairs."""
+
+    results: queue.Queue[tuple[TransferResult, Future[Admitted] | None]]
+    admit: Callable[[TransferResult], Callable[[Engine], Admitted]] | None = None
+
+
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(
         self,
@@ -69,15 +85,18 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.node: WorkerNode | None = None  # where it runs, its KV transports: set by start() before serving
         self.draining = threading.Event()
         self.open_calls = OpenCalls()  # drain waits until none is open
-        self._landed: dict[str, queue.Queue[TransferResult]] = {}
+        self._landed: dict[str, KVWait] = {}
         self._lock = threading.Lock()
 
     # --- kv_transfer callback (receiver thread) --------------------------------------------------------
     def on_transfer_result(self, result: TransferResult) -> None:
-        with self._lock:
+        admitted = None
+        with self._lock:  # atomic with _cleanup's pop: an admission queued here is ahead of the call's end()
             waiter = self._landed.get(result.request_id)
+            if waiter is not None and result.ok and waiter.admit is not None:
+                admitted = self.loop.submit(waiter.admit(result))
         if waiter is not None:
-            waiter.put(result)
+            waiter.results.put((result, admitted))
         elif result.ok:  # nobody waits any more (the call ended): the landed blocks are ours to free
             self._release(result.lease.block_ids)
 
@@ -97,7 +116,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         outputs: queue.Queue[StepOutput] = queue.Queue()
         self.loop.subscribe(rid, outputs.put)
-        landed: queue.Queue[TransferResult] = queue.Queue()
+        landed = KVWait(queue.Queue())
         with self._lock:
             self._landed[rid] = landed
         try:
@@ -132,6 +151,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     "transfer.kinds differ?)",
                 )
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
+        landed.admit = self._admission(request, prompt, sampling)
         try:
             lease = self._reserve(rid, prompt, sampling, ttl, transport)
         except NoRoom as exc:
@@ -143,27 +163,49 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         # bounds the whole wait, and a transfer that began but stalls still ends within one lease TTL.
         deadline = time.monotonic() + max(ttl or 0.0, self.kv_wait_timeout_s) + 5.0
         receiver = self.receiver
-        result = wait_for(landed, context, self.loop, deadline, "the KV handoff", lambda: receiver.renew(rid))
+        result, admitted = wait_for(
+            landed.results, context, self.loop, deadline, "the KV handoff", lambda: receiver.renew(rid)
+        )
         if not result.ok:
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"KV transfer for {rid} failed: {result.failure.name if result.failure else '?'}: "
                 f"{result.message}",
             )
-        ft = result.first_token
-        assert ft is not None
-        first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
-        blocks, offset = result.lease.block_ids, request.output_offset
-        priority = priority_from_proto(request.priority)
-        landed = result.landed_at or time.monotonic()
-        taken_at, done = self.loop.call(  # on the engine thread, between two steps
-            lambda e: (
-                time.monotonic(),
-                e.add_prefilled(rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority),
-            )
-        )
-        receiver.record_phase("admit", taken_at - landed)  # landed -> the engine took it (a step boundary)
+        assert admitted is not None, "a landed result comes with its admission"
+        taken_at, done = self.loop.wait(admitted)
+        receiver.record_phase("admit", taken_at - (result.landed_at or taken_at))  # landed -> in the engine
         return finished_event(done).finished if done is not None else None
+
+    def _admission(
+        self, request: worker_pb2.DecodeRequest, prompt: list[int], sampling: SamplingParams
+    ) -> Callable[[TransferResult], Callable[[Engine], Admitted]]:
+        """For KVWait.admit: from a landed result, the engine call that admits the request with prefill's
+        first token (on the engine thread, between two steps). Its blocks are the engine's from then on; if
+        the admission fails they go back to the pool at once."""
+        rid, offset = request.request_id, request.output_offset
+        priority = priority_from_proto(request.priority)
+
+        def admit(result: TransferResult) -> Callable[[Engine], Admitted]:
+            ft = result.first_token
+            assert ft is not None
+            first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
+            blocks = result.lease.block_ids
+
+            def take(engine: Engine) -> Admitted:
+                taken_at = time.monotonic()
+                try:
+                    done = engine.add_prefilled(
+                        rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority
+                    )
+                except BaseException:
+                    engine.release_blocks(blocks)
+                    raise
+                return taken_at, done
+
+            return take
+
+        return admit
 
     def _reserve(
         self,
@@ -215,13 +257,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 return
 
     def _cleanup(self, rid: str) -> None:
-        """The one exit path: abort the request, forget the waiters, release a lease that never landed."""
-        self.loop.end(rid)
+        """The one exit path: forget the waiters, abort the request, release a lease that never landed."""
         with self._lock:
             waiter = self._landed.pop(rid, None)
-        while waiter is not None and not waiter.empty():  # landed after the handler stopped listening
-            late = waiter.get()
-            if late.ok:
+        # After the pop: an admission the receive thread queued before it runs before this end() and is
+        # aborted by it (its blocks go back with the request); KV landing later finds no waiter and is freed.
+        self.loop.end(rid)
+        while waiter is not None and not waiter.results.empty():  # landed after the handler stopped listening
+            late, admitted = waiter.results.get()
+            if late.ok and admitted is None:
                 self._release(late.lease.block_ids)
         if self.receiver is not None:
             self.receiver.abort(rid, "the decode call ended")

@@ -132,17 +132,33 @@ class EngineLoop:
 
         Without a running loop thread (before start(), after stop() or a failure) fn runs here, under the
         lock. From the loop thread itself (a subscriber) it runs at once."""
+        return self.wait(self.submit(fn))
+
+    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """call() without the wait: fn(engine) is queued for the loop's next pass between two steps, and its
+        result (or error) goes to the returned future. A thread that must not block (a KV receive thread
+        admitting a request whose blocks just landed) hands work over this way. Where call() would run fn at
+        once, so does this."""
+        pending: Future[T] = Future()
         if threading.current_thread() is self._thread or not self._thread.is_alive():
             with self._lock:
-                return self._run_now(fn)
-        pending: Future[object] = Future()
-        self._calls.append((fn, pending))
+                try:
+                    pending.set_result(self._run_now(fn))
+                except BaseException as exc:
+                    pending.set_exception(exc)
+            return pending
+        self._calls.append((fn, pending))  # type: ignore[arg-type]
         self._wake.set()
+        return pending
+
+    def wait(self, pending: Future[T]) -> T:
+        """The result of a submitted call, waiting as long as the loop thread lives (or running what is left
+        of the queue here once it has ended)."""
         while not futures.wait([pending], timeout=0.5).done:
             if not self._thread.is_alive():  # it ended after we queued: run what is left ourselves
                 with self._lock:
                     self._run_calls()
-        return pending.result()  # type: ignore[return-value]
+        return pending.result()
 
     def subscribe(self, request_id: str, subscriber: Subscriber) -> None:
         with self._subscribers_lock:

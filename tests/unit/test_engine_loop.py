@@ -114,6 +114,37 @@ def test_a_call_that_raises_raises_in_the_caller_and_the_loop_goes_on(loop: Engi
     loop.end("busy")
 
 
+def test_submit_returns_before_the_call_runs_and_keeps_the_order_of_calls(loop: EngineLoop) -> None:
+    """A KV receive thread admits a landed request with submit(): it must not wait for the step, the call
+    must run on the loop thread, and a call() queued after it (the handler's end()) must run after it."""
+    start_long_request(loop, "busy")
+    ran: list[tuple[str, threading.Thread]] = []
+    entered, gate = threading.Event(), threading.Event()
+    loop.call(lambda e: setattr(e, "step", _held_step(e.step, entered, gate)))
+    assert entered.wait(30)  # a step is running, held until the gate opens
+    admitted = loop.submit(lambda e: ran.append(("submit", threading.current_thread())) or "taken")
+    assert not admitted.done()  # queued behind the held step, and submit() did not wait for it
+    caller = threading.Thread(
+        target=lambda: loop.call(lambda e: ran.append(("call", threading.current_thread())))
+    )
+    caller.start()
+    gate.set()
+    assert loop.wait(admitted) == "taken"
+    caller.join(30)
+    assert [name for name, _ in ran] == ["submit", "call"]
+    assert all(thread.name == "engine-loop" for _, thread in ran)
+    loop.end("busy")
+
+
+def _held_step(step, entered: threading.Event, gate: threading.Event):
+    def held() -> list[StepOutput]:
+        entered.set()
+        gate.wait(30)
+        return step()
+
+    return held
+
+
 def test_after_unsubscribe_returns_no_output_reaches_the_subscriber(loop: EngineLoop) -> None:
     outputs = start_long_request(loop, "busy")
     loop.unsubscribe("busy")
