@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kv_transfer import block_copy  # noqa: E402
+from kv_transfer.gpu_ops import transfer_stream  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 
 SPARE_BLOCKS = 64
@@ -98,8 +99,9 @@ def layout_for(tokens: int) -> KVLayout:
     )  # fmt: skip
 
 
-def timed(fn, device: torch.device, reps: int, warmup: int) -> float:
-    with torch.cuda.device(device):
+def timed(fn, device: torch.device, reps: int, warmup: int, stream=None) -> float:
+    """Median seconds of fn's GPU work, timed by events on `stream` (default: the device's current one)."""
+    with torch.cuda.device(device), torch.cuda.stream(stream or torch.cuda.current_stream(device)):
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize(device)
@@ -163,6 +165,8 @@ def one_size(tokens: int, kernel, sms: int, args, d0: torch.device, d1: torch.de
     expect = src.index_select(2, ids[d0][0]).to(d1)
     if not torch.equal(dst.index_select(2, ids[d1][1]), expect):
         raise SystemExit("committed kernel: wrong bytes")
+    row["launch_us"] = launch_cost(src, dst, ids[d1], transfer_stream(d1))
+    print(f"{tokens:6d} tokens  host time per launch: {row['launch_us']} us", flush=True)
     chunk = block_copy._chunk_elements(src.shape)
     total = layout.num_layers * 2 * n
     for name, cfg in variants(chunk, sms).items():
@@ -188,6 +192,22 @@ def one_size(tokens: int, kernel, sms: int, args, d0: torch.device, d1: torch.de
             row[f"{name}_{mode}_s"] = seconds
             print(f"{tokens:6d} tokens  {name:12s} {mode:5s} {nbytes / seconds / 1e9:7.1f} GB/s", flush=True)
     return row
+
+
+def launch_cost(src: torch.Tensor, dst: torch.Tensor, ids, stream, calls: int = 300) -> float:
+    """Host microseconds of one copy_blocks call on a transfer stream (a one-block copy, so the GPU never
+    holds the queue up): what a transfer thread spends per launch."""
+    one = (ids[0][:1], ids[1][:1])
+    with torch.cuda.device(dst.device):
+        for _ in range(20):
+            block_copy.copy_blocks(src, dst, *one, stream)
+        stream.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            block_copy.copy_blocks(src, dst, *one, stream)
+        seconds = (time.perf_counter() - start) / calls
+        stream.synchronize()
+    return round(seconds * 1e6, 1)
 
 
 def main() -> None:

@@ -11,6 +11,11 @@ the SMs read the peer's memory over NVLink directly into our blocks, scattered i
 
 `src` and `dst` are tensors, or `DevicePointer`s for memory torch does not own (a peer's mapped cache); dims
 0-2 are (layer, K|V, block) and the rest must be contiguous. Block ids are int64 tensors on the device.
+
+Over NVLink the kernel pulls 347-372 GB/s between two H200s (bench/block_copy.py), 91-95% of what the copy
+engines move for one contiguous buffer of the same size. A CUDA C version of it, launched through
+cuLaunchKernel, was measured against it and not kept: the same bandwidth, and the same host time per launch
+(17-27 us), bench/results/kv_handoff_h200x2/block_copy_run12_cuda_c_experiment_nvidia-h200.json.
 """
 
 from __future__ import annotations
@@ -41,9 +46,8 @@ class DevicePointer:
 
     def layers(self, begin: int, end: int) -> DevicePointer:
         """Layers [begin, end), like tensor[begin:end]."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
         return DevicePointer(
-            self.ptr + begin * self.strides[0] * itemsize,
+            self.ptr + begin * self.strides[0] * itemsize(self.dtype),
             self.dtype,
             (end - begin, *self.shape[1:]),
             self.strides,
@@ -112,8 +116,11 @@ def _kernel() -> Any:
 _COMPILED: list[Any] = []
 
 
-def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
-    """Queue the copy on the current stream. src and dst have the same number of layers (dim 0)."""
+def copy_blocks(
+    src: Any, dst: Any, src_ids: Any, dst_ids: Any, stream: torch.cuda.Stream | None = None
+) -> None:
+    """Queue the copy on `stream` (default: the current stream). src and dst have the same number of layers
+    (dim 0)."""
     num = int(src_ids.shape[0])
     if num != int(dst_ids.shape[0]):
         raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.shape[0]} destination ids")
@@ -122,6 +129,14 @@ def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
         raise ValueError(f"copy_blocks: shapes {tuple(src.shape)} and {tuple(dst.shape)} do not match")
     if num == 0:
         return
+    if stream is None:
+        _triton_copy(src, dst, src_ids, dst_ids, layers, num, chunk)
+        return
+    with torch.cuda.stream(stream):
+        _triton_copy(src, dst, src_ids, dst_ids, layers, num, chunk)
+
+
+def _triton_copy(src: Any, dst: Any, src_ids: Any, dst_ids: Any, layers: int, num: int, chunk: int) -> None:
     if not _COMPILED:
         _COMPILED.append(_kernel())
     ss, ds = src.stride(), dst.stride()
@@ -131,7 +146,9 @@ def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
     )
 
 
-def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool) -> None:
+def warm(
+    cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool, stream: torch.cuda.Stream
+) -> None:
     """Compile and load the kernel variant a pair's gathers (cache -> staging) or scatters (staging -> cache)
     use, by copying the null block (0: padding only, never a request's) through ring slot `staging`, and wait.
 
@@ -141,10 +158,20 @@ def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather:
     cache_layer = cache_pointer(cache).layers(0, 1)
     null = ids_pointer(ids, 0, 1)  # ids[0] == 0
     if gather:
-        copy_blocks(cache_layer, staging, null, null)
+        copy_blocks(cache_layer, staging, null, null, stream)
     else:
-        copy_blocks(staging, cache_layer, null, null)
+        copy_blocks(staging, cache_layer, null, null, stream)
     torch.cuda.synchronize(cache.device)
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
 
 
 def _chunk_elements(shape: Any) -> int:

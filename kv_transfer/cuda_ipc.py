@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kv_transfer.block_copy import DevicePointer, copy_blocks
+from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
@@ -139,6 +140,7 @@ class _Mapping:
     remote: KVLayout  # the sender's layout (its own num_blocks)
     strides: tuple[int, ...]  # bytes
 
+    @functools.cached_property
     def source(self) -> DevicePointer:
         """The sender's cache as a kernel argument."""
         # An FP8 cache's codes move as bytes, as the receiver's own cache does (transport.byte_cache).
@@ -158,6 +160,7 @@ class IpcReceiverTransport(ReceiverTransport):
         self._layout = layout
         self._cache = cache
         self._strides = byte_strides(layout)
+        self._cache_ptr = cache_pointer(cache)
         self._stream = transfer_stream(self._device)  # the device's highest priority
         self._ops = gpu_ops()  # events and block-id copies that keep the interpreter lock
         self._src_ids = IdsPool(self._stream, layout.num_blocks)
@@ -233,15 +236,20 @@ class IpcReceiverTransport(ReceiverTransport):
             raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
         bind_device(self._device)
         try:
-            runs = block_runs(job.remote_block_ids, job.block_ids)
-            if len(runs) <= COPY_ENGINE_MAX_RUNS:
+            runs = block_runs(job.remote_block_ids, job.block_ids) if COPY_ENGINE_MAX_RUNS else []
+            if runs and len(runs) <= COPY_ENGINE_MAX_RUNS:
                 self._enqueue_copies(job, mapping, runs)
             else:
-                with torch.cuda.stream(self._stream):
-                    src_ids = self._ops.ids(self._src_ids, job.remote_block_ids)
-                    dst_ids = self._ops.ids(self._dst_ids, job.block_ids)
-                    source = mapping.source().layers(job.layer_begin, job.layer_end)
-                    copy_blocks(source, self._cache[job.layer_begin : job.layer_end], src_ids, dst_ids)
+                src_ids = self._ops.ids(self._src_ids, job.remote_block_ids)
+                dst_ids = self._ops.ids(self._dst_ids, job.block_ids)
+                l0, l1 = job.layer_begin, job.layer_end
+                copy_blocks(
+                    mapping.source.layers(l0, l1),
+                    self._cache_ptr.layers(l0, l1),
+                    src_ids,
+                    dst_ids,
+                    self._stream,
+                )
             copied = self._ops.new_event()
             self._ops.record(copied, self._stream)
         except Exception as exc:

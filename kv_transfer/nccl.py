@@ -167,7 +167,8 @@ class _Pair:
         ids = IdsPool(first if rank == SENDER_RANK else second, layout.num_blocks)
         torch.cuda.synchronize(device)  # the buffers exist before any side stream uses them
         slot = staging_pointer(ring[0].data_ptr(), cache.dtype, layout.staging_shape(1, (0, 1)))
-        warm(cache, slot, arange, gather=rank == SENDER_RANK)  # no kernel loads once NCCL calls are pending
+        # No kernel loads once NCCL calls are pending: load the copy on the stream that will run it.
+        warm(cache, slot, arange, gather=rank == SENDER_RANK, stream=first if rank == SENDER_RANK else second)
         events = [ops.new_event() for _ in range(2 * RING_SLOTS)]
         return cls(comm, first, second, ring, arange, ops, ids, events[:RING_SLOTS], events[RING_SLOTS:])
 
@@ -305,7 +306,7 @@ class _NcclSource(PartSource):
         job.conn.send_frame(part_frame(job), job.watch)
         try:  # from here the receiver posts receives for these slices: any failure must drop the pair
             bind_device(t._device)
-            with pair.lock, torch.cuda.stream(pair.first):
+            with pair.lock:
                 ops = pair.ops
                 if job.ready is not None:
                     ops.wait(pair.first, job.ready)
@@ -317,7 +318,7 @@ class _NcclSource(PartSource):
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, t._cache_ptr, self._ids, piece, t._layout
                     )
-                    copy_blocks(cache, staging, cache_ids, staging_ids)
+                    copy_blocks(cache, staging, cache_ids, staging_ids, pair.first)
                     ops.record(pair.first_done[k], pair.first)
                     ops.wait(pair.second, pair.first_done[k])
                     ops.nccl(True, pair.comm, pair.ring[k].data_ptr(), nbytes, RECEIVER_RANK, pair.second)
@@ -385,7 +386,7 @@ class _NcclSink(PartSink):
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
         try:  # a failure from here may leave a receive posted: the pair must go (abandon)
             bind_device(t._device)
-            with pair.lock, torch.cuda.stream(pair.second):
+            with pair.lock:
                 ops = pair.ops
                 if self._ids is None:  # once per transfer: its parts share the block list
                     self._ids = ops.ids(pair.ids, job.block_ids)
@@ -395,7 +396,7 @@ class _NcclSink(PartSink):
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, t._cache_ptr, self._ids, piece, t._layout
                     )
-                    copy_blocks(staging, cache, staging_ids, cache_ids)
+                    copy_blocks(staging, cache, staging_ids, cache_ids, pair.second)
                     ops.record(pair.second_done[k], pair.second)
                     self._last = pair.second_done[k]
         except Exception as exc:

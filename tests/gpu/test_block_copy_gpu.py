@@ -1,0 +1,69 @@
+"""kv_transfer.block_copy on a GPU: the kernel copies exactly the blocks torch indexing names, for bf16,
+FP8-byte and float32 caches, on one GPU and from a peer GPU's memory, on the stream it is given."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kv_transfer.block_copy import cache_pointer, copy_blocks
+from kv_transfer.gpu_ops import transfer_stream
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _caches(device: torch.device, dtype: torch.dtype, block_shape: tuple[int, ...], blocks: int = 40):
+    gen = torch.Generator(device=device).manual_seed(7)
+    src = torch.randint(-100, 100, (3, 2, blocks, *block_shape), generator=gen, device=device).to(dtype)
+    dst = torch.zeros_like(src)
+    rng = random.Random(3)
+    src_ids, dst_ids = rng.sample(range(1, blocks), 17), rng.sample(range(1, blocks), 17)
+    return src, dst, src_ids, dst_ids
+
+
+@pytest.mark.parametrize(
+    "dtype, block_shape",
+    [(torch.bfloat16, (16, 8, 128)), (torch.uint8, (16640,)), (torch.float32, (4, 2, 16))],
+)
+def test_copy_blocks_matches_torch_indexing(dtype, block_shape) -> None:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    src, dst, src_ids, dst_ids = _caches(device, dtype, block_shape)
+    stream = transfer_stream(device)
+    ids = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    torch.cuda.synchronize(device)
+    copy_blocks(src[1:3], dst[1:3], ids(src_ids), ids(dst_ids), stream)
+    stream.synchronize()
+    expect = torch.zeros_like(src)
+    expect[1:3, :, dst_ids] = src[1:3, :, src_ids]
+    assert torch.equal(dst, expect)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_pull_from_the_peer_gpu_over_nvlink() -> None:
+    """What cuda_ipc does: the kernel runs on the receiver's GPU and reads the sender's memory."""
+    from cupy.cuda import runtime  # type: ignore[import-not-found]
+
+    for dev, peer in ((0, 1), (1, 0)):
+        runtime.setDevice(dev)
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except runtime.CUDARuntimeError as exc:
+            if "ALREADY" not in str(exc).upper():
+                raise
+    src, _, src_ids, dst_ids = _caches(torch.device("cuda", 0), torch.bfloat16, (16, 8, 128))
+    receiver = torch.device("cuda", 1)
+    torch.cuda.set_device(receiver)
+    dst = torch.zeros(src.shape, dtype=src.dtype, device=receiver)
+    stream = transfer_stream(receiver)
+    ids = lambda v: torch.tensor(v, device=receiver)  # noqa: E731
+    torch.cuda.synchronize(0)
+    copy_blocks(cache_pointer(src), dst, ids(src_ids), ids(dst_ids), stream)
+    stream.synchronize()
+    assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
