@@ -6,10 +6,14 @@ it goes back to the pool, after any failure it is closed (a failed transfer neve
 next, so a half-read stream cannot confuse the two). Pools are keyed by the receiver's address, its instance id
 and the transport (a worker may hold several; a connection has one): a restarted receiver is a new key.
 
-An exclusive transport (nccl) gets at most one channel per receiver, so transfers to one receiver take turns on
-it and the receiver posts its receives in the order the sender posted its sends. The others open as many
-channels as transfers run at once. A channel idle for longer than half the receiver's idle timeout is not reused
-(the receiver may be closing it at that moment).
+An exclusive transport (nccl) carries one transfer at a time per pair, so that the receiver posts its receives
+in the order the sender posted its sends. To one receiver it opens at most transfer.nccl_lanes channels, each
+on its own lane: the hello names the lane, and both sides key the pair (communicator, staging ring) by the
+peer's instance id and the lane (pairing.pair_key), so each lane keeps its own communicator across reconnects.
+A transfer takes an idle channel, else opens one on the lowest free lane, else waits for a lane to come back.
+The others open as many channels as transfers run at once, all on lane 0 (one mapping per pair). A channel
+idle for longer than half the receiver's idle timeout is not reused (the receiver may be closing it at that
+moment).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.frames import FrameConnection, Watch, expect
-from kv_transfer.pairing import check_hello, make_hello
+from kv_transfer.pairing import check_hello, make_hello, pair_key
 from kv_transfer.transport import SenderTransport
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
@@ -36,8 +40,9 @@ Key = tuple[str, int, bytes, str]  # the receiver's host, port and instance id; 
 class Channel:
     key: Key
     conn: FrameConnection
-    peer_id: bytes
+    peer_id: bytes  # the key of the pair's transport state: the receiver's instance id and the lane
     reuse_within_s: float  # half the receiver's idle timeout
+    lane: int = 0
     released_at: float = field(default_factory=time.monotonic)
     transfers: int = 0  # completed on this channel; 0 while the first runs (a cold handoff)
 
@@ -65,6 +70,7 @@ class ChannelPool:
         self._cond = threading.Condition()
         self._idle: dict[Key, list[Channel]] = {}
         self._busy: dict[Key, int] = {}
+        self._lanes: dict[Key, set[int]] = {}  # lanes of an exclusive transport's open channels, busy or idle
         self._closed = False
 
     def acquire(self, target: kv_pb2.KVTarget, kind: str, watch: Watch, since: float) -> Channel:
@@ -73,6 +79,7 @@ class ChannelPool:
         ensure_pair)."""
         key = (target.host, target.port, bytes(target.receiver_id), kind)
         transport = self._transports[kind]
+        lanes = self._config.nccl_lanes if transport.exclusive else 0
         stale: list[Channel] = []
         try:
             with self._cond:
@@ -86,7 +93,9 @@ class ChannelPool:
                             self._busy[key] = self._busy.get(key, 0) + 1
                             return channel
                         stale.append(channel)
-                    if not transport.exclusive or self._busy.get(key, 0) == 0:
+                        self._free_lane(channel)
+                    lane = self._take_lane(key, lanes)
+                    if lane is not None:
                         self._busy[key] = self._busy.get(key, 0) + 1
                         break
                     self._cond.wait(self._config.poll_interval_s)
@@ -95,9 +104,9 @@ class ChannelPool:
             for channel in stale:
                 channel.conn.close()
         try:
-            return self._open(key, target, watch, since)
+            return self._open(key, lane, target, watch, since)
         except BaseException:
-            self._done(key)
+            self._done(key, lane)
             raise
 
     def release(self, channel: Channel, reusable: bool) -> None:
@@ -108,6 +117,8 @@ class ChannelPool:
                 channel.transfers += 1
                 channel.released_at = time.monotonic()
                 self._idle.setdefault(channel.key, []).append(channel)
+            else:
+                self._free_lane(channel)
             self._busy[channel.key] -= 1
             self._cond.notify_all()
         if not keep:
@@ -118,16 +129,37 @@ class ChannelPool:
             self._closed = True
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle = {}
+            for channel in channels:
+                self._free_lane(channel)
             self._cond.notify_all()
         for channel in channels:
             channel.conn.close()
 
-    def _done(self, key: Key) -> None:
+    def _done(self, key: Key, lane: int) -> None:
+        """A channel that was never opened gives back its turn and its lane."""
         with self._cond:
             self._busy[key] -= 1
+            self._lanes.get(key, set()).discard(lane)
             self._cond.notify_all()
 
-    def _open(self, key: Key, target: kv_pb2.KVTarget, watch: Watch, since: float) -> Channel:
+    def _take_lane(self, key: Key, lanes: int) -> int | None:
+        """Under the lock: a lane for a new channel (0 for a non-exclusive transport), or None while all
+        `lanes` of an exclusive one are held by open channels."""
+        if not lanes:
+            return 0
+        held = self._lanes.setdefault(key, set())
+        lane = next((n for n in range(lanes) if n not in held), None)
+        if lane is not None:
+            held.add(lane)
+        return lane
+
+    def _free_lane(self, channel: Channel) -> None:
+        """Under the lock: a closing channel's lane is free for the next one."""
+        held = self._lanes.get(channel.key)
+        if held is not None:
+            held.discard(channel.lane)
+
+    def _open(self, key: Key, lane: int, target: kv_pb2.KVTarget, watch: Watch, since: float) -> Channel:
         config = self._config
         deadline = min(watch.deadline, time.monotonic() + config.connect_timeout_s)
         handshake = Watch(deadline, FailureReason.DEADLINE_EXCEEDED, "KV handshake", cancelled=watch.failure)
@@ -149,20 +181,20 @@ class ChannelPool:
                 ) from None
         conn = FrameConnection(sock, config.poll_interval_s)
         try:
-            hello = self._handshake(conn, target, key[3], handshake)
-            peer_id = bytes(hello.instance_id)
+            hello = self._handshake(conn, target, key[3], lane, handshake)
+            peer_id = pair_key(bytes(hello.instance_id), lane)
             self._transports[key[3]].ensure_pair(peer_id, hello.pair_ready, conn, watch, since)
         except BaseException:
             conn.close()
             raise
         idle_s = hello.idle_timeout_ms / 1000 if hello.idle_timeout_ms else config.idle_timeout_s
-        return Channel(key, conn, peer_id, reuse_within_s=idle_s / 2)
+        return Channel(key, conn, peer_id, reuse_within_s=idle_s / 2, lane=lane)
 
     def _handshake(
-        self, conn: FrameConnection, target: kv_pb2.KVTarget, kind: str, watch: Watch
+        self, conn: FrameConnection, target: kv_pb2.KVTarget, kind: str, lane: int, watch: Watch
     ) -> kv_pb2.KVHello:
         layout = self._layout
-        conn.send_frame(make_hello(layout, self._instance_id, kind, self._device_uuid), watch)
+        conn.send_frame(make_hello(layout, self._instance_id, kind, self._device_uuid, lane=lane), watch)
         try:
             reply = conn.read_frame(watch)
         except TransferFailed as exc:

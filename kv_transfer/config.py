@@ -14,6 +14,8 @@ from typing import NoReturn
 
 from model_runtime.config import ConfigError
 
+MAX_LANES = 16  # transfer.nccl_lanes' upper bound; a hello naming a higher lane is refused
+
 TRANSPORT_KINDS = ("tcp", "nccl", "cuda_ipc")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -79,6 +81,10 @@ class TransferConfig:
     layer_groups: the prefill worker ships a prompt's KV in this many layer groups, each as soon as the
         prompt's last step has written it, so the transfer overlaps the rest of the forward pass; 0 ships it
         all after the first token is sampled.
+    nccl_lanes: how many nccl transfers a sender runs to one receiver at once, each on its own control
+        connection, NCCL communicator and staging ring (192 MiB of GPU memory per lane and side, made when
+        first needed). With one lane, a prompt whose KV is ready waits for the previous prompt's transfer
+        to the same decode worker, which with layer groups holds the lane for the whole last prefill step.
     """
 
     kinds: tuple[str, ...] = ()
@@ -96,6 +102,7 @@ class TransferConfig:
     max_inflight_sends: int = 16
     idle_timeout_s: float = 300.0
     layer_groups: int = 4
+    nccl_lanes: int = 2
 
     def __post_init__(self) -> None:
         self._resolve_kinds()
@@ -119,6 +126,7 @@ class TransferConfig:
         _check_int("max_connections", self.max_connections, 1, 65536)
         _check_int("max_inflight_sends", self.max_inflight_sends, 1, 4096)
         _check_int("layer_groups", self.layer_groups, 0, 1024)
+        _check_int("nccl_lanes", self.nccl_lanes, 1, MAX_LANES)
 
     def _resolve_kinds(self) -> None:
         """Fill `kinds` from `kind` (or the default, tcp) and `kind` from `kinds`; frozen, so set once here."""

@@ -337,6 +337,8 @@ class _NcclSource(PartSource):
 
 
 class NcclReceiverTransport(ReceiverTransport):
+    exclusive = True
+
     def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
         self._device = require_cuda(cache, "nccl")
         self._layout = layout

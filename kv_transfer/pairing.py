@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kv_transfer.config import MAX_LANES
 from kv_transfer.contracts import FailureReason, TransferFailed
 from model_runtime.kv_layout import FORMAT_FIELDS, KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
-PROTOCOL_VERSION = 2  # 2: reused connections, no KVBeginOk / KVPartReady
+PROTOCOL_VERSION = 3  # 2: reused connections, no KVBeginOk / KVPartReady; 3: KVHello.lane (nccl lanes)
 HANDLE_BYTES = 16
 
 TRANSPORT_TO_PROTO = {
@@ -49,8 +50,20 @@ def check_format(layout: KVLayout, message: kv_pb2.KVFormat, fingerprint: str) -
         )
 
 
+def pair_key(instance_id: bytes, lane: int) -> bytes:
+    """What both sides key a pair's transport state by: the peer's instance id, and the lane when it is not 0
+    (a sender runs up to transfer.nccl_lanes nccl transfers to one receiver at once, each on its own
+    connection and communicator)."""
+    return instance_id if lane == 0 else instance_id + b"/lane" + str(lane).encode()
+
+
 def make_hello(
-    layout: KVLayout, instance_id: bytes, kind: str, device_uuid: str, pair_ready: bool = False
+    layout: KVLayout,
+    instance_id: bytes,
+    kind: str,
+    device_uuid: str,
+    pair_ready: bool = False,
+    lane: int = 0,
 ) -> kv_pb2.KVFrame:
     return kv_pb2.KVFrame(
         hello=kv_pb2.KVHello(
@@ -61,6 +74,7 @@ def make_hello(
             transports=[TRANSPORT_TO_PROTO[kind]],
             device_uuid=device_uuid,
             pair_ready=pair_ready,
+            lane=lane,
         )
     )
 
@@ -76,6 +90,10 @@ def check_hello(layout: KVLayout, held: Sequence[str], device_uuid: str, hello: 
         )
     if len(hello.instance_id) != HANDLE_BYTES:
         raise TransferFailed(FailureReason.PROTOCOL_ERROR, "hello.instance_id must be 16 bytes")
+    if hello.lane >= MAX_LANES:
+        raise TransferFailed(
+            FailureReason.PROTOCOL_ERROR, f"hello.lane {hello.lane} is not below {MAX_LANES}"
+        )
     check_format(layout, hello.format, hello.layout_fingerprint)
     theirs = [TRANSPORT_FROM_PROTO.get(t, str(t)) for t in hello.transports]
     kind = next((k for k in theirs if k in held), None)

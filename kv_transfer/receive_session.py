@@ -23,7 +23,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, FirstToken, Lease, TransferFailed, TransferResult
 from kv_transfer.frames import FrameConnection, Watch, error_frame, expect, frame_failure
 from kv_transfer.leases import LeaseTable
-from kv_transfer.pairing import check_hello, make_hello
+from kv_transfer.pairing import check_hello, make_hello, pair_key
 from kv_transfer.transport import PartJob, PartSink, ReceiverTransport
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
@@ -87,13 +87,14 @@ class ReceiveSession:
         hello = expect(self.conn.read_frame(self.watch), "hello", FailureReason.PROTOCOL_ERROR).hello
         self.kind = check_hello(self.core.layout, tuple(self.core.transports), self.core.device_uuid, hello)
         self.transport = self.core.transports[self.kind]
-        ready = self.transport.pair_ready(hello.instance_id)
+        peer = pair_key(bytes(hello.instance_id), hello.lane if self.transport.exclusive else 0)
+        ready = self.transport.pair_ready(peer)
         reply = make_hello(
             self.core.layout, self.core.instance_id, self.kind, self.core.device_uuid, pair_ready=ready
         )
         reply.hello.idle_timeout_ms = int(self.core.config.idle_timeout_s * 1000)
         self.conn.send_frame(reply, self.watch)
-        return bytes(hello.instance_id)
+        return peer
 
     def _next_transfer(self, peer_id: bytes) -> bool:
         """Serve the next frames up to one landed transfer; False when the connection ended quietly (the sender

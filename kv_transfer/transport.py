@@ -101,6 +101,8 @@ class _SyncSource(PartSource):
 
 
 class ReceiverTransport:  # hooks with defaults: a transport overrides what it needs
+    exclusive = False  # one transfer at a time per pair: a sender drives several pairs with it (lanes)
+
     def pair_ready(self, peer_id: bytes) -> bool:
         """Whether per-pair state (communicator, mapped memory) with this sender is live."""
         return True
@@ -129,8 +131,9 @@ class ReceiverTransport:  # hooks with defaults: a transport overrides what it n
 
 
 class SenderTransport:  # hooks with defaults: a transport overrides what it needs
-    # True when transfers to one receiver must share one connection, one at a time (nccl: the receives must be
-    # posted in the order of the sends, and one connection's frame order is that order).
+    # True when a pair carries one transfer at a time (nccl: the receives must be posted in the order of the
+    # sends, and one connection's frame order is that order). The channel pool then opens at most
+    # transfer.nccl_lanes connections to one receiver, each with a pair of its own (pairing.pair_key).
     exclusive: bool = False
 
     def ensure_pair(

@@ -403,14 +403,15 @@ def test_an_idle_channel_is_closed_by_the_receiver_and_replaced():
     assert first.ok and second.ok and landed.ok and "connect" in second.phases
 
 
-def test_an_exclusive_transport_takes_turns_on_one_connection():
-    """nccl's rule (one connection per pair, one transfer at a time on it), checked through the pool with the tcp
-    transport marked exclusive: a second transfer waits for the first to finish, then reuses its connection."""
+def test_an_exclusive_transport_with_one_lane_takes_turns_on_one_connection():
+    """nccl's rule (one transfer at a time per pair) with transfer.nccl_lanes 1, checked through the pool with
+    the tcp transport marked exclusive: a second transfer waits for the first to finish, then reuses its
+    connection. (Several lanes: tests/unit/test_channel_lanes.py.)"""
     layout = make_layout("float32")
     cache, alloc = make_cache(layout, 25), ShuffledFreeList(NUM_BLOCKS, 6)
     with (
         KVReceiver(layout, make_cache(layout, 26), alloc, config()) as receiver,
-        KVSender(layout, cache, config()) as sender,
+        KVSender(layout, cache, config(nccl_lanes=1)) as sender,
     ):
         sender._transports["tcp"].exclusive = True  # type: ignore[attr-defined]
         first_lease, second_lease = receiver.reserve("a", 11), receiver.reserve("b", 11)

@@ -186,3 +186,59 @@ def test_sender_killed_after_claim_frees_the_lease(kind):
         assert result.failure is FailureReason.CONNECTION_LOST and alloc.all_free
     finally:
         proc.kill()
+
+
+def _overlapping_sender(conn, lanes: int) -> None:
+    """Opens transfer A and sends its first layer group only (as a prefill streaming layer groups does while
+    its step runs), then sends transfer B whole to the same receiver; A finishes after B's result is in."""
+    cache = make_cache(7, "cuda:1")
+    with KVSender(layout_of(), cache, config("nccl", nccl_lanes=lanes)) as sender:
+        cmd = conn.recv()
+        (ta, ids_a), (tb, ids_b) = [
+            (kv_pb2.KVTarget.FromString(bytes.fromhex(t)), [int(x) for x in ids.split(",")])
+            for t, ids in cmd["transfers"]
+        ]
+        first = sender.open(ta, ids_a, cmd["num_tokens"])
+        first.send_layers(0, 1)
+        second = sender.send(tb, ids_b, cmd["num_tokens"], FIRST, timeout_s=5.0)
+        b = second.result(timeout=30)
+        first.send_layers(1, 4)
+        first.finish(FIRST)
+        a = first.result(timeout=60)
+        conn.send(
+            dict(
+                a_ok=a.ok,
+                b_ok=b.ok,
+                b_failure=b.failure.name if b.failure else "",
+                sums=[checksum(cache, ids_a), checksum(cache, ids_b)],
+            )
+        )
+
+
+@NCCL_ONLY
+@pytest.mark.parametrize("lanes", [2, 1])
+def test_a_second_nccl_transfer_to_one_receiver_runs_beside_one_that_is_still_streaming(lanes):
+    """transfer.nccl_lanes: with two lanes, B lands while A (same sender, same receiver) holds its lane waiting
+    for its next layer group; with one lane, B can only wait for A, and its 5 s deadline runs out first."""
+    conn, proc = spawn(_overlapping_sender, lanes)
+    try:
+        cache, alloc = make_cache(99, "cuda:0"), FreeList(3)
+        with KVReceiver(layout_of(), cache, alloc, config("nccl")) as receiver:
+            leases = [receiver.reserve(f"req-{name}", 48) for name in ("a", "b")]
+            transfers = []
+            for i, lease in enumerate(leases):
+                ids = random.Random(i).sample(range(1, NUM_BLOCKS), len(lease.block_ids))
+                transfers.append((receiver.target(lease).SerializeToString().hex(), ",".join(map(str, ids))))
+            sent = ask(conn, dict(transfers=transfers, num_tokens=48))
+            assert sent["a_ok"], sent
+            if lanes == 1:
+                assert not sent["b_ok"] and sent["b_failure"] == "DEADLINE_EXCEEDED", sent
+                return
+            assert sent["b_ok"], sent
+            results = {r.request_id: r for r in wait_results(receiver, 2)}
+            assert results["req-a"].ok and results["req-b"].ok
+            assert checksum(cache, leases[0].block_ids) == sent["sums"][0]
+            assert checksum(cache, leases[1].block_ids) == sent["sums"][1]
+    finally:
+        proc.join(30)
+        proc.kill()

@@ -102,7 +102,7 @@ class KVTarget(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., receiver_id: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "instance_id", "format", "layout_fingerprint", "transports", "device_uuid", "pair_ready", "idle_timeout_ms")
+    __slots__ = ("protocol_version", "instance_id", "format", "layout_fingerprint", "transports", "device_uuid", "pair_ready", "idle_timeout_ms", "lane")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class KVHello(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     PAIR_READY_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     instance_id: bytes
     format: KVFormat
@@ -119,7 +120,8 @@ class KVHello(_message.Message):
     device_uuid: str
     pair_ready: bool
     idle_timeout_ms: int
-    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[bytes] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[KVTransport, str]]] = ..., device_uuid: _Optional[str] = ..., pair_ready: _Optional[bool] = ..., idle_timeout_ms: _Optional[int] = ...) -> None: ...
+    lane: int
+    def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[bytes] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[KVTransport, str]]] = ..., device_uuid: _Optional[str] = ..., pair_ready: _Optional[bool] = ..., idle_timeout_ms: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class KVBegin(_message.Message):
     __slots__ = ("handle", "request_id", "num_blocks", "num_tokens", "num_bytes", "src_block_ids")
