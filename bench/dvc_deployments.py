@@ -43,6 +43,8 @@ BOTH = "-both"
 # Any name + NO_STREAM: the KV leaves after the first token instead of layer group by layer group during the
 # prompt's last step (transfer.layer_groups 0).
 NO_STREAM = "-nostream"
+# Any name + ONE_LANE: nccl transfers to one decode worker take turns (transfer.nccl_lanes 1, as before lanes).
+ONE_LANE = "-1lane"
 POOLS = ("prefill", "decode", "colocated")
 # Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
@@ -65,7 +67,8 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH and NO_STREAM);
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH, NO_STREAM
+    and ONE_LANE);
     `slo` is the (TTFT, TPOT) the autoscaler aims at."""
     if name.endswith(IPC):
         config = deployment_config(name.removesuffix(IPC), slo)
@@ -74,6 +77,9 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         config = deployment_config(name.removesuffix(BOTH), slo)
         transfer = {k: v for k, v in config.get("transfer", {}).items() if k != "kind"}
         return dict(config, transfer=dict(transfer, kinds=["cuda_ipc", "nccl"]))
+    if name.endswith(ONE_LANE):
+        config = deployment_config(name.removesuffix(ONE_LANE), slo)
+        return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
     if name.endswith(NO_STREAM):
         config = deployment_config(name.removesuffix(NO_STREAM), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
@@ -89,7 +95,7 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
