@@ -50,20 +50,25 @@ def test_a_pull_from_the_peer_gpu_over_nvlink() -> None:
     """What cuda_ipc does: the kernel runs on the receiver's GPU and reads the sender's memory."""
     from cupy.cuda import runtime  # type: ignore[import-not-found]
 
-    for dev, peer in ((0, 1), (1, 0)):
-        runtime.setDevice(dev)
-        try:
-            runtime.deviceEnablePeerAccess(peer)
-        except runtime.CUDARuntimeError as exc:
-            if "ALREADY" not in str(exc).upper():
-                raise
-    src, _, src_ids, dst_ids = _caches(torch.device("cuda", 0), torch.bfloat16, (16, 8, 128))
-    receiver = torch.device("cuda", 1)
-    torch.cuda.set_device(receiver)
-    dst = torch.zeros(src.shape, dtype=src.dtype, device=receiver)
-    stream = transfer_stream(receiver)
-    ids = lambda v: torch.tensor(v, device=receiver)  # noqa: E731
-    torch.cuda.synchronize(0)
-    copy_blocks(cache_pointer(src), dst, ids(src_ids), ids(dst_ids), stream)
-    stream.synchronize()
-    assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
+    before = torch.cuda.current_device()  # the tests after this one run on the default device again
+    try:
+        for dev, peer in ((0, 1), (1, 0)):
+            runtime.setDevice(dev)
+            try:
+                runtime.deviceEnablePeerAccess(peer)
+            except runtime.CUDARuntimeError as exc:
+                if "ALREADY" not in str(exc).upper():
+                    raise
+        src, _, src_ids, dst_ids = _caches(torch.device("cuda", 0), torch.bfloat16, (16, 8, 128))
+        receiver = torch.device("cuda", 1)
+        with torch.cuda.device(receiver):
+            dst = torch.zeros(src.shape, dtype=src.dtype, device=receiver)
+            stream = transfer_stream(receiver)
+            ids = lambda v: torch.tensor(v, device=receiver)  # noqa: E731
+            torch.cuda.synchronize(0)
+            copy_blocks(cache_pointer(src), dst, ids(src_ids), ids(dst_ids), stream)
+            stream.synchronize()
+        assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
+    finally:
+        runtime.setDevice(before)
+        torch.cuda.set_device(before)

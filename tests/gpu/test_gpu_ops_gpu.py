@@ -31,7 +31,11 @@ def test_a_wait_on_an_event_orders_two_streams(ops) -> None:
     torch.cuda.set_device(device)
     a, b = transfer_stream(device), transfer_stream(device)
     x = torch.zeros(1 << 20, device=device)
-    torch.cuda._sleep(1000)  # load the sleep kernel first: a lazily loaded module's first launch can block
+    # Load every kernel used below first: with lazy loading, a module's first launch can wait for the device's
+    # running kernels (the 0.1 s sleep), which would complete the event before it is queried.
+    torch.cuda._sleep(1000)
+    x.fill_(0.0)
+    _ = x * 2
     torch.cuda.synchronize(device)
     done = ops.new_event()
     with torch.cuda.stream(a):
