@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "float16", "bfloat16")
 # cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "fp8_group")
 
 
 class ConfigError(ValueError):
@@ -198,7 +198,8 @@ class DeviceConfig:
     # triton | compile (torch.compile of the torch reference; CUDA).
     kernels: str = "auto"
     # How the projection weights (q/k/v/o, gate/up/down) are stored: none (the model dtype) | fp8 (e4m3, one
-    # float32 scale per output channel, quantized at load; model_runtime.quantization).
+    # float32 scale per output channel, quantized at load; model_runtime.quantization) | fp8_group (e4m3, a
+    # scale per output channel and group of 64 input channels, activations alike; group_gemm on a GPU).
     quantization: str = "none"
     seed: int = 0
 

@@ -25,6 +25,11 @@ def resolve_method(configured: str, source: ModelSource) -> str:
     stored in bf16 or fp32 quantizes it at load)."""
     if source.fp8 is None or configured == "fp8":
         return configured
+    if configured == "fp8_group":
+        raise ModelLoadError(
+            f"device.quantization: fp8_group needs weights stored in bf16 or fp32; {source.spec} is stored in "
+            f"FP8 ({source.fp8.method}) with its own scales: use none or fp8"
+        )
     if configured != "none":
         raise ModelLoadError(
             f"device.quantization: {configured!r} conflicts with {source.spec}, whose weights are stored in FP8 "
@@ -36,15 +41,15 @@ def resolve_method(configured: str, source: ModelSource) -> str:
 
 def quantize_weights(weights: dict[str, torch.Tensor], method: str) -> None:
     """Quantize canonical `weights` in place ("none": leave them; projections already FP8 are kept)."""
-    if method == "fp8":
-        quantize_projection_weights(weights)
+    if method in ("fp8", "fp8_group"):
+        quantize_projection_weights(weights, grouped=method == "fp8_group")
     elif method != "none":
-        raise ValueError(f"device.quantization: {method!r} is not none or fp8")
+        raise ValueError(f"device.quantization: {method!r} is not none, fp8 or fp8_group")
 
 
 def quantize_model(model: LlamaForCausalLM, method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Give `model` (weights not yet loaded) the modules that hold `method`'s weights; `dtype`: the model's."""
-    if method == "fp8":
-        use_fp8_projections(model, device, dtype)
+    if method in ("fp8", "fp8_group"):
+        use_fp8_projections(model, device, dtype, grouped=method == "fp8_group")
     elif method != "none":
-        raise ValueError(f"device.quantization: {method!r} is not none or fp8")
+        raise ValueError(f"device.quantization: {method!r} is not none, fp8 or fp8_group")

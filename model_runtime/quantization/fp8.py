@@ -4,6 +4,9 @@
     scale[n] = max_k |weight[n, k]| / 448       (448: e4m3fn's largest finite value; a row's largest weight maps
                                                   onto it, so nothing saturates and each row uses the full range)
 
+`quantization: fp8_group` scales finer: one scale per (output row, group of 64 input channels), scale [N, K/64],
+and the activations likewise per (token, group), matmul by model_runtime.quantization.group_gemm on a GPU.
+
 Quantized: the projections, q/k/v (the fused qkv), o_proj, gate/up (the fused gate_up) and down. Embeddings, norms
 and lm_head keep the model dtype. A fused tensor's rows are independent (one scale each), so fusing q|k|v or
 gate|up changes nothing. Stored as e4m3 these weights take half of their bfloat16 bytes. A pre-quantized FP8
@@ -35,6 +38,7 @@ from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, i
 
 # Rows quantized at once: the float32 scratch is one chunk's, not a whole (maybe 57344-row) matrix's.
 _ROWS_PER_CHUNK = 4096
+GROUP = 64  # input channels per scale under fp8_group (group_gemm.GROUP: the GPU kernel's, kept equal)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +56,48 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q [N, K] float8_e4m3fn, scale [N] float32 -> [N, K] in `dtype` (computed in float32, rounded once)."""
-    return (q.float() * scale[:, None]).to(dtype)
+    """q [N, K] float8_e4m3fn with scale [N] (per row) or [N, ceil(K / GROUP)] (per group) float32 -> [N, K] in
+    `dtype` (computed in float32, rounded once)."""
+    if scale.dim() == 1:
+        return (q.float() * scale[:, None]).to(dtype)
+    return (q.float() * _spread(scale, q.shape[1])).to(dtype)
+
+
+def _spread(scale: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, ceil(K / GROUP)] group scales -> [R, K]: each group's scale over its channels."""
+    return scale.repeat_interleave(GROUP, dim=1)[:, :k]
+
+
+def _group_scales(x: torch.Tensor) -> torch.Tensor:
+    """[R, K] float32 -> [R, ceil(K / GROUP)]: each group's largest |x| / 448 (the last group may be short)."""
+    rows, k = x.shape
+    pad = -k % GROUP
+    padded = F.pad(x.abs(), (0, pad)) if pad else x.abs()
+    return (padded.view(rows, -1, GROUP).amax(dim=2) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+
+
+def quantize_fp8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] float8_e4m3fn, scale [N, ceil(K / GROUP)] float32): each (row, group of GROUP
+    input channels) with a scale of its own, its largest weight onto 448."""
+    groups = -(-weight.shape[1] // GROUP)
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], groups, dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        rows = weight[start : start + _ROWS_PER_CHUNK].float()
+        row_scale = _group_scales(rows)
+        q[start : start + rows.shape[0]] = (
+            (rows / _spread(row_scale, rows.shape[1])).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        )
+        scale[start : start + rows.shape[0]] = row_scale
+    return q, scale
+
+
+def quantize_groups_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes [T, K] e4m3, scales [T, ceil(K / GROUP)] float32) in torch ops: the reference for
+    group_gemm.quantize_groups, and the CPU emulation of what the GPU path rounds."""
+    xf = x.float()
+    scales = _group_scales(xf)
+    return (xf / _spread(scales, x.shape[1])).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
 def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -95,33 +139,48 @@ def scaled_mm_linear(
 
 
 class FP8Linear(nn.Module):
-    """A projection whose weight is float8_e4m3fn [N, K] with `weight_scale` [N] float32 (canonical names
-    `<projection>.weight` and `<projection>.weight_scale`); the bias, if any, stays in the model dtype."""
+    """A projection whose weight is float8_e4m3fn [N, K] with `weight_scale` float32 (canonical names
+    `<projection>.weight` and `<projection>.weight_scale`): [N] per row, or with `grouped` [N, ceil(K / GROUP)]
+    per (row, group of GROUP input channels). The bias, if any, stays in the model dtype."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, scaled_mm: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, scaled_mm: bool, grouped: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )
-        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        self.grouped = grouped
+        scale_shape = (out_features, -(-in_features // GROUP)) if grouped else (out_features,)
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
         self.bias: nn.Parameter | None
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
         # Fixed at build: shapes and device do not change, and the choice must not cost a step anything.
         self.scaled_mm = scaled_mm and in_features % 16 == 0 and out_features % 16 == 0
         self._quantize: Quantizer = quantize_rows_torch
-        # Emulation only: round the activations per token as scaled_mm does (emulate_scaled_mm).
+        # Emulation only: round the activations per token (per group when grouped) as the GPU path does
+        # (emulate_scaled_mm).
         self.round_activations = False
-        if self.scaled_mm:  # CUDA: one Triton kernel quantizes the activations (Triton is imported only then)
+        if self.scaled_mm and not grouped:  # CUDA: one Triton kernel quantizes the activations
             from model_runtime.quantization.act_quant import quantize_rows
 
             self._quantize = quantize_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm and self.grouped:
+            from model_runtime.quantization.group_gemm import group_matmul, quantize_groups
+
+            codes, scales = quantize_groups(x)
+            return group_matmul(codes, scales, self.weight, self.weight_scale, self.bias, x.dtype)
         if self.scaled_mm:
             return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias, self._quantize)
         if self.round_activations:
-            codes, scales = quantize_rows_torch(x)
-            x = (codes.float() * scales).to(x.dtype)
+            if self.grouped:
+                codes, scales = quantize_groups_torch(x)
+                x = (codes.float() * _spread(scales, x.shape[1])).to(x.dtype)
+            else:
+                codes, scales = quantize_rows_torch(x)
+                x = (codes.float() * scales).to(x.dtype)
         return F.linear(x, dequantize_fp8(self.weight, self.weight_scale, x.dtype), self.bias)
 
 
@@ -137,10 +196,12 @@ def emulate_scaled_mm(model: nn.Module) -> int:
     return changed
 
 
-def use_fp8_projections(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
+def use_fp8_projections(
+    model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, grouped: bool = False
+) -> None:
     """Replace every projection of `model` (built, weights not yet loaded) by an FP8Linear of its shape, on
     the meta device; `model.load_weights` then adopts what `quantize_projection_weights` made. `dtype`: the
-    activations' (the model dtype)."""
+    activations' (the model dtype); `grouped`: scales per group of GROUP input channels."""
     scaled_mm = scaled_mm_supported(device, dtype)
     for layer in model.layers:
         for block in (layer.get_submodule("attn"), layer.get_submodule("mlp")):
@@ -148,14 +209,16 @@ def use_fp8_projections(model: LlamaForCausalLM, device: torch.device, dtype: to
                 if isinstance(child, Projection):
                     out_features, in_features = child.weight.shape
                     with torch.device("meta"):
-                        fp8 = FP8Linear(in_features, out_features, child.bias is not None, scaled_mm)
+                        fp8 = FP8Linear(in_features, out_features, child.bias is not None, scaled_mm, grouped)
                     block.add_module(name, fp8)
 
 
-def quantize_projection_weights(weights: dict[str, torch.Tensor]) -> None:
+def quantize_projection_weights(weights: dict[str, torch.Tensor], grouped: bool = False) -> None:
     """Quantize the projection weights of canonical `weights` in place: `layers.{i}.qkv.weight` becomes e4m3 and
     `layers.{i}.qkv.weight_scale` appears beside it (likewise o_proj, gate_up, down). Each original is dropped as
     its copy is made, so the peak is the unquantized weights plus one projection's FP8 copy. A projection that
-    has its scale already (a pre-quantized checkpoint) is kept as stored: quantizing it again would round it."""
+    has its scale already (a pre-quantized checkpoint) is kept as stored: quantizing it again would round it.
+    `grouped`: a scale per (row, group of GROUP input channels) instead of per row."""
+    quantize = quantize_fp8_groups if grouped else quantize_fp8
     for name in [n for n in weights if is_projection_weight(n) and n + "_scale" not in weights]:
-        weights[name], weights[name + "_scale"] = quantize_fp8(weights[name])
+        weights[name], weights[name + "_scale"] = quantize(weights[name])

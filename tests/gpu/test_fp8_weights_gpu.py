@@ -77,3 +77,49 @@ def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cud
 
     graphs, eager = graphs_and_eager_tokens(tmp_path, CacheConfig(num_blocks=512), "fp8", check)
     assert graphs == eager
+
+
+# --- quantization: fp8_group (a scale per 64 input channels on both sides; model_runtime.quantization.group_gemm)
+@pytest.mark.parametrize("width", [4096, 14336, 2500])
+def test_the_group_activation_kernel_quantizes_byte_for_byte_as_torch(width: int) -> None:
+    from model_runtime.quantization.fp8 import quantize_groups_torch
+    from model_runtime.quantization.group_gemm import quantize_groups
+
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn(300, width, device="cuda", generator=gen) * 3).bfloat16()
+    x[7] = 0.0
+    x[9, 11] = 1e4
+    codes, scales = quantize_groups(x)
+    want_codes, want_scales = quantize_groups_torch(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_the_group_gemm_matches_its_arithmetic_in_float32(tokens: int) -> None:
+    from model_runtime.quantization.fp8 import GROUP, quantize_fp8_groups, quantize_groups_torch
+    from model_runtime.quantization.group_gemm import group_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 4096, device="cuda", generator=gen).bfloat16()
+    x[0, 5] = 40.0  # an outlier scales only its own group of 64
+    w = (torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(1024, device="cuda", generator=gen).bfloat16()
+    q, scale = quantize_fp8_groups(w)
+    xq, xs = quantize_groups_torch(x)
+    out = group_matmul(xq, xs, q, scale, bias, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 1024)
+    spread = lambda s: s.repeat_interleave(GROUP, dim=1)  # noqa: E731
+    ref = (xq.float() * spread(xs)) @ (q.float() * spread(scale)).t() + bias.float()
+    assert _rel(out, ref) < 1e-2  # bfloat16 output rounding and accumulation order only
+    exact = x.float() @ w.float().t() + bias.float()
+    assert _rel(out, exact) < 0.05
+
+
+def test_an_fp8_group_engine_decodes_the_same_in_cuda_graphs_as_eager(tmp_path) -> None:
+    def check(engine: Engine) -> None:
+        fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
+        assert fp8 and all(m.scaled_mm and m.grouped and m.weight_scale.dim() == 2 for m in fp8)
+
+    graphs, eager = graphs_and_eager_tokens(tmp_path, CacheConfig(num_blocks=512), "fp8_group", check)
+    assert graphs == eager

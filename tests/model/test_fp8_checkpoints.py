@@ -312,3 +312,6 @@ def test_a_method_other_than_the_checkpoints_is_refused(checkpoints) -> None:
     assert resolve_method("fp8", source) == "fp8"
     with pytest.raises(ModelLoadError, match=r"device\.quantization: 'int8' conflicts"):
         resolve_method("int8", source)
+    # fp8_group would have to quantize the stored FP8 weights again: refused, naming the way out
+    with pytest.raises(ModelLoadError, match=r"device\.quantization: fp8_group needs weights stored in bf16"):
+        resolve_method("fp8_group", source)

@@ -42,6 +42,11 @@ KV_PERPLEXITY_RTOL = 0.01  # the issue's goal; measured -0.37% (23.53 -> 23.44)
 BOTH_PERPLEXITY_RTOL = 0.02
 LONG_TEXT = (Path(__file__).parent / "lighthouse.txt").read_text()
 LONG_BOTH_PERPLEXITY_RTOL = 0.06  # FP8 weights and cache on LONG_TEXT: measured 4.6% (the issue's 1% not met)
+# quantization: fp8_group (a scale per 64 input channels for weights and activations), Hopper numerics, on
+# LONG_TEXT: measured +0.86% alone and +0.99% with the FP8 cache (the issue's 1%); on TEXT +3.2% and +1.9%.
+LONG_GROUP_PERPLEXITY_RTOL = 0.011
+LONG_GROUP_BOTH_PERPLEXITY_RTOL = 0.0125
+GROUP_PERPLEXITY_RTOL = 0.04
 MIN_KV_AGREEMENT = 0.93  # measured 0.976
 MIN_BOTH_AGREEMENT = 0.80  # measured 0.863 (Hopper numerics, see above)
 MAX_NEW = 8
@@ -207,9 +212,16 @@ def test_an_fp8_layout_names_its_block_format() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, LLM]:
-    variants = {"float32": (None, "none"), "fp8 kv": ("fp8_e4m3", "none"), "fp8 both": ("fp8_e4m3", "fp8")}
+    variants = {
+        "float32": (None, "none"),
+        "fp8 kv": ("fp8_e4m3", "none"),
+        "fp8 both": ("fp8_e4m3", "fp8"),
+        "fp8 group": (None, "fp8_group"),
+        "fp8 group both": ("fp8_e4m3", "fp8_group"),
+    }
     llms = {name: LLM(config=_config("smollm2-135m-instruct", kv, q)) for name, (kv, q) in variants.items()}
-    assert emulate_scaled_mm(llms["fp8 both"].engine.runner.model) > 0
+    for name in ("fp8 both", "fp8 group", "fp8 group both"):  # what a Hopper GPU computes
+        assert emulate_scaled_mm(llms[name].engine.runner.model) == 4 * 30, name
     return llms
 
 
@@ -226,6 +238,7 @@ def test_smollm2_with_an_fp8_cache_perplexity_and_next_tokens(smollm2) -> None:
     assert ppl["float32"] < 60, f"float32 perplexity {ppl['float32']}: the reference itself is broken"
     assert abs(ppl["fp8 kv"] / ppl["float32"] - 1) <= KV_PERPLEXITY_RTOL, ppl
     assert abs(ppl["fp8 both"] / ppl["float32"] - 1) <= BOTH_PERPLEXITY_RTOL, ppl
+    assert abs(ppl["fp8 group"] / ppl["float32"] - 1) <= GROUP_PERPLEXITY_RTOL, ppl
     assert agree["fp8 kv"] >= MIN_KV_AGREEMENT and agree["fp8 both"] >= MIN_BOTH_AGREEMENT, agree
     assert not torch.equal(logits["fp8 kv"], logits["float32"])
 
@@ -247,7 +260,7 @@ def test_smollm2_fp8_perplexity_on_a_longer_text(smollm2) -> None:
     """The same measures on LONG_TEXT (about 890 tokens, an original story written for this test): TEXT's 205
     tokens are too few to resolve 1%. Measured (torch 2.13 CPU): float32 25.01; FP8 cache -0.15%; FP8 weights and
     cache as a Hopper computes them +4.6% (on TEXT +1.2%: luck; the weights alone +2.5%, with their activations
-    rounded +3.7%)."""
+    rounded +3.7%). fp8_group, a scale per 64 input channels on both sides: +0.86%, and +0.99% with the cache."""
     ppl = {name: _windowed_perplexity(llm, LONG_TEXT) for name, llm in smollm2.items()}
     base, tokens = ppl["float32"]
     change = {name: value / base - 1 for name, (value, _) in ppl.items()}
@@ -255,6 +268,9 @@ def test_smollm2_fp8_perplexity_on_a_longer_text(smollm2) -> None:
     assert tokens > 800 and base < 60, ppl
     assert abs(change["fp8 kv"]) <= KV_PERPLEXITY_RTOL, change
     assert abs(change["fp8 both"]) <= LONG_BOTH_PERPLEXITY_RTOL, change
+    assert abs(change["fp8 group"]) <= LONG_GROUP_PERPLEXITY_RTOL, change
+    assert abs(change["fp8 group both"]) <= LONG_GROUP_BOTH_PERPLEXITY_RTOL, change
+    assert change["fp8 group"] < change["fp8 both"] - 0.02, "groups must beat per-row scales by a wide margin"
 
 
 def test_smollm2_with_an_fp8_cache_generates_greedily_through_the_engine(smollm2) -> None:

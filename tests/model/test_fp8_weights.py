@@ -71,25 +71,29 @@ def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return runner.execute_batch(tp_ranks.prefill_then_decode([ids])[0])
 
 
-def test_a_tiny_model_with_fp8_weights_stays_near_float32(tmp_path) -> None:
+@pytest.mark.parametrize("method", ["fp8", "fp8_group"])
+def test_a_tiny_model_with_fp8_weights_stays_near_float32(tmp_path, method: str) -> None:
     path = str(write_tiny_hf(tmp_path, "llama"))
     source = resolve_model(path)
     model = load_model_config(source)
     batches = tp_ranks.prefill_then_decode([[5, 9, 14, 3, 7, 21, 8], [11, 4, 30]])
     logits, runners = {}, {}
-    for quantization in ("none", "fp8"):
+    for quantization in ("none", method):
         rank = build_runner(_config(path, quantization), source, model, StartupProgress(None))
         runners[quantization] = rank.runner
         logits[quantization] = torch.cat([rank.runner.execute_batch(batch) for batch in batches])
     assert logits["none"].shape[-1] == tiny_vocab_size()
-    qkv = runners["fp8"].model.get_submodule("layers.0.attn.qkv")
+    qkv = runners[method].model.get_submodule("layers.0.attn.qkv")
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
-    assert runners["fp8"].model.embed_tokens.weight.dtype == torch.float32
-    err = (logits["fp8"] - logits["none"]).abs().max().item()
+    groups = -(-qkv.weight.shape[1] // 64)
+    expect_scale = (qkv.weight.shape[0], groups) if method == "fp8_group" else (qkv.weight.shape[0],)
+    assert tuple(qkv.weight_scale.shape) == expect_scale
+    assert runners[method].model.embed_tokens.weight.dtype == torch.float32
+    err = (logits[method] - logits["none"]).abs().max().item()
     scale = logits["none"].abs().max().item()
-    print(f"tiny model: fp8 logits off by {err:.4f}, largest float32 logit {scale:.4f}")
-    assert err <= TINY_LOGITS_RTOL * scale, f"fp8 logits off by {err:.4f} (largest logit {scale:.3f})"
-    assert err > 1e-3 * scale, "fp8 logits equal float32's: the weights were not quantized"
+    print(f"tiny model: {method} logits off by {err:.4f}, largest float32 logit {scale:.4f}")
+    assert err <= TINY_LOGITS_RTOL * scale, f"{method} logits off by {err:.4f} (largest logit {scale:.3f})"
+    assert err > 1e-3 * scale, f"{method} logits equal float32's: the weights were not quantized"
 
 
 def test_fp8_under_tensor_parallelism_stays_near_one_device(tmp_path) -> None:

@@ -107,7 +107,9 @@ def test_only_the_projections_are_quantized_and_they_take_half_of_bf16_bytes() -
 
 def test_config_names_the_quantization_key() -> None:
     assert DeviceConfig(quantization="fp8").quantization == "fp8"
-    with pytest.raises(ConfigError, match=r"^device\.quantization: must be one of none, fp8, got 'int4'"):
+    with pytest.raises(
+        ConfigError, match=r"^device\.quantization: must be one of none, fp8, fp8_group, got 'int4'"
+    ):
         DeviceConfig(quantization="int4")
     # fp8 with tensor parallelism: each rank quantizes its slice (tests/model/test_fp8_weights.py).
     config = EngineConfig.from_dict(
