@@ -161,17 +161,21 @@ class FP8Linear(nn.Module):
         # Emulation only: round the activations per token (per group when grouped) as the GPU path does
         # (emulate_scaled_mm).
         self.round_activations = False
-        if self.scaled_mm and not grouped:  # CUDA: one Triton kernel quantizes the activations
+        self._group_matmul: Callable[..., torch.Tensor] | None = None
+        # CUDA: Triton kernels quantize the activations (and, grouped, multiply); Triton is imported only then
+        if self.scaled_mm and grouped:
+            from model_runtime.quantization.group_gemm import group_matmul, quantize_groups
+
+            self._quantize, self._group_matmul = quantize_groups, group_matmul
+        elif self.scaled_mm:
             from model_runtime.quantization.act_quant import quantize_rows
 
             self._quantize = quantize_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scaled_mm and self.grouped:
-            from model_runtime.quantization.group_gemm import group_matmul, quantize_groups
-
-            codes, scales = quantize_groups(x)
-            return group_matmul(codes, scales, self.weight, self.weight_scale, self.bias, x.dtype)
+        if self._group_matmul is not None:
+            codes, scales = self._quantize(x)
+            return self._group_matmul(codes, scales, self.weight, self.weight_scale, self.bias, x.dtype)
         if self.scaled_mm:
             return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias, self._quantize)
         if self.round_activations:
