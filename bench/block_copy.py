@@ -25,7 +25,6 @@ import os
 import pathlib
 import random
 import re
-import statistics
 import sys
 import time
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.harness import median_seconds  # noqa: E402
 from kv_transfer import block_copy  # noqa: E402
 from kv_transfer.gpu_ops import transfer_stream  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
@@ -102,18 +102,7 @@ def layout_for(tokens: int) -> KVLayout:
 def timed(fn, device: torch.device, reps: int, warmup: int, stream=None) -> float:
     """Median seconds of fn's GPU work, timed by events on `stream` (default: the device's current one)."""
     with torch.cuda.device(device), torch.cuda.stream(stream or torch.cuda.current_stream(device)):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        return median_seconds(fn, str(device), warmup, reps)
 
 
 def enable_peer(a: int, b: int) -> None:

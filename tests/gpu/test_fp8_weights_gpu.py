@@ -33,14 +33,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.parametrize("scales_per", ["token", "group"])  # fp8, fp8_group
 @pytest.mark.parametrize("width", [4096, 14336, 2500])
-def test_the_activation_kernel_quantizes_byte_for_byte_as_torch(width: int) -> None:
+def test_the_activation_kernel_quantizes_byte_for_byte_as_torch(width: int, scales_per: str) -> None:
+    from model_runtime.quantization.fp8 import quantize_groups_torch
+    from model_runtime.quantization.group_gemm import quantize_groups
+
+    kernel, reference = {
+        "token": (quantize_rows, quantize_rows_torch),
+        "group": (quantize_groups, quantize_groups_torch),
+    }[scales_per]
     gen = torch.Generator(device="cuda").manual_seed(width)
     x = (torch.randn(300, width, device="cuda", generator=gen) * 3).bfloat16()
     x[7] = 0.0
     x[9, 11] = 1e4
-    codes, scales = quantize_rows(x)
-    want_codes, want_scales = quantize_rows_torch(x)
+    codes, scales = kernel(x)
+    want_codes, want_scales = reference(x)
     assert torch.equal(scales, want_scales)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
 
@@ -80,21 +88,6 @@ def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cud
 
 
 # --- quantization: fp8_group (a scale per 64 input channels on both sides; model_runtime.quantization.group_gemm)
-@pytest.mark.parametrize("width", [4096, 14336, 2500])
-def test_the_group_activation_kernel_quantizes_byte_for_byte_as_torch(width: int) -> None:
-    from model_runtime.quantization.fp8 import quantize_groups_torch
-    from model_runtime.quantization.group_gemm import quantize_groups
-
-    gen = torch.Generator(device="cuda").manual_seed(width)
-    x = (torch.randn(300, width, device="cuda", generator=gen) * 3).bfloat16()
-    x[7] = 0.0
-    x[9, 11] = 1e4
-    codes, scales = quantize_groups(x)
-    want_codes, want_scales = quantize_groups_torch(x)
-    assert torch.equal(scales, want_scales)
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-
-
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_the_group_gemm_matches_its_arithmetic_in_float32(tokens: int) -> None:
     from model_runtime.quantization.fp8 import GROUP, quantize_fp8_groups, quantize_groups_torch
