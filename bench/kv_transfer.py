@@ -14,6 +14,8 @@ the median time of each phase on both sides (SendResult.phases, TransferResult.p
 
 Usage: python bench/kv_transfer.py [--quick] [--transports nccl,cuda_ipc,tcp] [--tokens 128,512,...]; prints
 a table and writes bench/results/kv_transfer_<gpu-name>.json (medians over --reps after --warmup).
+`--smoke` runs the same driver on a CPU: tcp only, two short prompts, no raw baselines (a test runs it; its
+times mean nothing).
 """
 
 from __future__ import annotations
@@ -143,9 +145,16 @@ def decode_handoffs(
     return times, kv_checksum(cache, ids), phases, landed
 
 
-def decode_main(ctl, peer, device_index: int, max_tokens: int) -> None:
-    device = torch.device("cuda", device_index)
-    torch.cuda.set_device(device)
+def use_device(spec: str) -> torch.device:
+    """This process's device ("cpu" for --smoke, else "cuda:N"), made current."""
+    device = torch.device(spec)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def decode_main(ctl, peer, device_spec: str, max_tokens: int) -> None:
+    device = use_device(device_spec)
     layout = llama3_8b_layout(max_tokens)
     cache = torch.zeros(layout.cache_shape, dtype=torch.bfloat16, device=device)
     landing, alloc = Landing(), FreeList(layout.num_blocks)
@@ -184,13 +193,13 @@ def prefill_handoffs(
     return times, kv_checksum(cache, ids), phases, starts
 
 
-def prefill_main(ctl, peer, device_index: int, max_tokens: int) -> None:
-    device = torch.device("cuda", device_index)
-    torch.cuda.set_device(device)
+def prefill_main(ctl, peer, device_spec: str, max_tokens: int) -> None:
+    device = use_device(device_spec)
     layout = llama3_8b_layout(max_tokens)
     gen = torch.Generator(device=device).manual_seed(1)
     cache = torch.randn(layout.cache_shape, generator=gen, device=device).to(torch.bfloat16)  # never all-zero
-    torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
     sender, state, current = None, {}, ""
     while (cmd := ctl.recv()) is not None:
         if cmd[0] == "handoff":
@@ -214,14 +223,16 @@ def run(args) -> dict:
     ctx = mp.get_context("spawn")
     (ctl_d, ctl_d_child), (ctl_p, ctl_p_child) = ctx.Pipe(), ctx.Pipe()
     peer_d, peer_p = ctx.Pipe()
-    gpus, top = torch.cuda.device_count(), max(args.tokens)
-    procs = [ctx.Process(target=decode_main, args=(ctl_d_child, peer_d, 1 if gpus > 1 else 0, top)),
-             ctx.Process(target=prefill_main, args=(ctl_p_child, peer_p, 0, top))]  # fmt: skip
+    gpus, top = (0 if args.smoke else torch.cuda.device_count()), max(args.tokens)
+    decode_device = "cpu" if args.smoke else f"cuda:{1 if gpus > 1 else 0}"
+    procs = [ctx.Process(target=decode_main, args=(ctl_d_child, peer_d, decode_device, top)),
+             ctx.Process(target=prefill_main, args=(ctl_p_child, peer_p, "cpu" if args.smoke else "cuda:0", top))]  # fmt: skip
     for proc in procs:
         proc.start()
     layout = llama3_8b_layout(top)
     try:
-        raw = run_raw(args, layout, ctl_d, ctl_p, gpus)  # first: a run cut short still has its baselines
+        # first: a run cut short still has its baselines (none on a CPU)
+        raw = [] if args.smoke else run_raw(args, layout, ctl_d, ctl_p, gpus)
         print_raw(raw)
         rows = [
             row for kind in args.transports for row in run_handoffs(args, kind, layout, ctl_d, ctl_p, gpus)
@@ -315,7 +326,13 @@ def print_table(result: dict) -> None:
         )
 
 
-def main() -> None:
+def nccl_versions() -> dict[str, object]:
+    from cupy.cuda import nccl
+
+    return dict(cupy_nccl=nccl.get_version(), torch_nccl=".".join(map(str, torch.cuda.nccl.version())))
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--transports",
@@ -326,22 +343,24 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="128 and 2048 tokens, 5 reps: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="128 and 2048 tokens, 5 reps: a short GPU run")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tcp, 16 and 64 tokens: checks the driver")
     parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    args.transports = args.transports.split(",")
+    args = parser.parse_args(argv)
+    args.transports = ["tcp"] if args.smoke else args.transports.split(",")
     args.tokens = [128, 2048] if args.quick else [int(t) for t in args.tokens.split(",")]
-    args.reps = 5 if args.quick else args.reps
-    if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA GPUs")
-    gpu = torch.cuda.get_device_name(0)
+    args.tokens = [16, 64] if args.smoke else args.tokens
+    args.reps = 5 if args.quick else 4 if args.smoke else args.reps
+    args.warmup = 1 if args.smoke else args.warmup
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("needs CUDA GPUs (--smoke runs on a CPU)")
+    gpu = "cpu" if args.smoke else torch.cuda.get_device_name(0)
     started = time.time()
     result = run(args)
     print_table(result)
-    from cupy.cuda import nccl
-
-    meta = dict(gpu=gpu, gpus=torch.cuda.device_count(), torch=torch.__version__, cupy_nccl=nccl.get_version(),
-                torch_nccl=".".join(map(str, torch.cuda.nccl.version())), warmup=args.warmup, reps=args.reps,
+    versions = {} if args.smoke else nccl_versions()
+    meta = dict(gpu=gpu, gpus=0 if args.smoke else torch.cuda.device_count(), torch=torch.__version__, **versions,
+                warmup=args.warmup, reps=args.reps,
                 layout="llama-3-8b: 32 layers, 8 kv heads, head dim 128, bf16, block 16",
                 seconds=round(time.time() - started, 1), method=METHOD)  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,29 @@ def test_ttft_counts_chunked_prefill_steps(tiny_model, tmp_path):
     ttft.main([*argv, "--warmup", "0", "--max-num-batched-tokens", "8"])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["steps_to_first_token"] == 4  # 32 prompt tokens in chunks of 8
+
+
+def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path):
+    """bench/kv_transfer.py's driver on a CPU (two processes, tcp): the checksums of landed and sent blocks
+    agree (the script exits otherwise), and each row has the three times with send->landed inside the
+    handoff (it starts after the reservation's pipe hop)."""
+    out = tmp_path / "kv.json"
+    script = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["transport"], r["tokens"], r["checksum_ok"]) for r in rows] == [
+        ("tcp", 16, True),
+        ("tcp", 64, True),
+    ]
+    for row in rows:
+        assert 0 < row["send_to_landed_s"] <= row["handoff_s"], row
+        assert (
+            row["bytes"] == -(-row["tokens"] // 16) * 32 * 2 * 16 * 8 * 128 * 2
+        )  # Llama-3-8B: 128 KiB a token
+        assert row["phases_s"]["receiver"] and row["phases_s"]["sender"]
