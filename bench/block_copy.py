@@ -187,13 +187,13 @@ def launch_cost(src: torch.Tensor, dst: torch.Tensor, ids, stream, calls: int = 
     """Host microseconds of one copy_blocks call on a transfer stream (a one-block copy, so the GPU never
     holds the queue up): what a transfer thread spends per launch."""
     one = (ids[0][:1], ids[1][:1])
-    with torch.cuda.device(dst.device):
+    with torch.cuda.device(dst.device), torch.cuda.stream(stream):
         for _ in range(20):
-            block_copy.copy_blocks(src, dst, *one, stream)
+            block_copy.copy_blocks(src, dst, *one)
         stream.synchronize()
         start = time.perf_counter()
         for _ in range(calls):
-            block_copy.copy_blocks(src, dst, *one, stream)
+            block_copy.copy_blocks(src, dst, *one)
         seconds = (time.perf_counter() - start) / calls
         stream.synchronize()
     return round(seconds * 1e6, 1)

@@ -58,13 +58,13 @@ Admitted = tuple[float, StepOutput | None]  # when the engine took the request; 
 
 @dataclass
 class KVWait:
-    """A Decode call waiting for its KV, as the receiver's callback sees it. `admit` (set before the lease is
-    handed out) builds the engine call that admits the request from its landed blocks: the receive thread
-    queues it on the engine loop itself, so the engine takes the request at its next step boundary without
-    waiting for this call's thread to wake up first. `results` gets (transfer result, admission) pairs."""
+    """A Decode call waiting for its KV, as the receiver's callback sees it. `admit(engine, result)` (set before
+    the lease is handed out) admits the request from its landed blocks: the receive thread queues it on the
+    engine loop itself, so the engine takes the request at its next step boundary without waiting for this
+    call's thread to wake up first. `results` gets (transfer result, admission) pairs."""
 
     results: queue.Queue[tuple[TransferResult, Future[Admitted] | None]]
-    admit: Callable[[TransferResult], Callable[[Engine], Admitted]] | None = None
+    admit: Callable[[Engine, TransferResult], Admitted] | None = None
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -94,7 +94,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         with self._lock:  # atomic with _cleanup's pop: an admission queued here is ahead of the call's end()
             waiter = self._landed.get(result.request_id)
             if waiter is not None and result.ok and waiter.admit is not None:
-                admitted = self.loop.submit(waiter.admit(result))
+                admit = waiter.admit
+                admitted = self.loop.submit(lambda engine: admit(engine, result))
         if waiter is not None:
             waiter.results.put((result, admitted))
         elif result.ok:  # nobody waits any more (the call ended): the landed blocks are ours to free
@@ -179,31 +180,27 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _admission(
         self, request: worker_pb2.DecodeRequest, prompt: list[int], sampling: SamplingParams
-    ) -> Callable[[TransferResult], Callable[[Engine], Admitted]]:
-        """For KVWait.admit: from a landed result, the engine call that admits the request with prefill's
-        first token (on the engine thread, between two steps). Its blocks are the engine's from then on; if
-        the admission fails they go back to the pool at once."""
+    ) -> Callable[[Engine, TransferResult], Admitted]:
+        """For KVWait.admit: on the engine thread, between two steps, admit the request from a landed result
+        with prefill's first token. Its blocks are the engine's from then on; if the admission fails they go
+        back to the pool at once."""
         rid, offset = request.request_id, request.output_offset
         priority = priority_from_proto(request.priority)
 
-        def admit(result: TransferResult) -> Callable[[Engine], Admitted]:
+        def admit(engine: Engine, result: TransferResult) -> Admitted:
+            taken_at = time.monotonic()
             ft = result.first_token
             assert ft is not None
             first_lp = (ft.logprob, list(ft.top_logprobs)) if ft.logprob is not None else None
             blocks = result.lease.block_ids
-
-            def take(engine: Engine) -> Admitted:
-                taken_at = time.monotonic()
-                try:
-                    done = engine.add_prefilled(
-                        rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority
-                    )
-                except BaseException:
-                    engine.release_blocks(blocks)
-                    raise
-                return taken_at, done
-
-            return take
+            try:
+                done = engine.add_prefilled(
+                    rid, prompt, sampling, blocks, ft.token_id, first_lp, offset, priority
+                )
+            except BaseException:
+                engine.release_blocks(blocks)
+                raise
+            return taken_at, done
 
         return admit
 

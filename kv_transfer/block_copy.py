@@ -47,7 +47,7 @@ class DevicePointer:
     def layers(self, begin: int, end: int) -> DevicePointer:
         """Layers [begin, end), like tensor[begin:end]."""
         return DevicePointer(
-            self.ptr + begin * self.strides[0] * itemsize(self.dtype),
+            self.ptr + begin * self.strides[0] * self.dtype.itemsize,
             self.dtype,
             (end - begin, *self.shape[1:]),
             self.strides,
@@ -116,11 +116,9 @@ def _kernel() -> Any:
 _COMPILED: list[Any] = []
 
 
-def copy_blocks(
-    src: Any, dst: Any, src_ids: Any, dst_ids: Any, stream: torch.cuda.Stream | None = None
-) -> None:
-    """Queue the copy on `stream` (default: the current stream). src and dst have the same number of layers
-    (dim 0)."""
+def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
+    """Queue the copy on the current stream (a transfer thread enters its stream once per part). src and dst
+    have the same number of layers (dim 0)."""
     num = int(src_ids.shape[0])
     if num != int(dst_ids.shape[0]):
         raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.shape[0]} destination ids")
@@ -129,14 +127,6 @@ def copy_blocks(
         raise ValueError(f"copy_blocks: shapes {tuple(src.shape)} and {tuple(dst.shape)} do not match")
     if num == 0:
         return
-    if stream is None:
-        _triton_copy(src, dst, src_ids, dst_ids, layers, num, chunk)
-        return
-    with torch.cuda.stream(stream):
-        _triton_copy(src, dst, src_ids, dst_ids, layers, num, chunk)
-
-
-def _triton_copy(src: Any, dst: Any, src_ids: Any, dst_ids: Any, layers: int, num: int, chunk: int) -> None:
     if not _COMPILED:
         _COMPILED.append(_kernel())
     ss, ds = src.stride(), dst.stride()
@@ -146,9 +136,7 @@ def _triton_copy(src: Any, dst: Any, src_ids: Any, dst_ids: Any, layers: int, nu
     )
 
 
-def warm(
-    cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool, stream: torch.cuda.Stream
-) -> None:
+def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool) -> None:
     """Compile and load the kernel variant a pair's gathers (cache -> staging) or scatters (staging -> cache)
     use, by copying the null block (0: padding only, never a request's) through ring slot `staging`, and wait.
 
@@ -158,20 +146,10 @@ def warm(
     cache_layer = cache_pointer(cache).layers(0, 1)
     null = ids_pointer(ids, 0, 1)  # ids[0] == 0
     if gather:
-        copy_blocks(cache_layer, staging, null, null, stream)
+        copy_blocks(cache_layer, staging, null, null)
     else:
-        copy_blocks(staging, cache_layer, null, null, stream)
+        copy_blocks(staging, cache_layer, null, null)
     torch.cuda.synchronize(cache.device)
-
-
-_ITEMSIZE: dict[torch.dtype, int] = {}
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
 
 
 def _chunk_elements(shape: Any) -> int:

@@ -93,7 +93,7 @@ class ChannelPool:
                             self._busy[key] = self._busy.get(key, 0) + 1
                             return channel
                         stale.append(channel)
-                        self._free_lane(channel)
+                        self._free_lane(key, channel.lane)
                     lane = self._take_lane(key, lanes)
                     if lane is not None:
                         self._busy[key] = self._busy.get(key, 0) + 1
@@ -118,7 +118,7 @@ class ChannelPool:
                 channel.released_at = time.monotonic()
                 self._idle.setdefault(channel.key, []).append(channel)
             else:
-                self._free_lane(channel)
+                self._free_lane(channel.key, channel.lane)
             self._busy[channel.key] -= 1
             self._cond.notify_all()
         if not keep:
@@ -130,7 +130,7 @@ class ChannelPool:
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle = {}
             for channel in channels:
-                self._free_lane(channel)
+                self._free_lane(channel.key, channel.lane)
             self._cond.notify_all()
         for channel in channels:
             channel.conn.close()
@@ -139,7 +139,7 @@ class ChannelPool:
         """A channel that was never opened gives back its turn and its lane."""
         with self._cond:
             self._busy[key] -= 1
-            self._lanes.get(key, set()).discard(lane)
+            self._free_lane(key, lane)
             self._cond.notify_all()
 
     def _take_lane(self, key: Key, lanes: int) -> int | None:
@@ -153,11 +153,9 @@ class ChannelPool:
             held.add(lane)
         return lane
 
-    def _free_lane(self, channel: Channel) -> None:
-        """Under the lock: a closing channel's lane is free for the next one."""
-        held = self._lanes.get(channel.key)
-        if held is not None:
-            held.discard(channel.lane)
+    def _free_lane(self, key: Key, lane: int) -> None:
+        """Under the lock: a closing (or never opened) channel's lane is free for the next one."""
+        self._lanes.get(key, set()).discard(lane)
 
     def _open(self, key: Key, lane: int, target: kv_pb2.KVTarget, watch: Watch, since: float) -> Channel:
         config = self._config

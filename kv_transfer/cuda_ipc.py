@@ -243,13 +243,10 @@ class IpcReceiverTransport(ReceiverTransport):
                 src_ids = self._ops.ids(self._src_ids, job.remote_block_ids)
                 dst_ids = self._ops.ids(self._dst_ids, job.block_ids)
                 l0, l1 = job.layer_begin, job.layer_end
-                copy_blocks(
-                    mapping.source.layers(l0, l1),
-                    self._cache_ptr.layers(l0, l1),
-                    src_ids,
-                    dst_ids,
-                    self._stream,
-                )
+                with torch.cuda.stream(self._stream):
+                    copy_blocks(
+                        mapping.source.layers(l0, l1), self._cache_ptr.layers(l0, l1), src_ids, dst_ids
+                    )
             copied = self._ops.new_event()
             self._ops.record(copied, self._stream)
         except Exception as exc:

@@ -167,8 +167,7 @@ class _Pair:
         ids = IdsPool(first if rank == SENDER_RANK else second, layout.num_blocks)
         torch.cuda.synchronize(device)  # the buffers exist before any side stream uses them
         slot = staging_pointer(ring[0].data_ptr(), cache.dtype, layout.staging_shape(1, (0, 1)))
-        # No kernel loads once NCCL calls are pending: load the copy on the stream that will run it.
-        warm(cache, slot, arange, gather=rank == SENDER_RANK, stream=first if rank == SENDER_RANK else second)
+        warm(cache, slot, arange, gather=rank == SENDER_RANK)  # no kernel loads once NCCL calls are pending
         events = [ops.new_event() for _ in range(2 * RING_SLOTS)]
         return cls(comm, first, second, ring, arange, ops, ids, events[:RING_SLOTS], events[RING_SLOTS:])
 
@@ -306,7 +305,7 @@ class _NcclSource(PartSource):
         job.conn.send_frame(part_frame(job), job.watch)
         try:  # from here the receiver posts receives for these slices: any failure must drop the pair
             bind_device(t._device)
-            with pair.lock:
+            with pair.lock, torch.cuda.stream(pair.first):
                 ops = pair.ops
                 if job.ready is not None:
                     ops.wait(pair.first, job.ready)
@@ -318,7 +317,7 @@ class _NcclSource(PartSource):
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, t._cache_ptr, self._ids, piece, t._layout
                     )
-                    copy_blocks(cache, staging, cache_ids, staging_ids, pair.first)
+                    copy_blocks(cache, staging, cache_ids, staging_ids)
                     ops.record(pair.first_done[k], pair.first)
                     ops.wait(pair.second, pair.first_done[k])
                     ops.nccl(True, pair.comm, pair.ring[k].data_ptr(), nbytes, RECEIVER_RANK, pair.second)
@@ -388,7 +387,7 @@ class _NcclSink(PartSink):
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
         try:  # a failure from here may leave a receive posted: the pair must go (abandon)
             bind_device(t._device)
-            with pair.lock:
+            with pair.lock, torch.cuda.stream(pair.second):
                 ops = pair.ops
                 if self._ids is None:  # once per transfer: its parts share the block list
                     self._ids = ops.ids(pair.ids, job.block_ids)
@@ -398,7 +397,7 @@ class _NcclSink(PartSink):
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, t._cache_ptr, self._ids, piece, t._layout
                     )
-                    copy_blocks(staging, cache, staging_ids, cache_ids, pair.second)
+                    copy_blocks(staging, cache, staging_ids, cache_ids)
                     ops.record(pair.second_done[k], pair.second)
                     self._last = pair.second_done[k]
         except Exception as exc:

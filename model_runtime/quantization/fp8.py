@@ -38,7 +38,7 @@ from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, i
 
 # Rows quantized at once: the float32 scratch is one chunk's, not a whole (maybe 57344-row) matrix's.
 _ROWS_PER_CHUNK = 4096
-GROUP = 64  # input channels per scale under fp8_group (group_gemm.GROUP: the GPU kernel's, kept equal)
+GROUP = 64  # input channels per scale under fp8_group, for the CPU emulation and the GPU kernels alike
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from model_runtime.quantization.fp8 import GROUP  # input channels per scale, activations and weights alike
 from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
-GROUP = 64  # input channels per scale, activations and weights alike
 _QUANT_BLOCK = 1024  # elements of a row per quantization program: 16 groups
 
 

@@ -1,5 +1,5 @@
 """kv_transfer.block_copy on a GPU: the kernel copies exactly the blocks torch indexing names, for bf16,
-FP8-byte and float32 caches, on one GPU and from a peer GPU's memory, on the stream it is given."""
+FP8-byte and float32 caches, on one GPU and from a peer GPU's memory, on a transfer stream."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_copy_blocks_matches_torch_indexing(dtype, block_shape) -> None:
     stream = transfer_stream(device)
     ids = lambda v: torch.tensor(v, device=device)  # noqa: E731
     torch.cuda.synchronize(device)
-    copy_blocks(src[1:3], dst[1:3], ids(src_ids), ids(dst_ids), stream)
+    with torch.cuda.stream(stream):
+        copy_blocks(src[1:3], dst[1:3], ids(src_ids), ids(dst_ids))
     stream.synchronize()
     expect = torch.zeros_like(src)
     expect[1:3, :, dst_ids] = src[1:3, :, src_ids]
@@ -66,7 +67,8 @@ def test_a_pull_from_the_peer_gpu_over_nvlink() -> None:
             stream = transfer_stream(receiver)
             ids = lambda v: torch.tensor(v, device=receiver)  # noqa: E731
             torch.cuda.synchronize(0)
-            copy_blocks(cache_pointer(src), dst, ids(src_ids), ids(dst_ids), stream)
+            with torch.cuda.stream(stream):
+                copy_blocks(cache_pointer(src), dst, ids(src_ids), ids(dst_ids))
             stream.synchronize()
         assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
     finally:
