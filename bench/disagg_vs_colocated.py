@@ -220,7 +220,7 @@ def gpu_name() -> str:
 def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, deadline: float) -> None:
     """Warm up on the workload, then run each rate --repeats times; a rate counts by the worse of its runs."""
     workload = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)[name]
-    rates = args.rates or workload.rates
+    rates = args.rates.get(name) or args.rates.get("*") or workload.rates
     warm_rates = warm_up_sweep(server, f"{deployment}/{name}", workload, rates, args, deadline)
     path = OUT_DIR / f"{deployment}_{name}.json"
     result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": server.gpus,
@@ -285,6 +285,26 @@ def warm_up(server: Server, input_len: int = 1024) -> None:
         raise RuntimeError(f"warm-up requests failed: {report.counts}")
 
 
+def parse_rates(specs: list[str]) -> dict[str, tuple[float, ...]]:
+    """--rates values as {workload: rates}, "*" for a plain list (every workload without its own)."""
+    out: dict[str, tuple[float, ...]] = {}
+    for spec in specs:
+        name, _, values = spec.rpartition("=")
+        name = name or "*"
+        if name != "*" and name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r} in {spec!r}; choose from {', '.join(WORKLOADS)}")
+        if name in out:
+            raise ValueError(f"{'a plain list' if name == '*' else name} given twice")
+        try:
+            rates = tuple(float(r) for r in values.split(","))
+        except ValueError:
+            raise ValueError(f"{spec!r} is not a comma list of numbers") from None
+        if not all(0 < r < MAX_RATE for r in rates):
+            raise ValueError(f"each must be in (0, {MAX_RATE:g}) req/s, got {spec!r}")
+        out[name] = rates
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -293,7 +313,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma list of: disagg (1P+1D), colocated (2 replicas), colocated-N, disagg-PpDd",
     )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of: {', '.join(WORKLOADS)}")
-    p.add_argument("--rates", help="comma list of req/s overriding every chosen workload's sweep")
+    p.add_argument(
+        "--rates",
+        action="append",
+        default=[],
+        help="comma list of req/s overriding every chosen workload's sweep, or WORKLOAD=r,r,... for one "
+        "workload (repeatable: --rates prefill-heavy=4,8 --rates decode-heavy=16,32)",
+    )
     # Defaults by mode (GPU run / --smoke) are filled in below: None means "not given".
     p.add_argument("--duration", type=float, help="seconds of arrivals per point (default 30; smoke 4)")
     p.add_argument("--drain", type=float, help="seconds to wait after sending (default 30; smoke 10)")
@@ -328,9 +354,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeats: must be in 1-{WARM_UP_SEED_BLOCK - 1}, got {args.repeats}")
     if args.warm_up_s < 0:
         p.error(f"--warm-up-s: must be >= 0, got {args.warm_up_s}")
-    args.rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
-    if args.rates and not all(0 < r < MAX_RATE for r in args.rates):
-        p.error(f"--rates: each must be in (0, {MAX_RATE:g}) req/s, got {args.rates}")
+    try:
+        args.rates = parse_rates(args.rates)
+    except ValueError as exc:
+        p.error(f"--rates: {exc}")
     bad = [n for n in args.workloads.split(",") if n not in WORKLOADS]
     if bad:
         p.error(f"--workloads: unknown {bad[0]!r}; choose from {', '.join(WORKLOADS)}")

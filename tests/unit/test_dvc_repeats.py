@@ -50,3 +50,17 @@ def test_repeats_and_warm_up_defaults_by_mode() -> None:
     for bad in (["--repeats", "0"], ["--repeats", str(WARM_UP_SEED_BLOCK)], ["--rates", "1,100"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_rates_for_one_workload_override_the_plain_list_for_that_workload_only() -> None:
+    args = parse_args(["--rates", "1,2", "--rates", "prefill-heavy=4,8.5"])
+    assert args.rates == {"*": (1.0, 2.0), "prefill-heavy": (4.0, 8.5)}
+    assert parse_args([]).rates == {}
+    for bad in (
+        ["--rates", "prefil-heavy=4"],  # unknown workload
+        ["--rates", "mixed=1", "--rates", "mixed=2"],  # twice
+        ["--rates", "mixed=1,x"],
+        ["--rates", "mixed=0"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
