@@ -110,6 +110,7 @@ SMOKE_WORKLOADS = {
 SMOKE_MIX = (("uniform:96:160", "uniform:4:8"), ("16", "16"))
 WARM_UP_RATES = 3  # the lowest rates of a workload's sweep, --warm-up-s each, run before its points count
 WARM_UP_SEED_BLOCK = 9  # point_seed's repeat block for warm-up rounds (--repeats is at most 8)
+SETTLE_SEED_BLOCK = 8  # ... and for an autoscaled deployment's settling load before a rate (--settle-s)
 MAX_RATE = 100.0  # point_seed keeps rate x 100 below 10,000
 
 
@@ -230,6 +231,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
     misses = 0
     for rate in rates:
         shares = []
+        settle = settle_at(server, f"{deployment}/{name}", workload, rate, args, deadline)
         for repeat in range(args.repeats):
             if time.monotonic() + point_seconds(rate, args) + args.drain + 30 > deadline:
                 print(
@@ -242,7 +244,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
             point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
             point["pairs"] = pair_delta(pairs_before, server.pair_totals())
-            result["points"].append({**point, "repeat": repeat, "pools": server.pools()})
+            result["points"].append({**point, "repeat": repeat, "pools": server.pools(), **settle})
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
             shares.append(report.goodput.share if report.goodput else 0.0)
             print(f"[{deployment}/{name}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
@@ -250,6 +252,30 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
         misses += min(shares) < TARGET_SHARE
         if misses >= 2 or min(shares) < 0.5:
             break
+
+
+def settle_at(
+    server: Server, label: str, workload: Workload, rate: float, args: argparse.Namespace, deadline: float
+) -> dict:
+    """On an autoscaled deployment, before a rate's recorded runs: --settle-s seconds of the same load, not
+    recorded, for the autoscaler to resize the pools, then up to --settle-s more for a move it started to
+    finish (workers ready, none draining). What a point records then is the pools' steady state at that load,
+    not their lag behind the sweep's step (which the shift test measures). Returns the point's record of it."""
+    if not server.autoscaled or args.settle_s <= 0:
+        return {}
+    if time.monotonic() + 2 * args.settle_s + point_seconds(rate, args) + args.drain + 30 > deadline:
+        return {}  # the point itself will stop on the budget
+    before = server.pools()
+    seed = point_seed(args.seed, rate, SETTLE_SEED_BLOCK)
+    args_no_drain = argparse.Namespace(**{**vars(args), "drain": 0.0})
+    bench_point(server, workload, rate, args.settle_s, seed, args_no_drain)
+    server.wait_quiet()
+    waited = server.wait_settled(args.settle_s)
+    after = server.pools()
+    print(f"[{label}] settled at {rate:g}/s: pools {before} -> {after} (waited {waited:.0f} s for a move)",
+          file=sys.stderr)  # fmt: skip
+    return {"settle": {"seconds": args.settle_s, "pools_before": before, "pools_after": after,
+                       "waited_s": round(waited, 1)}}  # fmt: skip
 
 
 def warm_up_sweep(
@@ -329,6 +355,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--warm-up-s", type=float, help="seconds at each warm-up rate, 0: none (default 5; smoke 2)"
     )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        help="autoscaled deployments: seconds of each rate's load before its runs, not recorded, for the "
+        "autoscaler to resize (default 40; smoke 6; 0: none)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting points after this (default 540)"
@@ -342,16 +374,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--smoke: give --out DIR (smoke numbers never go to bench/results)")
     # Smoke: short points and CPU-sized targets, so that a sweep goes past its first point.
     smoke, gpu = (
-        (4.0, 10.0, 4, SLO(ttft=5.0, tpot=0.5), 1, 2.0),
-        (30.0, 30.0, 20, SLO(ttft=1.0, tpot=0.05), 2, 5.0),
+        (4.0, 10.0, 4, SLO(ttft=5.0, tpot=0.5), 1, 2.0, 6.0),
+        (30.0, 30.0, 20, SLO(ttft=1.0, tpot=0.05), 2, 5.0, 40.0),
     )
     for name, default in zip(
-        ("duration", "drain", "min_requests", "slo", "repeats", "warm_up_s"), smoke if args.smoke else gpu
+        ("duration", "drain", "min_requests", "slo", "repeats", "warm_up_s", "settle_s"),
+        smoke if args.smoke else gpu,
     ):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if not 1 <= args.repeats < WARM_UP_SEED_BLOCK:
-        p.error(f"--repeats: must be in 1-{WARM_UP_SEED_BLOCK - 1}, got {args.repeats}")
+    if not 1 <= args.repeats < SETTLE_SEED_BLOCK:
+        p.error(f"--repeats: must be in 1-{SETTLE_SEED_BLOCK - 1}, got {args.repeats}")
+    if args.settle_s < 0:
+        p.error(f"--settle-s: must be >= 0, got {args.settle_s}")
     if args.warm_up_s < 0:
         p.error(f"--warm-up-s: must be >= 0, got {args.warm_up_s}")
     try:

@@ -55,13 +55,14 @@ GIL_FAMILY = "tandem_worker_gil_wait_seconds_"
 def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
     """The SLO autoscaler on, aiming at the bench's SLO as p90 targets, within the deployment's own worker count
     (its GPUs): each disaggregated pool between 1 and all but one worker, colocated between 1 and all. A shorter
-    window and cool-down than the defaults (20 s, 30 s) so that it can follow a sweep whose points last tens of
-    seconds."""
+    interval, window and cool-down than the defaults (5 s, 30 s, 60 s) so that it can follow a sweep whose points
+    last seconds: a miss that starts is acted on about 10 s later, and the new worker counts one window after
+    it is ready (the sweep's --settle-s gives it that time before each point)."""
     total = sum(config[p].get("replicas", 1) for p in POOLS if p in config)
     bounds = {"colocated": {"min": 1, "max": total}} if "colocated" in config else {
         "prefill": {"min": 1, "max": max(1, total - 1)}, "decode": {"min": 1, "max": max(1, total - 1)}}  # fmt: skip
-    config["autoscaler"] = {"enabled": True, "interval_s": 5, "window_s": 20, "min_requests": 10,
-                            "ttft_s": ttft_s, "tpot_s": tpot_s, "cooldown_s": 30, "max_total_workers": total,
+    config["autoscaler"] = {"enabled": True, "interval_s": 2, "window_s": 10, "min_requests": 10,
+                            "ttft_s": ttft_s, "tpot_s": tpot_s, "cooldown_s": 10, "max_total_workers": total,
                             **bounds}  # fmt: skip
     return config
 
@@ -152,6 +153,7 @@ class Server:
             port=self.port, http_port=free_port(), metrics_port=free_port(), metrics_file_sd=str(self.file_sd)
         )
         self.config = config
+        self.autoscaled = bool(config.get("autoscaler", {}).get("enabled"))
         self.config_path = self.work / "tandem.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -206,6 +208,19 @@ class Server:
         if status.autoscaler:
             sizes["autoscaler"] = status.autoscaler
         return sizes
+
+    def settled(self) -> bool:
+        """Every pool at its target with nothing starting or draining (an autoscaler is not mid-move)."""
+        with Client(self.address, timeout=10) as client:
+            status = client.status()
+        return all(p.ready == p.target and not p.starting and not p.draining for p in status.pools)
+
+    def wait_settled(self, timeout_s: float) -> float:
+        """Wait up to timeout_s for settled(); returns the seconds waited."""
+        start = time.monotonic()
+        while not self.settled() and time.monotonic() - start < timeout_s:
+            time.sleep(1.0)
+        return time.monotonic() - start
 
     def kv_transfer_totals(self) -> dict[str, float] | None:
         """Running sums over the workers' /metrics: the prefill workers' transfer seconds, count and bytes, both

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.disagg_vs_colocated import WARM_UP_SEED_BLOCK, parse_args, point_seed
+from bench.disagg_vs_colocated import SETTLE_SEED_BLOCK, WARM_UP_SEED_BLOCK, parse_args, point_seed
 from bench.dvc_summary import rate_points, repeat_spread, share_points
 from tandem_cli.bench.sweep import capacity
 
@@ -47,7 +47,13 @@ def test_repeats_and_warm_up_defaults_by_mode() -> None:
     assert (gpu.repeats, gpu.warm_up_s) == (2, 5.0)
     smoke = parse_args(["--smoke", "--out", "/tmp/unused"])
     assert (smoke.repeats, smoke.warm_up_s) == (1, 2.0)
-    for bad in (["--repeats", "0"], ["--repeats", str(WARM_UP_SEED_BLOCK)], ["--rates", "1,100"]):
+    assert (gpu.settle_s, smoke.settle_s) == (40.0, 6.0)
+    for bad in (
+        ["--repeats", "0"],
+        ["--repeats", str(SETTLE_SEED_BLOCK)],
+        ["--rates", "1,100"],
+        ["--settle-s", "-1"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
