@@ -163,20 +163,22 @@ async def serve(config: DeployConfig) -> int:
 def _start_autoscaler(
     config: DeployConfig, controller: Controller, router, metrics: ServeMetrics
 ) -> Autoscaler | None:
-    """The SLO autoscaler (autoscaler.enabled): it reads the in-process router's latency window, or asks the
-    standalone routers (controller.routers) for theirs, and asks this controller for pool sizes. Its decisions
+    """The SLO autoscaler (autoscaler.enabled): it reads the in-process router's latency window and workers, or
+    asks the standalone routers (controller.routers) for theirs, and asks this controller for pool sizes. Its decisions
     are counted on router.metrics_port's /metrics served from this process."""
     if not config.autoscaler.enabled:
         return None
-    from deploy.autoscaler.loop import Autoscaler, LatencySource
+    from deploy.autoscaler.loop import Autoscaler, LatencySource, WorkerSource
     from deploy.autoscaler.routers import RouterLatency
 
-    latency: LatencySource = (
-        router.metrics.recent.stats
-        if router is not None
-        else RouterLatency(config.controller.routers, tls=config.tls.router_client())
-    )
-    autoscaler = Autoscaler(config.autoscaler, controller, latency, metrics.registry)
+    latency: LatencySource
+    workers: WorkerSource
+    if router is not None:
+        latency, workers = router.metrics.recent.stats, router.worker_status
+    else:
+        routers = RouterLatency(config.controller.routers, tls=config.tls.router_client())
+        latency, workers = routers, routers.workers
+    autoscaler = Autoscaler(config.autoscaler, controller, latency, workers, metrics.registry)
     controller.autoscaler_status = lambda: autoscaler.last_decision
     autoscaler.start()
     return autoscaler

@@ -282,7 +282,7 @@ class WorkerPool:
         """Every member as last polled, identity from the membership, state and heartbeat age from the router."""
         now = time.monotonic()
         result = []
-        for handle in self._workers.values():
+        for handle in list(self._workers.values()):  # a copy: the autoscaler's thread reads it too
             info = admin_pb2.WorkerInfo()
             if handle.info is not None:
                 info.CopyFrom(handle.info)

@@ -295,6 +295,10 @@ class RouterServer:
         self._pool.replace(endpoints)
         return True
 
+    def worker_status(self) -> list[admin_pb2.WorkerInfo]:
+        """Every worker as last polled (what Admin.Status lists); safe from any thread."""
+        return self._pool.status()
+
     # --- health --------------------------------------------------------------------------------------
     def _mark_health_dirty(self) -> None:
         self._health_dirty.set()

@@ -221,6 +221,7 @@ class WorkerInfo:
     requests_total: int = 0  # requests the worker accepted since it started
     node_id: str = ""  # its Ray node id (or host identity outside Ray); "" from an older worker
     kv_transports: tuple[str, ...] = ()  # KV transports its cache can use: "tcp", "nccl", "cuda_ipc"
+    busy_seconds_total: float = 0.0  # seconds its engine spent running steps since it started
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ def worker_info(
         cached_prompt_tokens_total=c.cached_prompt_tokens_total,
         requests_total=c.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
+        busy_seconds_total=loop.busy_seconds,
     )
     if node is not None:
         info.node_id = node.node_id

@@ -1,6 +1,7 @@
-"""The autoscaler's loop: every interval_s, the routers' latency window and the controller's pool sizes go into
-the policy (deploy.autoscaler.policy), and its new targets go to the controller (`Scaler.scale`, the same call as
-Admin.Scale). The controller alone creates and drains workers; this loop only asks.
+"""The autoscaler's loop: every interval_s, the routers' latency window, the workers' load (deploy.autoscaler.load)
+and the controller's pool sizes go into the policy (deploy.autoscaler.policy), and its new targets go to the
+controller (`Scaler.scale`, the same call as Admin.Scale). The controller alone creates and drains workers; this
+loop only asks.
 
 Every decision that changes or wants to change a pool is logged at WARNING on the logger `tandem.autoscaler`,
 one line naming the measured p90s, the targets and the change, and counted in
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
+from deploy.autoscaler.load import LoadTracker, WorkerSource
 from deploy.autoscaler.policy import AutoscalePolicy, Decision, Direction, describe
 from deploy.autoscaler.settings import AutoscalerSettings
 from router.recent_latency import WindowStats
@@ -48,10 +50,12 @@ class Autoscaler:
         settings: AutoscalerSettings,
         scaler: Scaler,
         latency: LatencySource,
+        workers: WorkerSource,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        self.load = LoadTracker(workers)
         self.policy = AutoscalePolicy(settings)
         self.metrics = AutoscalerMetrics(registry)
         self.last_decision = ""  # the last line logged ("" before the first decision)
@@ -91,7 +95,9 @@ class Autoscaler:
         """One evaluation: read, decide, log, count, apply."""
         pools = {p.role: p for p in self._scaler.pool_sizes()}
         window = self._latency(self.settings.window_s)
-        decision = self.policy.evaluate(window, pools, self._clock())
+        now = self._clock()
+        self.load.read(now)
+        decision = self.policy.evaluate(window, pools, now, self.load.loads(self.settings.window_s))
         line = describe(window, self.settings, decision)
         if not decision.changes:
             log.debug("%s", line)
@@ -105,4 +111,4 @@ class Autoscaler:
         return decision
 
 
-__all__ = ["Autoscaler", "AutoscalerMetrics", "Direction", "LatencySource"]
+__all__ = ["Autoscaler", "AutoscalerMetrics", "Direction", "LatencySource", "WorkerSource"]

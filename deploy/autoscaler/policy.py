@@ -13,11 +13,18 @@ min_requests samples of it):
 
 Disaggregated:
   - a signal that missed scale_up_patience evaluations in a row grows its pool by one (worst miss first);
-    at the budget (max_total_workers), the other pool gives one worker if its own signal does not miss and it is
-    above its min ("moved"); otherwise the miss is reported as blocked (at_max, at_budget) and its streak restarts
-  - with no pending miss, a pool whose signal was comfortable scale_down_patience evaluations in a row shrinks by one
+    at the budget (max_total_workers), the other pool gives one worker if its own signal does not miss, it is
+    above its min and its load fits in one worker fewer ("moved"); otherwise the miss is reported as blocked
+    (at_max, at_budget) and its streak restarts
+  - with no pending miss, a pool whose signal was comfortable scale_down_patience evaluations in a row shrinks by
+    one, if its load fits in one worker fewer
 Colocated: replicas grow after scale_up_patience evaluations in a row with either signal missing, and shrink after
-  scale_down_patience evaluations with both comfortable.
+  scale_down_patience evaluations with both comfortable, if their load fits in one replica fewer.
+
+"Its load fits in one worker fewer" (deploy.autoscaler.load): the pool's load over the window (prefill: busy
+share; decode and colocated: KV occupancy) spread over one worker fewer stays <= scale_down_utilization. Latency
+alone shrank pools that were needed: a prefill pool's TTFT is low until its workers are nearly always busy. A
+pool without a load reading is never shrunk.
 
 After a change nothing happens for max(cooldown_s, window_s); and while any pool is not settled (ready != target,
 or workers starting or draining) streaks stay at zero and the quiet time extends to one window past it, so every
@@ -31,6 +38,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from deploy.autoscaler.load import PoolLoad
 from deploy.autoscaler.settings import AutoscalerSettings
 from model_runtime.roles import WorkerRole
 from router.recent_latency import WindowStats
@@ -77,10 +85,19 @@ class AutoscalePolicy:
         self.settings = settings
         self._streaks: Counter[str] = Counter()
         self._quiet_until = float("-inf")
+        self._loads: Mapping[WorkerRole, PoolLoad] = {}
 
-    def evaluate(self, window: WindowStats, pools: Mapping[WorkerRole, PoolSize], now: float) -> Decision:
-        """One evaluation at time `now` (seconds, any monotonic origin)."""
+    def evaluate(
+        self,
+        window: WindowStats,
+        pools: Mapping[WorkerRole, PoolSize],
+        now: float,
+        loads: Mapping[WorkerRole, PoolLoad] | None = None,
+    ) -> Decision:
+        """One evaluation at time `now` (seconds, any monotonic origin); `loads`: each pool's load over the
+        window (a pool without one is never shrunk)."""
         s = self.settings
+        self._loads = loads or {}
         if not all(p.ready == p.target and not p.starting and not p.draining for p in pools.values()):
             self._streaks.clear()
             self._quiet_until = max(self._quiet_until, now + s.window_s)
@@ -165,7 +182,7 @@ class AutoscalePolicy:
     ) -> WorkerRole | None:
         """The other pool, when it can give a worker: its own signal does not miss, and it is above its min."""
         for signal, other in SIGNAL_ROLE.items():
-            if other is not role and grades[signal] is not Grade.MISS and sizes[other] > self._min(other):
+            if other is not role and grades[signal] is not Grade.MISS and self._can_give(other, sizes[other]):
                 return other
         return None
 
@@ -174,9 +191,17 @@ class AutoscalePolicy:
         for signal, role in SIGNAL_ROLE.items():
             if self._streaks[f"{signal}_comfortable"] >= self.settings.scale_down_patience:
                 n = sizes[role]
-                if n > self._min(role):
+                if self._can_give(role, n):
                     changes.append(Change(role, Direction.DOWN, f"{signal}_inside", n, n - 1))
         return changes
+
+    def _can_give(self, role: WorkerRole, n: int) -> bool:
+        """The pool of n workers is above its min and its load fits in n - 1 (see the module docstring)."""
+        if n <= self._min(role):
+            return False
+        load = self._loads.get(role)
+        projected = load.projected(n - 1) if load is not None else None
+        return projected is not None and projected <= self.settings.scale_down_utilization
 
     def _min(self, role: WorkerRole) -> int:
         return self.settings.bounds(role).min
@@ -192,7 +217,7 @@ class AutoscalePolicy:
                 at = "at_max" if n >= s.bounds(role).max else "at_budget"
                 return [Change(role, Direction.BLOCKED, at, n, n)]
             return [Change(role, Direction.UP, reason, n, n + 1)]
-        if self._streaks["all_comfortable"] >= s.scale_down_patience and n > self._min(role):
+        if self._streaks["all_comfortable"] >= s.scale_down_patience and self._can_give(role, n):
             return [Change(role, Direction.DOWN, "slo_inside", n, n - 1)]
         return []
 

@@ -10,6 +10,8 @@ autoscaler:
   scale_up_patience: 2        # evaluations in a row that miss before a pool grows
   scale_down_patience: 6      # evaluations in a row comfortably inside before a pool shrinks
   scale_down_margin: 0.5      # comfortably inside: p90 <= margin * target
+  scale_down_utilization: 0.6 # ... and a pool gives up a worker only if its load fits in one fewer at this
+                              # share (prefill: busy share, decode/colocated: KV occupancy; deploy.autoscaler.load)
   cooldown_s: 60              # no change for this long after one
   max_total_workers: 0        # the budget over all pools (the GPUs you have, or a CPU total); 0: sum of max
   prefill:   {min: 1, max: 4} # bounds of each pool's target (only the pools of the mode are used)
@@ -62,6 +64,7 @@ class AutoscalerSettings:
     scale_up_patience: int = 2
     scale_down_patience: int = 6
     scale_down_margin: float = 0.5
+    scale_down_utilization: float = 0.6
     cooldown_s: float = 60.0
     max_total_workers: int = 0
     prefill: PoolBounds = field(default_factory=PoolBounds)
@@ -91,6 +94,12 @@ class AutoscalerSettings:
             raise ConfigError(
                 f"autoscaler.scale_down_margin: must be in (0, 1) (shrink only when p90 <= margin * target), "
                 f"got {margin!r}"
+            )
+        share = self.scale_down_utilization
+        if not _is_number(share) or not 0 < share <= 1:
+            raise ConfigError(
+                f"autoscaler.scale_down_utilization: must be in (0, 1] (a pool gives up a worker only when its "
+                f"load spread over one worker fewer stays at or below this share), got {share!r}"
             )
         if not _is_int(self.max_total_workers) or self.max_total_workers < 0:
             raise ConfigError(

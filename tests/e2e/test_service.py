@@ -172,6 +172,8 @@ def test_every_worker_serves_traffic(cluster):
 
         # The router's view of a worker is as fresh as its last poll (0.5 s apart).
         wait_until(lambda: not idle(), 5, "every worker to count a share", lambda: f"served none: {idle()}")
+        # Each one's engine ran steps for them: busy time (the autoscaler's prefill load signal) was counted.
+        assert all(w.busy_seconds_total > 0 for w in client.status().workers)
     assert len(before) == 4
 
 

@@ -106,7 +106,7 @@ def test_a_step_logs_counts_and_applies_a_persistent_miss(caplog: pytest.LogCapt
     for _ in range(5):
         recent.record(2.0, 0.01)  # slow first tokens, fast decode
     pools, registry = Pools(prefill=1, decode=1), CollectorRegistry()
-    autoscaler = Autoscaler(settings, pools, recent.stats, registry, clock=lambda: now[0])
+    autoscaler = Autoscaler(settings, pools, recent.stats, list, registry, clock=lambda: now[0])
 
     def decisions(**labels: str) -> float | None:
         return registry.get_sample_value("tandem_autoscaler_decisions_total", labels)

@@ -204,3 +204,23 @@ def test_step_listeners_get_a_record_of_each_step_before_its_outputs(loop: Engin
     ]
     assert all(r.batch_size == 1 and r.duration_s > 0 and r.num_preempted == 0 for r in records)
     assert seen_at_output == [1, 2, 3]  # each step's record went out before its token did
+
+
+def test_busy_seconds_count_the_steps_that_ran_and_not_the_idle_time(loop: EngineLoop) -> None:
+    """Status's busy_seconds_total (the autoscaler's prefill load signal) is the wall time of the steps: at
+    least what the engine's own step records measured, never more than the time that passed, and an idle loop
+    adds nothing."""
+    time.sleep(0.2)
+    assert loop.busy_seconds == 0.0  # 0.2 s of idle passes: no step ran
+    records: list[StepRecord] = []
+    loop.add_step_listener(records.append)
+    outputs: queue.Queue[StepOutput] = queue.Queue()
+    loop.subscribe("r", outputs.put)
+    started = time.monotonic()
+    loop.call(lambda e: e.add_request("r", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=6)))
+    while outputs.get(timeout=30).finish_reason is None:
+        pass
+    busy = loop.busy_seconds
+    assert sum(r.duration_s for r in records) <= busy <= time.monotonic() - started
+    time.sleep(0.2)
+    assert loop.busy_seconds == busy
