@@ -168,22 +168,37 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
     return data
 
 
+def worker_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Each running sum's increase over a point, added over the workers: a worker that joined counts from zero,
+    one that left (or restarted: a sum that went down) counts nothing, since what it did in the point is gone."""
+    out: dict[str, float] = {}
+    for target, sums in after.items():
+        old = before.get(target, {})
+        if any(value < old.get(key, 0.0) for key, value in sums.items()):
+            continue
+        for key, value in sums.items():
+            out[key] = out.get(key, 0.0) + value - old.get(key, 0.0)
+    return out
+
+
 def kv_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Means over one point: seconds and bytes per transfer (None without transfers), and the mean of each phase
-    (seconds): the handoff's and the first token's."""
+    """Means over one point (from Server.kv_transfer_totals before and after it): seconds and bytes per transfer
+    (None without transfers), and the mean of each phase (seconds): the handoff's and the first token's."""
     if before is None or after is None:
         return None
-    n = after["transfers"] - before["transfers"]
+    delta = worker_deltas(before, after)
+    n = delta.get("transfers", 0.0)
     phases = {}
-    for key in after:
-        if key.endswith(".count") and after[key] > before.get(key, 0.0):
+    for key, count in delta.items():
+        if key.endswith(".count") and count > 0:
             name = key.removesuffix(".count")
-            count = after[key] - before.get(key, 0.0)
-            phases[name] = (after[f"{name}.sum"] - before.get(f"{name}.sum", 0.0)) / count
+            phases[name] = delta.get(f"{name}.sum", 0.0) / count
     if not n and not phases:
         return None
-    return {"transfers": n, "mean_s": (after["seconds"] - before["seconds"]) / n if n else None,
-            "mean_bytes": (after["bytes"] - before["bytes"]) / n if n else None, "phases_mean_s": phases}  # fmt: skip
+    return {"transfers": n, "mean_s": delta["seconds"] / n if n else None,
+            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases}  # fmt: skip
 
 
 def pair_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:

@@ -222,35 +222,38 @@ class Server:
             time.sleep(1.0)
         return time.monotonic() - start
 
-    def kv_transfer_totals(self) -> dict[str, float] | None:
-        """Running sums over the workers' /metrics: the prefill workers' transfer seconds, count and bytes, both
-        sides' handoff phase sums and counts ("prefill.stream", "decode.admit", ...) and every worker's
-        first-token phases ("colocated.first_token_waiting", "prefill.first_token_prefill", ...); None when no
-        worker is listed."""
+    def kv_transfer_totals(self) -> dict[str, dict[str, float]] | None:
+        """Running sums from each worker's /metrics, by target ("host:port"): the prefill workers' transfer
+        seconds, count and bytes, both sides' handoff phase sums and counts ("prefill.stream", "decode.admit",
+        ...) and every worker's first-token phases ("colocated.first_token_waiting", ...); None when no worker
+        is listed. Kept per worker so that a point's difference survives a worker that left or joined in
+        between (an autoscaler's move): see disagg_vs_colocated.kv_delta."""
         if not self._targets(("prefill", "decode", "colocated")):
             return None
-        total = {"seconds": 0.0, "transfers": 0.0, "bytes": 0.0}
         names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",
                  "tandem_kv_transfer_bytes_total": "bytes"}  # fmt: skip
-        for component, sample in self._samples(("prefill", "decode", "colocated")):
+        totals: dict[str, dict[str, float]] = {}
+        for component, target, sample in self._samples(("prefill", "decode", "colocated")):
+            total = totals.setdefault(target, {})
+            key = None
             if component == "prefill" and sample.name in names:
-                total[names[sample.name]] += sample.value
+                key = names[sample.name]
             elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
                 key = f"{component}.gil_wait.{sample.name.rsplit('_', 1)[-1]}"
-                total[key] = total.get(key, 0.0) + sample.value
             elif sample.name.startswith(PHASE_FAMILIES) and "phase" in sample.labels:
                 suffix = sample.name.rsplit("_", 1)[-1]
                 first = "first_token_" if sample.name.startswith(PHASE_FAMILIES[1]) else ""
                 if suffix in ("sum", "count"):
                     key = f"{component}.{first}{sample.labels['phase']}.{suffix}"
-                    total[key] = total.get(key, 0.0) + sample.value
-        return total
+            if key is not None:
+                total[key] = total.get(key, 0.0) + sample.value
+        return totals
 
     def pair_totals(self) -> dict[str, float]:
         """The router's disaggregated attempts so far by their pair's KV transport and nodes, e.g.
         {"cuda_ipc:same": 40.0} (tandem_kv_pairs_total); {} when no router is listed or none ran."""
         totals: dict[str, float] = {}
-        for _, sample in self._samples(("router",)):
+        for _, _, sample in self._samples(("router",)):
             if sample.name == "tandem_kv_pairs_total":
                 key = f"{sample.labels['transport']}:{sample.labels['nodes']}"
                 totals[key] = totals.get(key, 0.0) + sample.value
@@ -262,8 +265,8 @@ class Server:
         return [(g["labels"].get("component"), t) for g in groups for t in g["targets"]
                 if g["labels"].get("component") in components]  # fmt: skip
 
-    def _samples(self, components: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-        """(component, sample) of every metric sample those components' /metrics serve now."""
+    def _samples(self, components: tuple[str, ...]) -> Iterator[tuple[str, str, Any]]:
+        """(component, target, sample) of every metric sample those components' /metrics serve now."""
         from prometheus_client.parser import text_string_to_metric_families
 
         for component, target in self._targets(components):
@@ -271,4 +274,4 @@ class Server:
                 text = reply.read().decode()
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    yield component, sample
+                    yield component, target, sample

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.disagg_vs_colocated import SETTLE_SEED_BLOCK, WARM_UP_SEED_BLOCK, parse_args, point_seed
+from bench.disagg_vs_colocated import SETTLE_SEED_BLOCK, WARM_UP_SEED_BLOCK, kv_delta, parse_args, point_seed
 from bench.dvc_summary import rate_points, repeat_spread, share_points
 from tandem_cli.bench.sweep import capacity
 
@@ -70,3 +70,27 @@ def test_rates_for_one_workload_override_the_plain_list_for_that_workload_only()
     ):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_a_points_handoff_means_survive_a_worker_that_left_or_joined_during_it() -> None:
+    """Run 6 of the 4-GPU sweep printed decode.admit -139 ms: the autoscaler replaced a decode worker during the
+    point and the summed counters went down. Differences are taken per worker now."""
+    before = {
+        "p0": {"transfers": 10.0, "seconds": 1.0, "bytes": 100.0},
+        "d0": {"decode.admit.sum": 5.0, "decode.admit.count": 10.0},  # leaves during the point
+        "d1": {"decode.admit.sum": 1.0, "decode.admit.count": 4.0},
+    }
+    after = {
+        "p0": {"transfers": 14.0, "seconds": 1.8, "bytes": 140.0},
+        "d1": {"decode.admit.sum": 1.2, "decode.admit.count": 6.0},
+        "d2": {"decode.admit.sum": 0.2, "decode.admit.count": 2.0},  # joined: counts from zero
+    }
+    kv = kv_delta(before, after)
+    assert kv is not None
+    assert (
+        kv["transfers"] == 4 and kv["mean_s"] == pytest.approx(0.2) and kv["mean_bytes"] == pytest.approx(10)
+    )
+    assert kv["phases_mean_s"] == {"decode.admit": pytest.approx(0.1)}  # (0.2 + 0.2) / (2 + 2)
+    restarted = {**after, "d1": {"decode.admit.sum": 0.1, "decode.admit.count": 1.0}}  # went down: left out
+    assert kv_delta(before, restarted)["phases_mean_s"] == {"decode.admit": pytest.approx(0.1)}
+    assert kv_delta(None, after) is None and kv_delta({}, {}) is None
