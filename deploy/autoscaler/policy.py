@@ -21,6 +21,13 @@ Disaggregated:
 Colocated: replicas grow after scale_up_patience evaluations in a row with either signal missing, and shrink after
   scale_down_patience evaluations with both comfortable, if their load fits in one replica fewer.
 
+A shrink it regrets is not repeated at that load: when a pool that gave up a worker (shrank or moved one) misses
+and grows back within REGRET_WINDOWS windows after the quiet time, the request rate of the window in which it gave
+the worker up is remembered for that pool and size; for shrink_memory_s it does not shrink to that size again
+unless the rate has fallen below RATE_MARGIN of the remembered one. (On 4x H200 a decode pool went 2 -> 1 on a
+TPOT p90 of 12-15 ms and missed at 57-84 ms 14-16 s later, three times in two minutes: one decode worker's TPOT
+grows much faster than its batch, and no load reading predicted it.)
+
 "Its load fits in one worker fewer" (deploy.autoscaler.load): the pool's load over the window (prefill: busy
 share; decode and colocated: KV occupancy) spread over one worker fewer stays <= scale_down_utilization. Latency
 alone shrank pools that were needed: a prefill pool's TTFT is low until its workers are nearly always busy. A
@@ -78,6 +85,17 @@ class Decision:
 
 
 SIGNAL_ROLE = {"ttft": WorkerRole.PREFILL, "tpot": WorkerRole.DECODE}
+REGRET_WINDOWS = 3  # a miss this many windows after the quiet time that followed a shrink undoes it: a regret
+RATE_MARGIN = 0.8  # after a regret, that size again only below this share of the rate it failed at
+
+
+@dataclass(frozen=True)
+class _Gave:
+    """A pool gave up a worker: when, at what request rate, and the size it went to."""
+
+    at: float
+    rate: float
+    size: int
 
 
 class AutoscalePolicy:
@@ -86,6 +104,10 @@ class AutoscalePolicy:
         self._streaks: Counter[str] = Counter()
         self._quiet_until = float("-inf")
         self._loads: Mapping[WorkerRole, PoolLoad] = {}
+        self._now = 0.0
+        self._rate = 0.0  # requests/s of the window being evaluated
+        self._gave: dict[WorkerRole, _Gave] = {}  # each pool's last shrink or move away
+        self._floors: dict[tuple[WorkerRole, int], _Gave] = {}  # (pool, size) that missed: at what rate
 
     def evaluate(
         self,
@@ -98,6 +120,7 @@ class AutoscalePolicy:
         window (a pool without one is never shrunk)."""
         s = self.settings
         self._loads = loads or {}
+        self._now, self._rate = now, window.requests / window.window_s if window.window_s > 0 else 0.0
         if not all(p.ready == p.target and not p.starting and not p.draining for p in pools.values()):
             self._streaks.clear()
             self._quiet_until = max(self._quiet_until, now + s.window_s)
@@ -114,7 +137,29 @@ class AutoscalePolicy:
         if any(c.direction is not Direction.BLOCKED for c in changes):
             self._streaks.clear()
             self._quiet_until = now + max(s.cooldown_s, s.window_s)
+            self._remember(changes)
         return Decision(tuple(changes))
+
+    def _remember(self, changes: list[Change]) -> None:
+        """Note each pool that gave up a worker; a miss that grows it back soon after makes a floor."""
+        s = self.settings
+        horizon = max(s.cooldown_s, s.window_s) + REGRET_WINDOWS * s.window_s
+        for c in changes:
+            if c.direction is Direction.DOWN:
+                self._gave[c.role] = _Gave(self._now, self._rate, c.after)
+            elif c.direction is Direction.UP and c.reason.endswith("_miss"):
+                gave = self._gave.pop(c.role, None)
+                if gave is not None and c.before == gave.size and self._now - gave.at <= horizon:
+                    old = self._floors.get((c.role, gave.size))
+                    rate = gave.rate if old is None else min(gave.rate, old.rate)
+                    self._floors[(c.role, gave.size)] = _Gave(self._now, rate, gave.size)
+
+    def regretted(self, role: WorkerRole, size: int) -> float | None:
+        """The request rate at which `role` at `size` workers missed right after a shrink, while remembered."""
+        floor = self._floors.get((role, size))
+        if floor is None or self._now - floor.at > self.settings.shrink_memory_s:
+            return None
+        return floor.rate
 
     # --- grading ---------------------------------------------------------------------------------------
     def _grade(self, w: WindowStats) -> dict[str, Grade]:
@@ -198,6 +243,9 @@ class AutoscalePolicy:
     def _can_give(self, role: WorkerRole, n: int) -> bool:
         """The pool of n workers is above its min and its load fits in n - 1 (see the module docstring)."""
         if n <= self._min(role):
+            return False
+        floor = self.regretted(role, n - 1)
+        if floor is not None and self._rate >= RATE_MARGIN * floor:
             return False
         load = self._loads.get(role)
         projected = load.projected(n - 1) if load is not None else None

@@ -13,6 +13,7 @@ autoscaler:
   scale_down_utilization: 0.6 # ... and a pool gives up a worker only if its load fits in one fewer at this
                               # share (prefill: busy share, decode/colocated: KV occupancy; deploy.autoscaler.load)
   cooldown_s: 60              # no change for this long after one
+  shrink_memory_s: 600        # a shrink undone by a miss soon after is not repeated at that load for this long
   max_total_workers: 0        # the budget over all pools (the GPUs you have, or a CPU total); 0: sum of max
   prefill:   {min: 1, max: 4} # bounds of each pool's target (only the pools of the mode are used)
   decode:    {min: 1, max: 4}
@@ -66,6 +67,7 @@ class AutoscalerSettings:
     scale_down_margin: float = 0.5
     scale_down_utilization: float = 0.6
     cooldown_s: float = 60.0
+    shrink_memory_s: float = 600.0
     max_total_workers: int = 0
     prefill: PoolBounds = field(default_factory=PoolBounds)
     decode: PoolBounds = field(default_factory=PoolBounds)
@@ -85,6 +87,11 @@ class AutoscalerSettings:
             )
         if not _is_number(self.cooldown_s) or self.cooldown_s < 0:
             raise ConfigError(f"autoscaler.cooldown_s: must be >= 0 seconds, got {self.cooldown_s!r}")
+        if not _is_number(self.shrink_memory_s) or self.shrink_memory_s < 0:
+            raise ConfigError(
+                f"autoscaler.shrink_memory_s: must be >= 0 seconds (0: forget a regretted shrink at once), "
+                f"got {self.shrink_memory_s!r}"
+            )
         for name in ("min_requests", "scale_up_patience", "scale_down_patience"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

@@ -262,3 +262,32 @@ def test_colocated_replicas_shrink_only_when_their_kv_fits_in_one_fewer() -> Non
     assert changes(cluster.run(QUIET, 20)) == []  # 1.0 on one replica > 0.6
     cluster.work[C] = 0.6
     assert changes(cluster.run(QUIET, 3)) == [("colocated", "down", "slo_inside", 2, 1)]
+
+
+def test_a_shrink_undone_by_a_miss_soon_after_is_not_repeated_at_that_request_rate() -> None:
+    """4x H200, run 5: decode went 2 -> 1 on a comfortable TPOT, missed 14 s later, grew back, and did it again,
+    three times in two minutes. After the first such regret it stays at 2 while the rate is as high."""
+    cluster = Cluster(prefill=1, decode=2)
+    assert changes(cluster.run(QUIET, 3)) == [("decode", "down", "tpot_inside", 2, 1)]  # at 20 requests / 5 s
+    decisions = cluster.run(SLOW_TPOT, int(SETTINGS.cooldown_s) + 2)  # quiet time, then two misses
+    assert changes(decisions) == [("decode", "up", "tpot_miss", 1, 2)]
+    assert cluster.policy.regretted(D, 1) == pytest.approx(4.0)
+    cluster.now += SETTINGS.cooldown_s
+    assert changes(cluster.run(QUIET, 30)) == []  # the same rate: it keeps 2
+    quieter = [cluster.step(QUIET, requests=15) for _ in range(3)]  # 3 req/s < 0.8 x 4
+    assert changes(quieter) == [("decode", "down", "tpot_inside", 2, 1)]
+
+
+def test_a_regret_is_forgotten_after_shrink_memory_s_and_a_late_miss_is_no_regret() -> None:
+    settings = replace(SETTINGS, shrink_memory_s=100.0)
+    cluster = Cluster(settings, prefill=1, decode=2)
+    cluster.run(QUIET, 3)
+    cluster.run(SLOW_TPOT, int(settings.cooldown_s) + 2)
+    assert cluster.policy.regretted(D, 1) is not None
+    cluster.now += 101.0
+    assert changes(cluster.run(QUIET, 3)) == [("decode", "down", "tpot_inside", 2, 1)]
+    late = Cluster(settings, prefill=1, decode=2)
+    late.run(QUIET, 3)
+    late.now += 60.0  # past the quiet time and three windows: a miss now is the load's, not the shrink's
+    assert changes(late.run(SLOW_TPOT, 2)) == [("decode", "up", "tpot_miss", 1, 2)]
+    assert late.policy.regretted(D, 1) is None

@@ -48,6 +48,7 @@ they were before the chart knew the key. */ -}}
 {{- $_ := set $out "scale_down_margin" $a.scaleDownMargin -}}
 {{- $_ := set $out "scale_down_utilization" $a.scaleDownUtilization -}}
 {{- $_ := set $out "cooldown_s" $a.cooldownSeconds -}}
+{{- $_ := set $out "shrink_memory_s" $a.shrinkMemorySeconds -}}
 {{- $_ := set $out "max_total_workers" (int $a.maxTotalWorkers) -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- $pool := index $.Values $role -}}
