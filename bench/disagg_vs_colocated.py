@@ -39,8 +39,12 @@ measured, so a run cut short keeps what it measured (a rate with fewer than --re
 summary): bench/results/disagg_vs_colocated/<deployment>_<workload>.json.
 
 Workloads: prefill-heavy (input uniform 2048-4096, output 128-256), decode-heavy (input 256, output 512),
-mixed (each request drawn from one of those two, 50/50, seeded) and shared-prefix (one 2048-token system prompt,
-then each request's own 128-512 tokens; output 64-128). Run shared-prefix on a deployment and on the same
+mixed (each request drawn from one of those two, 50/50, seeded), shared-prefix (one 2048-token system prompt,
+then each request's own 128-512 tokens; output 64-128), chat (32 conversations interleaved behind one
+2048-token system prompt, each turn resending the conversation so far plus a 64-256-token message, replies of
+64-256 tokens, 8 turns a conversation: chat_trace) and batch (issue 20's nightly job: a closed loop of 200
+requests in flight, 1.5-3k-token prompts, 200-400 output tokens, --duration seconds --repeats times; its
+number is output tokens/s, not a capacity). Run shared-prefix on a deployment and on the same
 deployment with "-nocache" appended (its engines' prefix cache off): the summary compares their TTFT p50 at every
 rate both ran (issue 14: the cache must make it >= 3x lower) and reports the share of prompt tokens the cache
 served.
@@ -50,8 +54,13 @@ for a few queued 4k-token prefills on an 8B model. TPOT <= 50 ms (20 tokens/s): 
 (about 5-8 tokens/s) with margin, so streaming never stalls visibly. A configuration's capacity is the highest
 swept rate at which >= 90% of requests met both in every run, with every lower rate also meeting it.
 
-Summary (summary.json, summary.md, PNGs): per workload, each deployment's capacity and capacity per GPU, the
-ratio, and at equal load (the highest rate both sustained; else the lowest both ran) TTFT p90/p99, TPOT p99,
+--refine STEP (issue 20 asks for 1 req/s) then sweeps STEP apart between the highest rate met and the first
+one missed, so that a capacity is not an artefact of a coarse grid.
+
+Summary (summary.json, summary.md, PNGs): per workload, each deployment's capacity and capacity per GPU, its
+capacity at the interactive SLO set too (TTFT <= 0.5 s, TPOT <= 25 ms, judged from every point's per-request
+TTFT and TPOT), the GPU-seconds it spends per 1,000 output tokens at capacity, the batch case's output tokens/s,
+the ratio, and at equal load (the highest rate both sustained; else the lowest both ran) TTFT p90/p99, TPOT p99,
 ITL p99 and the mean KV transfer time per request (prefill worker's tandem_kv_transfer_seconds, scraped from
 its /metrics before and after the point). The goal checks of issue 6 are evaluated on prefill-heavy.
 """
@@ -65,6 +74,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,6 +98,8 @@ class Workload:
     rates: tuple[float, ...]  # requests/s, swept in order
     mixed: bool = False  # draw each request from prefill-heavy or decode-heavy (a trace written per run)
     shared_prefix: int = 0  # tokens every prompt starts with (one system prompt), before its input_len
+    chat: bool = False  # multi-turn conversations (chat_trace): input_len is a user turn, output_len a reply
+    concurrency: int = 0  # > 0: one closed-loop run with this many requests in flight instead of a rate sweep
 
 
 PREFILL_HEAVY = ("uniform:2048:4096", "uniform:128:256")
@@ -100,13 +112,27 @@ WORKLOADS = {
     "shared-prefix": Workload(
         "uniform:128:512", "uniform:64:128", rates=(1, 2, 4, 6, 8, 10, 12), shared_prefix=2048
     ),
+    # Conversations behind one 2k-token system prompt: each turn resends the conversation so far plus a new user
+    # message (64-256 tokens) and gets a 64-256-token reply; CHAT_TURNS turns, CHAT_SESSIONS at a time.
+    "chat": Workload(
+        "uniform:64:256", "uniform:64:256", rates=(1, 2, 4, 6, 8, 10, 12, 16), shared_prefix=2048, chat=True
+    ),
+    # The nightly batch job (issue 20): 200 summaries in flight, closed loop; only output tokens/s counts.
+    "batch": Workload("uniform:1536:3072", "uniform:200:400", rates=(), concurrency=200),
 }
 SMOKE_WORKLOADS = {
     "prefill-heavy": Workload("uniform:96:160", "uniform:4:8", rates=(1, 2)),
     "decode-heavy": Workload("16", "16", rates=(1, 2)),
     "mixed": Workload("-", "-", rates=(1, 2), mixed=True),
     "shared-prefix": Workload("uniform:8:24", "uniform:4:8", rates=(1, 2), shared_prefix=128),
+    "chat": Workload("uniform:8:24", "uniform:4:8", rates=(1, 2), shared_prefix=128, chat=True),
+    "batch": Workload("uniform:48:96", "uniform:4:8", rates=(), concurrency=4),
 }
+# Conversations interleaved turn by turn, so a session's next turn comes about CHAT_SESSIONS arrivals later.
+CHAT_SESSIONS = 32
+CHAT_TURNS = 8  # turns of a conversation; then that session starts a new one
+CHAT_IDS = (5000, 40000)  # token ids of chat prompts: inside every served vocabulary's safe range (the dummy
+# Llama-3's 128k and the embedded SmolLM2's 49k: bench's safe_id_range keeps the middle 80%)
 SMOKE_MIX = (("uniform:96:160", "uniform:4:8"), ("16", "16"))
 WARM_UP_RATES = 3  # the lowest rates of a workload's sweep, --warm-up-s each, run before its points count
 WARM_UP_SEED_BLOCK = 9  # point_seed's repeat block for warm-up rounds (--repeats is at most 8)
@@ -125,9 +151,36 @@ def mixed_trace(path: Path, count: int, seed: int, mix: tuple = (PREFILL_HEAVY, 
     path.write_text("\n".join(lines) + "\n")
 
 
+def chat_trace(path: Path, count: int, seed: int, workload: Workload) -> None:
+    """`count` turns of CHAT_SESSIONS interleaved conversations: turn k of a session sends the system prompt
+    (workload.shared_prefix tokens, the same in every run), the session's earlier user messages and replies
+    (the replies as stand-in tokens of their output_len: the server's own replies are not known in advance),
+    then a new user message. So every turn's prompt starts with its previous turn's whole prompt, which that
+    turn left in the prefix cache, as a chat application's does."""
+    low, high = CHAT_IDS
+    system_rng, rng = random.Random("tandem-bench-chat-system"), random.Random(f"chat-{seed}")
+    system = [system_rng.randrange(low, high) for _ in range(workload.shared_prefix)]
+    user = parse_dist(workload.input_len, "--workloads")
+    reply = parse_dist(workload.output_len, "--workloads")
+    history: list[list[int]] = [[] for _ in range(CHAT_SESSIONS)]
+    turns = [0] * CHAT_SESSIONS
+    lines = []
+    for index in range(count):
+        s = index % CHAT_SESSIONS
+        if turns[s] == CHAT_TURNS:
+            history[s], turns[s] = [], 0
+        message = [rng.randrange(low, high) for _ in range(user.sample(rng))]
+        out = reply.sample(rng)
+        lines.append(json.dumps({"prompt_token_ids": system + history[s] + message, "output_len": out}))
+        history[s] += message + [rng.randrange(low, high) for _ in range(out)]
+        turns[s] += 1
+    path.write_text("\n".join(lines) + "\n")
+
+
 def point_seconds(rate: float, args: argparse.Namespace) -> float:
-    """Seconds of arrivals for a point: --duration, stretched so that low rates still send --min-requests."""
-    return max(args.duration, args.min_requests / rate)
+    """Seconds of arrivals for a point: --duration, stretched so that low rates still send --min-requests (a
+    closed-loop run, rate 0, sends for --duration)."""
+    return max(args.duration, args.min_requests / rate) if rate > 0 else args.duration
 
 
 def point_seed(base: int, rate: float, repeat: int) -> int:
@@ -142,18 +195,23 @@ def bench_point(
 ) -> BenchReport:
     """Poisson arrivals at `rate` for `seconds`; the count bound (20% above the expected number) only guards
     against a long random tail, the time bound decides how many are sent."""
-    count = math.ceil(rate * seconds * 1.2) + 1
+    closed = workload.concurrency > 0  # closed loop: `seconds` of sending, as many requests as that takes
+    count = workload.concurrency * 50 if closed else math.ceil(rate * seconds * 1.2) + 1
     trace = None
     if workload.mixed:
         trace = str(server.work / f"mixed_{seed}.jsonl")
         mixed_trace(Path(trace), count, seed, SMOKE_MIX if args.smoke else (PREFILL_HEAVY, DECODE_HEAVY))
+    elif workload.chat:
+        trace = str(server.work / f"chat_{seed}.jsonl")
+        chat_trace(Path(trace), count, seed, workload)
     placeholder = SMOKE_MIX[0] if args.smoke else PREFILL_HEAVY  # lengths come from the trace when mixed
     settings = BenchSettings(
-        server=server.address, num_requests=count, rate=rate, concurrency=None, burstiness=1.0,
+        server=server.address, num_requests=count, rate=None if closed else rate,
+        concurrency=workload.concurrency if closed else None, burstiness=1.0,
         input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
         output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),
         trace=trace, seed=seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
-        shared_prefix=workload.shared_prefix,
+        shared_prefix=0 if workload.chat else workload.shared_prefix,
     )  # fmt: skip
     return run_benchmark(settings, progress=True)
 
@@ -164,6 +222,12 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
     data.pop("requests")
     samples = LatencySamples.from_report(report)
     data["samples"] = {k: [round(v, 5) for v in vals] for k, vals in asdict(samples).items()}
+    # Each succeeded request's (TTFT, TPOT), so the summary can judge any other SLO set (dvc_summary.INTERACTIVE).
+    data["slo_pairs"] = [
+        [round(r.ttft, 5) if r.ttft is not None else None, round(r.tpot, 5) if r.tpot is not None else None]
+        for r in report.requests
+        if r.outcome == "succeeded"
+    ]
     data["kv_transfer"] = kv
     return data
 
@@ -234,25 +298,28 @@ def gpu_name() -> str:
 
 
 def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, deadline: float) -> None:
-    """Warm up on the workload, then run each rate --repeats times; a rate counts by the worse of its runs."""
+    """Warm up on the workload, then run each rate --repeats times; a rate counts by the worse of its runs. With
+    --refine STEP, then rates STEP apart between the highest rate met and the first one missed. A closed-loop
+    workload (batch) runs --repeats times at its concurrency instead."""
     workload = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)[name]
     rates = args.rates.get(name) or args.rates.get("*") or workload.rates
-    warm_rates = warm_up_sweep(server, f"{deployment}/{name}", workload, rates, args, deadline)
+    label = f"{deployment}/{name}"
+    closed = workload.concurrency > 0
+    warm_rates = [] if closed else warm_up_sweep(server, label, workload, rates, args, deadline)
     path = OUT_DIR / f"{deployment}_{name}.json"
     result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": server.gpus,
               "card": gpu_name(), "commit": git_commit(), "slo": asdict(args.slo), "target_share": TARGET_SHARE,
               "repeats": args.repeats, "warm_up": {"rates": warm_rates, "seconds_each": args.warm_up_s},
               "config": server.config, "points": []}  # fmt: skip
-    misses = 0
-    for rate in rates:
+
+    def run_rate(rate: float) -> float | None:
+        """The rate's runs, recorded; the worse share, or None when the budget stopped it."""
         shares = []
-        settle = settle_at(server, f"{deployment}/{name}", workload, rate, args, deadline)
+        settle = {} if closed else settle_at(server, label, workload, rate, args, deadline)
         for repeat in range(args.repeats):
             if time.monotonic() + point_seconds(rate, args) + args.drain + 30 > deadline:
-                print(
-                    f"[{deployment}/{name}] --budget-s reached before rate {rate}; stopping", file=sys.stderr
-                )
-                return
+                print(f"[{label}] --budget-s reached before rate {rate}; stopping", file=sys.stderr)
+                return None
             server.wait_quiet()
             before, pairs_before = server.kv_transfer_totals(), server.pair_totals()
             seed = point_seed(args.seed, rate, repeat)
@@ -262,11 +329,49 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             result["points"].append({**point, "repeat": repeat, "pools": server.pools(), **settle})
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
             shares.append(report.goodput.share if report.goodput else 0.0)
-            print(f"[{deployment}/{name}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
-                  f"met the SLOs{handoff_line(point)}", file=sys.stderr)  # fmt: skip
-        misses += min(shares) < TARGET_SHARE
-        if misses >= 2 or min(shares) < 0.5:
+            if closed:
+                print(f"[{label}] closed loop, {workload.concurrency} in flight, run {repeat + 1}/{args.repeats}: "
+                      f"{report.output_token_throughput:,.0f} output tokens/s", file=sys.stderr)  # fmt: skip
+            else:
+                print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
+                      f"met the SLOs{handoff_line(point)}", file=sys.stderr)  # fmt: skip
+        return min(shares)
+
+    if closed:
+        run_rate(0.0)
+        return
+    met, missed = ascending_sweep(rates, run_rate)
+    if args.refine > 0 and met is not None and missed is not None:
+        between = refine_rates(met, missed, args.refine)
+        if between:
+            print(f"[{label}] refining between {met:g} and {missed:g} req/s: {between}", file=sys.stderr)
+            ascending_sweep(between, run_rate)
+
+
+def ascending_sweep(
+    rates: Sequence[float], run_rate: Callable[[float], float | None]
+) -> tuple[float | None, float | None]:
+    """Run rates in order until two miss the target share (or one falls below half: past saturation the queue
+    only grows) or the budget stops it; returns the highest rate met before the first miss, and the first miss."""
+    misses, met, first_miss = 0, None, None
+    for rate in rates:
+        worst = run_rate(rate)
+        if worst is None:
             break
+        if worst >= TARGET_SHARE:
+            met = rate if first_miss is None else met
+        else:
+            misses += 1
+            first_miss = rate if first_miss is None else first_miss
+        if misses >= 2 or worst < 0.5:
+            break
+    return met, first_miss
+
+
+def refine_rates(met: float, missed: float, step: float) -> tuple[float, ...]:
+    """Rates `step` apart strictly between the highest rate met and the first one missed."""
+    count = math.ceil((missed - met) / step - 1e-9) - 1
+    return tuple(round(met + step * k, 6) for k in range(1, count + 1))
 
 
 def settle_at(
@@ -376,6 +481,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="autoscaled deployments: seconds of each rate's load before its runs, not recorded, for the "
         "autoscaler to resize (default 40; smoke 6; 0: none)",
     )
+    p.add_argument(
+        "--refine",
+        type=float,
+        default=0.0,
+        help="after the sweep, rates this far apart (req/s) between the highest met and the first missed "
+        "(0: none; issue 20 asks for 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting points after this (default 540)"
@@ -402,6 +514,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeats: must be in 1-{SETTLE_SEED_BLOCK - 1}, got {args.repeats}")
     if args.settle_s < 0:
         p.error(f"--settle-s: must be >= 0, got {args.settle_s}")
+    if args.refine < 0:
+        p.error(f"--refine: must be >= 0 req/s, got {args.refine}")
     if args.warm_up_s < 0:
         p.error(f"--warm-up-s: must be >= 0, got {args.warm_up_s}")
     try:

@@ -18,7 +18,12 @@ from tandem_cli.bench.sweep import capacity, equal_load
 
 TARGET_SHARE = 0.90
 BASES = ("disagg", "colocated")  # the two 2-GPU configs: sized variants compare with these
-WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed", "shared-prefix")
+WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed", "shared-prefix", "chat", "batch")
+CLOSED_LOOP = ("batch",)  # one closed-loop run per deployment: output tokens/s, no rates
+# Issue 20's second SLO set, judged from each point's per-request (TTFT, TPOT) pairs: a chat that must feel
+# instant (the sweep itself runs at --slo, the relaxed set by default).
+INTERACTIVE = SLO(ttft=0.5, tpot=0.025)
+BATCH_GOAL_TOKENS_S = 24_000.0  # issue 20: output tokens/s of the batch case on 4 GPUs
 NO_CACHE = "-nocache"  # bench/dvc_deployments.py: the same deployment with its prefix cache off
 AUTOSCALE = "-autoscale"  # ... and the same deployment as the starting point of the SLO autoscaler
 AUTOSCALE_GOAL = 0.90  # issue 14: >= 90% of the best fixed split's goodput on each workload
@@ -34,12 +39,43 @@ def share_points(points: list[dict]) -> list[tuple[float, float]]:
 
 
 def rate_points(run: dict) -> list[dict]:
-    """One point per rate, in sweep order: the worse of its runs, for rates with all of their runs."""
+    """One point per rate, in ascending rate (a refined sweep runs some out of order): the worse of its runs,
+    for rates with all of their runs."""
     by_rate: dict[float, list[dict]] = {}
     for point in run["points"]:
         by_rate.setdefault(point["settings"]["rate"], []).append(point)
-    complete = [runs for runs in by_rate.values() if len(runs) >= run.get("repeats", 1)]
+    complete = [runs for rate, runs in sorted(by_rate.items()) if len(runs) >= run.get("repeats", 1)]
     return [min(runs, key=share) for runs in complete]
+
+
+def share_at(point: dict, slo: SLO) -> float | None:
+    """The share of the point's sent requests that met `slo`, from its per-request (TTFT, TPOT) pairs (a request
+    with one output token has no TPOT and is judged on TTFT); None for a point recorded without them."""
+    pairs, sent = point.get("slo_pairs"), point["counts"]["sent"]
+    if pairs is None or not sent:
+        return None
+    met = sum(
+        1
+        for ttft, tpot in pairs
+        if ttft is not None
+        and (slo.ttft is None or ttft <= slo.ttft)
+        and (slo.tpot is None or tpot is None or tpot <= slo.tpot)
+    )
+    return met / sent
+
+
+def capacity_at(points: list[dict], slo: SLO) -> float | None:
+    """capacity() under another SLO set; None when a point lacks its per-request pairs."""
+    shares = [share_at(p, slo) for p in points]
+    if any(v is None for v in shares):
+        return None
+    return capacity([(p["settings"]["rate"], v) for p, v in zip(points, shares)], TARGET_SHARE)
+
+
+def gpu_seconds_per_1k_tokens(point: dict, gpus: int) -> float | None:
+    """GPU-seconds spent per 1,000 output tokens at this point (every GPU of the deployment counts)."""
+    rate = point.get("output_token_throughput") or 0.0
+    return gpus * 1000.0 / rate if rate > 0 else None
 
 
 def repeat_spread(run: dict) -> float | None:
@@ -57,14 +93,34 @@ def tails(point: dict) -> dict:
             "kv_transfer_mean_s": (point["kv_transfer"] or {}).get("mean_s")}  # fmt: skip
 
 
+def summarize_closed_loop(name: str, runs: dict[str, dict]) -> dict:
+    """A closed-loop workload: each deployment's output tokens/s (the worse of its runs), per GPU too."""
+    out: dict = {"workload": name}
+    for dep, run in runs.items():
+        if not run["points"]:
+            continue
+        worst = min(run["points"], key=lambda p: p.get("output_token_throughput") or 0.0)
+        tokens = worst.get("output_token_throughput") or 0.0
+        out[dep] = {"gpus": run["gpus"], "card": run["card"], "concurrency": run["workload_spec"]["concurrency"],
+                    "output_tokens_per_s": tokens, "output_tokens_per_s_per_gpu": tokens / run["gpus"],
+                    "runs": len(run["points"]), "gpu_s_per_1k_tokens": gpu_seconds_per_1k_tokens(worst, run["gpus"]),
+                    "ttft_p90": worst["ttft"]["p90"], "tpot_p99": worst["tpot"]["p99"]}  # fmt: skip
+    return out
+
+
 def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path) -> dict:
+    if name in CLOSED_LOOP:
+        return summarize_closed_loop(name, runs)
     out: dict = {"workload": name}
     points = {dep: rate_points(run) for dep, run in runs.items()}
     for dep, run in runs.items():
         cap = capacity(share_points(points[dep]), TARGET_SHARE)
+        at_cap = next((p for p in points[dep] if p["settings"]["rate"] == cap), None)
         out[dep] = {
             "gpus": run["gpus"], "capacity_rps": cap, "capacity_rps_per_gpu": cap / run["gpus"], "card": run["card"],
             "repeats": run.get("repeats", 1), "repeat_spread": repeat_spread(run),
+            "capacity_rps_interactive": capacity_at(points[dep], INTERACTIVE),
+            "gpu_s_per_1k_tokens_at_capacity": gpu_seconds_per_1k_tokens(at_cap, run["gpus"]) if at_cap else None,
         }  # fmt: skip
     series = {d: [(rate, 100 * s) for rate, s in share_points(p)] for d, p in points.items()}
     plot_goodput_vs_rate(series, out_dir / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
@@ -214,21 +270,45 @@ def scaling(out: dict, runs: dict[str, dict]) -> dict:
 
 
 def capacity_table(rows: list[dict]) -> str:
-    """Every deployment's capacity, per GPU, and the ratio to its 2-GPU base."""
+    """Every deployment's capacity (at --slo and at INTERACTIVE), per GPU, the ratio to its 2-GPU base, and the
+    GPU-seconds it spends per 1,000 output tokens at its capacity."""
     lines = [
-        "| workload | deployment | GPUs | capacity (req/s) | per GPU | vs 2-GPU base |",
-        "|---|---|---|---|---|---|",
+        "| workload | deployment | GPUs | capacity (req/s) | per GPU | vs 2-GPU base | interactive (req/s) | "
+        "GPU-s / 1k output tokens at capacity |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for dep, cap in row.items():
             if not isinstance(cap, dict) or "capacity_rps" not in cap:
                 continue
             ratio = row.get("scaling", {}).get(dep, {}).get("capacity_ratio")
+            inter, gpu_s = cap.get("capacity_rps_interactive"), cap.get("gpu_s_per_1k_tokens_at_capacity")
             lines.append(
                 f"| {row['workload']} | {dep} | {cap['gpus']} | {cap['capacity_rps']} | "
-                f"{cap['capacity_rps_per_gpu']:.2f} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
+                f"{cap['capacity_rps_per_gpu']:.2f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
+                f"{'-' if inter is None else inter} | {'-' if gpu_s is None else f'{gpu_s:.2f}'} |"
             )
     return "\n".join(lines)
+
+
+def closed_loop_table(rows: list[dict]) -> str:
+    """Closed-loop workloads (batch): output tokens/s per deployment."""
+    lines = []
+    for row in rows:
+        if row["workload"] not in CLOSED_LOOP:
+            continue
+        for dep, r in row.items():
+            if isinstance(r, dict) and "output_tokens_per_s" in r:
+                lines.append(
+                    f"| {row['workload']} | {dep} | {r['gpus']} | {r['concurrency']} | "
+                    f"{r['output_tokens_per_s']:,.0f} | {r['output_tokens_per_s_per_gpu']:,.0f} | "
+                    f"{r['ttft_p90'] * 1e3:.0f} / {r['tpot_p99'] * 1e3:.0f} |"
+                )
+    if not lines:
+        return ""
+    head = ["| workload | deployment | GPUs | in flight | output tokens/s | per GPU | TTFT p90 / TPOT p99 (ms) |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    return "\n".join(head + lines)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -268,7 +348,11 @@ def goal_checks(rows: list[dict]) -> dict:
             "doubling": grow, "doubling_goal_met": {dep: r >= 1.8 for dep, r in grow.items()},
             "prefix_ttft_goal_met": {dep: c["goal_met"] for r in rows for dep, c in r.get("prefix_cache", {}).items()},
             "autoscaler_goal_met": {f"{r['workload']}/{dep}": c["goal_met"] for r in rows
-                                    for dep, c in r.get("autoscaler", {}).items()}}  # fmt: skip
+                                    for dep, c in r.get("autoscaler", {}).items()},
+            # issue 20: the nightly batch case serves >= 24,000 output tokens/s on one 4-GPU node
+            "batch_goal_met": {dep: c["output_tokens_per_s"] >= BATCH_GOAL_TOKENS_S for r in rows
+                               if r["workload"] in CLOSED_LOOP for dep, c in r.items()
+                               if isinstance(c, dict) and c.get("gpus") == 4}}  # fmt: skip
 
 
 def summarize(slo: SLO, out_dir: Path) -> None:
@@ -286,8 +370,9 @@ def summarize(slo: SLO, out_dir: Path) -> None:
         "goals": goal_checks(rows),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    table = markdown(rows) + "\n\n" + capacity_table(rows)
-    for extra in (prefix_table(rows), pair_table(rows)):
+    rate_rows = [r for r in rows if r["workload"] not in CLOSED_LOOP]
+    table = markdown(rate_rows) + "\n\n" + capacity_table(rate_rows)
+    for extra in (prefix_table(rate_rows), pair_table(rate_rows), closed_loop_table(rows)):
         if extra:
             table += "\n\n" + extra
     (out_dir / "summary.md").write_text(table + "\n")
