@@ -167,24 +167,30 @@ def count_outcomes(records: Sequence[RequestRecord]) -> Counts:
     return counts
 
 
+EXPORT_COMMIT = Path(__file__).with_name("export_commit.txt")  # `git archive` writes the commit into it
+
+
 def git_commit(repo: Path | None = None) -> str | None:
-    """HEAD of the checkout this code runs from, with "-dirty" when tracked files changed; None outside git."""
-    where = repo or Path(__file__).resolve().parents[2]
+    """HEAD of the checkout this code runs from, with "-dirty" when tracked files changed; for a `git archive`
+    export (no checkout of its own, perhaps inside another one) the commit the archive was made from, from
+    EXPORT_COMMIT (export-subst in .gitattributes); None when neither says."""
+    where = (repo or Path(__file__).resolve().parents[2]).resolve()
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=where, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=where,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        own = Path(git("rev-parse", "--show-toplevel")).resolve() == where
+        if own:
+            dirty = git("status", "--porcelain", "--untracked-files=no")
+            head = git("rev-parse", "HEAD")
+            return f"{head}-dirty" if dirty else head
     except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{head}-dirty" if dirty else head
+        pass
+    exported = EXPORT_COMMIT.read_text().strip() if EXPORT_COMMIT.exists() and repo is None else ""
+    return exported if len(exported) == 40 and all(c in "0123456789abcdef" for c in exported) else None
 
 
 def _row(record: RequestRecord, metrics: RequestMetrics) -> RequestRow:
