@@ -45,6 +45,10 @@ BOTH = "-both"
 NO_STREAM = "-nostream"
 # Any name + ONE_LANE: nccl transfers to one decode worker take turns (transfer.nccl_lanes 1, as before lanes).
 ONE_LANE = "-1lane"
+# Any name + SPILL: prompts spill onto their decode worker while the prefill workers' queues are long
+# (router.local_prefill_spill_tokens SPILL_TOKENS: about three 2-4k-token prompts waiting).
+SPILL = "-spill"
+SPILL_TOKENS = 8192
 POOLS = ("prefill", "decode", "colocated")
 # Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
@@ -68,8 +72,8 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH, NO_STREAM
-    and ONE_LANE);
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH, NO_STREAM,
+    ONE_LANE and SPILL);
     `slo` is the (TTFT, TPOT) the autoscaler aims at."""
     if name.endswith(IPC):
         config = deployment_config(name.removesuffix(IPC), slo)
@@ -81,6 +85,9 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
     if name.endswith(ONE_LANE):
         config = deployment_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
+    if name.endswith(SPILL):
+        config = deployment_config(name.removesuffix(SPILL), slo)
+        return dict(config, router=dict(config.get("router", {}), local_prefill_spill_tokens=SPILL_TOKENS))
     if name.endswith(NO_STREAM):
         config = deployment_config(name.removesuffix(NO_STREAM), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
@@ -96,7 +103,7 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

@@ -3,7 +3,8 @@
 model: smollm2-135m-instruct          # served model (HF dir, .gguf, dummy:<shape>, or the embedded default)
 mode: disaggregated                   # or colocated (prefill and decode in one worker, same router)
 router:   {host, port, http_port, metrics_port, metrics_file_sd, max_queue, max_inflight, request_timeout_s,
-           default_max_tokens, local_prefill_max_tokens, local_prefill_max_queued_tokens, ...,
+           default_max_tokens, local_prefill_max_tokens, local_prefill_max_queued_tokens,
+           local_prefill_spill_tokens, ...,
            auth: {api_keys_file, reload_interval_s}}   # API keys and quotas (router/auth); off without a file
 prefill:  {replicas, num_gpus, ray_resources, metrics_port, metrics_port_count,
            engine: {cache: {...}, scheduler: {...}, device: {...}}}
@@ -77,6 +78,9 @@ class RouterSettings:
     # setting; 0 turns it off (router/placement.py, LocalPrefill).
     local_prefill_max_tokens: int = 0
     local_prefill_max_queued_tokens: int = 2048
+    # Spill: any prompt is prefilled on its decode worker while every prefill worker has at least this many prompt
+    # tokens queued and the decode worker's own queue stays within it; 0 turns it off (LocalPrefill).
+    local_prefill_spill_tokens: int = 0
     auth: AuthSettings = field(default_factory=AuthSettings)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,10 @@ class RouterSettings:
                 raise ConfigError(f"router.{name}: must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"router.request_timeout_s: must be > 0, got {self.request_timeout_s}")
+        if self.local_prefill_spill_tokens < 0:
+            raise ConfigError(
+                f"router.local_prefill_spill_tokens: must be >= 0 (0: off), got {self.local_prefill_spill_tokens}"
+            )
         if self.local_prefill_max_tokens < 0 or self.local_prefill_max_queued_tokens < 1:
             raise ConfigError(
                 "router.local_prefill_max_tokens / router.local_prefill_max_queued_tokens: must be >= 0 / >= 1, "

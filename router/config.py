@@ -45,6 +45,9 @@ class RouterConfig:
       prompt tokens (short, or mostly in its prefix cache) is prefilled there, with no KV transfer; 0: never.
     local_prefill_max_queued_tokens: ... only while that worker's queued prompt tokens, this one included, stay
       within this (router.placement.LocalPrefill).
+    local_prefill_spill_tokens: any prompt is prefilled on its decode worker when the least loaded prefill
+      worker has at least this many prompt tokens queued and the decode worker's queue, this prompt included,
+      stays within it (LocalPrefill.spill_queued_tokens); 0: never.
     http_port: where the OpenAI-compatible HTTP API listens, on `host` (router.openai_api); None: not served,
       0: any free port (RouterServer.http_address says which).
     http_max_body_bytes: largest HTTP request body; a larger one gets 413.
@@ -76,6 +79,7 @@ class RouterConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     local_prefill_max_tokens: int = 0
     local_prefill_max_queued_tokens: int = 2048
+    local_prefill_spill_tokens: int = 0
     http_port: int | None = None
     http_max_body_bytes: int = DEFAULT_HTTP_MAX_BODY_BYTES
     api_keys_file: str | None = None
@@ -105,7 +109,7 @@ class RouterConfig:
             "local_prefill_max_queued_tokens",
         ):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
-        for name in ("max_queue", "worker_retries", "local_prefill_max_tokens"):
+        for name in ("max_queue", "worker_retries", "local_prefill_max_tokens", "local_prefill_spill_tokens"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         for name in (
             "request_timeout_s",

@@ -36,6 +36,7 @@ from router.pairs import pair_of
 from router.placement import (
     LOCAL_CACHED,
     LOCAL_SHORT,
+    LOCAL_SPILL,
     Placement,
     Placer,
     PromptWork,
@@ -258,7 +259,7 @@ class Dispatcher:
             sent=len(out.token_ids),
         )
         self._metrics.placed(placement.reason)
-        if placement.reason in (LOCAL_SHORT, LOCAL_CACHED):
+        if placement.reason in (LOCAL_SHORT, LOCAL_CACHED, LOCAL_SPILL):
             log.info(
                 "request %s: local prefill on decode worker %s (%s: %d of %d prompt tokens to compute there)",
                 attempt.id,

@@ -93,5 +93,5 @@ class RouterMetrics:
 
     def placed(self, reason: str) -> None:
         """One attempt placed; `reason` says where its prompt runs and why (router.placement: "prefill_worker",
-        "local_short", "local_cached", "colocated")."""
+        "local_short", "local_cached", "local_spill", "colocated")."""
         self.placements[reason] += 1

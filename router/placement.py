@@ -100,10 +100,17 @@ class LocalPrefill:
     max_queued_tokens: ... and only while the prompt tokens queued there, this one included, stay within this
       (headroom), so local prefills never stall that worker's running decodes for long. The worker must also
       have free blocks for the prompt.
+    spill_queued_tokens: any prompt spills onto its decode worker when the least loaded matching prefill
+      worker already has at least this many prompt tokens queued, while the decode worker's own queue, this
+      prompt included, stays within it too; 0: never. A prefill pool that is short for the traffic (2 prefill +
+      2 decode GPUs on 4x H200 missed TTFT at 24 req/s of 2-4k-token prompts while decode had room, and 3 + 1
+      missed TPOT: docs/performance.md) then borrows the decode workers' spare compute. A remote prefill that
+      would wait behind that many tokens loses more time than a local one costs the decode batch.
     """
 
     max_uncached_tokens: int = 0
     max_queued_tokens: int = 2048
+    spill_queued_tokens: int = 0
 
     def reason(self, decode: WorkerLoad, work: PromptWork) -> str | None:
         """LOCAL_CACHED or LOCAL_SHORT when the prompt should be prefilled on `decode`, else None."""
@@ -118,11 +125,25 @@ class LocalPrefill:
             return None
         return LOCAL_CACHED if work.cached_on(decode.worker_id) >= uncached else LOCAL_SHORT
 
+    def spills(self, decode: WorkerLoad, prefill: WorkerLoad, work: PromptWork) -> bool:
+        """The prompt goes to `decode` instead of `prefill` (the cheapest matching prefill worker): see
+        spill_queued_tokens."""
+        limit = self.spill_queued_tokens
+        return (
+            limit > 0
+            and prefill.queued_prefill_tokens >= limit
+            and decode.queued_prefill_tokens + work.uncached_on(decode.worker_id) <= limit
+            and _fits(decode, work)
+        )
+
 
 # Why the prompt runs where it does (Placement.reason; the router counts placements by it).
 PREFILL_WORKER = "prefill_worker"  # on a prefill worker, its KV shipped to the decode worker
 LOCAL_SHORT = "local_short"  # on the decode worker: few tokens to compute (a short prompt)
 LOCAL_CACHED = "local_cached"  # on the decode worker: most of the prompt is in its prefix cache
+LOCAL_SPILL = (
+    "local_spill"  # on the decode worker: the prefill workers' queues are long (spill_queued_tokens)
+)
 COLOCATED = "colocated"  # on a colocated worker (no prefill/decode pair)
 
 
@@ -280,6 +301,8 @@ class Placer:
                 return Placement(decode.worker_id, None, local)
             prefills = self.prefills(loads, work, decode.layout_fingerprint, exclude, turn, decode)
             if prefills:
+                if self.local_prefill.spills(decode, prefills[0], work):
+                    return Placement(decode.worker_id, None, LOCAL_SPILL)
                 return Placement(decode.worker_id, prefills[0].worker_id, PREFILL_WORKER)
         colocated = self.colocated(loads, work, exclude, turn)
         return Placement(colocated[0].worker_id, None, COLOCATED) if colocated else None
@@ -290,7 +313,11 @@ DEFAULT_PLACER = Placer()
 
 def placer_for(config: RouterConfig) -> Placer:
     """A router's placer: its local prefill settings, and the transports pairs must have in common."""
-    local = LocalPrefill(config.local_prefill_max_tokens, config.local_prefill_max_queued_tokens)
+    local = LocalPrefill(
+        config.local_prefill_max_tokens,
+        config.local_prefill_max_queued_tokens,
+        config.local_prefill_spill_tokens,
+    )
     return Placer(local_prefill=local, transfer_kinds=config.transfer_kinds)
 
 

@@ -124,8 +124,9 @@ class PrometheusRouterMetrics(RouterMetrics):
         )
         self._placements = Counter(
             "tandem_placements_total",
-            "Placed attempts by where the prompt runs: prefill_worker, local_short / local_cached (prefilled on "
-            "the decode worker: a short prompt / mostly in its prefix cache), colocated",
+            "Placed attempts by where the prompt runs: prefill_worker, local_short / local_cached / local_spill "
+            "(prefilled on the decode worker: a short prompt / mostly in its prefix cache / the prefill workers' "
+            "queues are long), colocated",
             ["model", "reason"],
             registry=r,
         )

@@ -102,8 +102,10 @@ class FakeWorker:
         *,
         mode: str = "ok",
         free_blocks: int = 100,
+        queued_prefill_tokens: int = 0,
     ) -> None:
         self.worker_id = worker_id
+        self.queued_prefill_tokens = queued_prefill_tokens  # what Status reports (placement's queue signal)
         self.script = script
         self.landings = landings
         self.eos = eos
@@ -124,6 +126,7 @@ class FakeWorker:
             kv_blocks_total=self.free_blocks + 7,
             kv_blocks_used=7,
             running_requests=self.active,
+            queued_prefill_tokens=self.queued_prefill_tokens,
             layout_fingerprint=LAYOUT,
             model="smollm2",
         )

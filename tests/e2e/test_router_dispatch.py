@@ -168,6 +168,26 @@ def test_colocated_worker_computes_the_prompt_itself(make, served_model: ServedM
     assert request.local_prefill and worker.cancelled == []
 
 
+def test_a_prompt_spills_onto_the_decode_worker_while_the_prefill_queue_is_long(make) -> None:
+    """router.local_prefill_spill_tokens: the prefill worker reports a queue past the bound, so the decode worker
+    computes the prompt itself (Decode with local_prefill) and the placement is counted as local_spill."""
+    harness = make(local_prefill_spill_tokens=1000)
+    decode = harness.add(FakeDecode, "d0")
+    prefill = harness.add(FakePrefill, "p0", queued_prefill_tokens=5000)
+    harness.start()
+    with harness.client() as client:
+        assert client.generate(PROMPT, max_tokens=64).text == REPLY
+    (request,) = decode.requests
+    assert request.local_prefill and prefill.requests == []
+    assert harness.router.metrics.placements["local_spill"] == 1
+    prefill.queued_prefill_tokens = 0  # its queue drained: the next prompt goes to the prefill worker again
+    wait_until(lambda: harness.status().workers and all(w.queued_prefill_tokens == 0 for w in harness.status().workers),
+               what="the router to poll the drained queue")  # fmt: skip
+    with harness.client() as client:
+        assert client.generate(PROMPT, max_tokens=64).text == REPLY
+    assert len(prefill.requests) == 1 and harness.router.metrics.placements["prefill_worker"] == 1
+
+
 def test_two_plus_two_workers_all_serve_traffic(make) -> None:
     harness = make()
     workers = [

@@ -10,6 +10,7 @@ from model_runtime.roles import WorkerRole as Role
 from router.placement import (
     LOCAL_CACHED,
     LOCAL_SHORT,
+    LOCAL_SPILL,
     PREFILL_WORKER,
     LocalPrefill,
     Placement,
@@ -230,3 +231,23 @@ def test_local_prefill_takes_short_or_mostly_cached_prompts_when_the_decode_work
     # Off by default.
     default = place(loads, PromptWork(40))
     assert default == Placement("d0", "p0") and default.reason == PREFILL_WORKER  # type: ignore[union-attr]
+
+
+def test_a_prompt_spills_onto_its_decode_worker_while_the_prefill_queues_are_long() -> None:
+    """4x H200: 2 prefill + 2 decode missed TTFT at 24 req/s while decode had room. With spill_queued_tokens,
+    a prompt whose best prefill worker already has that many tokens queued runs on its decode worker, as long as
+    the decode worker's own queue stays within the same bound."""
+    placer = Placer(local_prefill=LocalPrefill(spill_queued_tokens=8192))
+    work = PromptWork(3000)
+    idle = [decode("d0", free=10_000), prefill("p0", queued=4000), prefill("p1", queued=5000)]
+    assert placer.place(idle, work) == Placement("d0", "p0")  # the best prefill queue is short: remote
+    long = [decode("d0", free=10_000), prefill("p0", queued=8192), prefill("p1", queued=9000)]
+    spilled = placer.place(long, work)
+    assert spilled == Placement("d0", None) and spilled.reason == LOCAL_SPILL  # type: ignore[union-attr]
+    # The decode worker's own queue would pass the bound with this prompt: remote after all.
+    busy = [decode("d0", free=10_000).charged(prefill_tokens=6000), prefill("p0", queued=9000)]
+    assert placer.place(busy, work) == Placement("d0", "p0")
+    # No blocks for the prompt on the decode worker: remote.
+    assert placer.place([decode("d0", free=10), prefill("p0", queued=9000)], work) == Placement("d0", "p0")
+    # Off by default.
+    assert place(long, work) == Placement("d0", "p0")

@@ -272,3 +272,18 @@ def test_router_auth_maps_onto_the_router_and_a_bad_key_file_stops_the_standalon
     err = capsys.readouterr().err.strip()
     assert err.startswith("tandem router: router.auth.api_keys_file: ") and "keys[0].secret: must be" in err
     assert "too-short" not in err
+
+
+def test_the_spill_threshold_reaches_the_routers_placer_and_a_negative_one_is_refused() -> None:
+    from deploy.config import parse_config
+    from deploy.router_inputs import router_config
+    from model_runtime.config import ConfigError
+    from router.placement import placer_for
+
+    assert (
+        placer_for(router_config(parse_config({}))).local_prefill.spill_queued_tokens == 0
+    )  # off by default
+    c = router_config(parse_config({"router": {"local_prefill_spill_tokens": 8192}}))
+    assert placer_for(c).local_prefill.spill_queued_tokens == 8192
+    with pytest.raises(ConfigError, match=r"^router\.local_prefill_spill_tokens: must be >= 0"):
+        parse_config({"router": {"local_prefill_spill_tokens": -1}})
