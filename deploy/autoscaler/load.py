@@ -105,9 +105,9 @@ class LoadTracker:
             return None
         prefix = f"{role.value}/"
         shares = [
-            min(1.0, max(0.0, (last.busy[w] - first.busy[w]) / elapsed))
+            min(1.0, (last.busy[w] - first.busy[w]) / elapsed)
             for w in last.busy
-            if w.startswith(prefix) and w in first.busy
+            if w.startswith(prefix) and w in first.busy and last.busy[w] >= first.busy[w]  # not restarted
         ]
         return sum(shares) / len(shares) if shares else None
 

@@ -58,6 +58,9 @@ def test_workers_that_are_not_ready_or_report_no_busy_time_are_left_out() -> Non
     tracker.read(4.0)
     load = tracker.loads(10.0)[P]
     assert load.workers == 2 and load.busy_share == pytest.approx(0.5)  # p0 only: p1 gave no reading
+    workers.now = [info("p0", P, busy=1.0), info("p1", P, busy=3.0)]  # p0 restarted under the same id
+    tracker.read(8.0)
+    assert tracker.loads(10.0)[P].busy_share is None  # p1 has no earlier reading, p0 counts from zero again
 
 
 def test_a_worker_that_joined_within_the_window_does_not_count_until_it_spans_it() -> None:
