@@ -14,8 +14,8 @@ the median time of each phase on both sides (SendResult.phases, TransferResult.p
 
 Usage: python bench/kv_transfer.py [--quick] [--transports nccl,cuda_ipc,tcp] [--tokens 128,512,...]; prints
 a table and writes bench/results/kv_transfer_<gpu-name>.json (medians over --reps after --warmup).
-`--smoke` runs the same driver on a CPU: tcp only, two short prompts, no raw baselines (a test runs it; its
-times mean nothing).
+`--smoke --out FILE` runs the same driver on a CPU: tcp only, two short prompts, no raw baselines (a test runs
+it; its times mean nothing).
 """
 
 from __future__ import annotations
@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tcp, 16 and 64 tokens: checks the driver")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    if args.smoke and not args.out:
+        parser.error("--smoke: give --out FILE (smoke numbers never go to bench/results)")
     args.transports = ["tcp"] if args.smoke else args.transports.split(",")
     args.tokens = [128, 2048] if args.quick else [int(t) for t in args.tokens.split(",")]
     args.tokens = [16, 64] if args.smoke else args.tokens
