@@ -71,6 +71,8 @@ import argparse
 import json
 import math
 import random
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -323,7 +325,13 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             server.wait_quiet()
             before, pairs_before = server.kv_transfer_totals(), server.pair_totals()
             seed = point_seed(args.seed, rate, repeat)
+            spies = (
+                start_py_spy(f"{label}@{rate:g}", point_seconds(rate, args))
+                if rate == args.py_spy and not repeat
+                else []
+            )
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
+            finish_py_spy(spies)
             point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
             point["pairs"] = pair_delta(pairs_before, server.pair_totals())
             result["points"].append({**point, "repeat": repeat, "pools": server.pools(), **settle})
@@ -346,6 +354,42 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
         if between:
             print(f"[{label}] refining between {met:g} and {missed:g} req/s: {between}", file=sys.stderr)
             ascending_sweep(between, run_rate)
+
+
+WORKER_TITLE = "^ray::WorkerProcess"  # the process title Ray gives each worker actor (deploy/actors.py)
+
+
+def start_py_spy(label: str, seconds: float) -> list[tuple[subprocess.Popen, Path]]:
+    """py-spy on every worker process for one point (--py-spy RATE): which threads hold the interpreter lock
+    while the engine steps (issue 14's cached-prefix TTFT, twice the engine-alone time in the worker). Raw
+    folded stacks with thread names, only samples that hold the GIL, to OUT_DIR/pyspy_<label>_<pid>.txt. Needs
+    py-spy on PATH (its manylinux wheel travels in .whl) and ptrace rights; says why not otherwise."""
+    if shutil.which("py-spy") is None:
+        print("--py-spy: no py-spy on PATH; the point runs unprofiled", file=sys.stderr)
+        return []
+    found = subprocess.run(["pgrep", "-f", WORKER_TITLE], capture_output=True, text=True).stdout.split()
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", label)
+    spies = []
+    for pid in found:
+        out = OUT_DIR / f"pyspy_{slug}_{pid}.txt"
+        cmd = ["py-spy", "record", "--pid", pid, "--duration", str(math.ceil(seconds)), "--rate", "250",
+               "--format", "raw", "--threads", "--gil", "--nonblocking", "--output", str(out)]  # fmt: skip
+        spies.append(
+            (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out)
+        )
+    print(f"--py-spy: recording {len(spies)} worker process(es) for {seconds:g} s", file=sys.stderr)
+    return spies
+
+
+def finish_py_spy(spies: list[tuple[subprocess.Popen, Path]]) -> None:
+    for proc, out in spies:
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0 or not out.exists():
+            print(f"--py-spy: {out.name}: exit {proc.returncode}: {err.strip()[-300:]}", file=sys.stderr)
 
 
 def ascending_sweep(
@@ -487,6 +531,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="after the sweep, rates this far apart (req/s) between the highest met and the first missed "
         "(0: none; issue 20 asks for 1)",
+    )
+    p.add_argument(
+        "--py-spy",
+        type=float,
+        help="record every worker process with py-spy (GIL holders, by thread) during this rate's first run",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
