@@ -1,7 +1,8 @@
 """The SLO autoscaler's policy: from one window's latency p90s and the pools' sizes to new pool targets.
 
 Pure: no clock, no Ray, no I/O; the loop (deploy.autoscaler.loop) feeds it and applies what it returns. Its
-only memory is the hysteresis (streaks of evaluations, and the time before which it does not act).
+only memory is the hysteresis (streaks of evaluations, the time before which it does not act) and the shrinks it
+regretted (below).
 
 Each evaluation grades each signal against its target (the p90 over the window, when the window has at least
 min_requests samples of it):
