@@ -224,9 +224,9 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
     data.pop("requests")
     samples = LatencySamples.from_report(report)
     data["samples"] = {k: [round(v, 5) for v in vals] for k, vals in asdict(samples).items()}
-    # Each succeeded request's (TTFT, TPOT), so the summary can judge any other SLO set (dvc_summary.INTERACTIVE).
-    data["slo_pairs"] = [
-        [round(r.ttft, 5) if r.ttft is not None else None, round(r.tpot, 5) if r.tpot is not None else None]
+    # Each succeeded request's TTFT, TPOT and e2e, so the summary can judge another SLO set (dvc_summary.INTERACTIVE).
+    data["slo_samples"] = [
+        [None if v is None else round(v, 5) for v in (r.ttft, r.tpot, r.e2e)]
         for r in report.requests
         if r.outcome == "succeeded"
     ]

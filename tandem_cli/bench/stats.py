@@ -113,13 +113,16 @@ class SLO:
         return self.ttft is None and self.tpot is None and self.e2e is None
 
     def met_by(self, metrics: RequestMetrics) -> bool:
+        return self.meets(metrics.ttft, metrics.tpot, metrics.e2e)
+
+    def meets(self, ttft: float | None, tpot: float | None, e2e: float) -> bool:
         """True when every given target is met. A request with one output token has no TPOT and meets any
         TPOT target; a request with no token at all meets no TTFT target."""
-        if self.ttft is not None and (metrics.ttft is None or metrics.ttft > self.ttft):
+        if self.ttft is not None and (ttft is None or ttft > self.ttft):
             return False
-        if self.tpot is not None and metrics.tpot is not None and metrics.tpot > self.tpot:
+        if self.tpot is not None and tpot is not None and tpot > self.tpot:
             return False
-        return self.e2e is None or metrics.e2e <= self.e2e
+        return self.e2e is None or e2e <= self.e2e
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in SLO_METRICS if getattr(self, name) is not None]

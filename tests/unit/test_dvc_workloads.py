@@ -72,16 +72,16 @@ def test_the_sweep_stops_after_two_misses_and_refines_between_the_last_met_and_t
     assert refine_rates(20, 21, 1) == ()
 
 
-def _point(rate: float, sent: int, pairs: list, tokens: float = 1000.0) -> dict:
-    return {"settings": {"rate": rate}, "counts": {"sent": sent}, "slo_pairs": pairs,
+def _point(rate: float, sent: int, samples: list, tokens: float = 1000.0) -> dict:
+    return {"settings": {"rate": rate}, "counts": {"sent": sent}, "slo_samples": samples,
             "goodput": {"share": 1.0}, "output_token_throughput": tokens}  # fmt: skip
 
 
 def test_another_slo_set_is_judged_from_each_requests_ttft_and_tpot() -> None:
-    fast, slow_tpot, slow_ttft = [0.2, 0.01], [0.2, 0.04], [0.8, 0.01]
+    fast, slow_tpot, slow_ttft = [0.2, 0.01, 3.0], [0.2, 0.04, 9.0], [0.8, 0.01, 3.0]
     points = [
         _point(4, 10, [fast] * 10),
-        _point(6, 10, [fast] * 9 + [[0.3, None]]),  # one output token: judged on TTFT alone
+        _point(6, 10, [fast] * 9 + [[0.3, None, 0.3]]),  # one output token: judged on TTFT alone
         _point(8, 10, [fast] * 8 + [slow_tpot, slow_ttft]),
         _point(10, 10, [fast] * 10),  # past a miss: not a capacity
     ]
@@ -89,7 +89,7 @@ def test_another_slo_set_is_judged_from_each_requests_ttft_and_tpot() -> None:
     assert capacity_at(points, INTERACTIVE) == 6
     cancelled = _point(12, 10, [fast] * 9)  # one of ten sent never finished
     assert share_at(cancelled, INTERACTIVE) == 0.9
-    assert capacity_at([{**points[0], "slo_pairs": None}], INTERACTIVE) is None
+    assert capacity_at([{**points[0], "slo_samples": None}], INTERACTIVE) is None
     assert gpu_seconds_per_1k_tokens(points[0], gpus=4) == 4.0
 
 
