@@ -104,7 +104,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_beat = time.monotonic()  # refreshed every iteration: a stale value means a hung step
         self.steps = 0
-        self.busy_seconds = 0.0  # wall time spent in engine steps that ran (written by the loop thread only)
+        self.busy_seconds = (
+            0.0  # the steps' own wall times (StepRecord.duration_s), added up by the loop thread
+        )
         self.failure: BaseException | None = None
         self._prefix_limit = prefix_report_limit
         self.prefix = PrefixSnapshot()
@@ -224,11 +226,9 @@ class EngineLoop:
                 self.last_beat = time.monotonic()
                 with self._lock:
                     self._run_calls()
-                    started = time.monotonic()
                     outputs = self.engine.step() if self.engine.has_unfinished() else None
-                    if outputs is not None and self.engine.last_step_ran:
-                        self.busy_seconds += time.monotonic() - started
                     if outputs is not None and self.engine.last_step is not None:
+                        self.busy_seconds += self.engine.last_step.duration_s
                         for listener in self._step_listeners:
                             listener(self.engine.last_step)
                     self._deliver(outputs or [])

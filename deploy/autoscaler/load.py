@@ -55,7 +55,9 @@ class PoolLoad:
 @dataclass(frozen=True)
 class _Reading:
     at: float
-    busy: dict[str, float]  # worker id -> busy_seconds_total (ready workers that report it)
+    busy: dict[
+        tuple[WorkerRole, str], float
+    ]  # (pool, worker id) -> busy_seconds_total (ready ones reporting it)
     kv: dict[WorkerRole, float]  # pool -> kv_blocks_used / kv_blocks_total
     workers: dict[WorkerRole, int]  # pool -> ready workers
 
@@ -72,7 +74,7 @@ class LoadTracker:
         used: dict[WorkerRole, int] = {}
         total: dict[WorkerRole, int] = {}
         workers: dict[WorkerRole, int] = {}
-        busy: dict[str, float] = {}
+        busy: dict[tuple[WorkerRole, str], float] = {}
         for info in infos:
             if info.role == admin_pb2.WORKER_ROLE_UNSPECIFIED:
                 continue
@@ -81,7 +83,7 @@ class LoadTracker:
             used[role] = used.get(role, 0) + info.kv_blocks_used
             total[role] = total.get(role, 0) + info.kv_blocks_total
             if info.busy_seconds_total > 0:
-                busy[f"{role.value}/{info.worker_id}"] = info.busy_seconds_total
+                busy[(role, info.worker_id)] = info.busy_seconds_total
         kv = {role: used[role] / total[role] for role in total if total[role] > 0}
         self._readings.append(_Reading(now, busy, kv, workers))
 
@@ -103,11 +105,10 @@ class LoadTracker:
         elapsed = last.at - first.at
         if elapsed <= 0:
             return None
-        prefix = f"{role.value}/"
         shares = [
             min(1.0, (last.busy[w] - first.busy[w]) / elapsed)
             for w in last.busy
-            if w.startswith(prefix) and w in first.busy and last.busy[w] >= first.busy[w]  # not restarted
+            if w[0] is role and w in first.busy and last.busy[w] >= first.busy[w]  # not restarted
         ]
         return sum(shares) / len(shares) if shares else None
 
