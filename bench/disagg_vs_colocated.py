@@ -70,21 +70,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
-import re
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dvc_deployments import Server, deployment_config  # noqa: E402
+from bench.dvc_deployments import Server, deployment_config, kv_delta, pair_delta  # noqa: E402
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
+from bench.dvc_workloads import (  # noqa: E402
+    DECODE_HEAVY,
+    PREFILL_HEAVY,
+    SMOKE_MIX,
+    SMOKE_WORKLOADS,
+    WORKLOADS,
+    Workload,
+    chat_trace,
+    mixed_trace,
+    parse_rates,
+)
+from bench.pyspy_threads import finish_py_spy, start_py_spy  # noqa: E402
 from tandem_cli.bench import SLO, BenchReport, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
 from tandem_cli.bench.plots import LatencySamples  # noqa: E402
 from tandem_cli.bench.report import git_commit  # noqa: E402
@@ -93,90 +102,9 @@ OUT_DIR = ROOT / "bench" / "results" / "disagg_vs_colocated"
 LOG_DIR = ROOT / "bench" / "results" / "logs"
 
 
-@dataclass(frozen=True)
-class Workload:
-    input_len: str
-    output_len: str
-    rates: tuple[float, ...]  # requests/s, swept in order
-    mixed: bool = False  # draw each request from prefill-heavy or decode-heavy (a trace written per run)
-    shared_prefix: int = 0  # tokens every prompt starts with (one system prompt), before its input_len
-    chat: bool = False  # multi-turn conversations (chat_trace): input_len is a user turn, output_len a reply
-    concurrency: int = 0  # > 0: one closed-loop run with this many requests in flight instead of a rate sweep
-
-
-PREFILL_HEAVY = ("uniform:2048:4096", "uniform:128:256")
-DECODE_HEAVY = ("256", "512")
-WORKLOADS = {
-    "prefill-heavy": Workload(*PREFILL_HEAVY, rates=(0.5, 1, 1.5, 2, 3, 4, 5, 6, 8)),
-    "decode-heavy": Workload(*DECODE_HEAVY, rates=(1, 2, 4, 6, 8, 10, 12, 16, 20)),
-    "mixed": Workload("-", "-", rates=(0.5, 1, 2, 3, 4, 5, 6, 8, 10), mixed=True),
-    # A chat application: one 2k-token system prompt, then each user's own 128-512 tokens.
-    "shared-prefix": Workload(
-        "uniform:128:512", "uniform:64:128", rates=(1, 2, 4, 6, 8, 10, 12), shared_prefix=2048
-    ),
-    # Conversations behind one 2k-token system prompt: each turn resends the conversation so far plus a new user
-    # message (64-256 tokens) and gets a 64-256-token reply; CHAT_TURNS turns, CHAT_SESSIONS at a time.
-    "chat": Workload(
-        "uniform:64:256", "uniform:64:256", rates=(1, 2, 4, 6, 8, 10, 12, 16), shared_prefix=2048, chat=True
-    ),
-    # The nightly batch job (issue 20): 200 summaries in flight, closed loop; only output tokens/s counts.
-    "batch": Workload("uniform:1536:3072", "uniform:200:400", rates=(), concurrency=200),
-}
-SMOKE_WORKLOADS = {
-    "prefill-heavy": Workload("uniform:96:160", "uniform:4:8", rates=(1, 2)),
-    "decode-heavy": Workload("16", "16", rates=(1, 2)),
-    "mixed": Workload("-", "-", rates=(1, 2), mixed=True),
-    "shared-prefix": Workload("uniform:8:24", "uniform:4:8", rates=(1, 2), shared_prefix=128),
-    "chat": Workload("uniform:8:24", "uniform:4:8", rates=(1, 2), shared_prefix=128, chat=True),
-    "batch": Workload("uniform:48:96", "uniform:4:8", rates=(), concurrency=4),
-}
-# Conversations interleaved turn by turn, so a session's next turn comes about CHAT_SESSIONS arrivals later.
-CHAT_SESSIONS = 32
-CHAT_TURNS = 8  # turns of a conversation; then that session starts a new one
-CHAT_IDS = (5000, 40000)  # token ids of chat prompts: inside every served vocabulary's safe range (the dummy
-# Llama-3's 128k and the embedded SmolLM2's 49k: bench's safe_id_range keeps the middle 80%)
-SMOKE_MIX = (("uniform:96:160", "uniform:4:8"), ("16", "16"))
 WARM_UP_RATES = 3  # the lowest rates of a workload's sweep, --warm-up-s each, run before its points count
 WARM_UP_SEED_BLOCK = 9  # point_seed's repeat block for warm-up rounds (--repeats is at most 8)
 SETTLE_SEED_BLOCK = 8  # ... and for an autoscaled deployment's settling load before a rate (--settle-s)
-MAX_RATE = 100.0  # point_seed keeps rate x 100 below 10,000
-
-
-def mixed_trace(path: Path, count: int, seed: int, mix: tuple = (PREFILL_HEAVY, DECODE_HEAVY)) -> None:
-    """count requests, each from the first or the second (input, output) pair of `mix` with probability 1/2."""
-    rng = random.Random(f"mixed-{seed}")
-    dists = [tuple(parse_dist(t, "--workloads") for t in pair) for pair in mix]
-    lines = []
-    for _ in range(count):
-        n_in, n_out = rng.choice(dists)
-        lines.append(json.dumps({"input_len": n_in.sample(rng), "output_len": n_out.sample(rng)}))
-    path.write_text("\n".join(lines) + "\n")
-
-
-def chat_trace(path: Path, count: int, seed: int, workload: Workload) -> None:
-    """`count` turns of CHAT_SESSIONS interleaved conversations: turn k of a session sends the system prompt
-    (workload.shared_prefix tokens, the same in every run), the session's earlier user messages and replies
-    (the replies as stand-in tokens of their output_len: the server's own replies are not known in advance),
-    then a new user message. So every turn's prompt starts with its previous turn's whole prompt, which that
-    turn left in the prefix cache, as a chat application's does."""
-    low, high = CHAT_IDS
-    system_rng, rng = random.Random("tandem-bench-chat-system"), random.Random(f"chat-{seed}")
-    system = [system_rng.randrange(low, high) for _ in range(workload.shared_prefix)]
-    user = parse_dist(workload.input_len, "--workloads")
-    reply = parse_dist(workload.output_len, "--workloads")
-    history: list[list[int]] = [[] for _ in range(CHAT_SESSIONS)]
-    turns = [0] * CHAT_SESSIONS
-    lines = []
-    for index in range(count):
-        s = index % CHAT_SESSIONS
-        if turns[s] == CHAT_TURNS:
-            history[s], turns[s] = [], 0
-        message = [rng.randrange(low, high) for _ in range(user.sample(rng))]
-        out = reply.sample(rng)
-        lines.append(json.dumps({"prompt_token_ids": system + history[s] + message, "output_len": out}))
-        history[s] += message + [rng.randrange(low, high) for _ in range(out)]
-        turns[s] += 1
-    path.write_text("\n".join(lines) + "\n")
 
 
 def point_seconds(rate: float, args: argparse.Namespace) -> float:
@@ -234,45 +162,6 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
     return data
 
 
-def worker_deltas(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, float]:
-    """Each running sum's increase over a point, added over the workers: a worker that joined counts from zero,
-    one that left (or restarted: a sum that went down) counts nothing, since what it did in the point is gone."""
-    out: dict[str, float] = {}
-    for target, sums in after.items():
-        old = before.get(target, {})
-        if any(value < old.get(key, 0.0) for key, value in sums.items()):
-            continue
-        for key, value in sums.items():
-            out[key] = out.get(key, 0.0) + value - old.get(key, 0.0)
-    return out
-
-
-def kv_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Means over one point (from Server.kv_transfer_totals before and after it): seconds and bytes per transfer
-    (None without transfers), and the mean of each phase (seconds): the handoff's and the first token's."""
-    if before is None or after is None:
-        return None
-    delta = worker_deltas(before, after)
-    n = delta.get("transfers", 0.0)
-    phases = {}
-    for key, count in delta.items():
-        if key.endswith(".count") and count > 0:
-            name = key.removesuffix(".count")
-            phases[name] = delta.get(f"{name}.sum", 0.0) / count
-    if not n and not phases:
-        return None
-    return {"transfers": n, "mean_s": delta["seconds"] / n if n else None,
-            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases}  # fmt: skip
-
-
-def pair_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    """The point's disaggregated attempts by pair transport and nodes ({"cuda_ipc:same": 23}; router.pairs)."""
-    delta = {key: round(after[key] - before.get(key, 0.0)) for key in after}
-    return {key: n for key, n in sorted(delta.items()) if n > 0}
-
-
 def handoff_line(point: dict) -> str:
     """Where a disaggregated point's handoffs spent their time (means, ms) and the first token -> second token
     gap a client saw (p50, ms)."""
@@ -326,7 +215,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             before, pairs_before = server.kv_transfer_totals(), server.pair_totals()
             seed = point_seed(args.seed, rate, repeat)
             spies = (
-                start_py_spy(f"{label}@{rate:g}", point_seconds(rate, args))
+                start_py_spy(f"{label}@{rate:g}", point_seconds(rate, args), OUT_DIR)
                 if rate == args.py_spy and not repeat
                 else []
             )
@@ -354,42 +243,6 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
         if between:
             print(f"[{label}] refining between {met:g} and {missed:g} req/s: {between}", file=sys.stderr)
             ascending_sweep(between, run_rate)
-
-
-WORKER_TITLE = "^ray::WorkerProcess"  # the process title Ray gives each worker actor (deploy/actors.py)
-
-
-def start_py_spy(label: str, seconds: float) -> list[tuple[subprocess.Popen, Path]]:
-    """py-spy on every worker process for one point (--py-spy RATE): which threads hold the interpreter lock
-    while the engine steps (issue 14's cached-prefix TTFT, twice the engine-alone time in the worker). Raw
-    folded stacks with thread names, only samples that hold the GIL, to OUT_DIR/pyspy_<label>_<pid>.txt. Needs
-    py-spy on PATH (its manylinux wheel travels in .whl) and ptrace rights; says why not otherwise."""
-    if shutil.which("py-spy") is None:
-        print("--py-spy: no py-spy on PATH; the point runs unprofiled", file=sys.stderr)
-        return []
-    found = subprocess.run(["pgrep", "-f", WORKER_TITLE], capture_output=True, text=True).stdout.split()
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", label)
-    spies = []
-    for pid in found:
-        out = OUT_DIR / f"pyspy_{slug}_{pid}.txt"
-        cmd = ["py-spy", "record", "--pid", pid, "--duration", str(math.ceil(seconds)), "--rate", "250",
-               "--format", "raw", "--threads", "--gil", "--nonblocking", "--output", str(out)]  # fmt: skip
-        spies.append(
-            (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out)
-        )
-    print(f"--py-spy: recording {len(spies)} worker process(es) for {seconds:g} s", file=sys.stderr)
-    return spies
-
-
-def finish_py_spy(spies: list[tuple[subprocess.Popen, Path]]) -> None:
-    for proc, out in spies:
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0 or not out.exists():
-            print(f"--py-spy: {out.name}: exit {proc.returncode}: {err.strip()[-300:]}", file=sys.stderr)
 
 
 def ascending_sweep(
@@ -473,26 +326,6 @@ def warm_up(server: Server, input_len: int = 1024) -> None:
     report = run_benchmark(settings, progress=False)
     if report.counts.succeeded != report.counts.sent:
         raise RuntimeError(f"warm-up requests failed: {report.counts}")
-
-
-def parse_rates(specs: list[str]) -> dict[str, tuple[float, ...]]:
-    """--rates values as {workload: rates}, "*" for a plain list (every workload without its own)."""
-    out: dict[str, tuple[float, ...]] = {}
-    for spec in specs:
-        name, _, values = spec.rpartition("=")
-        name = name or "*"
-        if name != "*" and name not in WORKLOADS:
-            raise ValueError(f"unknown workload {name!r} in {spec!r}; choose from {', '.join(WORKLOADS)}")
-        if name in out:
-            raise ValueError(f"{'a plain list' if name == '*' else name} given twice")
-        try:
-            rates = tuple(float(r) for r in values.split(","))
-        except ValueError:
-            raise ValueError(f"{spec!r} is not a comma list of numbers") from None
-        if not all(0 < r < MAX_RATE for r in rates):
-            raise ValueError(f"each must be in (0, {MAX_RATE:g}) req/s, got {spec!r}")
-        out[name] = rates
-    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

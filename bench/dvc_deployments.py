@@ -234,7 +234,7 @@ class Server:
         seconds, count and bytes, both sides' handoff phase sums and counts ("prefill.stream", "decode.admit",
         ...) and every worker's first-token phases ("colocated.first_token_waiting", ...); None when no worker
         is listed. Kept per worker so that a point's difference survives a worker that left or joined in
-        between (an autoscaler's move): see disagg_vs_colocated.kv_delta."""
+        between (an autoscaler's move): see kv_delta."""
         if not self._targets(("prefill", "decode", "colocated")):
             return None
         names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",
@@ -282,3 +282,42 @@ class Server:
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
                     yield component, target, sample
+
+
+def worker_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Each running sum's increase over a point, added over the workers: a worker that joined counts from zero,
+    one that left (or restarted: a sum that went down) counts nothing, since what it did in the point is gone."""
+    out: dict[str, float] = {}
+    for target, sums in after.items():
+        old = before.get(target, {})
+        if any(value < old.get(key, 0.0) for key, value in sums.items()):
+            continue
+        for key, value in sums.items():
+            out[key] = out.get(key, 0.0) + value - old.get(key, 0.0)
+    return out
+
+
+def kv_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Means over one point (from Server.kv_transfer_totals before and after it): seconds and bytes per transfer
+    (None without transfers), and the mean of each phase (seconds): the handoff's and the first token's."""
+    if before is None or after is None:
+        return None
+    delta = worker_deltas(before, after)
+    n = delta.get("transfers", 0.0)
+    phases = {}
+    for key, count in delta.items():
+        if key.endswith(".count") and count > 0:
+            name = key.removesuffix(".count")
+            phases[name] = delta.get(f"{name}.sum", 0.0) / count
+    if not n and not phases:
+        return None
+    return {"transfers": n, "mean_s": delta["seconds"] / n if n else None,
+            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases}  # fmt: skip
+
+
+def pair_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The point's disaggregated attempts by pair transport and nodes ({"cuda_ipc:same": 23}; router.pairs)."""
+    delta = {key: round(after[key] - before.get(key, 0.0)) for key in after}
+    return {key: n for key, n in sorted(delta.items()) if n > 0}

@@ -1,6 +1,7 @@
-"""Which threads of a worker hold Python's interpreter lock, from `py-spy record --format raw --threads --gil`
-(bench/disagg_vs_colocated.py --py-spy RATE writes such files): each thread's share of the samples, and for every
-thread but the engine loop its heaviest innermost frames, i.e. what competes with the engine's kernel launches.
+"""Which threads of a worker hold Python's interpreter lock: start_py_spy/finish_py_spy record every worker
+process with `py-spy record --format raw --threads --gil` (bench/disagg_vs_colocated.py --py-spy RATE), and the
+command line prints each thread's share of the samples and, for every thread but the engine loop, its heaviest
+innermost frames, i.e. what competes with the engine's kernel launches.
 
     python3 bench/pyspy_threads.py bench/results/.../pyspy_*.txt [--frames 5]
 """
@@ -8,13 +9,52 @@ thread but the engine loop its heaviest innermost frames, i.e. what competes wit
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import shutil
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 ENGINE_THREAD = "engine-loop"
 _THREAD = re.compile(r"^thread \(\d+\): (?P<name>.*)$|^thread \(\d+\)$")
+
+
+WORKER_TITLE = "^ray::WorkerProcess"  # the process title Ray gives each worker actor (deploy/actors.py)
+
+
+def start_py_spy(label: str, seconds: float, out_dir: Path) -> list[tuple[subprocess.Popen, Path]]:
+    """py-spy on every worker process for one point (--py-spy RATE): which threads hold the interpreter lock
+    while the engine steps (issue 14's cached-prefix TTFT, twice the engine-alone time in the worker). Raw
+    folded stacks with thread names, only samples that hold the GIL, to out_dir/pyspy_<label>_<pid>.txt. Needs
+    py-spy on PATH (its manylinux wheel travels in .whl) and ptrace rights; says why not otherwise."""
+    if shutil.which("py-spy") is None:
+        print("--py-spy: no py-spy on PATH; the point runs unprofiled", file=sys.stderr)
+        return []
+    found = subprocess.run(["pgrep", "-f", WORKER_TITLE], capture_output=True, text=True).stdout.split()
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", label)
+    spies = []
+    for pid in found:
+        out = out_dir / f"pyspy_{slug}_{pid}.txt"
+        cmd = ["py-spy", "record", "--pid", pid, "--duration", str(math.ceil(seconds)), "--rate", "250",
+               "--format", "raw", "--threads", "--gil", "--nonblocking", "--output", str(out)]  # fmt: skip
+        spies.append(
+            (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out)
+        )
+    print(f"--py-spy: recording {len(spies)} worker process(es) for {seconds:g} s", file=sys.stderr)
+    return spies
+
+
+def finish_py_spy(spies: list[tuple[subprocess.Popen, Path]]) -> None:
+    for proc, out in spies:
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0 or not out.exists():
+            print(f"--py-spy: {out.name}: exit {proc.returncode}: {err.strip()[-300:]}", file=sys.stderr)
 
 
 def thread_shares(lines: list[str]) -> tuple[Counter[str], dict[str, Counter[str]], int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.disagg_vs_colocated import SETTLE_SEED_BLOCK, WARM_UP_SEED_BLOCK, kv_delta, parse_args, point_seed
+from bench.disagg_vs_colocated import SETTLE_SEED_BLOCK, WARM_UP_SEED_BLOCK, parse_args, point_seed
+from bench.dvc_deployments import kv_delta
 from bench.dvc_summary import rate_points, repeat_spread, share_points
 from tandem_cli.bench.sweep import capacity
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.disagg_vs_colocated import pair_delta
-from bench.dvc_deployments import config_gpus, deployment_config, smoke_config
+from bench.dvc_deployments import config_gpus, deployment_config, pair_delta, smoke_config
 from bench.dvc_summary import autoscaler_comparison, pair_transports, prefix_comparison
 from deploy.config import parse_config
 

@@ -8,15 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.disagg_vs_colocated import (
-    CHAT_IDS,
-    CHAT_SESSIONS,
-    CHAT_TURNS,
-    WORKLOADS,
-    ascending_sweep,
-    chat_trace,
-    refine_rates,
-)
+from bench.disagg_vs_colocated import ascending_sweep, refine_rates
 from bench.dvc_summary import (
     INTERACTIVE,
     capacity_at,
@@ -25,6 +17,7 @@ from bench.dvc_summary import (
     share_at,
     summarize_closed_loop,
 )
+from bench.dvc_workloads import CHAT_IDS, CHAT_SESSIONS, CHAT_TURNS, WORKLOADS, chat_trace
 
 pytestmark = pytest.mark.unit
 
