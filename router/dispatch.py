@@ -387,7 +387,8 @@ class Dispatcher:
         """The decode worker's KVTarget: its first event, due within worker_rpc_timeout_s."""
         limit = self._config.worker_rpc_timeout_s
         try:
-            event = await asyncio.wait_for(decode.read(), limit)
+            async with asyncio.timeout(limit):  # not wait_for: on 3.11 it can drop a cancel (see pool.py)
+                event = await decode.read()
         except TimeoutError:
             raise decode.error(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no KV reservation within {limit:g} s"

@@ -211,6 +211,7 @@ class WorkerPool:
         self._workers: dict[str, WorkerHandle] = {}
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
+        self._closed = False
         self._closers: dict[asyncio.Task[None], WorkerHandle] = {}  # retired members, closed once idle
         self.pairs = ActivePairs()  # prefill/decode pairs with requests on them now (dispatch opens them)
 
@@ -316,10 +317,12 @@ class WorkerPool:
             self._poller = asyncio.create_task(self._poll_forever(), name="router-worker-poller")
 
     async def close(self) -> None:
+        self._closed = True
         if self._poller is not None:
             self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+            # asyncio.wait, not `await task` under suppress(CancelledError): that would also swallow a cancel of
+            # the caller itself (a stop under a deadline then never learns its time ran out).
+            await asyncio.wait([self._poller])
             self._poller = None
         retired = list(self._closers.items())
         for task, _ in retired:
@@ -331,12 +334,17 @@ class WorkerPool:
         self._workers = {}
 
     async def _poll_forever(self) -> None:
-        while True:
+        # The loop ends on the flag as well as on the cancel: close() must not wait forever on a poller that one
+        # lost cancellation left running. asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the
+        # result, dropping the cancel, when the wake-up and the cancel land in the same loop turn (CPython
+        # bpo-42130; 3.12 rebuilt wait_for on asyncio.timeout). That hung a router's stop in CI on a busy box.
+        while not self._closed:
             self._wake.clear()
             await self.poll_once()
             self._on_change()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+                async with asyncio.timeout(self._interval):
+                    await self._wake.wait()
 
     async def poll_once(self) -> None:
         # return_exceptions: one poll's unexpected error must not end the poller (every worker would then stay

@@ -14,7 +14,6 @@ read in a thread).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -70,8 +69,8 @@ class AuthGate:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # asyncio.wait, not suppress(CancelledError) around `await task`: that would swallow our caller's cancel.
+            await asyncio.wait([task])
 
     def authenticate(self, authorization: str | None) -> ApiKey:
         """The key an `authorization` value ("Bearer <secret>") names; Unauthenticated when it names none."""
