@@ -84,6 +84,11 @@ def init_tp_group(
     )
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)  # set by init_process_group above
+    if backend == "nccl":
+        # NCCL makes its communicator at the first collective; that must not be inside a CUDA graph capture
+        # (the decode graphs hold all-reduces), so one small all-reduce makes it here, before any capture.
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=world)
+        torch.cuda.synchronize()
     host = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
     assert isinstance(host, dist.ProcessGroup)
     return TPGroup(rank=rank, size=size, device_group=world, host_group=host)

@@ -94,7 +94,7 @@ CASES = [(tp, kind, name) for tp, checks in CHECKS.items() for kind, name in che
 def test_tensor_parallel_matches_one_device(results, tp: int, kind: str, name: str) -> None:
     reference, ranks = results(tp)[(kind, name)]
     if kind == "greedy":
-        tokens, prefill_steps, preempted = ranks[0]
+        tokens, prefill_steps, preempted, _ = ranks[0]
         assert tokens == reference[0], f"TP={tp} greedy tokens differ from TP=1"
         # The schedule had chunked prompts next to decodes, and preemptions, for the other ranks to follow.
         assert prefill_steps > len(prompts()) and preempted > 0, (prefill_steps, preempted)

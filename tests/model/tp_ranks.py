@@ -1,4 +1,5 @@
-"""Run a function on N tensor-parallel ranks: N processes started here, one gloo group over 127.0.0.1.
+"""Run a function on N tensor-parallel ranks: N processes started here, one group over 127.0.0.1 (gloo on CPU;
+NCCL with device="cuda", rank r on cuda:r).
 
     results = run_ranks(greedy_tokens, 2, model_path, prompts)    # [rank 0's result, rank 1's, ...]
 
@@ -30,9 +31,12 @@ from model_runtime.startup import StartupProgress
 from model_runtime.weights import load_model_config, resolve_model
 
 BLOCK_SIZE = 4
+GPU_BLOCK_SIZE = 16
 
 
-def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+def run_ranks(
+    target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 240.0, device: str = "cpu"
+) -> list[Any]:
     # A fork server imports this module (torch, the engine) once; each rank is then a fork of it, which has
     # never run a torch op (no thread pools to inherit), instead of a fresh interpreter importing torch again.
     ctx = mp.get_context("forkserver")
@@ -40,7 +44,7 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: floa
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(target, rank, size, port, queue, args), daemon=True)
+        ctx.Process(target=_rank_main, args=(target, rank, size, port, queue, args, device), daemon=True)
         for rank in range(size)
     ]
     for proc in procs:
@@ -79,10 +83,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(target: Callable[..., Any], rank: int, size: int, port: int, queue: Any, args: tuple) -> None:
+def _rank_main(
+    target: Callable[..., Any], rank: int, size: int, port: int, queue: Any, args: tuple, device: str
+) -> None:
     torch.set_num_threads(1)  # N ranks share the test machine's few cores
     try:
-        group = init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=120)
+        collectives = "cpu" if device == "cpu" else f"cuda:{rank}"
+        group = init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", collectives, timeout_s=120)
         queue.put((rank, True, target(group, *args)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
@@ -90,37 +97,63 @@ def _rank_main(target: Callable[..., Any], rank: int, size: int, port: int, queu
         close_tp_group()
 
 
-def cpu_config(model: str, tp: int, quantization: str = "none") -> EngineConfig:
+def rank_device(group: TPGroup | None, device: str) -> str:
+    """This rank's engine device: "cpu", or cuda:<rank> (TP=1's reference on cuda:0)."""
+    if device == "cpu":
+        return "cpu"
+    return f"cuda:{0 if group is None else group.rank}"
+
+
+def rank_config(
+    model: str,
+    group: TPGroup | None,
+    quantization: str = "none",
+    device: str = "cpu",
+    eager: bool = False,
+) -> EngineConfig:
     """A small token budget and cache, so the lead's schedule has chunked prefills, mixed prefill + decode
-    steps and preemptions (by recompute) for the other ranks to follow."""
+    steps and preemptions (by recompute) for the other ranks to follow. float32 everywhere; on a GPU the
+    blocks are 16 tokens (what the Triton kernels are tuned for) and fewer, so that preemptions still happen,
+    and decode runs in CUDA graphs unless `eager`."""
+    block_size, num_blocks = (BLOCK_SIZE, 24) if device == "cpu" else (GPU_BLOCK_SIZE, 10)
     return EngineConfig(
         model=model,
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=24),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12),
-        device=DeviceConfig(device="cpu", dtype="float32", quantization=quantization),
-        parallel=ParallelConfig(tensor_parallel_size=tp),
+        device=DeviceConfig(
+            device=rank_device(group, device), dtype="float32", quantization=quantization, enforce_eager=eager
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=1 if group is None else group.size),
     )
 
 
 # --- rank functions ----------------------------------------------------------------------------------------
-def run_checks(group: TPGroup | None, checks: list[tuple[str, str, Any]]) -> list[Any]:
+def run_checks(group: TPGroup | None, checks: list[tuple[str, str, Any]], device: str = "cpu") -> list[Any]:
     """Several checks in one set of rank processes (starting N processes costs more than the checks):
-    ("greedy", model, (prompts, max_new)) or ("steps", model, batches), in order, on every rank."""
+    ("greedy", model, (prompts, max_new)), ("greedy-eager", ...) (CUDA graphs off) or ("steps", model,
+    batches), in order, on every rank."""
     results = []
     for kind, model, arg in checks:
-        if kind == "greedy":
-            results.append(greedy_tokens(group, model, *arg))
+        if kind in ("greedy", "greedy-eager"):
+            results.append(greedy_tokens(group, model, *arg, device=device, eager=kind == "greedy-eager"))
         elif kind == "steps":
-            results.append(step_outputs(group, model, arg))
+            results.append(step_outputs(group, model, arg, device=device))
         else:
             raise ValueError(f"unknown check {kind!r}")
     return results
 
 
-def greedy_tokens(group: TPGroup | None, model: str, prompts: list[list[int]], max_new: int) -> Any:
+def greedy_tokens(
+    group: TPGroup | None,
+    model: str,
+    prompts: list[list[int]],
+    max_new: int,
+    device: str = "cpu",
+    eager: bool = False,
+) -> Any:
     """The lead: (greedy continuations of `prompts` through the engine, how many steps had a prompt chunk,
-    preemptions); the other ranks: how many steps they followed."""
-    config = cpu_config(model, 1 if group is None else group.size)
+    preemptions, whether decode ran in CUDA graphs); the other ranks: how many steps they followed."""
+    config = rank_config(model, group, device=device, eager=eager)
     if group is not None and not group.is_lead:
         return run_follower(config, group)
     engine = Engine(config, emit_text=False, tp_group=group)
@@ -137,49 +170,56 @@ def greedy_tokens(group: TPGroup | None, model: str, prompts: list[list[int]], m
             if engine.last_step is not None:
                 prefill_steps += engine.last_step.num_prefill > 0
                 preempted += engine.last_step.num_preempted
-        return [tokens[f"r{i}"] for i in range(len(prompts))], prefill_steps, preempted
+        graphs = engine.runner.graphs is not None
+        return [tokens[f"r{i}"] for i in range(len(prompts))], prefill_steps, preempted, graphs
     finally:
         engine.close()
 
 
 def step_outputs(
-    group: TPGroup | None, model: str, batches: list[HostBatch], quantization: str = "none"
+    group: TPGroup | None,
+    model: str,
+    batches: list[HostBatch],
+    quantization: str = "none",
+    device: str = "cpu",
 ) -> Any:
     """Every rank runs `batches` through its own runner (no scheduler): [(hidden states, logits)] per batch,
-    plus its KV layout's fingerprint and cache shape."""
-    config = cpu_config(model, 1 if group is None else group.size, quantization)
+    plus its KV layout's fingerprint and cache shape. Eager on a GPU too (greedy_tokens covers the graphs).
+    The batches' block tables must fit the config's blocks (prefill_then_decode with the same device)."""
+    config = rank_config(model, group, quantization, device)
     source = resolve_model(model)
     rank = build_runner(config, source, load_model_config(source), StartupProgress(None), group)
     hidden: list[torch.Tensor] = []
     rank.runner.model.register_forward_hook(lambda _m, _args, out: hidden.append(out.detach().clone()))
     outputs = []
     for batch in batches:
-        logits = rank.runner.execute_batch(batch)
-        outputs.append((hidden[-1].numpy(), logits.numpy()))
+        logits = rank.runner.execute_batch(batch, use_graphs=False)  # a graph replay would skip the hook
+        outputs.append((hidden[-1].cpu().numpy(), logits.cpu().numpy()))
     return outputs, rank.layout.fingerprint(), tuple(rank.runner.kv_cache.shape)
 
 
-def prefill_then_decode(prompts: list[list[int]]) -> list[HostBatch]:
+def prefill_then_decode(prompts: list[list[int]], device: str = "cpu") -> list[HostBatch]:
     """Two host batches by hand: every prompt's prefill (each sequence on its own blocks, every row sampled),
-    then one decode token per sequence."""
-    bs, first_block, tables = BLOCK_SIZE, 1, []
+    then one decode token per sequence; blocks of rank_config's size for `device`."""
+    bs = BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
+    first_block, tables = 1, []
     for prompt in prompts:
         blocks = -(-(len(prompt) + 1) // bs)
         tables.append(list(range(first_block, first_block + blocks)))
         first_block += blocks
     width = max(map(len, tables))
     table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-    prefill = _batch([p for p in prompts], [0] * len(prompts), table, every_row=True)
-    decode = _batch([[p[-1]] for p in prompts], [len(p) for p in prompts], table, every_row=True)
+    prefill = _batch([p for p in prompts], [0] * len(prompts), table, bs)
+    decode = _batch([[p[-1]] for p in prompts], [len(p) for p in prompts], table, bs)
     return [prefill, decode]
 
 
-def _batch(chunks: list[list[int]], starts: list[int], table: np.ndarray, every_row: bool) -> HostBatch:
+def _batch(chunks: list[list[int]], starts: list[int], table: np.ndarray, block_size: int) -> HostBatch:
     lens = [len(c) for c in chunks]
     query_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int64)
     rows = np.repeat(np.arange(len(chunks)), lens)
-    slots = table[rows, positions // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = np.array(starts, dtype=np.int32) + np.array(lens, dtype=np.int32)
     return HostBatch(
         token_ids=np.array([t for c in chunks for t in c], dtype=np.int64),

@@ -305,3 +305,27 @@ def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path)
             row["bytes"] == -(-row["tokens"] // 16) * 32 * 2 * 16 * 8 * 128 * 2
         )  # Llama-3-8B: 128 KiB a token
         assert row["phases_s"]["receiver"] and row["phases_s"]["sender"]
+
+
+def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
+    """bench/tp_decode.py on a CPU (two ranks over gloo, dummy:tiny-llama in float32): rank 0 publishes each
+    step as an engine's lead does and rank 1 follows it (a follower that did not would hang the lead's next
+    collective); each row counts rank 0's own share of the model: half the KV heads and about half the
+    weights."""
+    out = tmp_path / "tp.json"
+    script = Path(__file__).resolve().parents[2] / "bench" / "tp_decode.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert (doc["gpus"], doc["gpu"]) == (2, "cpu")
+    whole = ModelCost.from_config(load_model_config(resolve_model("dummy:tiny-llama")), dtype_bytes=4)
+    assert [(r["batch"], r["context"]) for r in doc["rows"]] == [(2, 32), (4, 32)]
+    for row in doc["rows"]:
+        assert row["kv_bytes"] == row["batch"] * (row["context"] + 1) * whole.kv_bytes_per_token // 2, row
+        assert 0.4 * whole.weight_bytes_read < row["weight_bytes"] < 0.7 * whole.weight_bytes_read, row
+        assert row["step_us"] > 0 and row["allreduce_us"] > 0, row  # no order between timings on a shared box

@@ -1,0 +1,358 @@
+"""One decode step of a tensor-parallel engine against its per-GPU floor, with the all-reduce time apart.
+
+    python bench/tp_decode.py --model dummy:llama-3-70b --tp 4 [--batches 32,64,128] [--contexts 512,2048]
+    python bench/tp_decode.py --model dummy:llama-3-8b --tp 2
+    python bench/tp_decode.py --smoke                       (CPU, gloo, a tiny model: checks the script runs)
+
+One process per GPU (rank r on cuda:r, NCCL over 127.0.0.1), each building its rank's runner as the engine does
+(runner_setup.build_runner: its slice of the weights, a cache of its KV heads, the decode CUDA graphs with the
+all-reduces inside). Every rank builds the same decode steps from one seed and runs them in lockstep, as the
+followers of an engine run the steps the lead publishes; the lead's CUDA-event times are reported (the
+collectives keep the ranks within one step of each other). A step: `batch` sequences with `context` cached
+tokens each, on random blocks of a randomly filled cache, decoding one token; logits gathered on every rank,
+greedy ids copied to the host, as the engine does.
+
+Floor of a step on one GPU = the larger of (that rank's weight bytes + its KV bytes read) / HBM copy rate and its
+FLOPs / bf16 matmul rate, both measured on the GPU in the same run (bench/decode_step.py's rules). The step's
+all-reduces are timed alone, in the same run: 2 x num_layers all-reduces of a [batch, hidden] bf16 tensor (after
+attention and after the MLP), captured in one CUDA graph and replayed, so the figure is the collectives' own
+time without their launch cost. Rows report the step, its floor, the share of the floor reached, and the same
+share for the step less its all-reduces (how much of the gap to the floor is NCCL's).
+
+Writes bench/results/tp_decode_<model>_tp<N>_<gpu>.json (--out to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode_step import BLOCK_SIZE, blocks_needed, copy_bandwidth_gbps, decode_step, weight_bytes_read
+from bench.harness import ModelCost, measure_matmul_tflops
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from model_runtime.parallel.follower import follow
+from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
+from model_runtime.runner_setup import RankRunner, build_runner
+from model_runtime.startup import StartupProgress
+from model_runtime.weights import load_model_config, resolve_model
+from tandem_cli.bench.report import git_commit
+
+
+@dataclass(frozen=True)
+class Row:
+    batch: int
+    context: int
+    weight_bytes: int  # per rank
+    kv_bytes: int  # per rank
+    floor_us: float
+    bound: str  # "bytes" or "flops"
+    step_us: float
+    allreduce_us: float
+    fraction_of_floor: float  # floor / step
+    fraction_of_floor_without_allreduce: float  # floor / (step - all-reduces)
+
+    def line(self) -> str:
+        return (
+            f"batch {self.batch} ctx {self.context}: step {self.step_us:.0f} us, all-reduces "
+            f"{self.allreduce_us:.0f} us ({100 * self.allreduce_us / self.step_us:.0f}%), floor {self.floor_us:.0f} "
+            f"us ({self.bound}): {100 * self.fraction_of_floor:.0f}% of floor, "
+            f"{100 * self.fraction_of_floor_without_allreduce:.0f}% without the all-reduces"
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    tp: int
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    warmup: int
+    reps: int
+    device: str  # "cuda" or "cpu" (--smoke)
+    gpu_memory_utilization: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_config(settings: Settings, rank: int) -> EngineConfig:
+    on_gpu = settings.device == "cuda"
+    max_context = max(settings.contexts)
+    return EngineConfig(
+        model=settings.model,
+        cache=CacheConfig(
+            block_size=BLOCK_SIZE,
+            # CPU: just enough blocks for the largest step; GPU: what memory allows (every rank agrees on the
+            # smallest count), and steps whose KV does not fit are skipped.
+            num_blocks=None
+            if on_gpu
+            else max(blocks_needed(b, c) for b in settings.batches for c in settings.contexts) + 1,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enable_prefix_caching=False,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(settings.batches),
+            max_num_batched_tokens=max(2048, max(settings.batches)),
+            max_model_len=max_context + 1,
+        ),
+        device=DeviceConfig(
+            device=f"cuda:{rank}" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32"
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=settings.tp),
+    )
+
+
+class Timer:
+    """Median wall time of a callable: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, on_gpu: bool) -> None:
+        self.on_gpu = on_gpu
+
+    def median_us(self, fn: Any, warmup: int, reps: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if self.on_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+
+
+def allreduce_us(
+    group: TPGroup, batch: int, hidden: int, layers: int, timer: Timer, settings: Settings
+) -> float:
+    """One step's all-reduces alone: 2 x layers of a [batch, hidden] tensor, in a CUDA graph on a GPU."""
+    dtype = torch.bfloat16 if timer.on_gpu else torch.float32
+    x = torch.zeros(batch, hidden, dtype=dtype, device=f"cuda:{group.rank}" if timer.on_gpu else "cpu")
+
+    def eager() -> None:
+        for _ in range(2 * layers):
+            group.all_reduce(x)
+
+    if not timer.on_gpu:
+        return timer.median_us(eager, settings.warmup, settings.reps)
+    eager()  # the communicator exists before a capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+    return timer.median_us(graph.replay, settings.warmup, settings.reps)
+
+
+def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
+    """Rank 0 times the steps; the others follow them as an engine's followers do (StepReceiver)."""
+    on_gpu = settings.device == "cuda"
+    if not on_gpu:
+        torch.set_num_threads(1)
+    group = init_tp_group(
+        rank, settings.tp, f"tcp://127.0.0.1:{port}", f"cuda:{rank}" if on_gpu else "cpu", timeout_s=600
+    )
+    try:
+        rates = None
+        if on_gpu:
+            rates = (copy_bandwidth_gbps(), measure_matmul_tflops(f"cuda:{rank}", torch.bfloat16, 8192))
+        source = resolve_model(settings.model)
+        model = load_model_config(source)
+        t0 = time.perf_counter()
+        progress = StartupProgress(
+            (lambda message: print(f"[start-up] {message}", flush=True)) if rank == 0 else None
+        )
+        built = build_runner(rank_config(settings, rank), source, model, progress, group)
+        runner = built.runner
+        if on_gpu and runner.graphs is None:
+            raise SystemExit("the decode CUDA graphs were not captured")
+        runner.kv_cache.normal_(generator=torch.Generator(device=runner.kv_cache.device).manual_seed(rank))
+        timer = Timer(on_gpu)
+        # The all-reduces alone first, every rank together; then the steps, which the followers only follow.
+        collectives = {
+            batch: allreduce_us(group, batch, model.hidden_size, model.num_layers, timer, settings)
+            for batch in settings.batches
+        }
+        if not group.is_lead:
+            follow(built, group)
+            return
+        if rates is not None:
+            print(f"rank 0 GPU: HBM copy {rates[0]:.0f} GB/s, bf16 matmul {rates[1]:.0f} TFLOP/s", flush=True)
+        print(
+            f"ranks built in {time.perf_counter() - t0:.0f} s; cache {built.layout.num_blocks} blocks",
+            flush=True,
+        )
+        try:
+            rows, skipped = lead_steps(built, settings, timer, rates, collectives)
+        finally:
+            assert built.tensor_parallel is not None
+            built.tensor_parallel.stop_followers()
+        write_json(out_path, settings, rows, skipped, rates, built)
+    finally:
+        close_tp_group()
+
+
+def lead_steps(
+    built: RankRunner,
+    settings: Settings,
+    timer: Timer,
+    rates: tuple[float, float] | None,
+    collectives: dict[int, float],
+) -> tuple[list[Row], list[dict[str, int]]]:
+    runner = built.runner
+    cost = ModelCost.from_config(runner.config, 2 if timer.on_gpu else 4)
+    weights = weight_bytes_read(runner)
+    gen = torch.Generator().manual_seed(0)
+    rows: list[Row] = []
+    skipped: list[dict[str, int]] = []
+    for context in settings.contexts:
+        for batch in settings.batches:
+            if blocks_needed(batch, context) > built.layout.usable_blocks:
+                skipped.append({"batch": batch, "context": context})
+                print(f"batch {batch} ctx {context}: skipped, its KV does not fit", flush=True)
+                continue
+            out = decode_step(batch, context, built.layout.num_blocks, runner.config.vocab_size, gen)
+
+            def step(out: Any = out) -> None:  # build the host batch, publish it, run it, greedy ids to host
+                runner.execute(out, use_graphs=True).argmax(-1).tolist()
+
+            replays = runner.graphs.num_replays if runner.graphs is not None else 0
+            step_us = timer.median_us(step, settings.warmup, settings.reps)
+            if runner.graphs is not None and runner.graphs.num_replays == replays:
+                raise SystemExit(f"batch {batch}: the step did not replay a CUDA graph")
+            kv = batch * (context + 1) * built.layout.bytes_per_token
+            byte_floor = flop_floor = 0.0  # CPU smoke: no measured rates, no floor
+            if rates is not None:
+                byte_floor = (weights + kv) / (rates[0] * 1e3)
+                flop_floor = cost.decode_step_flops(batch, context + 1) / (rates[1] * 1e6)
+            floor = max(byte_floor, flop_floor)
+            ar_us = collectives[batch]
+            rows.append(
+                Row(
+                    batch=batch,
+                    context=context,
+                    weight_bytes=weights,
+                    kv_bytes=kv,
+                    floor_us=floor,
+                    bound="flops" if flop_floor > byte_floor else "bytes",
+                    step_us=step_us,
+                    allreduce_us=ar_us,
+                    fraction_of_floor=floor / step_us,
+                    fraction_of_floor_without_allreduce=floor / max(step_us - ar_us, 1e-9),
+                )
+            )
+            print(rows[-1].line(), flush=True)
+    return rows, skipped
+
+
+def write_json(
+    path: str,
+    settings: Settings,
+    rows: list[Row],
+    skipped: list,
+    rates: tuple[float, float] | None,
+    built: RankRunner,
+) -> None:
+    doc = {
+        "benchmark": "tensor-parallel decode step (runner + logits gather + greedy ids) vs the per-GPU floor",
+        "gpu": torch.cuda.get_device_name() if settings.device == "cuda" else "cpu",
+        "gpus": settings.tp,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if settings.device == "cuda" else None,
+        "hbm_copy_gbps": rates[0] if rates else None,
+        "matmul_tflops": rates[1] if rates else None,
+        "settings": {
+            **dataclasses.asdict(settings),
+            "block_size": BLOCK_SIZE,
+            "num_blocks": built.layout.num_blocks,
+            "timing": "median of CUDA-event-timed steps on rank 0; all-reduces: one CUDA graph of 2 x layers",
+        },
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "skipped": skipped,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+def _rank_entry(rank: int, settings: Settings, port: int, out_path: str) -> None:
+    try:
+        run_rank(rank, settings, port, out_path)
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def default_out(settings: Settings) -> str:
+    gpu = torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"
+    slug = lambda text: re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")  # noqa: E731
+    name = f"tp_decode_{slug(settings.model)}_tp{settings.tp}_{slug(gpu)}.json"
+    return str(Path(__file__).parent / "results" / name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="dummy:llama-3-70b")
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--batches", default="32,64,128")
+    parser.add_argument("--contexts", default="512,2048")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny-llama, TP=2, a few steps")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        settings = Settings("dummy:tiny-llama", 2, (2, 4), (32,), 1, 3, "cpu", 0.9)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench/tp_decode.py needs CUDA GPUs (or --smoke on CPU)")
+        if torch.cuda.device_count() < args.tp:
+            raise SystemExit(
+                f"--tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}"
+            )
+        settings = Settings(
+            args.model,
+            args.tp,
+            tuple(int(b) for b in args.batches.split(",")),
+            tuple(int(c) for c in args.contexts.split(",")),
+            args.warmup,
+            args.reps,
+            "cuda",
+            args.gpu_memory_utilization,
+        )
+    out = args.out or default_out(settings)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.multiprocessing.spawn(
+        _rank_entry, args=(settings, _free_port(), out), nprocs=settings.tp, join=True
+    )
+
+
+if __name__ == "__main__":
+    main()
