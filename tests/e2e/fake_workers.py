@@ -186,9 +186,10 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
                     layout_fingerprint=LAYOUT,
                 )
             )
-            await asyncio.wait_for(
-                self.landings.event(request.request_id).wait(), request.lease_ttl_ms / 1000
-            )
+            async with asyncio.timeout(
+                request.lease_ttl_ms / 1000
+            ):  # not wait_for: it can drop a cancel on 3.11
+                await self.landings.event(request.request_id).wait()
             tokens = tokens[1:]  # the first token travelled with the KV; the router has it from prefill
         for i in range(0, len(tokens), self.script.batch):
             await asyncio.sleep(self.script.step_s)
