@@ -13,7 +13,6 @@ import functools
 import random
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -93,24 +92,7 @@ CASES = [(tp, kind, name) for tp, checks in CHECKS.items() for kind, name in che
 @pytest.mark.parametrize(("tp", "kind", "name"), CASES, ids=[f"tp{t}-{k}-{n}" for t, k, n in CASES])
 def test_tensor_parallel_matches_one_device(results, tp: int, kind: str, name: str) -> None:
     reference, ranks = results(tp)[(kind, name)]
-    if kind == "greedy":
-        tokens, prefill_steps, preempted, _ = ranks[0]
-        assert tokens == reference[0], f"TP={tp} greedy tokens differ from TP=1"
-        # The schedule had chunked prompts next to decodes, and preemptions, for the other ranks to follow.
-        assert prefill_steps > len(prompts()) and preempted > 0, (prefill_steps, preempted)
-        assert len(set(ranks[1:])) == 1 and ranks[1] > prefill_steps, f"followers' step counts: {ranks[1:]}"
-        return
-    ref_steps, ref_print, ref_shape = reference
-    prints = [fingerprint for _, fingerprint, _ in ranks]
-    assert len(set(prints)) == tp and ref_print not in prints, "each rank's KV layout must fingerprint apart"
-    for rank, (steps, _, shape) in enumerate(ranks):
-        assert shape[:4] == ref_shape[:4] and shape[4] == max(1, ref_shape[4] // tp), (
-            f"rank {rank} cache {shape}"
-        )
-        for step, ((hidden, logits), (ref_hidden, ref_logits)) in enumerate(zip(steps, ref_steps)):
-            label = f"TP={tp} rank {rank} step {step}"
-            np.testing.assert_allclose(hidden, ref_hidden, atol=ATOL, rtol=ATOL, err_msg=f"{label} hidden")
-            np.testing.assert_allclose(logits, ref_logits, atol=ATOL, rtol=ATOL, err_msg=f"{label} logits")
+    tp_ranks.assert_matches_one_device(tp, kind, reference, ranks, len(prompts()), ATOL)
 
 
 @pytest.mark.parametrize(

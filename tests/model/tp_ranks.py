@@ -176,6 +176,31 @@ def greedy_tokens(
         engine.close()
 
 
+def assert_matches_one_device(
+    tp: int, kind: str, reference: Any, ranks: list[Any], num_prompts: int, atol: float
+) -> None:
+    """A run_checks result of `tp` ranks against TP=1's (`reference`): greedy checks give the same tokens, after a
+    schedule with chunked prompts and preemptions that the followers followed step for step; step checks give
+    every rank's hidden states and gathered logits within `atol`, from a cache of its own KV heads."""
+    if kind.startswith("greedy"):
+        tokens, prefill_steps, preempted, _ = ranks[0]
+        assert tokens == reference[0], f"TP={tp} {kind} tokens differ from TP=1"
+        assert prefill_steps > num_prompts and preempted > 0, (prefill_steps, preempted)
+        assert len(set(ranks[1:])) == 1 and ranks[1] > prefill_steps, f"followers' step counts: {ranks[1:]}"
+        return
+    ref_steps, ref_print, ref_shape = reference
+    prints = [fingerprint for _, fingerprint, _ in ranks]
+    assert len(set(prints)) == tp and ref_print not in prints, "each rank's KV layout must fingerprint apart"
+    for rank, (steps, _, shape) in enumerate(ranks):
+        assert shape[:4] == ref_shape[:4] and shape[4] == max(1, ref_shape[4] // tp), (
+            f"rank {rank} cache {shape}"
+        )
+        for step, ((hidden, logits), (ref_hidden, ref_logits)) in enumerate(zip(steps, ref_steps)):
+            label = f"TP={tp} rank {rank} step {step}"
+            np.testing.assert_allclose(hidden, ref_hidden, atol=atol, rtol=atol, err_msg=f"{label} hidden")
+            np.testing.assert_allclose(logits, ref_logits, atol=atol, rtol=atol, err_msg=f"{label} logits")
+
+
 def step_outputs(
     group: TPGroup | None,
     model: str,

@@ -281,12 +281,9 @@ def test_ttft_counts_chunked_prefill_steps(tiny_model, tmp_path):
     assert row["steps_to_first_token"] == 4  # 32 prompt tokens in chunks of 8
 
 
-def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path):
-    """bench/kv_transfer.py's driver on a CPU (two processes, tcp): the checksums of landed and sent blocks
-    agree (the script exits otherwise), and each row has the three times with send->landed inside the
-    handoff (it starts after the reservation's pipe hop)."""
-    out = tmp_path / "kv.json"
-    script = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
+def _smoke_script(name: str, out: Path) -> dict:
+    """Run bench/<name> --smoke in its own process (the scripts start processes of their own); its JSON."""
+    script = Path(__file__).resolve().parents[2] / "bench" / name
     done = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out", str(out)],
         capture_output=True,
@@ -294,7 +291,14 @@ def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path)
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
+
+
+def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path):
+    """bench/kv_transfer.py's driver on a CPU (two processes, tcp): the checksums of landed and sent blocks
+    agree (the script exits otherwise), and each row has the three times with send->landed inside the
+    handoff (it starts after the reservation's pipe hop)."""
+    rows = _smoke_script("kv_transfer.py", tmp_path / "kv.json")["rows"]
     assert [(r["transport"], r["tokens"], r["checksum_ok"]) for r in rows] == [
         ("tcp", 16, True),
         ("tcp", 64, True),
@@ -312,16 +316,7 @@ def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
     step as an engine's lead does and rank 1 follows it (a follower that did not would hang the lead's next
     collective); each row counts rank 0's own share of the model: half the KV heads and about half the
     weights."""
-    out = tmp_path / "tp.json"
-    script = Path(__file__).resolve().parents[2] / "bench" / "tp_decode.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = _smoke_script("tp_decode.py", tmp_path / "tp.json")
     assert (doc["gpus"], doc["gpu"]) == (2, "cpu")
     whole = ModelCost.from_config(load_model_config(resolve_model("dummy:tiny-llama")), dtype_bytes=4)
     assert [(r["batch"], r["context"]) for r in doc["rows"]] == [(2, 32), (4, 32)]
