@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,11 +206,17 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
             flush=True,
         )
         try:
-            rows, skipped = lead_steps(built, settings, timer, rates, collectives)
+            lead_steps(
+                built,
+                settings,
+                timer,
+                rates,
+                collectives,
+                lambda rows, skipped: write_json(out_path, settings, rows, skipped, rates, built),
+            )
         finally:
             assert built.tensor_parallel is not None
             built.tensor_parallel.stop_followers()
-        write_json(out_path, settings, rows, skipped, rates, built)
     finally:
         close_tp_group()
 
@@ -220,7 +227,10 @@ def lead_steps(
     timer: Timer,
     rates: tuple[float, float] | None,
     collectives: dict[int, float],
-) -> tuple[list[Row], list[dict[str, int]]]:
+    save: Callable[[list[Row], list[dict[str, int]]], None],
+) -> None:
+    """Time every (batch, context) step on the lead; `save` gets the rows so far after each, so a run cut
+    short keeps what it measured."""
     runner = built.runner
     cost = ModelCost.from_config(runner.config, 2 if timer.on_gpu else 4)
     weights = weight_bytes_read(runner)
@@ -264,7 +274,8 @@ def lead_steps(
                 )
             )
             print(rows[-1].line(), flush=True)
-    return rows, skipped
+            save(rows, skipped)
+    save(rows, skipped)
 
 
 def write_json(
@@ -282,7 +293,7 @@ def write_json(
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if settings.device == "cuda" else None,
+        "nccl": _nccl_version() if settings.device == "cuda" else None,
         "hbm_copy_gbps": rates[0] if rates else None,
         "matmul_tflops": rates[1] if rates else None,
         "settings": {
@@ -296,7 +307,11 @@ def write_json(
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {path}", flush=True)
+
+
+def _nccl_version() -> str:
+    version = torch.cuda.nccl.version()  # a tuple in recent torch, an int (2.18.3 -> 21803) in older ones
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _rank_entry(rank: int, settings: Settings, port: int, out_path: str) -> None:
