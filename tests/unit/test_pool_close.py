@@ -5,7 +5,7 @@ membership). A close that lands in the same loop turn as such a wake-up once los
 (asyncio.wait_for returned the wake-up's result instead of raising), and close() then waited on the poller for
 ever: a router that never finished stopping. Each case here puts the close a different number of loop turns after
 the wake-up, so one of them meets that turn whatever the asyncio version does in between (on 3.11 the old code
-hung at 0, 1 and 2 turns)."""
+hung at 0 and 1 turns)."""
 
 from __future__ import annotations
 
