@@ -181,7 +181,7 @@ def test_fp8_checkpoint_greedy_tokens_match_transformers(checkpoints) -> None:
     path, reference = checkpoints["ct-channel"]
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 4, 9, 23)]
-    tokens, _, _ = tp_ranks.greedy_tokens(None, str(path), prompts, MAX_NEW)
+    tokens, *_ = tp_ranks.greedy_tokens(None, str(path), prompts, MAX_NEW)
     for i, (prompt, ours) in enumerate(zip(prompts, tokens)):
         ref = hf_greedy(reference, prompt, MAX_NEW, EOS_ID)
         assert_greedy_match(ours[: len(ref.token_ids)], ref, f"prompt {i}")
