@@ -19,6 +19,10 @@ attention and after the MLP), captured in one CUDA graph and replayed, so the fi
 time without their launch cost. Rows report the step, its floor, the share of the floor reached, and the same
 share for the step less its all-reduces (how much of the gap to the floor is NCCL's).
 
+Prefill rows (--prefill-lens): one prompt computed whole in one step, eager, against the same kind of floor
+(its FLOPs, or its weights + the KV it writes), its all-reduces timed alone as for decode ([length, hidden]):
+what splitting a prompt over N GPUs does to its time to first token.
+
 Writes bench/results/tp_decode_<model>_tp<N>_<gpu>.json (--out to change).
 """
 
@@ -48,6 +52,7 @@ from bench.harness import ModelCost, measure_matmul_tflops
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from model_runtime.parallel.follower import follow
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
+from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from model_runtime.runner_setup import RankRunner, build_runner
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import load_model_config, resolve_model
@@ -56,6 +61,9 @@ from tandem_cli.bench.report import git_commit
 
 @dataclass(frozen=True)
 class Row:
+    phase: (
+        str  # "decode": `batch` sequences decode one token at `context`; "prefill": one prompt of `context`
+    )
     batch: int
     context: int
     weight_bytes: int  # per rank
@@ -68,8 +76,11 @@ class Row:
     fraction_of_floor_without_allreduce: float  # floor / (step - all-reduces)
 
     def line(self) -> str:
+        what = (
+            f"batch {self.batch} ctx {self.context}" if self.phase == "decode" else f"prefill {self.context}"
+        )
         return (
-            f"batch {self.batch} ctx {self.context}: step {self.step_us:.0f} us, all-reduces "
+            f"{what}: step {self.step_us:.0f} us, all-reduces "
             f"{self.allreduce_us:.0f} us ({100 * self.allreduce_us / self.step_us:.0f}%), floor {self.floor_us:.0f} "
             f"us ({self.bound}): {100 * self.fraction_of_floor:.0f}% of floor, "
             f"{100 * self.fraction_of_floor_without_allreduce:.0f}% without the all-reduces"
@@ -82,6 +93,7 @@ class Settings:
     tp: int
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
+    prefill_lens: tuple[int, ...]
     warmup: int
     reps: int
     device: str  # "cuda" or "cpu" (--smoke)
@@ -96,7 +108,7 @@ def _free_port() -> int:
 
 def rank_config(settings: Settings, rank: int) -> EngineConfig:
     on_gpu = settings.device == "cuda"
-    max_context = max(settings.contexts)
+    max_context = max((*settings.contexts, *settings.prefill_lens))
     return EngineConfig(
         model=settings.model,
         cache=CacheConfig(
@@ -105,13 +117,18 @@ def rank_config(settings: Settings, rank: int) -> EngineConfig:
             # smallest count), and steps whose KV does not fit are skipped.
             num_blocks=None
             if on_gpu
-            else max(blocks_needed(b, c) for b in settings.batches for c in settings.contexts) + 1,
+            else max(
+                blocks_needed(b, c)
+                for b in (*settings.batches, 1)
+                for c in (*settings.contexts, *settings.prefill_lens)
+            )
+            + 1,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enable_prefix_caching=False,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max(settings.batches),
-            max_num_batched_tokens=max(2048, max(settings.batches)),
+            max_num_batched_tokens=max(2048, *settings.batches, *settings.prefill_lens),
             max_model_len=max_context + 1,
         ),
         device=DeviceConfig(
@@ -193,8 +210,8 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
         timer = Timer(on_gpu)
         # The all-reduces alone first, every rank together; then the steps, which the followers only follow.
         collectives = {
-            batch: allreduce_us(group, batch, model.hidden_size, model.num_layers, timer, settings)
-            for batch in settings.batches
+            tokens: allreduce_us(group, tokens, model.hidden_size, model.num_layers, timer, settings)
+            for tokens in (*settings.batches, *settings.prefill_lens)
         }
         if not group.is_lead:
             follow(built, group)
@@ -229,14 +246,44 @@ def lead_steps(
     collectives: dict[int, float],
     save: Callable[[list[Row], list[dict[str, int]]], None],
 ) -> None:
-    """Time every (batch, context) step on the lead; `save` gets the rows so far after each, so a run cut
-    short keeps what it measured."""
+    """Time every decode (batch, context) step, then every prefill length, on the lead; `save` gets the rows
+    so far after each, so a run cut short keeps what it measured."""
     runner = built.runner
     cost = ModelCost.from_config(runner.config, 2 if timer.on_gpu else 4)
     weights = weight_bytes_read(runner)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
     skipped: list[dict[str, int]] = []
+
+    def row(phase: str, batch: int, context: int, step_us: float, kv: int, flops: float, tokens: int) -> None:
+        byte_floor = flop_floor = 0.0  # CPU smoke: no measured rates, no floor
+        if rates is not None:
+            byte_floor = (weights + kv) / (rates[0] * 1e3)
+            flop_floor = flops / (rates[1] * 1e6)
+        floor, ar_us = max(byte_floor, flop_floor), collectives[tokens]
+        rows.append(
+            Row(
+                phase=phase,
+                batch=batch,
+                context=context,
+                weight_bytes=weights,
+                kv_bytes=kv,
+                floor_us=floor,
+                bound="flops" if flop_floor > byte_floor else "bytes",
+                step_us=step_us,
+                allreduce_us=ar_us,
+                fraction_of_floor=floor / step_us,
+                fraction_of_floor_without_allreduce=floor / max(step_us - ar_us, 1e-9),
+            )
+        )
+        print(rows[-1].line(), flush=True)
+        save(rows, skipped)
+
+    def timed(out: SchedulerOutput) -> float:  # build the host batch, publish it, run it, greedy ids to host
+        return timer.median_us(
+            lambda: runner.execute(out, use_graphs=True).argmax(-1).tolist(), settings.warmup, settings.reps
+        )
+
     for context in settings.contexts:
         for batch in settings.batches:
             if blocks_needed(batch, context) > built.layout.usable_blocks:
@@ -244,38 +291,30 @@ def lead_steps(
                 print(f"batch {batch} ctx {context}: skipped, its KV does not fit", flush=True)
                 continue
             out = decode_step(batch, context, built.layout.num_blocks, runner.config.vocab_size, gen)
-
-            def step(out: Any = out) -> None:  # build the host batch, publish it, run it, greedy ids to host
-                runner.execute(out, use_graphs=True).argmax(-1).tolist()
-
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
-            step_us = timer.median_us(step, settings.warmup, settings.reps)
+            step_us = timed(out)
             if runner.graphs is not None and runner.graphs.num_replays == replays:
                 raise SystemExit(f"batch {batch}: the step did not replay a CUDA graph")
             kv = batch * (context + 1) * built.layout.bytes_per_token
-            byte_floor = flop_floor = 0.0  # CPU smoke: no measured rates, no floor
-            if rates is not None:
-                byte_floor = (weights + kv) / (rates[0] * 1e3)
-                flop_floor = cost.decode_step_flops(batch, context + 1) / (rates[1] * 1e6)
-            floor = max(byte_floor, flop_floor)
-            ar_us = collectives[batch]
-            rows.append(
-                Row(
-                    batch=batch,
-                    context=context,
-                    weight_bytes=weights,
-                    kv_bytes=kv,
-                    floor_us=floor,
-                    bound="flops" if flop_floor > byte_floor else "bytes",
-                    step_us=step_us,
-                    allreduce_us=ar_us,
-                    fraction_of_floor=floor / step_us,
-                    fraction_of_floor_without_allreduce=floor / max(step_us - ar_us, 1e-9),
-                )
-            )
-            print(rows[-1].line(), flush=True)
-            save(rows, skipped)
+            row("decode", batch, context, step_us, kv, cost.decode_step_flops(batch, context + 1), batch)
+    for length in settings.prefill_lens:
+        if -(-length // BLOCK_SIZE) > built.layout.usable_blocks:
+            skipped.append({"prefill": length})
+            print(f"prefill {length}: skipped, its KV does not fit", flush=True)
+            continue
+        out = prefill_step(length, built.layout.num_blocks, runner.config.vocab_size, gen)
+        kv = length * built.layout.bytes_per_token  # written once
+        row("prefill", 1, length, timed(out), kv, cost.prefill_flops(length), length)
     save(rows, skipped)
+
+
+def prefill_step(length: int, num_blocks: int, vocab: int, gen: torch.Generator) -> SchedulerOutput:
+    """One prompt of `length` tokens, computed whole in one step (eager: prompts do not run in graphs)."""
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    prompt = torch.randint(0, vocab, (length,), generator=gen).tolist()
+    blocks = perm[: -(-length // BLOCK_SIZE)]
+    request = Request("prompt", prompt, SamplingParams(temperature=0), block_ids=blocks)
+    return SchedulerOutput((ScheduledChunk(request, length, sample=True),))
 
 
 def write_json(
@@ -337,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--batches", default="32,64,128")
     parser.add_argument("--contexts", default="512,2048")
+    parser.add_argument(
+        "--prefill-lens", default="2048,4096", help="prompt lengths for the prefill rows ('' for none)"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -344,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.smoke:
-        settings = Settings("dummy:tiny-llama", 2, (2, 4), (32,), 1, 3, "cpu", 0.9)
+        settings = Settings("dummy:tiny-llama", 2, (2, 4), (32,), (48,), 1, 3, "cpu", 0.9)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench/tp_decode.py needs CUDA GPUs (or --smoke on CPU)")
@@ -357,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
             args.tp,
             tuple(int(b) for b in args.batches.split(",")),
             tuple(int(c) for c in args.contexts.split(",")),
+            tuple(int(n) for n in args.prefill_lens.split(",") if n),
             args.warmup,
             args.reps,
             "cuda",

@@ -319,8 +319,13 @@ def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
     doc = _smoke_script("tp_decode.py", tmp_path / "tp.json")
     assert (doc["gpus"], doc["gpu"]) == (2, "cpu")
     whole = ModelCost.from_config(load_model_config(resolve_model("dummy:tiny-llama")), dtype_bytes=4)
-    assert [(r["batch"], r["context"]) for r in doc["rows"]] == [(2, 32), (4, 32)]
+    assert [(r["phase"], r["batch"], r["context"]) for r in doc["rows"]] == [
+        ("decode", 2, 32),
+        ("decode", 4, 32),
+        ("prefill", 1, 48),
+    ]
     for row in doc["rows"]:
-        assert row["kv_bytes"] == row["batch"] * (row["context"] + 1) * whole.kv_bytes_per_token // 2, row
+        tokens = row["batch"] * (row["context"] + 1) if row["phase"] == "decode" else row["context"]
+        assert row["kv_bytes"] == tokens * whole.kv_bytes_per_token // 2, row
         assert 0.4 * whole.weight_bytes_read < row["weight_bytes"] < 0.7 * whole.weight_bytes_read, row
         assert row["step_us"] > 0 and row["allreduce_us"] > 0, row  # no order between timings on a shared box
