@@ -333,7 +333,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--deployments",
         default="disagg,colocated",
-        help="comma list of: disagg (1P+1D), colocated (2 replicas), colocated-N, disagg-PpDd",
+        help="comma list of: disagg (1P+1D), colocated (2 replicas), colocated-N, disagg-PpDd; + -tpN: colocated "
+        "workers of N GPUs each",
     )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of: {', '.join(WORKLOADS)}")
     p.add_argument(
@@ -371,6 +372,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="record every worker process with py-spy (GIL holders, by thread) during this rate's first run",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model",
+        help="the served model instead of the configs' dummy:llama-3-8b (--smoke: the embedded one)",
+    )
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting points after this (default 540)"
     )
@@ -425,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + args.budget_s
         for deployment in args.deployments.split(","):
             slo = (args.slo.ttft or 1.0, args.slo.tpot or 0.05)
-            with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke, slo) as server:
+            with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke, slo, args.model) as server:
                 warm_up(server, input_len=64 if args.smoke else 1024)
                 for name in args.workloads.split(","):
                     sweep(server, deployment, name, args, deadline)

@@ -49,6 +49,9 @@ ONE_LANE = "-1lane"
 # (router.local_prefill_spill_tokens SPILL_TOKENS: about three 2-4k-token prompts waiting).
 SPILL = "-spill"
 SPILL_TOKENS = 8192
+# A colocated name + "-tpN" (e.g. "colocated-2-tp2": 2 workers of 2 GPUs): each worker spans N GPUs
+# (engine.parallel.tensor_parallel_size N). Prefill and decode workers cannot span GPUs yet (issue 18).
+TENSOR_PARALLEL = re.compile(r"(?P<base>.+)-tp(?P<size>[1-8])")
 POOLS = ("prefill", "decode", "colocated")
 # Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
@@ -99,11 +102,22 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
             engine = config[pool].setdefault("engine", {})
             engine["cache"] = dict(engine.get("cache", {}), enable_prefix_caching=False)
         return config
+    tensor_parallel = TENSOR_PARALLEL.fullmatch(name)
+    if tensor_parallel is not None:
+        config = deployment_config(tensor_parallel["base"], slo)
+        if "colocated" not in config:
+            raise ValueError(
+                f"{name}: only colocated workers span several GPUs (issue 18: the KV handoff between sharded "
+                "prefill and decode workers is not built)"
+            )
+        engine = config["colocated"].setdefault("engine", {})
+        engine["parallel"] = {"tensor_parallel_size": int(tensor_parallel["size"])}
+        return config
     if name in DEPLOYMENTS:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (colocated)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -115,9 +129,13 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
 
 
 def config_gpus(config: dict) -> int:
-    """GPUs a deployment config asks for (every pool's replicas x num_gpus)."""
+    """GPUs a deployment config asks for (every pool's replicas x num_gpus x tensor-parallel ranks)."""
     pools = [config[p] for p in POOLS if p in config]
-    return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) for p in pools))
+    return round(sum(p.get("replicas", 1) * p.get("num_gpus", 0) * _ranks(p) for p in pools))
+
+
+def _ranks(pool: dict) -> int:
+    return int(pool.get("engine", {}).get("parallel", {}).get("tensor_parallel_size", 1))
 
 
 def free_port() -> int:
@@ -128,7 +146,7 @@ def free_port() -> int:
 
 def smoke_config(config: dict) -> dict:
     """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches (the
-    prefix cache stays as the deployment set it)."""
+    prefix cache and the ranks per worker stay as the deployment set them; SmolLM2's 9 heads take 3)."""
     out = dict(config, model="smollm2-135m-instruct", transfer={"kinds": ["tcp"]})
     for pool in (p for p in POOLS if p in out):
         prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
@@ -137,6 +155,8 @@ def smoke_config(config: dict) -> dict:
             "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix},
             "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048},
         }
+        if _ranks(out[pool]) > 1:
+            engine["parallel"] = {"tensor_parallel_size": _ranks(out[pool])}
         out[pool] = dict(out[pool], num_gpus=0, engine=engine)
     return out
 
@@ -146,11 +166,13 @@ class Server:
 
     def __init__(
         self, name: str, start_timeout_s: float, log_dir: Path, smoke: bool = False,
-        slo: tuple[float, float] = (1.0, 0.05),
+        slo: tuple[float, float] = (1.0, 0.05), model: str | None = None,
     ) -> None:  # fmt: skip
         self.name, self.start_timeout_s = name, start_timeout_s
         self.work = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
         config = deployment_config(name, slo)
+        if model is not None:  # e.g. dummy:llama-3-70b for a deployment whose workers span GPUs
+            config["model"] = model
         self.gpus = config_gpus(config)
         if smoke:
             config = smoke_config(config)

@@ -120,3 +120,22 @@ def test_the_autoscaler_is_compared_with_the_best_fixed_split_on_as_many_gpus() 
     assert result["ratio"] == pytest.approx(11 / 12) and result["goal_met"]
     out["disagg-2p2d-autoscale"]["capacity_rps"] = 10
     assert not autoscaler_comparison(out, runs, points)["disagg-2p2d-autoscale"]["goal_met"]
+
+
+def test_tp_makes_each_colocated_worker_span_gpus_and_counts_them() -> None:
+    config = deployment_config("colocated-2-tp2")
+    assert config["colocated"]["replicas"] == 2
+    assert config["colocated"]["engine"]["parallel"] == {"tensor_parallel_size": 2}
+    assert config_gpus(config) == 4 and config_gpus(deployment_config("colocated-2")) == 2
+    parse_config(config)
+    smoke = smoke_config(deployment_config("colocated-1-tp3"))  # SmolLM2's 9 heads split in 3 on the CPU
+    assert smoke["colocated"]["engine"]["parallel"] == {"tensor_parallel_size": 3}
+    assert smoke["colocated"]["num_gpus"] == 0
+    parse_config(smoke)
+    scaled = deployment_config("colocated-2-tp4-autoscale")
+    assert (
+        scaled["colocated"]["engine"]["parallel"]["tensor_parallel_size"] == 4
+        and scaled["autoscaler"]["enabled"]
+    )
+    with pytest.raises(ValueError, match="only colocated workers span several GPUs"):
+        deployment_config("disagg-2p2d-tp2")
