@@ -63,7 +63,8 @@ def write_atomic(path: str, lines: Iterable[str]) -> None:
 
 
 _COLUMNS = (
-    "WORKER", "ROLE", "STATE", "ADDRESS", "KV BLOCKS", "RUNNING", "WAITING", "LEASES", "HEARTBEAT", "NODE", "KV VIA",
+    "WORKER", "ROLE", "STATE", "ADDRESS", "DEVICES", "KV BLOCKS", "RUNNING", "WAITING", "LEASES", "HEARTBEAT", "NODE",
+    "KV VIA",
 )  # fmt: skip
 NODE_CHARS = 12  # a Ray node id has 56 hex digits; its first 12 tell a cluster's nodes apart (--json has all)
 
@@ -76,6 +77,7 @@ def status_table(status: ClusterStatus) -> str:
             str(w.role),
             str(w.state),
             w.address,
+            str(w.devices or "-"),
             f"{w.kv_blocks_used}/{w.kv_blocks_total}",
             str(w.running_requests),
             str(w.waiting_requests),

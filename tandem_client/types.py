@@ -222,6 +222,7 @@ class WorkerInfo:
     node_id: str = ""  # its Ray node id (or host identity outside Ray); "" from an older worker
     kv_transports: tuple[str, ...] = ()  # KV transports its cache can use: "tcp", "nccl", "cuda_ipc"
     busy_seconds_total: float = 0.0  # seconds its engine spent running steps since it started
+    devices: int = 0  # devices it spans (its tensor-parallel size); 0 from an older worker
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,7 @@ def _worker(message: admin_pb2.WorkerInfo) -> WorkerInfo:
         node_id=message.node_id,
         kv_transports=tuple(_transport_name(t) for t in message.kv_transports),
         busy_seconds_total=message.busy_seconds_total,
+        devices=message.devices,
     )
 
 

@@ -85,6 +85,7 @@ def worker_info(
         requests_total=c.requests_total,
         last_heartbeat_age_seconds=time.monotonic() - loop.last_beat,
         busy_seconds_total=loop.busy_seconds,
+        devices=engine.config.parallel.tensor_parallel_size,
     )
     if node is not None:
         info.node_id = node.node_id

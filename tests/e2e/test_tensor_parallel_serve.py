@@ -113,6 +113,7 @@ def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
     ranks = wait_until(rank_processes, 10, "rank 1's process")
     assert len(ranks) == 1, ranks
     before = workers(cluster.address)["colocated-0"]
+    assert before.devices == 2  # what `tandem status` shows in its DEVICES column
 
     prompt = "Tell me about foxes"
     request = Background(cluster.address, prompt, max_tokens=LONG, temperature=0, ignore_eos=True)

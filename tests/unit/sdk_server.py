@@ -133,6 +133,7 @@ class FixedAdmin(admin_pb2_grpc.AdminServicer):
                 last_heartbeat_age_seconds=0.25,
                 node_id="07beabfa9d9100c00404260e8adaed1fec46b086cd757ee48ce429b0",
                 kv_transports=[kv_pb2.KV_TRANSPORT_TCP, kv_pb2.KV_TRANSPORT_CUDA_IPC],
+                devices=2,
             ),
             admin_pb2.WorkerInfo(
                 worker_id="decode-0", role=admin_pb2.WORKER_ROLE_DECODE, state=admin_pb2.WORKER_STATE_DRAINING

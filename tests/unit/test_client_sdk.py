@@ -354,6 +354,7 @@ def test_cli_status_table_and_json(server, capsys) -> None:
         "prefill",
         "ready",
         "10.0.0.1:7001",
+        "2",
         "3/100",
         "1",
         "0",
@@ -363,12 +364,14 @@ def test_cli_status_table_and_json(server, capsys) -> None:
         "tcp,cuda_ipc",
     ]
     assert table[2].split()[-2:] == ["-", "-"]  # an older worker: no node, no transports
+    assert table[2].split()[3] == "-"  # nor a device count (its address is empty too)
     assert table[-1] == "router: 4 queued, 5 in flight"
     assert cli_main(["status", "--server", server[0], "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["workers"][1]["state"] == "draining" and status["router"]["queued_requests"] == 4
     assert status["workers"][0]["node_id"] == "07beabfa9d9100c00404260e8adaed1fec46b086cd757ee48ce429b0"
     assert status["workers"][0]["kv_transports"] == ["tcp", "cuda_ipc"]
+    assert (status["workers"][0]["devices"], status["workers"][1]["devices"]) == (2, 0)
 
 
 def test_request_message_keeps_zero_values_and_omits_unset_ones() -> None:
