@@ -6,9 +6,9 @@
 
 One process per GPU (rank r on cuda:r, NCCL over 127.0.0.1), each building its rank's runner as the engine does
 (runner_setup.build_runner: its slice of the weights, a cache of its KV heads, the decode CUDA graphs with the
-all-reduces inside). Every rank builds the same decode steps from one seed and runs them in lockstep, as the
-followers of an engine run the steps the lead publishes; the lead's CUDA-event times are reported (the
-collectives keep the ranks within one step of each other). A step: `batch` sequences with `context` cached
+all-reduces inside). Rank 0 builds each step and runs it as an engine's lead does, publishing its host inputs;
+the other ranks follow through StepReceiver as an engine's followers do. Rank 0's CUDA-event times are reported
+(the collectives keep the ranks within one step of each other). A step: `batch` sequences with `context` cached
 tokens each, on random blocks of a randomly filled cache, decoding one token; logits gathered on every rank,
 greedy ids copied to the host, as the engine does.
 
@@ -37,7 +37,6 @@ import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -353,18 +352,13 @@ def _nccl_version() -> str:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def _rank_entry(rank: int, settings: Settings, port: int, out_path: str) -> None:
-    try:
-        run_rank(rank, settings, port, out_path)
-    except BaseException:
-        traceback.print_exc()
-        raise
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
 
 def default_out(settings: Settings) -> str:
     gpu = torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"
-    slug = lambda text: re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")  # noqa: E731
-    name = f"tp_decode_{slug(settings.model)}_tp{settings.tp}_{slug(gpu)}.json"
+    name = f"tp_decode_{_slug(settings.model)}_tp{settings.tp}_{_slug(gpu)}.json"
     return str(Path(__file__).parent / "results" / name)
 
 
@@ -406,10 +400,11 @@ def main(argv: list[str] | None = None) -> None:
             args.gpu_memory_utilization,
         )
     out = args.out or default_out(settings)
+    # NVLink multicast stays off unless the caller set it (../shared/gpu/README.md: it can take a shared host's
+    # GPUs out of service); the ranks inherit this environment.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.multiprocessing.spawn(
-        _rank_entry, args=(settings, _free_port(), out), nprocs=settings.tp, join=True
-    )
+    # spawn: a rank that raises ends the others and raises here with its traceback.
+    torch.multiprocessing.spawn(run_rank, args=(settings, _free_port(), out), nprocs=settings.tp, join=True)
 
 
 if __name__ == "__main__":
