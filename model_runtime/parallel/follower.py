@@ -9,7 +9,7 @@ A follower has no scheduler, block pool, tokenizer or sampler: the lead's step c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from model_runtime.config import EngineConfig
 from model_runtime.parallel.group import TPGroup
@@ -29,9 +29,15 @@ def build_follower(
     return build_runner(config, source, load_model_config(source), StartupProgress(on_progress), group)
 
 
-def follow(rank: RankRunner, group: TPGroup) -> int:
-    """Run the lead's steps until it stops the ranks; returns how many ran."""
-    receiver = StepReceiver(group)
+def follow(
+    rank: RankRunner,
+    group: TPGroup,
+    on_control: Callable[[bytes], None] | None = None,
+    reports: Callable[[int], Sequence[int]] | None = None,
+) -> int:
+    """Run the lead's steps until it stops the ranks; returns how many ran. `on_control` and `reports` serve the
+    lead's control messages and gathers between steps (step_sync: CONTROL, GATHER)."""
+    receiver = StepReceiver(group, on_control, reports)
     steps = 0
     while (batch := receiver.receive()) is not None:
         rank.runner.execute_batch(batch)

@@ -51,6 +51,12 @@ class TPGroup:
         """Copy the lead's CPU tensor x into every rank's x (same shape and dtype on every rank)."""
         dist.broadcast(x, src=LEAD_RANK, group=self.host_group)
 
+    def all_gather_host(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's CPU tensor x (same shape and dtype everywhere), in rank order, on every rank."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.host_group)
+        return parts
+
     def agree_min(self, value: int) -> int:
         """The smallest `value` any rank holds (e.g. KV blocks: every rank's cache must hold the lead's ids)."""
         t = torch.tensor([value], dtype=torch.int64)
