@@ -58,6 +58,7 @@ lint: install
 
 typecheck: install
 	$(BIN)/mypy $(filter-out tandem_api,$(PACKAGES))
+	$(BIN)/mypy --explicit-package-bases bench/*.py  # the GPU benchmarks: a type error found there costs GPU time
 
 # One retry, only when a test's local cluster or Ray node failed to come up (start-up on a loaded 2-core host); a
 # test that fails on its own assertions is never retried.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import statistics
@@ -33,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -319,7 +321,8 @@ def run_kernels(
     stepper = Stepper(runner, Sampler("cuda", seed=0), runner.config.vocab_size)
     floor = (weight_bytes_read(runner), *rates)
     gen = torch.Generator().manual_seed(0)
-    rows, info = [], {"runner_start_s": start_s, "num_graphs": len(graphs.sizes), "skipped": []}
+    rows: list[Row] = []
+    info: dict[str, Any] = {"runner_start_s": start_s, "num_graphs": len(graphs.sizes), "skipped": []}
     info["graph_pool_mib"] = graphs.pool_bytes / 2**20
     meta.setdefault("per_kernels", {})[kernels] = info
     for batch, context in configs:
@@ -347,7 +350,7 @@ def profiles(stepper: Stepper, context: int, batches: list[int], gen) -> dict:
         if blocks_needed(batch, context) > stepper.runner.layout.usable_blocks:
             continue
         step = decode_step(batch, context, stepper.runner.layout.num_blocks, stepper.vocab, gen)
-        p = profile_step(lambda step=step: stepper.step(step, True))
+        p = profile_step(functools.partial(stepper.step, step, True))
         print_profile(f"[{stepper.runner.model.ops.name}] graph step, batch {batch}, ctx {context}", p)
         out[f"batch{batch}_ctx{context}"] = dataclasses.asdict(p)
     return out

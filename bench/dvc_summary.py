@@ -60,9 +60,10 @@ def share_at(point: dict, slo: SLO) -> float | None:
 def capacity_at(points: list[dict], slo: SLO) -> float | None:
     """capacity() under another SLO set; None when a point lacks its per-request latencies."""
     shares = [share_at(p, slo) for p in points]
-    if any(v is None for v in shares):
+    known = [v for v in shares if v is not None]
+    if len(known) < len(shares):
         return None
-    return capacity([(p["settings"]["rate"], v) for p, v in zip(points, shares)], TARGET_SHARE)
+    return capacity([(p["settings"]["rate"], v) for p, v in zip(points, known)], TARGET_SHARE)
 
 
 def gpu_seconds_per_1k_tokens(point: dict, gpus: int) -> float | None:

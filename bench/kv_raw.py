@@ -71,10 +71,11 @@ def nccl_p2p(
         if rank == 1:
             if kind == "cupy":
                 state["cupy"].recv(buf.data_ptr(), nbytes, state["nccl"].NCCL_UINT8, 0, stream)
+                work = None
             else:
                 work = torch.distributed.irecv(buf, src=0)
             peer.send(b"posted")
-            if kind == "torch":
+            if work is not None:
                 work.wait()
             torch.cuda.synchronize(device)
             continue

@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off in every process (inherited).
 os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.kv_raw import raw_times  # noqa: E402
-from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, cuda_ipc, slicing  # noqa: E402
+from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, TransferResult, cuda_ipc, slicing  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
 
@@ -64,10 +65,14 @@ def llama3_8b_layout(max_tokens: int) -> KVLayout:
 
 
 def transfer_config(kind: str) -> TransferConfig:
-    limits = dict(
-        transfer_timeout_s=300.0, lease_ttl_s=300.0, connect_timeout_s=30.0, pair_setup_timeout_s=120.0
+    return TransferConfig(
+        kind=kind,
+        poll_interval_s=0.005,
+        transfer_timeout_s=300.0,
+        lease_ttl_s=300.0,
+        connect_timeout_s=30.0,
+        pair_setup_timeout_s=120.0,
     )
-    return TransferConfig(kind=kind, poll_interval_s=0.005, **limits)
 
 
 def kv_checksum(cache: torch.Tensor, ids: list[int]) -> str:
@@ -114,10 +119,10 @@ class Landing:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.result = None
+        self.result: TransferResult | None = None
         self.landed_at = 0.0
 
-    def put(self, result) -> None:
+    def put(self, result: TransferResult) -> None:
         self.landed_at = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC is host-wide)
         self.result = result
         self.event.set()
@@ -134,7 +139,7 @@ def decode_handoffs(
         start = time.perf_counter()
         lease = receiver.reserve(f"bench-{tokens}", tokens)
         peer.send(receiver.target(lease).SerializeToString())
-        if not landing.event.wait(300) or not landing.result.ok:
+        if not landing.event.wait(300) or landing.result is None or not landing.result.ok:
             raise RuntimeError(f"handoff failed: {landing.result}")
         times.append(time.perf_counter() - start)
         landed.append(landing.landed_at)
@@ -158,7 +163,8 @@ def decode_main(ctl, peer, device_spec: str, max_tokens: int) -> None:
     layout = llama3_8b_layout(max_tokens)
     cache = torch.zeros(layout.cache_shape, dtype=torch.bfloat16, device=device)
     landing, alloc = Landing(), FreeList(layout.num_blocks)
-    receiver, state, current = None, {}, ""
+    receiver, current = None, ""
+    state: dict[str, Any] = {}
     while (cmd := ctl.recv()) is not None:
         if cmd[0] == "handoff":
             _, kind, tokens, runs = cmd
@@ -200,7 +206,8 @@ def prefill_main(ctl, peer, device_spec: str, max_tokens: int) -> None:
     cache = torch.randn(layout.cache_shape, generator=gen, device=device).to(torch.bfloat16)  # never all-zero
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
-    sender, state, current = None, {}, ""
+    sender, current = None, ""
+    state: dict[str, Any] = {}
     while (cmd := ctl.recv()) is not None:
         if cmd[0] == "handoff":
             _, kind, tokens, _ = cmd

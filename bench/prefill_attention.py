@@ -18,7 +18,6 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,7 +100,7 @@ def bench_case(lens: list[int], reps: int) -> list[dict]:
     ref = reference_rows(q, k, v, min(CHECK_ROWS, lens[0]))
     rows = []
     for name, fn in candidates(q, k, v, lens).items():
-        row = {"kernel": name, "lens": lens}
+        row: dict[str, object] = {"kernel": name, "lens": lens}
         try:
             got = fn()[: ref.shape[0]].float()
             err = float((got - ref).abs().max() / ref.abs().max())
@@ -145,4 +144,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

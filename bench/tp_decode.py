@@ -402,7 +402,12 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or default_out(settings)
     # NVLink multicast stays off unless the caller set it (../shared/gpu/README.md: it can take a shared host's
     # GPUs out of service); the ranks inherit this environment.
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    for name, value in (
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
+        os.environ.setdefault(name, value)
     # spawn: a rank that raises ends the others and raises here with its traceback.
     torch.multiprocessing.spawn(run_rank, args=(settings, _free_port(), out), nprocs=settings.tp, join=True)
 

@@ -59,7 +59,7 @@ class Script:
 
 def planned(
     script: Script, sampling: worker_pb2.EngineSampling, eos: tuple[int, ...]
-) -> tuple[list[int], int, int | None]:
+) -> tuple[list[int], generate_pb2.FinishReason, int | None]:
     """(tokens, finish reason, stop token) under the engine's token rules."""
     out: list[int] = []
     for token in script.tokens[: sampling.max_tokens]:
@@ -91,7 +91,7 @@ class Landings:
 class FakeWorker:
     """Common parts: identity, Status answers, the calls and cancellations seen."""
 
-    role: int = admin_pb2.WORKER_ROLE_DECODE
+    role: admin_pb2.WorkerRole = admin_pb2.WORKER_ROLE_DECODE
 
     def __init__(
         self,
