@@ -73,6 +73,7 @@ class Change:
     reason: str  # ttft_miss, tpot_miss, ttft_inside, tpot_inside, slo_inside, moved, at_max, at_budget
     before: int
     after: int
+    detail: str = ""  # for the log only (reason is the metric's label): why the other pool gave nothing
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,8 @@ class AutoscalePolicy:
                 sizes[role] = n + 1
                 changes.append(Change(role, Direction.UP, reason, n, n + 1))
             else:
-                changes.append(Change(role, Direction.BLOCKED, "at_budget", n, n))
+                why = self._no_donor(role, grades, sizes)
+                changes.append(Change(role, Direction.BLOCKED, "at_budget", n, n, why))
         return changes
 
     def _donor(
@@ -231,6 +233,36 @@ class AutoscalePolicy:
             if other is not role and grades[signal] is not Grade.MISS and self._can_give(other, sizes[other]):
                 return other
         return None
+
+    def _no_donor(self, role: WorkerRole, grades: dict[str, Grade], sizes: dict[WorkerRole, int]) -> str:
+        """Why no other pool gave `role` a worker, for the log (an operator sees which rule held it)."""
+        reasons = []
+        for signal, other in SIGNAL_ROLE.items():
+            if other is role:
+                continue
+            n = sizes[other]
+            if grades[signal] is Grade.MISS:
+                why = f"its {signal} misses too"
+            elif n <= self._min(other):
+                why = f"at its min {n}"
+            else:
+                why = self._load_refusal(other, n)
+            reasons.append(f"{other.value} cannot give: {why}")
+        return "; ".join(reasons)
+
+    def _load_refusal(self, role: WorkerRole, n: int) -> str:
+        """Why a pool above its min may not give a worker (the rest of _can_give's rule)."""
+        floor = self.regretted(role, n - 1)
+        if floor is not None and self._rate >= RATE_MARGIN * floor:
+            return (
+                f"{n - 1} workers missed at {floor:.1f} req/s within shrink_memory_s (now {self._rate:.1f})"
+            )
+        load = self._loads.get(role)
+        projected = load.projected(n - 1) if load is not None else None
+        if projected is None:
+            return "no load reading yet"
+        limit = self.settings.scale_down_utilization
+        return f"its load would be {projected:.2f} on {n - 1} (scale_down_utilization {limit:g})"
 
     def _shrink(self, sizes: dict[WorkerRole, int]) -> list[Change]:
         changes = []
@@ -285,7 +317,7 @@ def describe(window: WindowStats, settings: AutoscalerSettings, decision: Decisi
     changes = ", ".join(
         f"{c.role.value} {c.before} -> {c.after} ({c.reason})"
         if c.direction is not Direction.BLOCKED
-        else f"{c.role.value} stays {c.before} ({c.reason})"
+        else f"{c.role.value} stays {c.before} ({c.reason}{': ' + c.detail if c.detail else ''})"
         for c in decision.changes
     )
     return f"{measured}: {changes or decision.hold or 'no change'}"

@@ -291,3 +291,26 @@ def test_a_regret_is_forgotten_after_shrink_memory_s_and_a_late_miss_is_no_regre
     late.now += 60.0  # past the quiet time and three windows: a miss now is the load's, not the shrink's
     assert changes(late.run(SLOW_TPOT, 2)) == [("decode", "up", "tpot_miss", 1, 2)]
     assert late.policy.regretted(D, 1) is None
+
+
+def test_a_miss_blocked_at_the_budget_logs_why_the_other_pool_gave_nothing() -> None:
+    settings = replace(SETTINGS, max_total_workers=3)
+
+    def blocked_line(cluster: Cluster, latency: dict[str, float]) -> str:
+        decision = cluster.run(latency, 2)[-1]
+        return describe(window(latency["ttft"], latency["tpot"]), settings, decision)
+
+    full = Cluster(settings, prefill=1, decode=2)
+    full.work[D] = 1.5  # 0.75 of KV each
+    assert blocked_line(full, SLOW_TTFT).endswith(
+        "prefill stays 1 (at_budget: decode cannot give: its load would be 1.50 on 1 (scale_down_utilization 0.6))"
+    )
+    unread = Cluster(settings, prefill=1, decode=2)
+    unread.work[D] = None
+    assert blocked_line(unread, SLOW_TTFT).endswith("(at_budget: decode cannot give: no load reading yet)")
+    assert blocked_line(Cluster(settings, prefill=2, decode=1), SLOW_TTFT).endswith(
+        "(at_budget: decode cannot give: at its min 1)"
+    )
+    both = blocked_line(Cluster(settings, prefill=1, decode=2), {"ttft": 1.5, "tpot": 0.08})
+    assert "decode stays 2 (at_budget: prefill cannot give: its ttft misses too)" in both
+    assert "prefill stays 1 (at_budget: decode cannot give: its tpot misses too)" in both
