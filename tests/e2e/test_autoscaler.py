@@ -56,9 +56,10 @@ AUTOSCALER = {
     "scale_up_patience": 2,
     "scale_down_patience": 1000,  # this test follows moves at the budget; shrinking is the unit tests' part
     # A pool gives a worker only if its load fits in one fewer (deploy.autoscaler.load; its unit tests check the
-    # rule). Under the decode-heavy phase the two prefill workers were each a quarter to a third busy on the CI
-    # box, 0.5-0.75 for one: around the default 0.6, which once kept the worker from moving back for 90 s.
-    # Here the rule only has to let a pool give what one worker can carry.
+    # rule). Under 8-token decode-heavy requests the two prefill workers' busy share came near the default 0.6
+    # for one worker (an estimate from the calibration below: the log did not show it then; blocked decisions now
+    # say why), and once kept the worker from moving back for 90 s. Here the rule only has to let a pool give
+    # what one worker can carry.
     "scale_down_utilization": 1.0,
     "cooldown_s": 2.0,
     "max_total_workers": 3,
