@@ -238,31 +238,14 @@ class AutoscalePolicy:
         """Why no other pool gave `role` a worker, for the log (an operator sees which rule held it)."""
         reasons = []
         for signal, other in SIGNAL_ROLE.items():
-            if other is role:
-                continue
-            n = sizes[other]
-            if grades[signal] is Grade.MISS:
-                why = f"its {signal} misses too"
-            elif n <= self._min(other):
-                why = f"at its min {n}"
-            else:
-                why = self._load_refusal(other, n)
-            reasons.append(f"{other.value} cannot give: {why}")
+            if other is not role:
+                why = (
+                    f"its {signal} misses too"
+                    if grades[signal] is Grade.MISS
+                    else self._refusal(other, sizes[other])
+                )
+                reasons.append(f"{other.value} cannot give: {why}")
         return "; ".join(reasons)
-
-    def _load_refusal(self, role: WorkerRole, n: int) -> str:
-        """Why a pool above its min may not give a worker (the rest of _can_give's rule)."""
-        floor = self.regretted(role, n - 1)
-        if floor is not None and self._rate >= RATE_MARGIN * floor:
-            return (
-                f"{n - 1} workers missed at {floor:.1f} req/s within shrink_memory_s (now {self._rate:.1f})"
-            )
-        load = self._loads.get(role)
-        projected = load.projected(n - 1) if load is not None else None
-        if projected is None:
-            return "no load reading yet"
-        limit = self.settings.scale_down_utilization
-        return f"its load would be {projected:.2f} on {n - 1} (scale_down_utilization {limit:g})"
 
     def _shrink(self, sizes: dict[WorkerRole, int]) -> list[Change]:
         changes = []
@@ -275,14 +258,25 @@ class AutoscalePolicy:
 
     def _can_give(self, role: WorkerRole, n: int) -> bool:
         """The pool of n workers is above its min and its load fits in n - 1 (see the module docstring)."""
+        return self._refusal(role, n) is None
+
+    def _refusal(self, role: WorkerRole, n: int) -> str | None:
+        """Why the pool of n workers may not give one up (the log's words), or None when it may."""
         if n <= self._min(role):
-            return False
+            return f"at its min {n}"
         floor = self.regretted(role, n - 1)
         if floor is not None and self._rate >= RATE_MARGIN * floor:
-            return False
+            return (
+                f"{n - 1} workers missed at {floor:.1f} req/s within shrink_memory_s (now {self._rate:.1f})"
+            )
         load = self._loads.get(role)
         projected = load.projected(n - 1) if load is not None else None
-        return projected is not None and projected <= self.settings.scale_down_utilization
+        if projected is None:
+            return "no load reading yet"
+        limit = self.settings.scale_down_utilization
+        if projected > limit:
+            return f"its load would be {projected:.2f} on {n - 1} (scale_down_utilization {limit:g})"
+        return None
 
     def _min(self, role: WorkerRole) -> int:
         return self.settings.bounds(role).min
