@@ -104,9 +104,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_beat = time.monotonic()  # refreshed every iteration: a stale value means a hung step
         self.steps = 0
-        self.busy_seconds = (
-            0.0  # the steps' own wall times (StepRecord.duration_s), added up by the loop thread
-        )
+        # The steps' own wall times (StepRecord.duration_s), added up by the loop thread.
+        self.busy_seconds = 0.0
         self.failure: BaseException | None = None
         self._prefix_limit = prefix_report_limit
         self.prefix = PrefixSnapshot()

@@ -141,9 +141,8 @@ class LocalPrefill:
 PREFILL_WORKER = "prefill_worker"  # on a prefill worker, its KV shipped to the decode worker
 LOCAL_SHORT = "local_short"  # on the decode worker: few tokens to compute (a short prompt)
 LOCAL_CACHED = "local_cached"  # on the decode worker: most of the prompt is in its prefix cache
-LOCAL_SPILL = (
-    "local_spill"  # on the decode worker: the prefill workers' queues are long (spill_queued_tokens)
-)
+# on the decode worker: the prefill workers' queues are long (spill_queued_tokens)
+LOCAL_SPILL = "local_spill"
 COLOCATED = "colocated"  # on a colocated worker (no prefill/decode pair)
 
 

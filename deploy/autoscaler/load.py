@@ -55,9 +55,8 @@ class PoolLoad:
 @dataclass(frozen=True)
 class _Reading:
     at: float
-    busy: dict[
-        tuple[WorkerRole, str], float
-    ]  # (pool, worker id) -> busy_seconds_total (ready ones reporting it)
+    # (pool, worker id) -> busy_seconds_total (the ready workers that report it)
+    busy: dict[tuple[WorkerRole, str], float]
     kv: dict[WorkerRole, float]  # pool -> kv_blocks_used / kv_blocks_total
     workers: dict[WorkerRole, int]  # pool -> ready workers
 
