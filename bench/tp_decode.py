@@ -33,21 +33,19 @@ import dataclasses
 import json
 import os
 import re
-import socket
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import BLOCK_SIZE, blocks_needed, copy_bandwidth_gbps, decode_step, weight_bytes_read
-from bench.harness import ModelCost, measure_matmul_tflops
+from bench.dvc_deployments import free_port
+from bench.harness import ModelCost, measure_matmul_tflops, median_seconds
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from model_runtime.parallel.follower import follow
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
@@ -60,9 +58,8 @@ from tandem_cli.bench.report import git_commit
 
 @dataclass(frozen=True)
 class Row:
-    phase: (
-        str  # "decode": `batch` sequences decode one token at `context`; "prefill": one prompt of `context`
-    )
+    # "decode": `batch` sequences decode one token at `context`; "prefill": one prompt of `context` tokens
+    phase: str
     batch: int
     context: int
     weight_bytes: int  # per rank
@@ -99,12 +96,6 @@ class Settings:
     gpu_memory_utilization: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rank_config(settings: Settings, rank: int) -> EngineConfig:
     on_gpu = settings.device == "cuda"
     max_context = max((*settings.contexts, *settings.prefill_lens))
@@ -137,29 +128,18 @@ def rank_config(settings: Settings, rank: int) -> EngineConfig:
     )
 
 
+@dataclass(frozen=True)
 class Timer:
-    """Median wall time of a callable: CUDA events on a GPU, perf_counter on CPU."""
+    """A rank's device and the medians timed on it (bench.harness.median_seconds: CUDA events on a GPU)."""
 
-    def __init__(self, on_gpu: bool) -> None:
-        self.on_gpu = on_gpu
+    device: str  # "cuda:<rank>" or "cpu"
 
-    def median_us(self, fn: Any, warmup: int, reps: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            if self.on_gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+    def median_us(self, fn: Callable[[], object], warmup: int, reps: int) -> float:
+        return median_seconds(fn, self.device, warmup, reps) * 1e6
 
 
 def allreduce_us(
@@ -167,7 +147,7 @@ def allreduce_us(
 ) -> float:
     """One step's all-reduces alone: 2 x layers of a [batch, hidden] tensor, in a CUDA graph on a GPU."""
     dtype = torch.bfloat16 if timer.on_gpu else torch.float32
-    x = torch.zeros(batch, hidden, dtype=dtype, device=f"cuda:{group.rank}" if timer.on_gpu else "cpu")
+    x = torch.zeros(batch, hidden, dtype=dtype, device=timer.device)
 
     def eager() -> None:
         for _ in range(2 * layers):
@@ -206,7 +186,7 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
         if on_gpu and runner.graphs is None:
             raise SystemExit("the decode CUDA graphs were not captured")
         runner.kv_cache.normal_(generator=torch.Generator(device=runner.kv_cache.device).manual_seed(rank))
-        timer = Timer(on_gpu)
+        timer = Timer(f"cuda:{rank}" if on_gpu else "cpu")
         # The all-reduces alone first, every rank together; then the steps, which the followers only follow.
         collectives = {
             tokens: allreduce_us(group, tokens, model.hidden_size, model.num_layers, timer, settings)
@@ -409,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     ):
         os.environ.setdefault(name, value)
     # spawn: a rank that raises ends the others and raises here with its traceback.
-    torch.multiprocessing.spawn(run_rank, args=(settings, _free_port(), out), nprocs=settings.tp, join=True)
+    torch.multiprocessing.spawn(run_rank, args=(settings, free_port(), out), nprocs=settings.tp, join=True)
 
 
 if __name__ == "__main__":
