@@ -89,8 +89,7 @@ def _rank_main(
 ) -> None:
     torch.set_num_threads(1)  # N ranks share the test machine's few cores
     try:
-        collectives = "cpu" if device == "cpu" else f"cuda:{rank}"
-        group = init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", collectives, timeout_s=120)
+        group = init_tp_group(rank, size, f"tcp://127.0.0.1:{port}", rank_device(rank, device), timeout_s=120)
         queue.put((rank, True, target(group, *args)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
@@ -98,11 +97,9 @@ def _rank_main(
         close_tp_group()
 
 
-def rank_device(group: TPGroup | None, device: str) -> str:
-    """This rank's engine device: "cpu", or cuda:<rank> (TP=1's reference on cuda:0)."""
-    if device == "cpu":
-        return "cpu"
-    return f"cuda:{0 if group is None else group.rank}"
+def rank_device(rank: int, device: str) -> str:
+    """Rank `rank`'s device: "cpu", or cuda:<rank> (TP=1's reference is rank 0, on cuda:0)."""
+    return "cpu" if device == "cpu" else f"cuda:{rank}"
 
 
 def rank_config(
@@ -122,7 +119,10 @@ def rank_config(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12),
         device=DeviceConfig(
-            device=rank_device(group, device), dtype="float32", quantization=quantization, enforce_eager=eager
+            device=rank_device(0 if group is None else group.rank, device),
+            dtype="float32",
+            quantization=quantization,
+            enforce_eager=eager,
         ),
         parallel=ParallelConfig(tensor_parallel_size=1 if group is None else group.size),
     )
