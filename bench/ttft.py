@@ -19,6 +19,9 @@ start the cache already holds, the floor counting only the new tokens (attending
 Floor: the prompt's FLOPs at the matmul rate measured in the same run (8192^3 bf16): 2 x layer matmul params x
 tokens + causal attention (4 x layers x heads x head_dim x L(L+1)/2) + one logits row. Reading every weight
 once at the measured HBM copy rate is reported too; floor = the larger. fraction = floor / median TTFT.
+With --background N, N requests keep decoding beside every timed prompt, which then runs in mixed steps as
+in a colocated worker (`--background 2 --max-num-seqs 256 --max-model-len 8192 --max-num-batched-tokens 2048`
+is a colocated worker of bench-colocated.yaml at 1-2 req/s, without its threads).
 Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
 Exit status 1 when a length raised (traceback on stderr, message in the JSON's "errors").
 """
@@ -184,6 +187,20 @@ class BusyThreads:
             t.join()
 
 
+BACKGROUND_PROMPT = 64
+
+
+def start_background(engine: Engine, n: int, max_model_len: int) -> None:
+    """`n` requests that decode until the engine stops (ignore_eos, as long as the model length allows), each
+    from its own random 64-token prompt: every timed prompt then runs in a mixed step with n decodes."""
+    prompts = gpu.random_prompts(n, BACKGROUND_PROMPT, engine.model_config.vocab_size, seed=11)
+    sampling = SamplingParams(temperature=0, max_tokens=max_model_len - BACKGROUND_PROMPT, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"background-{i}", prompt, sampling)
+    engine.step()  # their prefill, so the first timed prompt already meets them decoding
+    gpu.log(f"{n} background requests decoding")
+
+
 @dataclass(frozen=True)
 class Setup:
     rates: gpu.DeviceRates
@@ -235,6 +252,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 0), under the workers' GIL switch interval: how much other threads slow the engine thread",
     )
     p.add_argument(
+        "--background",
+        type=int,
+        default=0,
+        help="requests that keep decoding while each timed prompt runs (default 0), so that its prefill "
+        "shares mixed steps with decodes as in a colocated worker",
+    )
+    p.add_argument(
         "--budget-s", type=float, default=540.0, help="start no new length after this many seconds"
     )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts, float32, no graphs")
@@ -246,6 +270,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lens = [int(n) for n in args.prompt_lens.split(",") if n.strip()]
     if not lens or min(lens) < 1 or args.reps < 1 or args.warmup < 0:
         raise SystemExit("--prompt-lens, --reps: need positive integers (and --warmup >= 0)")
+    if args.background < 0:
+        raise SystemExit("--background: needs >= 0 requests")
     if args.cached_prefix < 0 or (args.cached_prefix and args.warmup < 1):
         raise SystemExit("--cached-prefix: needs >= 0 tokens, and --warmup >= 1 to cache them first")
     args.lens = lens
@@ -275,6 +301,8 @@ def main(argv: list[str] | None = None) -> Path:
         lambda: gpu.build_engine(model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0),
     )
     noise = BusyThreads(args.busy_threads) if args.busy_threads else None
+    if engine is not None and args.background:
+        start_background(engine, args.background, limits.max_model_len or total + 16)
     for prompt_len in args.lens:
         if engine is None:  # the engine job failed or was skipped (recorded)
             break

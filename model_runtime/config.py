@@ -201,9 +201,18 @@ class DeviceConfig:
     # float32 scale per output channel, quantized at load; model_runtime.quantization) | fp8_group (e4m3, a
     # scale per output channel and group of 64 input channels, activations alike; group_gemm on a GPU).
     quantization: str = "none"
+    # Steps with prompt chunks of up to this many tokens (decodes included) replay piecewise CUDA graphs:
+    # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
+    # run eagerly: their kernels outlast their launches.
+    prefill_graph_tokens: int = 1024
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _require(
+            self.prefill_graph_tokens >= 0,
+            "device.prefill_graph_tokens",
+            f"must be >= 0 (0 turns the prefill graphs off), got {self.prefill_graph_tokens}",
+        )
         _require(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "device.device",

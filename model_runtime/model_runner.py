@@ -7,7 +7,9 @@ A step, every step:
 
     SchedulerOutput --host_batch.build_host_batch--> HostBatch (numpy)               host, no device work
         decode-only and batch <= largest graph:  DecodeGraphs.run (pad to the bucket, replay)
-        anything else (prefill, mixed, CPU):      two packed non-blocking copies, eager forward
+        anything else:                            two packed non-blocking copies, then
+            tokens <= prefill_graph_tokens (GPU):   PrefillGraphs.run (pieces replayed, attention eager)
+            more tokens, or on CPU:                 eager forward
     -> hidden states of the sampling rows -> logits (float32), outside any graph
 """
 
@@ -29,6 +31,7 @@ from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
 from model_runtime.kv_quant import split_fp8_cache
 from model_runtime.models.llama import LlamaForCausalLM
 from model_runtime.parallel.context import TensorParallel
+from model_runtime.prefill_graphs import PiecewiseForward, PrefillGraphs
 from model_runtime.quantization.apply import quantize_model
 from model_runtime.request import SchedulerOutput
 
@@ -89,6 +92,24 @@ def _pack(parts: list[np.ndarray], dtype: type) -> tuple[np.ndarray, list[int]]:
     return packed, offsets
 
 
+class _GraphProgress:
+    """One progress count over both kinds of graphs: the decode graphs', then the prefill pieces'."""
+
+    def __init__(self, report: Callable[[int, int], None] | None) -> None:
+        self.report = report
+        self.decode_total = 0
+        self.prefill_total = 0
+
+    def decode(self, done: int, total: int) -> None:
+        self.decode_total = total
+        if self.report is not None:
+            self.report(done, total + self.prefill_total)
+
+    def prefill(self, done: int, total: int) -> None:
+        if self.report is not None:
+            self.report(self.decode_total + done, self.decode_total + total)
+
+
 # --- device side -------------------------------------------------------------------------------------------
 @dataclass
 class StepInputs:
@@ -122,11 +143,13 @@ class ModelRunner:
         ops: FusedOps | None = None,
         tensor_parallel: TensorParallel | None = None,
         quantization: str = "none",
+        prefill_graph_tokens: int = 0,
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
         share); None for one device. `quantization`: how `weights` were quantized
-        (quantization.apply.quantize_weights), so the model holds them in that form.
+        (quantization.apply.quantize_weights), so the model holds them in that form. `prefill_graph_tokens`:
+        the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none).
 
         `kv_cache` is the cache's storage, shaped as KVLayout.cache_shape (what transports move); `kv_pages` is
         the model's view of it, [L, 2, N, B, Hkv, D]: the same tensor, or an FP8 cache's codes, whose scales
@@ -156,11 +179,26 @@ class ModelRunner:
         self._on_cuda = self.device.type == "cuda"
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=2 * max_num_seqs)
         use_graphs = self._on_cuda and not enforce_eager
-        self.graphs = self._make_graphs(backend, on_graph_progress) if use_graphs else None
+        pieces = prefill_graph_tokens if use_graphs else 0
+        progress = _GraphProgress(on_graph_progress)
+        self.prefill_graphs = self._make_prefill_graphs(pieces, progress)
+        self.graphs = self._make_graphs(backend, progress) if use_graphs else None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture(progress.prefill)
 
-    def _make_graphs(
-        self, backend: AttentionBackend, progress: Callable[[int, int], None] | None
-    ) -> DecodeGraphs | None:
+    def _make_prefill_graphs(self, max_tokens: int, progress: _GraphProgress) -> PrefillGraphs | None:
+        """Built (not yet captured) before the decode graphs, so that the progress counts both."""
+        if max_tokens <= 0:
+            return None
+        reason = PiecewiseForward.unsupported(self.model)
+        if reason is not None:
+            log.info("piecewise prefill graphs off: %s", reason)
+            return None
+        graphs = PrefillGraphs(self.model, max_tokens)
+        progress.prefill_total = graphs.num_graphs
+        return graphs
+
+    def _make_graphs(self, backend: AttentionBackend, progress: _GraphProgress) -> DecodeGraphs | None:
         if backend.name != "triton":
             log.info("CUDA graphs off: attention backend %r is not graph-safe", backend.name)
             return None
@@ -177,7 +215,7 @@ class ModelRunner:
             max_blocks_per_seq=self.max_blocks_per_seq,
             hidden_size=mc.hidden_size,
         )
-        graphs.capture(progress)
+        graphs.capture(progress.decode)
         # Activations are in the model dtype, whatever the cache's.
         activation_bytes = self.model.embed_tokens.weight.element_size()
         planned = graph_memory_estimate(mc, self.max_num_seqs, activation_bytes)
@@ -291,7 +329,11 @@ class ModelRunner:
                 hidden = hidden[self._to_device(batch.logits_indices)]
             return self._logits(hidden)
         inputs = self._upload(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)
+        pieces = self.prefill_graphs
+        if use_graphs and pieces is not None and pieces.can_run(batch.num_tokens):
+            hidden = pieces.run(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)
         if not batch.samples_every_row:
             hidden = hidden[inputs.logits_indices]
         return self._logits(hidden)

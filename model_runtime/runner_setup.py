@@ -20,6 +20,7 @@ from model_runtime.model_runner import TORCH_DTYPES, ModelRunner, plan_num_block
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.parallel.group import TPGroup
 from model_runtime.parallel.weights import load_weight_shard
+from model_runtime.prefill_graphs import prefill_graph_memory_estimate
 from model_runtime.quantization.apply import quantize_weights, resolve_method
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import ModelSource, load_weights
@@ -38,6 +39,14 @@ def activation_estimate(model: ModelConfig, max_tokens: int, max_seqs: int, dtyp
     gate/up product, and float32 logits plus sampler scratch for every sequence."""
     per_token = (4 * model.hidden_size + 2 * model.q_size + 3 * model.intermediate_size) * dtype_bytes
     return 2 * max_tokens * per_token + 4 * max_seqs * model.vocab_size * 4
+
+
+def prefill_graph_tokens(config: EngineConfig) -> int:
+    """The largest step that replays the piecewise prefill graphs: no step has more tokens than the scheduler's
+    budget, so none are captured past it; 0 when graphs are off."""
+    if config.device.enforce_eager:
+        return 0
+    return min(config.device.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
 
 
 def build_runner(
@@ -82,6 +91,7 @@ def build_runner(
         ops=make_fused_ops(config.device.kernels, device),
         tensor_parallel=tp,
         quantization=quantization,
+        prefill_graph_tokens=prefill_graph_tokens(config),
     )
     return RankRunner(runner, layout, max_model_len, tp)
 
@@ -116,6 +126,9 @@ def plan_layout(
     if device != "cpu" and not config.device.enforce_eager:
         # The decode CUDA graphs' private pool, allocated after the cache (eager steps cannot reuse it).
         activations += graph_memory_estimate(local, sched.max_num_seqs, activation_bytes)
+        pieces = prefill_graph_tokens(config)
+        if pieces and tp is None:  # the piecewise prefill graphs' buffers and pool (one device only)
+            activations += prefill_graph_memory_estimate(local, pieces, activation_bytes)
     num_blocks = plan_num_blocks(local, config.cache, probe.bytes_per_block, device, activations)
     if tp is not None:
         num_blocks = tp.group.agree_min(num_blocks)

@@ -1,0 +1,269 @@
+"""PrefillGraphs: CUDA graphs for steps with prompt chunks, everything but attention (piecewise graphs).
+
+Why: an eager step queues about 14 kernels per layer from Python (about 450 for Llama-3-8B, over 700 in a step
+that mixes a prompt with decodes), at 20-50 us of host time each. On an H200 a 320-token prompt behind a cached
+2k-token prefix had 12 ms of kernels but took 22 ms alone and 43 ms beside one decoding request (bench/ttft.py
+--background 1): the GPU waited for Python. Attention is the part a graph cannot hold: its varlen kernel takes
+its grid from host values (the longest chunk) and a cached prefix is gathered by slot. So each layer's attention
+runs eagerly, and everything between two attentions is one graph:
+
+    piece 0      embed -> layer 0: input norm, qkv, rotary                          -> QKV, RESIDUAL
+    attention 0  store K/V, attend (eager, live rows only)                          -> ATTN
+    piece i      layer i-1: o_proj, add+norm, MLP; layer i: add+norm, qkv, rotary    -> QKV, RESIDUAL
+    ...          (attention i, piece i+1, ...)
+    piece L      layer L-1: o_proj, add+norm, MLP; the final add+norm                -> HIDDEN
+
+One graph per piece and token-count bucket (prefill_graph_sizes), captured at start-up largest bucket first
+into one pool. A step of n tokens replays bucket b >= n; rows n..b-1 are padding. Every captured op is
+row-wise (projections, norms, rotary, SiLU, FP8 activation scales per token), so a padding row never changes a
+live one, and the attention, the only op that mixes rows and the only one that writes the KV cache, sees the
+live rows only. Padding rows hold whatever earlier steps left (finite values: token ids and positions of
+earlier steps, zeros at first).
+
+Static buffers (StaticPrefillBuffers; their addresses are frozen into every graph, bucket b uses rows [:b]):
+
+    ids, positions  int64 [max_tokens]
+    qkv             dtype [max_tokens, q + 2 kv]   queries and keys after rotary, values
+    attn            dtype [max_tokens, q]          the attention's output, written by the eager part
+    residual        dtype [max_tokens, hidden]     the residual stream between pieces
+    hidden          dtype [max_tokens, hidden]     final hidden states (the step's output)
+
+Only a one-device Llama model with the standard blocks is cut this way (`PiecewiseForward.supports`); a
+tensor-parallel rank's blocks end in all-reduces and stay eager for now.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from model_runtime.attention.base import AttentionMetadata
+from model_runtime.config import ModelConfig
+from model_runtime.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+
+
+def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The captured token counts, ascending, up to max_tokens (always the last one)."""
+    if max_tokens < 1:
+        raise ValueError(f"prefill_graph_sizes: max_tokens must be >= 1, got {max_tokens}")
+    return (*(s for s in _SIZES if s < max_tokens), max_tokens)
+
+
+def prefill_graph_memory_estimate(model: ModelConfig, max_tokens: int, dtype_bytes: int) -> int:
+    """Bytes the static buffers and the graphs' private pool take: the buffers plus one piece's activations at
+    the largest bucket (an MLP's gate/up product dominates), kept generous, plus the allocator's segments."""
+    static = max_tokens * (2 * model.hidden_size + 2 * model.q_size + 2 * model.kv_size) * dtype_bytes
+    per_token = 2 * model.hidden_size + model.q_size + 2 * model.kv_size + 3 * model.intermediate_size
+    return static + 2 * max_tokens * per_token * dtype_bytes + 16 * max_tokens + 64 * 2**20
+
+
+class StaticPrefillBuffers:
+    """The fixed-address tensors every piece reads and writes (see the module docstring)."""
+
+    def __init__(self, model: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        t = max_tokens
+        self.max_tokens = max_tokens
+        self.ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.qkv = torch.zeros(t, model.q_size + 2 * model.kv_size, dtype=dtype, device=device)
+        self.attn = torch.zeros(t, model.q_size, dtype=dtype, device=device)
+        self.residual = torch.zeros(t, model.hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(t, model.hidden_size, dtype=dtype, device=device)
+
+
+def _keep(static: torch.Tensor, value: torch.Tensor) -> None:
+    """Make `static` hold `value`: a no-op when the op already wrote in place (the Triton kernels do)."""
+    if value.data_ptr() != static.data_ptr():
+        static.copy_(value)
+
+
+class PiecewiseForward:
+    """The model's forward cut at its attentions, over static buffers. Device-agnostic: `piece(i, size)` runs
+    eagerly anywhere (the CPU tests check the cut and the padding against the model's own forward), and
+    PrefillGraphs captures the same calls on a GPU."""
+
+    def __init__(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+        reason = self.unsupported(model)
+        if reason is not None:
+            raise ValueError(f"PiecewiseForward: {reason}")
+        self.model = model
+        weight = model.embed_tokens.weight
+        self.static = StaticPrefillBuffers(model.config, max_tokens, weight.dtype, weight.device)
+        self.layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        self.attns = [cast(Attention, layer.attn) for layer in self.layers]
+        self.num_pieces = len(self.layers) + 1
+        first = self.attns[0]
+        self._q, self._kv = first.q_size, first.kv_size
+        self._heads, self._kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+
+    @staticmethod
+    def unsupported(model: nn.Module) -> str | None:
+        """Why `model` cannot be cut here (None: it can)."""
+        if not isinstance(model, LlamaForCausalLM) or len(model.layers) == 0:
+            return "needs a LlamaForCausalLM with at least one layer"
+        if type(model.embed_tokens) is not nn.Embedding:
+            return (
+                "the embedding is not a plain nn.Embedding (a tensor-parallel rank's is vocabulary-parallel)"
+            )
+        for layer in model.layers:
+            if type(layer.attn) is not Attention or type(layer.mlp) is not MLP:
+                return "a layer's attention or MLP is wrapped (tensor parallelism adds all-reduces)"
+        return None
+
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.static.qkv[:size].split([self._q, self._kv, self._kv], dim=-1)
+        return (
+            q.view(size, self._heads, self._head_dim),
+            k.view(size, self._kv_heads, self._head_dim),
+            v.view(size, self._kv_heads, self._head_dim),
+        )
+
+    def piece(self, i: int, size: int) -> None:
+        """Piece i over rows [:size] of the static buffers (see the module docstring's picture)."""
+        m, st, layers = self.model, self.static, self.layers
+        ops, residual = m.ops, st.residual[:size]
+        if i == 0:
+            hidden = m.embed_tokens(st.ids[:size])
+            norm = layers[0].input_norm
+            normed = ops.rms_norm(hidden, norm.weight, norm.eps)
+            residual.copy_(hidden)
+        else:
+            prev = layers[i - 1]
+            hidden = self.attns[i - 1].o_proj(st.attn[:size])
+            normed, stream = ops.add_rms_norm(
+                hidden, residual, prev.post_attn_norm.weight, prev.post_attn_norm.eps
+            )
+            hidden = prev.mlp(normed)
+            norm = m.norm if i == len(layers) else layers[i].input_norm
+            normed, stream = ops.add_rms_norm(hidden, stream, norm.weight, norm.eps)
+            if i == len(layers):
+                st.hidden[:size].copy_(normed)
+                return
+            _keep(residual, stream)
+        st.qkv[:size].copy_(self.attns[i].qkv(normed))
+        q, k, _ = self._views(size)
+        rq, rk = m.rope(ops, st.positions[:size], q, k)
+        _keep(q, rq)
+        _keep(k, rk)
+
+    def attention(self, i: int, n: int, kv_pages: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Layer i's attention over the live rows [:n], eagerly: stores their K/V and writes ATTN[:n]."""
+        attn = self.attns[i]
+        q, k, v = self._views(n)
+        out = attn.backend.forward(q, k, v, kv_pages[i, 0], kv_pages[i, 1], meta, attn.scale, attn.kv_scale)
+        self.static.attn[:n].copy_(out.reshape(n, self._q))
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pages: torch.Tensor,
+        meta: AttentionMetadata,
+        size: int,
+        replay: Callable[[int], None],
+    ) -> torch.Tensor:
+        """The step's final hidden states [n, hidden] (a view of HIDDEN: use it before the next run).
+        `replay(i)` runs piece i at bucket `size` (a graph, or the piece itself)."""
+        n, st = input_ids.shape[0], self.static
+        st.ids[:n].copy_(input_ids)
+        st.positions[:n].copy_(positions)
+        hook = self.model.layer_hook
+        replay(0)
+        for i in range(len(self.layers)):
+            self.attention(i, n, kv_pages, meta)
+            replay(i + 1)  # ends layer i: its MLP
+            if hook is not None:
+                hook(i + 1)
+        return st.hidden[:n]
+
+
+class PrefillGraphs:
+    """The only source of truth for which piecewise prefill graphs exist, and the only place that replays them.
+    `capture()` once (CUDA), then `run()` for any step of at most `max_tokens` tokens. With `use_graphs=False`
+    (any device) `run()` calls the pieces directly: the same buffers and padding, no graphs."""
+
+    def __init__(self, model: LlamaForCausalLM, max_tokens: int, *, use_graphs: bool = True) -> None:
+        self.forward = PiecewiseForward(model, max_tokens)
+        self.sizes = prefill_graph_sizes(max_tokens)
+        self.max_tokens = max_tokens
+        self.use_graphs = use_graphs
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pool_bytes = 0
+        self.num_runs = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.sizes) * self.forward.num_pieces
+
+    def can_run(self, num_tokens: int) -> bool:
+        return 1 <= num_tokens <= self.max_tokens and (bool(self._graphs) or not self.use_graphs)
+
+    @torch.inference_mode()
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Every piece of every bucket, largest bucket first, into one pool; each piece runs once before its
+        capture (Triton JIT and autotuning, cuBLAS set-up). `progress(captured, total)` after each bucket."""
+        device = self.forward.static.ids.device
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        done = 0
+        for size in reversed(self.sizes):
+            graphs = []
+            for i in range(self.forward.num_pieces):
+                self.forward.piece(i, size)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.forward.piece(i, size)
+                graphs.append(graph)
+            self._graphs[size] = graphs
+            done += len(graphs)
+            if progress is not None:
+                progress(done, self.num_graphs)
+        torch.cuda.synchronize(device)
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        log.info(
+            "captured %d piecewise prefill CUDA graphs (%d pieces x %d token counts, %d..%d), pool %.1f MiB",
+            self.num_graphs,
+            self.forward.num_pieces,
+            len(self.sizes),
+            self.sizes[0],
+            self.max_tokens,
+            self.pool_bytes / 2**20,
+        )
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pages: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [n, hidden] of a step of n = len(input_ids) tokens (a view of the static
+        output: use it before the next run)."""
+        n = int(input_ids.shape[0])
+        i = bisect.bisect_left(self.sizes, n)
+        if not self.can_run(n) or i == len(self.sizes):
+            raise ValueError(f"PrefillGraphs.run: no graphs for {n} tokens (captured: {self.sizes})")
+        size = self.sizes[i]
+        if self.use_graphs:
+            graphs = self._graphs[size]
+
+            def replay(piece: int) -> None:
+                graphs[piece].replay()
+
+        else:
+
+            def replay(piece: int) -> None:
+                self.forward.piece(piece, size)
+
+        self.num_runs += 1
+        return self.forward.run(input_ids, positions, kv_pages, meta, size, replay)
