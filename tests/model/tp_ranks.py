@@ -113,7 +113,7 @@ def rank_config(
     steps and preemptions (by recompute) for the other ranks to follow. float32 everywhere; on a GPU the
     blocks are 16 tokens (what the Triton kernels are tuned for) and fewer, so that preemptions still happen,
     and decode runs in CUDA graphs unless `eager`."""
-    block_size, num_blocks = (BLOCK_SIZE, 24) if device == "cpu" else (GPU_BLOCK_SIZE, 10)
+    block_size, num_blocks = (BLOCK_SIZE, 24) if device == "cpu" else (GPU_BLOCK_SIZE, 6)
     return EngineConfig(
         model=model,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
