@@ -28,8 +28,11 @@ Static buffers (StaticPrefillBuffers; their addresses are frozen into every grap
     residual        dtype [max_tokens, hidden]     the residual stream between pieces
     hidden          dtype [max_tokens, hidden]     final hidden states (the step's output)
 
-Only a one-device Llama model with the standard blocks is cut this way (`PiecewiseForward.supports`); a
-tensor-parallel rank's blocks end in all-reduces and stay eager for now.
+A tensor-parallel rank's model is cut the same way: its attention and MLP blocks end in all-reduces
+(parallel.layers.AllReduceOutput), and its embedding in one, so piece i all-reduces layer i-1's o_proj output
+(the attention block's reduction, moved after the eager attention) and calls the MLP and the embedding as they
+are. Every rank replays the same bucket of the same step (the lead's batch), so the collectives pair up; NCCL
+collectives are captured in the graphs as in the decode graphs.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from torch import nn
 from model_runtime.attention.base import AttentionMetadata
 from model_runtime.config import ModelConfig
 from model_runtime.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from model_runtime.parallel.group import TPGroup
+from model_runtime.parallel.layers import AllReduceOutput, VocabParallelEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,12 @@ class StaticPrefillBuffers:
         self.hidden = torch.zeros(t, model.hidden_size, dtype=dtype, device=device)
 
 
+def _unwrap(block: nn.Module, kind: type[nn.Module]) -> nn.Module | None:
+    """`block` itself, or what its tensor-parallel all-reduce wraps, when that is a `kind`; None otherwise."""
+    inner = block.inner if isinstance(block, AllReduceOutput) else block
+    return inner if type(inner) is kind else None
+
+
 def _keep(static: torch.Tensor, value: torch.Tensor) -> None:
     """Make `static` hold `value`: a no-op when the op already wrote in place (the Triton kernels do)."""
     if value.data_ptr() != static.data_ptr():
@@ -99,7 +110,11 @@ class PiecewiseForward:
         weight = model.embed_tokens.weight
         self.static = StaticPrefillBuffers(model.config, max_tokens, weight.dtype, weight.device)
         self.layers = [cast(DecoderLayer, layer) for layer in model.layers]
-        self.attns = [cast(Attention, layer.attn) for layer in self.layers]
+        self.attns = [cast(Attention, _unwrap(layer.attn, Attention)) for layer in self.layers]
+        # The group that sums each attention block's partial o_proj output (tensor parallelism), or None.
+        self.groups: list[TPGroup | None] = [
+            layer.attn.group if isinstance(layer.attn, AllReduceOutput) else None for layer in self.layers
+        ]
         self.num_pieces = len(self.layers) + 1
         first = self.attns[0]
         self._q, self._kv = first.q_size, first.kv_size
@@ -110,13 +125,11 @@ class PiecewiseForward:
         """Why `model` cannot be cut here (None: it can)."""
         if not isinstance(model, LlamaForCausalLM) or len(model.layers) == 0:
             return "needs a LlamaForCausalLM with at least one layer"
-        if type(model.embed_tokens) is not nn.Embedding:
-            return (
-                "the embedding is not a plain nn.Embedding (a tensor-parallel rank's is vocabulary-parallel)"
-            )
-        for layer in model.layers:
-            if type(layer.attn) is not Attention or type(layer.mlp) is not MLP:
-                return "a layer's attention or MLP is wrapped (tensor parallelism adds all-reduces)"
+        if type(model.embed_tokens) not in (nn.Embedding, VocabParallelEmbedding):
+            return f"an embedding of type {type(model.embed_tokens).__name__} is not one it knows"
+        for layer in cast(list[DecoderLayer], list(model.layers)):
+            if _unwrap(layer.attn, Attention) is None or _unwrap(layer.mlp, MLP) is None:
+                return "a layer's attention or MLP is neither the model's own nor its all-reduced form"
         return None
 
     def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,6 +152,9 @@ class PiecewiseForward:
         else:
             prev = layers[i - 1]
             hidden = self.attns[i - 1].o_proj(st.attn[:size])
+            group = self.groups[i - 1]
+            if group is not None:
+                group.all_reduce(hidden)
             normed, stream = ops.add_rms_norm(
                 hidden, residual, prev.post_attn_norm.weight, prev.post_attn_norm.eps
             )

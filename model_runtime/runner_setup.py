@@ -127,7 +127,7 @@ def plan_layout(
         # The decode CUDA graphs' private pool, allocated after the cache (eager steps cannot reuse it).
         activations += graph_memory_estimate(local, sched.max_num_seqs, activation_bytes)
         pieces = prefill_graph_tokens(config)
-        if pieces and tp is None:  # the piecewise prefill graphs' buffers and pool (one device only)
+        if pieces:  # the piecewise prefill graphs' buffers and pool
             activations += prefill_graph_memory_estimate(local, pieces, activation_bytes)
     num_blocks = plan_num_blocks(local, config.cache, probe.bytes_per_block, device, activations)
     if tp is not None:

@@ -1,5 +1,7 @@
 """Tensor parallelism on CPU (gloo over 127.0.0.1, one spawned process per rank, float32): TP=2 and TP=4 give
-TP=1's greedy tokens through the engine, and every rank's hidden states and gathered logits match TP=1's.
+TP=1's greedy tokens through the engine, and every rank's hidden states and gathered logits match TP=1's,
+through the model's forward and through the piecewise prefill forward (prefill_graphs, its pieces run eagerly
+with the all-reduces between them: what the GPU captures as graphs).
 
 The models cover each way a shape is split: GQA with 2 KV heads (one per rank at TP=2, each replicated on two
 ranks at TP=4), a vocabulary of 515 that no rank count divides (padded last shard), Qwen2 with q/k/v biases,
@@ -59,8 +61,10 @@ CHECKS = {
         ("steps", "qwen2-mqa-tied"),
         ("greedy", "gguf"),
         ("steps", "dummy"),
+        ("steps-pieces", "llama"),
+        ("steps-pieces", "qwen2-mqa-tied"),
     ],
-    4: [("greedy", "llama"), ("steps", "llama"), ("steps", "qwen2-mqa-tied")],
+    4: [("greedy", "llama"), ("steps", "llama"), ("steps", "qwen2-mqa-tied"), ("steps-pieces", "llama")],
 }
 
 

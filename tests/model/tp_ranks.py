@@ -26,12 +26,14 @@ from model_runtime.host_batch import HostBatch
 from model_runtime.parallel.follower import run_follower
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
 from model_runtime.parallel.step_sync import StepPublisher, StepReceiver
+from model_runtime.prefill_graphs import PrefillGraphs
 from model_runtime.request import SamplingParams
 from model_runtime.runner_setup import build_runner
 from model_runtime.startup import StartupProgress
 from model_runtime.weights import load_model_config, resolve_model
 
 BLOCK_SIZE = 4
+PIECE_TOKENS = 48  # "steps-pieces": the largest piecewise step, so that the prompt step is padded to a bucket
 GPU_BLOCK_SIZE = 16
 
 
@@ -137,8 +139,8 @@ def run_checks(group: TPGroup | None, checks: list[tuple[str, str, Any]], device
     for kind, model, arg in checks:
         if kind in ("greedy", "greedy-eager"):
             results.append(greedy_tokens(group, model, *arg, device=device, eager=kind == "greedy-eager"))
-        elif kind == "steps":
-            results.append(step_outputs(group, model, arg, device=device))
+        elif kind in ("steps", "steps-pieces"):
+            results.append(step_outputs(group, model, arg, device=device, pieces=kind == "steps-pieces"))
         else:
             raise ValueError(f"unknown check {kind!r}")
     return results
@@ -208,18 +210,27 @@ def step_outputs(
     batches: list[HostBatch],
     quantization: str = "none",
     device: str = "cpu",
+    pieces: bool = False,
 ) -> Any:
     """Every rank runs `batches` through its own runner (no scheduler): [(hidden states, logits)] per batch,
     plus its KV layout's fingerprint and cache shape. Eager on a GPU too (greedy_tokens covers the graphs).
+    With `pieces`, steps with prompt chunks run the piecewise prefill forward (prefill_graphs, its pieces called
+    eagerly, padded to a bucket, all-reduces between them) instead of the model's forward.
     The batches' block tables must fit the config's blocks (prefill_then_decode with the same device)."""
     config = rank_config(model, group, quantization, device)
     source = resolve_model(model)
     rank = build_runner(config, source, load_model_config(source), StartupProgress(None), group)
+    runner = rank.runner
+    if pieces:
+        runner.prefill_graphs = PrefillGraphs(runner.model, PIECE_TOKENS, use_graphs=False)
     hidden: list[torch.Tensor] = []
-    rank.runner.model.register_forward_hook(lambda _m, _args, out: hidden.append(out.detach().clone()))
+    runner.model.register_forward_hook(lambda _m, _args, out: hidden.append(out.detach().clone()))
     outputs = []
     for batch in batches:
-        logits = rank.runner.execute_batch(batch, use_graphs=False)  # a graph replay would skip the hook
+        runs = runner.prefill_graphs.num_runs if runner.prefill_graphs is not None else 0
+        logits = runner.execute_batch(batch, use_graphs=pieces)  # a graph replay would skip the hook
+        if runner.prefill_graphs is not None and runner.prefill_graphs.num_runs > runs:
+            hidden.append(runner.prefill_graphs.forward.static.hidden[: batch.num_tokens].clone())
         outputs.append((hidden[-1].cpu().numpy(), logits.cpu().numpy()))
     return outputs, rank.layout.fingerprint(), tuple(rank.runner.kv_cache.shape)
 
