@@ -12,6 +12,7 @@ its lease are released: the `finally` below is the single exit path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -34,6 +35,8 @@ from worker_host.node import WorkerNode
 from worker_host.rpc import CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
+# Step outputs of one request that one TokenBatch may carry when its stream fell behind (coalesce).
+MAX_COALESCED = 64
 
 
 def token_batch(out: StepOutput) -> worker_pb2.TokenBatch:
@@ -51,6 +54,35 @@ def finished_event(out: StepOutput) -> worker_pb2.DecodeEvent:
     if isinstance(out.stop_reason, int):
         done.stop_token_id = out.stop_reason
     return worker_pb2.DecodeEvent(finished=done)
+
+
+def coalesce(out: StepOutput, outputs: queue.Queue, limit: int = MAX_COALESCED) -> StepOutput:
+    """`out` and the outputs of later steps already waiting in `outputs`, as one output (at most `limit` steps).
+
+    A stream that keeps up sends one TokenBatch a step; one that falls behind (the router reads slowly, or this
+    handler thread waited for the interpreter lock) sends what piled up in one message instead of one each, so
+    that its per-message cost shrinks as the load grows instead of holding tokens back further."""
+    if out.finish_reason is not None:
+        return out
+    merged = [out]
+    while len(merged) < limit:
+        try:
+            later = outputs.get_nowait()
+        except queue.Empty:
+            break
+        merged.append(later)
+        if later.finish_reason is not None:  # the request's last output: nothing follows it
+            break
+    if len(merged) == 1:
+        return out
+    last = merged[-1]
+    logprobs = None if out.logprobs is None else [lp for o in merged for lp in o.logprobs or []]
+    return dataclasses.replace(
+        last,
+        token_ids=[t for o in merged for t in o.token_ids],
+        text="".join(o.text for o in merged),
+        logprobs=logprobs,
+    )
 
 
 Admitted = tuple[float, StepOutput | None]  # when the engine took the request; its output if that ended it
@@ -245,7 +277,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _stream(self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext) -> Iterator:
         while True:
-            out = wait_for(outputs, context, self.loop, float("inf"), "tokens")
+            out = coalesce(wait_for(outputs, context, self.loop, float("inf"), "tokens"), outputs)
             if not context.is_active():  # tokens keep coming while the caller is gone: stop at once
                 raise CallEnded()
             yield worker_pb2.DecodeEvent(tokens=token_batch(out))

@@ -31,6 +31,8 @@ _FINISH_REASONS = (
 )
 # How long a finished request waits for worker streams that are ending anyway (Relay.await_streams_end).
 FINISH_GRACE_S = 0.2
+# TokenBatches one Delta may carry when the relay fell behind its decode stream (Relay._tokens_ready).
+MAX_COALESCED = 64
 
 
 class Relay:
@@ -64,7 +66,7 @@ class Relay:
                     continue  # the KV has landed: the decode stream carries the request from here
                 raise item.error
             if item.source is self._decode:
-                await self._on_decode(item)
+                await self._on_decode(item, merger)
             else:
                 await self._on_prefill(item)
 
@@ -101,7 +103,7 @@ class Relay:
                 break
             await self._on_decode_event(message)
 
-    async def _on_decode(self, item: StreamItem) -> None:
+    async def _on_decode(self, item: StreamItem, merger: StreamMerger) -> None:
         message = item.message
         if message is None:
             if self._decode_finished_seen:
@@ -115,14 +117,50 @@ class Relay:
         if not self._first_token_seen:
             self._held.append(message)
             return
+        if kind == "tokens":
+            await self._on_tokens([message.tokens, *self._tokens_ready(merger)])
+            return
         await self._on_decode_event(message)
+
+    def _tokens_ready(self, merger: StreamMerger) -> list[Any]:
+        """The decode stream's TokenBatches already queued right behind the one being relayed (never waits;
+        stops at anything else, which stays first in line). A relay that keeps up finds none and writes one
+        Delta per batch; one that fell behind writes what piled up as one Delta, so that its cost per token
+        falls as the load grows instead of its queue growing."""
+        batches: list[Any] = []
+        while len(batches) < MAX_COALESCED - 1:
+            item = merger.ready()
+            if item is None:
+                break
+            message = item.message
+            kind = None if message is None else message.WhichOneof("kind")
+            if (
+                message is None
+                or item.source is not self._decode
+                or item.error is not None
+                or kind != "tokens"
+            ):
+                merger.give_back(item)
+                break
+            self._decode_tokens_seen = True
+            batches.append(message.tokens)
+        return batches
+
+    async def _on_tokens(self, batches: list[Any]) -> None:
+        """One Delta for TokenBatches of consecutive steps."""
+        if self._prefill is None:  # this worker computed the prompt: its engine's prefix-cache hit
+            self.out.cached_prompt_tokens = batches[0].num_cached_tokens
+        if len(batches) == 1:
+            token_ids, logprobs = batches[0].token_ids, batches[0].logprobs
+        else:
+            token_ids = [t for b in batches for t in b.token_ids]
+            logprobs = [lp for b in batches for lp in b.logprobs]
+        await self._write(self.out.add(token_ids, logprobs))
 
     async def _on_decode_event(self, message: Any) -> None:
         kind = message.WhichOneof("kind")
         if kind == "tokens":
-            if self._prefill is None:  # this worker computed the prompt: its engine's prefix-cache hit
-                self.out.cached_prompt_tokens = message.tokens.num_cached_tokens
-            await self._write(self.out.add(message.tokens.token_ids, message.tokens.logprobs))
+            await self._on_tokens([message.tokens])
             return
         done = message.finished
         if kind != "finished" or done.finish_reason not in _FINISH_REASONS:

@@ -5,6 +5,7 @@ prefill and decode streams of one request concurrently (events come back in arri
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,7 @@ class StreamMerger:
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._front: collections.deque[StreamItem] = collections.deque()  # taken by ready(), given back
         self._readers: list[asyncio.Task[None]] = []
 
     def add(self, stream: WorkerStream) -> None:
@@ -106,7 +108,22 @@ class StreamMerger:
             )
 
     async def get(self) -> StreamItem:
+        if self._front:
+            return self._front.popleft()
         return await self._queue.get()
+
+    def ready(self) -> StreamItem | None:
+        """The next item if one is already here (never waits), else None."""
+        if self._front:
+            return self._front.popleft()
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    def give_back(self, item: StreamItem) -> None:
+        """Put an item taken by ready() back at the head, so that get() returns it next."""
+        self._front.appendleft(item)
 
     async def _pump(self, stream: WorkerStream) -> None:
         while True:
