@@ -80,7 +80,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dvc_deployments import Server, deployment_config, kv_delta, pair_delta  # noqa: E402
+from bench.dvc_deployments import (  # noqa: E402
+    CpuMeter,
+    Server,
+    cpu_line,
+    deployment_config,
+    kv_delta,
+    pair_delta,
+)
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402
     DECODE_HEAVY,
@@ -219,9 +226,12 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
                 if rate == args.py_spy and not repeat
                 else []
             )
+            meter = CpuMeter(server.pid)
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
+            cores = meter.read()
             finish_py_spy(spies)
             point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
+            point["cpu"] = cores
             point["pairs"] = pair_delta(pairs_before, server.pair_totals())
             result["points"].append({**point, "repeat": repeat, "pools": server.pools(), **settle})
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
@@ -231,7 +241,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
                       f"{report.output_token_throughput:,.0f} output tokens/s", file=sys.stderr)  # fmt: skip
             else:
                 print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
-                      f"met the SLOs{handoff_line(point)}", file=sys.stderr)  # fmt: skip
+                      f"met the SLOs{handoff_line(point)}{cpu_line(cores)}", file=sys.stderr)  # fmt: skip
         return min(shares)
 
     if closed:

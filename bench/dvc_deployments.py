@@ -138,6 +138,48 @@ def _ranks(pool: dict) -> int:
     return int(pool.get("engine", {}).get("parallel", {}).get("tensor_parallel_size", 1))
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used, from /proc (Linux); None where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After the command name: state, ppid, pgrp, session, tty, tpgid, flags, 4 fault counts, utime, stime.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+SATURATED_CORES = 0.85  # a single-threaded loop this busy queues what it serves (the router's event loop)
+
+
+class CpuMeter:
+    """How many cores the `tandem serve` process (router, controller) and this process (the bench client)
+    used over one point: one Python event loop past SATURATED_CORES adds its own queueing to the latencies."""
+
+    def __init__(self, serve_pid: int | None) -> None:
+        self._pid = serve_pid
+        self._serve = None if serve_pid is None else process_cpu_seconds(serve_pid)
+        self._client = time.process_time()
+        self._wall = time.monotonic()
+
+    def read(self) -> dict[str, float]:
+        wall = max(1e-9, time.monotonic() - self._wall)
+        cores = {"bench_client_cores": round((time.process_time() - self._client) / wall, 3)}
+        serve = None if self._pid is None else process_cpu_seconds(self._pid)
+        if serve is not None and self._serve is not None:
+            cores["serve_process_cores"] = round((serve - self._serve) / wall, 3)
+        return cores
+
+
+def cpu_line(cores: dict[str, float]) -> str:
+    """The point's CPU use for its progress line, with a warning when a process was saturated."""
+    parts = [
+        f"{name.removesuffix('_cores').replace('_', ' ')} {value:.2f} cores" for name, value in cores.items()
+    ]
+    hot = [name.removesuffix("_cores").replace("_", " ") for name, v in cores.items() if v >= SATURATED_CORES]
+    warning = f" (saturated: {', '.join(hot)}; its queueing is in the latencies)" if hot else ""
+    return f"; CPU: {', '.join(parts)}{warning}" if parts else ""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,6 +234,11 @@ class Server:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The `tandem serve` process (router and controller), while it runs."""
+        return None if self.proc is None or self.proc.poll() is not None else self.proc.pid
 
     def __enter__(self) -> Server:
         cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)]

@@ -1,0 +1,50 @@
+"""bench/disagg_vs_colocated.py's CPU meter: how many cores the `tandem serve` process (router, controller) and
+the bench client used over a point, read from /proc, and the warning when one of them was saturated."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.dvc_deployments import SATURATED_CORES, CpuMeter, cpu_line, process_cpu_seconds
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_busy_process_reads_about_one_core_and_an_idle_one_about_none() -> None:
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
+    )
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    try:
+        time.sleep(0.5)  # past both interpreters' start-up
+        meters = CpuMeter(busy.pid), CpuMeter(idle.pid)
+        time.sleep(1.5)
+        hot, cold = (m.read()["serve_process_cores"] for m in meters)
+    finally:
+        busy.kill(), idle.kill()
+        busy.wait(), idle.wait()
+    assert hot > 0.5 and cold < 0.1, (hot, cold)
+
+
+def test_process_cpu_seconds_counts_this_process_and_not_a_missing_one() -> None:
+    before = process_cpu_seconds(os.getpid())
+    assert before is not None
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    after = process_cpu_seconds(os.getpid())
+    assert after is not None and after - before >= 0.1
+    assert process_cpu_seconds(2**22 + 1) is None  # above Linux's pid limit: no such process
+
+
+def test_the_line_names_each_process_and_warns_when_one_was_saturated() -> None:
+    calm = cpu_line({"bench_client_cores": 0.31, "serve_process_cores": 0.42})
+    assert calm == "; CPU: bench client 0.31 cores, serve process 0.42 cores"
+    hot = cpu_line({"bench_client_cores": 0.2, "serve_process_cores": SATURATED_CORES + 0.05})
+    assert "saturated: serve process" in hot and "bench client" not in hot.split("saturated")[1]
+    assert cpu_line({}) == ""
