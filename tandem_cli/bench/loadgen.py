@@ -170,13 +170,20 @@ async def run_load(
     limits: RunLimits,
     progress: bool = True,
     protocol: str = "grpc",
+    bar: _Progress | None = None,
 ) -> RunResult:
-    """Send `specs` as paced, within `limits`, over `protocol`; one record per request actually sent."""
+    """Send `specs` as paced, within `limits`, over `protocol`; one record per request actually sent. `bar`
+    counts finished requests instead of the progress bar on stderr (a client process of several)."""
     from tqdm import tqdm  # the progress bar goes to stderr so stdout stays clean for results
 
     with tqdm(
-        total=len(specs), file=sys.stderr, disable=not progress, unit="req", desc="tandem bench"
-    ) as bar:
+        total=len(specs),
+        file=sys.stderr,
+        disable=not progress or bar is not None,
+        unit="req",
+        desc="tandem bench",
+    ) as shown:
+        bar = shown if bar is None else bar
         async with transport_for(protocol, address) as transport:
             await transport.served_model()  # the HTTP API's requests name the model
             start = time.perf_counter()

@@ -49,6 +49,7 @@ class BenchSettings:
     slo: SLO
     protocol: str = "grpc"  # or "openai": the router's OpenAI-compatible HTTP API
     shared_prefix: int = 0  # tokens every prompt starts with (a shared system prompt), before input_len
+    processes: int = 1  # client processes sending shares of the load (tandem_cli.bench.processes)
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -70,6 +71,8 @@ class BenchSettings:
             )
         if self.shared_prefix < 0:
             raise BenchConfigError(f"--shared-prefix: must be >= 0 tokens, got {self.shared_prefix}")
+        if self.processes < 1:
+            raise BenchConfigError(f"--processes: must be >= 1, got {self.processes}")
         if not (self.drain_s >= 0 and math.isfinite(self.drain_s)):
             raise BenchConfigError(f"--drain: must be a finite number of seconds >= 0, got {self.drain_s}")
 

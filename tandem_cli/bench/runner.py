@@ -71,9 +71,22 @@ async def _run(settings: BenchSettings, progress: bool) -> tuple[ModelInfo, RunR
         settings.shared_prefix,
     )
     limits = RunLimits(settings.duration_s, settings.drain_s, settings.timeout_s)
-    run = await run_load(
-        settings.server, specs, _pacing(settings, len(specs)), limits, progress, settings.protocol
-    )
+    pacing = _pacing(settings, len(specs))
+    if settings.processes > 1:
+        from tandem_cli.bench.processes import run_processes
+
+        run = await asyncio.to_thread(
+            run_processes,
+            settings.server,
+            specs,
+            pacing,
+            limits,
+            settings.processes,
+            settings.protocol,
+            progress,
+        )
+    else:
+        run = await run_load(settings.server, specs, pacing, limits, progress, settings.protocol)
     return model, run
 
 

@@ -175,3 +175,21 @@ def test_bad_flag_exits_2_naming_the_flag(cluster):
     )  # fmt: skip
     assert proc.returncode == 2
     assert "--input-len" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("pace", [("--rate", "6"), ("--concurrency", "3")], ids=["open-loop", "closed-loop"])
+def test_several_client_processes_send_every_request_once_and_report_them_together(cluster, tmp_path, pace):
+    report, _ = run_bench(
+        cluster.address, tmp_path / "run.json",
+        *pace, "--processes", "2", "--num-requests", "10", "--input-len", "12", "--output-len", "6", "--seed", "5",
+    )  # fmt: skip
+    counts = report["counts"]
+    assert_reconciled(counts)
+    assert counts["sent"] == counts["succeeded"] == 10, counts
+    rows = report["requests"]
+    assert sorted(r["index"] for r in rows) == list(range(10))  # each request from one process, once
+    assert [r["output_tokens"] for r in rows] == [6] * 10
+    assert report["settings"]["processes"] == 2
+    if pace[0] == "--rate":  # each request leaves at its own arrival time, counted from its process's start
+        sent = [r["sent_at"] for r in sorted(rows, key=lambda r: r["index"])]
+        assert max(sent) < 10.0, sent  # 10 arrivals at 6/s: about 1.7 s
