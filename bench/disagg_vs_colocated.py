@@ -148,7 +148,7 @@ def bench_point(
         input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
         output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),
         trace=trace, seed=seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
-        shared_prefix=0 if workload.chat else workload.shared_prefix,
+        shared_prefix=0 if workload.chat else workload.shared_prefix, processes=args.client_processes,
     )  # fmt: skip
     return run_benchmark(settings, progress=True)
 
@@ -226,7 +226,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
                 if rate == args.py_spy and not repeat
                 else []
             )
-            meter = CpuMeter(server.pid)
+            meter = CpuMeter(server.pid, args.client_processes)
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
             cores = meter.read()
             finish_py_spy(spies)
@@ -382,6 +382,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="record every worker process with py-spy (GIL holders, by thread) during this rate's first run",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="send each point's load from this many client processes (tandem bench --processes; one tops out "
+        "near 20k output tokens/s)",
+    )
     p.add_argument(
         "--model",
         help="the served model instead of the configs' dummy:llama-3-8b (--smoke: the embedded one)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -151,19 +152,30 @@ def process_cpu_seconds(pid: int) -> float | None:
 SATURATED_CORES = 0.85  # a single-threaded loop this busy queues what it serves (the router's event loop)
 
 
-class CpuMeter:
-    """How many cores the `tandem serve` process (router, controller) and this process (the bench client)
-    used over one point: one Python event loop past SATURATED_CORES adds its own queueing to the latencies."""
+def _client_cpu_seconds() -> float:
+    """This process's CPU seconds plus those of its children that have exited (the client processes of a
+    point sent with --client-processes, reaped by the time it ends)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
-    def __init__(self, serve_pid: int | None) -> None:
+
+class CpuMeter:
+    """How many cores the `tandem serve` process (router, controller) and the bench client (this process and
+    its client processes: `clients` of them share the load) used over one point. One Python event loop past
+    SATURATED_CORES adds its own queueing to the latencies."""
+
+    def __init__(self, serve_pid: int | None, clients: int = 1) -> None:
         self._pid = serve_pid
+        self._clients = clients
         self._serve = None if serve_pid is None else process_cpu_seconds(serve_pid)
-        self._client = time.process_time()
+        self._client = _client_cpu_seconds()
         self._wall = time.monotonic()
 
     def read(self) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self._wall)
-        cores = {"bench_client_cores": round((time.process_time() - self._client) / wall, 3)}
+        # Per client process: the load is spread evenly over them (tandem_cli.bench.processes).
+        client = (_client_cpu_seconds() - self._client) / wall / self._clients
+        cores = {"bench_client_cores": round(client, 3)}
         serve = None if self._pid is None else process_cpu_seconds(self._pid)
         if serve is not None and self._serve is not None:
             cores["serve_process_cores"] = round((serve - self._serve) / wall, 3)
