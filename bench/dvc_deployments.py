@@ -50,6 +50,11 @@ ONE_LANE = "-1lane"
 # (router.local_prefill_spill_tokens SPILL_TOKENS: about three 2-4k-token prompts waiting).
 SPILL = "-spill"
 SPILL_TOKENS = 8192
+# Any name + SPILL_SMALL_CHUNKS: spill as above, with the decode workers' step budget at SPILL_CHUNK_TOKENS, so a
+# spilled 2-4k-token prompt runs in small chunks beside the decodes instead of stalling them for a 2k-token
+# step (steps of up to 1024 tokens replay the piecewise prefill graphs, so small chunks cost little).
+SPILL_SMALL_CHUNKS = "-spill512"
+SPILL_CHUNK_TOKENS = 512
 # A colocated name + "-tpN" (e.g. "colocated-2-tp2": 2 workers of 2 GPUs): each worker spans N GPUs
 # (engine.parallel.tensor_parallel_size N). Prefill and decode workers cannot span GPUs yet (issue 18).
 TENSOR_PARALLEL = re.compile(r"(?P<base>.+)-tp(?P<size>[1-8])")
@@ -89,6 +94,11 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
     if name.endswith(ONE_LANE):
         config = deployment_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
+    if name.endswith(SPILL_SMALL_CHUNKS):
+        config = deployment_config(name.removesuffix(SPILL_SMALL_CHUNKS) + SPILL, slo)
+        engine = config["decode"].setdefault("engine", {})
+        engine["scheduler"] = dict(engine.get("scheduler", {}), max_num_batched_tokens=SPILL_CHUNK_TOKENS)
+        return config
     if name.endswith(SPILL):
         config = deployment_config(name.removesuffix(SPILL), slo)
         return dict(config, router=dict(config.get("router", {}), local_prefill_spill_tokens=SPILL_TOKENS))

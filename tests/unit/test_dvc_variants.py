@@ -139,3 +139,13 @@ def test_tp_makes_each_colocated_worker_span_gpus_and_counts_them() -> None:
     )
     with pytest.raises(ValueError, match="only colocated workers span several GPUs"):
         deployment_config("disagg-2p2d-tp2")
+
+
+def test_spill512_spills_and_cuts_the_decode_workers_step_budget_only() -> None:
+    config = deployment_config("disagg-2p2d-spill512")
+    plain = deployment_config("disagg-2p2d-spill")
+    assert config["router"]["local_prefill_spill_tokens"] == plain["router"]["local_prefill_spill_tokens"] > 0
+    assert config["decode"]["engine"]["scheduler"]["max_num_batched_tokens"] == 512
+    assert config["prefill"] == plain["prefill"]  # the prefill pool keeps its whole-prompt steps
+    assert (config["decode"]["replicas"], config["prefill"]["replicas"]) == (2, 2)
+    parse_config(config)  # a valid deploy config (raises otherwise)
