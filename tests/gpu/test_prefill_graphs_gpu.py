@@ -17,6 +17,7 @@ from model_runtime.engine import Engine
 from model_runtime.prefill_graphs import prefill_graph_sizes
 from model_runtime.request import SamplingParams
 from tests.gpu.graphs_vs_eager import graphs_and_eager_tokens
+from tests.gpu.test_engine_gpu import written_slots
 from tests.model.tiny_models import write_tiny_hf
 
 pytestmark = [
@@ -40,13 +41,6 @@ def make_engine(path: Path, dtype: str, budget: int = BUDGET, graph_tokens: int 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory) -> Path:
     return write_tiny_hf(tmp_path_factory.mktemp("prefill-graphs-gpu"), "llama", initializer_range=0.4)
-
-
-def written_slots(engine: Engine, before: torch.Tensor) -> set[int]:
-    layout = engine.layout
-    flat = (layout.num_layers, 2, layout.num_blocks * layout.block_size, -1)
-    changed = (engine.runner.kv_cache.view(flat) != before.view(flat)).any(dim=-1).any(dim=1).any(dim=0)
-    return set(changed.nonzero().flatten().tolist())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
