@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from router.recent_latency import RecentLatency
 
+LAG_KEPT = 1000
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -42,6 +44,7 @@ class RouterMetrics:
         self.priorities: Counter[str] = Counter()  # accepted requests by class
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.loop_lags: list[float] = []  # the last LAG_KEPT probe readings (router.loop_lag)
         # The last minutes' TTFT/TPOT per request, for the SLO autoscaler (deploy.autoscaler).
         self.recent = RecentLatency()
 
@@ -90,6 +93,12 @@ class RouterMetrics:
         """One disaggregated attempt started on a pair: its KV transport ("" unknown) and whether both workers
         share a node ("same", "cross", "unknown"; router.pairs)."""
         self.pairs[f"{transport or 'unknown'}:{nodes}"] += 1
+
+    def loop_lagged(self, seconds: float) -> None:
+        """How late the router's event-loop probe woke up (router.loop_lag): every request's work and every
+        token's relay run on that one loop, so a late wake-up is what each of them waits for too."""
+        self.loop_lags.append(seconds)
+        del self.loop_lags[:-LAG_KEPT]
 
     def placed(self, reason: str) -> None:
         """One attempt placed; `reason` says where its prompt runs and why (router.placement: "prefill_worker",

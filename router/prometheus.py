@@ -31,6 +31,7 @@ from prometheus_client.utils import floatToGoString
 from router.metrics import RequestRecord, RouterMetrics
 
 # 1 ms .. 10 min: a TTFT can be milliseconds, a long generation minutes.
+LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -192,6 +193,14 @@ class PrometheusRouterMetrics(RouterMetrics):
         self._queue = histogram(
             "tandem_request_queue_seconds", "Arrival to the first worker call (admission and KV reservation)"
         )
+        self._loop_lag = Histogram(
+            "tandem_router_event_loop_lag_seconds",
+            "How late a probe on the router's event loop woke up: what every request's work and every relayed "
+            "token waits for there (near 0 when the router keeps up; milliseconds and more when it is saturated)",
+            ["model"],
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        ).labels(self.model)
 
     def track_admission(self, admission: AdmissionState) -> None:
         """Read tandem_requests_running/waiting from this admission bound at scrape time."""
@@ -246,6 +255,10 @@ class PrometheusRouterMetrics(RouterMetrics):
     def request_retried(self, reason: str) -> None:
         super().request_retried(reason)
         self._retries.labels(self.model, reason).inc()
+
+    def loop_lagged(self, seconds: float) -> None:
+        super().loop_lagged(seconds)
+        self._loop_lag.observe(seconds)
 
     def placed(self, reason: str) -> None:
         super().placed(reason)

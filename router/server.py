@@ -33,6 +33,7 @@ from router.auth.control import ControlGuard
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.errors import RouterError
+from router.loop_lag import probe_loop_lag
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_api import OpenAIServer
@@ -97,6 +98,7 @@ class RouterServer:
         self._health = health_aio.HealthServicer()
         self._health_dirty = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
         self._draining = False  # once set, health stays NOT_SERVING whatever the membership says
         self._server: grpc.aio.Server | None = None
@@ -157,6 +159,7 @@ class RouterServer:
             self._pending = None
         self._pool.start()
         self._health_task = asyncio.create_task(self._sync_health(), name="router-health")
+        self._lag_task = asyncio.create_task(probe_loop_lag(self.metrics.loop_lagged), name="router-loop-lag")
         await server.start()
         self._server = server
         host = self.config.host
@@ -231,8 +234,9 @@ class RouterServer:
             await asyncio.gather(server.stop(grace), http.stop())
         else:
             await server.stop(grace)
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._lag_task):
+            if task is not None:
+                task.cancel()
         if self._gate is not None:
             await self._gate.stop()
         await self._pool.close()
