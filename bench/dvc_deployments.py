@@ -63,6 +63,8 @@ POOLS = ("prefill", "decode", "colocated")
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
 # How late the workers' probe threads woke up (worker_host.gil_probe): "decode.gil_wait", "prefill.gil_wait".
 GIL_FAMILY = "tandem_worker_gil_wait_seconds_"
+# How late the router's event-loop probe woke up (router.loop_lag): "router.loop_lag".
+LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
 
 def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
@@ -323,18 +325,20 @@ class Server:
     def kv_transfer_totals(self) -> dict[str, dict[str, float]] | None:
         """Running sums from each worker's /metrics, by target ("host:port"): the prefill workers' transfer
         seconds, count and bytes, both sides' handoff phase sums and counts ("prefill.stream", "decode.admit",
-        ...) and every worker's first-token phases ("colocated.first_token_waiting", ...); None when no worker
-        is listed. Kept per worker so that a point's difference survives a worker that left or joined in
+        ...), every worker's first-token phases ("colocated.first_token_waiting", ...) and the router's
+        event-loop lag ("router.loop_lag"); None when no worker is listed. Kept per worker so that a point's difference survives a worker that left or joined in
         between (an autoscaler's move): see kv_delta."""
         if not self._targets(("prefill", "decode", "colocated")):
             return None
         names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",
                  "tandem_kv_transfer_bytes_total": "bytes"}  # fmt: skip
         totals: dict[str, dict[str, float]] = {}
-        for component, target, sample in self._samples(("prefill", "decode", "colocated")):
+        for component, target, sample in self._samples(("prefill", "decode", "colocated", "router")):
             total = totals.setdefault(target, {})
             key = None
-            if component == "prefill" and sample.name in names:
+            if sample.name.startswith(LOOP_LAG_FAMILY) and sample.name.endswith(("_sum", "_count")):
+                key = f"router.loop_lag.{sample.name.rsplit('_', 1)[-1]}"
+            elif component == "prefill" and sample.name in names:
                 key = names[sample.name]
             elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
                 key = f"{component}.gil_wait.{sample.name.rsplit('_', 1)[-1]}"
