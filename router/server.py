@@ -149,9 +149,14 @@ class RouterServer:
             cfg, model, self._admission, dispatcher, self.metrics, self._executor, self._gate
         )
         server = self._grpc_server(pipeline)
-        port = self._bind(server)
+        try:
+            port = self._bind(server)
+        except RuntimeError:  # grpcio raises where older releases returned 0
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the router to {self.config.bind_address}")
+            raise OSError(
+                f"router.port: cannot bind the router to {self.config.bind_address} (in use by another process?)"
+            )
         await self._set_health(False)  # the health servicer starts out SERVING; no worker is known yet
         self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         if self._pending is not None:  # before serving, so a SetWorkers call cannot be overtaken by it
@@ -199,6 +204,9 @@ class RouterServer:
             options=[
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
+                # gRPC binds with SO_REUSEPORT by default: a second router given the same port would start and
+                # silently take half the clients' connections. Off, it fails to bind instead.
+                ("grpc.so_reuseport", 0),
             ]
         )
         add_generation_service(GenerationService(pipeline), server)

@@ -61,12 +61,17 @@ def start_grpc(
             spec.max_concurrent_rpcs, thread_name_prefix=f"{spec.worker_id}-rpc"
         ),
         maximum_concurrent_rpcs=spec.max_concurrent_rpcs,
-        options=[("grpc.max_receive_message_length", 64 * 2**20)],
+        # No SO_REUSEPORT (gRPC's default): a worker given a port another process holds fails to bind instead
+        # of sharing it and taking a random part of its calls.
+        options=[("grpc.max_receive_message_length", 64 * 2**20), ("grpc.so_reuseport", 0)],
     )
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = _bind(server, spec)
+    try:
+        port = _bind(server, spec)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        port = 0
     if port == 0:
         raise RuntimeError(f"worker {spec.worker_id}: cannot listen on {spec.host}:{spec.port}")
     server.start()
