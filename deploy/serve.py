@@ -120,6 +120,11 @@ async def serve(config: DeployConfig) -> int:
             metrics.close()
             print(f"tandem serve: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:  # router.port (or router.http_port) held by another process
+            await router.stop(0)
+            metrics.close()
+            print(f"tandem serve: {exc}", file=sys.stderr)
+            return 1
     try:
         controller.connect()
     except Exception as exc:
