@@ -42,6 +42,10 @@ async def run(config_path: str | None) -> int:
     except TLSError as exc:  # a certificate file went missing since the config was loaded
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # router.port (or router.http_port) held by another process
+        await router.stop(0)
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 1
     http = (
         MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry)
         if metrics
