@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.dvc_deployments import SATURATED_CORES
 from tandem_cli.bench import SLO
 from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
 from tandem_cli.bench.sweep import capacity, equal_load
@@ -118,6 +119,7 @@ def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path
         }  # fmt: skip
     series = {d: [(rate, 100 * s) for rate, s in share_points(p)] for d, p in points.items()}
     plot_goodput_vs_rate(series, out_dir / f"goodput_{name}.png", threshold=100 * TARGET_SHARE, title=name)
+    out["saturated"] = saturated_points(points)
     out["scaling"] = scaling(out, runs)
     out["prefix_cache"] = prefix_comparison(points)
     out["autoscaler"] = autoscaler_comparison(out, runs, points)
@@ -141,6 +143,31 @@ def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path
         samples, out_dir / f"latency_cdf_{name}.png", slo=slo, title=f"{name} at {rate:g} req/s"
     )
     return out
+
+
+def saturated_points(points: dict[str, list[dict]]) -> list[dict]:
+    """The points at which the `tandem serve` process (router) or a bench client process used SATURATED_CORES
+    or more (the point's `cpu`, dvc_deployments.CpuMeter): their latencies include that process's own queueing."""
+    rows = []
+    for dep, ps in points.items():
+        for p in ps:
+            hot = {k: v for k, v in p.get("cpu", {}).items() if v >= SATURATED_CORES}
+            if hot:
+                rows.append({"deployment": dep, "rate": p["settings"]["rate"], **hot})
+    return rows
+
+
+def saturation_table(rows: list[dict]) -> str:
+    lines = ["| workload | deployment | rate (req/s) | saturated process (cores) |", "|---|---|---|---|"]
+    for row in rows:
+        for hot in row.get("saturated", []):
+            procs = ", ".join(
+                f"{k.removesuffix('_cores').replace('_', ' ')} {v:.2f}"
+                for k, v in hot.items()
+                if k.endswith("_cores")
+            )
+            lines.append(f"| {row['workload']} | {hot['deployment']} | {hot['rate']:g} | {procs} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def prefix_comparison(points: dict[str, list[dict]]) -> dict:
@@ -366,7 +393,13 @@ def summarize(slo: SLO, out_dir: Path) -> None:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     rate_rows = [r for r in rows if r["workload"] not in CLOSED_LOOP]
     table = markdown(rate_rows) + "\n\n" + capacity_table(rate_rows)
-    for extra in (prefix_table(rate_rows), pair_table(rate_rows), closed_loop_table(rows)):
+    extras = (
+        prefix_table(rate_rows),
+        pair_table(rate_rows),
+        closed_loop_table(rows),
+        saturation_table(rate_rows),
+    )
+    for extra in extras:
         if extra:
             table += "\n\n" + extra
     (out_dir / "summary.md").write_text(table + "\n")

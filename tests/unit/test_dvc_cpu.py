@@ -48,3 +48,27 @@ def test_the_line_names_each_process_and_warns_when_one_was_saturated() -> None:
     hot = cpu_line({"bench_client_cores": 0.2, "serve_process_cores": SATURATED_CORES + 0.05})
     assert "saturated: serve process" in hot and "bench client" not in hot.split("saturated")[1]
     assert cpu_line({}) == ""
+
+
+def test_the_summary_lists_the_points_where_a_process_was_saturated() -> None:
+    from bench.dvc_summary import saturated_points, saturation_table
+
+    def point(rate: float, cpu: dict) -> dict:
+        return {"settings": {"rate": rate}, "cpu": cpu}
+
+    points = {
+        "disagg-1p3d": [point(16, {"serve_process_cores": 0.4}), point(32, {"serve_process_cores": 0.97})],
+        "colocated": [
+            point(8, {"bench_client_cores": 0.9, "serve_process_cores": 0.2}),
+            {"settings": {"rate": 2}},
+        ],
+    }
+    rows = saturated_points(points)
+    assert rows == [
+        {"deployment": "disagg-1p3d", "rate": 32, "serve_process_cores": 0.97},
+        {"deployment": "colocated", "rate": 8, "bench_client_cores": 0.9},
+    ]
+    table = saturation_table([{"workload": "decode-heavy", "saturated": rows}])
+    assert "| decode-heavy | disagg-1p3d | 32 | serve process 0.97 |" in table
+    assert "| decode-heavy | colocated | 8 | bench client 0.90 |" in table
+    assert saturation_table([{"workload": "w", "saturated": []}]) == ""
