@@ -78,7 +78,9 @@ async def served_model(address: str, protocol: str = "grpc") -> ModelInfo:
         return await transport.served_model()
 
 
-class _Progress(Protocol):
+class Progress(Protocol):
+    """Counts finished requests: the progress bar, or a client process's progress file (bench.processes)."""
+
     def update(self, n: int) -> object: ...
 
 
@@ -86,7 +88,7 @@ class _Recorder:
     """Runs one request and turns its stream into a RequestRecord, whatever happens to it."""
 
     def __init__(
-        self, transport: Transport, start: float, timeout_s: float | None, progress: _Progress
+        self, transport: Transport, start: float, timeout_s: float | None, progress: Progress
     ) -> None:
         self._transport, self._start, self._timeout, self._progress = transport, start, timeout_s, progress
 
@@ -170,7 +172,7 @@ async def run_load(
     limits: RunLimits,
     progress: bool = True,
     protocol: str = "grpc",
-    bar: _Progress | None = None,
+    bar: Progress | None = None,
 ) -> RunResult:
     """Send `specs` as paced, within `limits`, over `protocol`; one record per request actually sent. `bar`
     counts finished requests instead of the progress bar on stderr (a client process of several)."""

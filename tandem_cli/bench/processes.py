@@ -23,11 +23,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
-from tandem_cli.bench.loadgen import Outcome, Pacing, RequestRecord, RunLimits, RunResult, run_load
+from tandem_cli.bench.loadgen import (
+    Outcome,
+    Pacing,
+    Progress,
+    RequestRecord,
+    RunLimits,
+    RunResult,
+    run_load,
+)
 from tandem_cli.bench.stats import Timeline
 from tandem_cli.bench.workload import BenchConfigError, RequestSpec
 
@@ -96,18 +104,21 @@ def run_processes(
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         children = []
         for i, (mine, share) in enumerate(parts):
-            job, out, ticks = (
-                Path(tmp) / f"{name}-{i}" for name in ("job.json", "records.jsonl", "progress")
+            job, out, ticks, err = (
+                Path(tmp) / f"{name}-{i}" for name in ("job.json", "records.jsonl", "progress", "stderr")
             )
             job.write_text(json.dumps(_job(address, protocol, mine, share, limits, start_at)))
             ticks.touch()
             cmd = [sys.executable, "-m", "tandem_cli.bench.processes", str(job), str(out), str(ticks)]
-            children.append((subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True), out, ticks))
+            # stderr to a file, not a pipe: nobody reads a pipe while the child runs, and a full one would
+            # stop the child.
+            with err.open("w") as stderr:
+                children.append(_Child(subprocess.Popen(cmd, stderr=stderr), out, ticks, err))
         with tqdm(
             total=len(specs), file=sys.stderr, disable=not progress, unit="req", desc="tandem bench"
         ) as bar:
             _wait(children, bar)
-        records = [record_from_json(line) for _, out, _ in children for line in out.read_text().splitlines()]
+        records = [record_from_json(line) for c in children for line in c.records.read_text().splitlines()]
     records.sort(key=lambda r: r.index)
     end = max((r.sent_at + r.timeline.end for r in records), default=0.0)
     return RunResult(tuple(records), end)
@@ -127,24 +138,31 @@ def _job(
     }
 
 
-def _wait(children: list[tuple[subprocess.Popen, Path, Path]], bar: object) -> None:
+@dataclass(frozen=True)
+class _Child:
+    proc: subprocess.Popen
+    records: Path  # its RequestRecords, one JSON line each, written when it ends
+    ticks: Path  # one byte per finished request
+    stderr: Path
+
+
+def _wait(children: list[_Child], bar: Progress) -> None:
     """Until every child has exited; the bar follows their progress files. A child that failed fails the run
     with its error, after the others were stopped."""
     shown = 0
     while True:
-        done = sum(ticks.stat().st_size for _, _, ticks in children)
-        bar.update(done - shown)  # type: ignore[attr-defined]
+        done = sum(c.ticks.stat().st_size for c in children)
+        bar.update(done - shown)
         shown = done
-        codes = [proc.poll() for proc, _, _ in children]
+        codes = [c.proc.poll() for c in children]
         failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            for proc, _, _ in children:
-                proc.kill()
-            proc = children[failed[0]][0]
-            _, err = proc.communicate()
-            raise RuntimeError(
-                f"tandem bench: client process {failed[0]} exited {proc.returncode}: {err[-2000:]}"
-            )
+            for c in children:
+                c.proc.kill()
+                c.proc.wait()
+            child = children[failed[0]]
+            err = child.stderr.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"tandem bench: client process {failed[0]} exited {codes[failed[0]]}: {err}")
         if all(code == 0 for code in codes):
             return
         time.sleep(POLL_S)
