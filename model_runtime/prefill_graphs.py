@@ -37,7 +37,6 @@ collectives are captured in the graphs as in the decode graphs.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable
 from typing import cast
@@ -47,6 +46,7 @@ from torch import nn
 
 from model_runtime.attention.base import AttentionMetadata
 from model_runtime.config import ModelConfig
+from model_runtime.cuda_graphs import bucket_for
 from model_runtime.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from model_runtime.parallel.group import TPGroup
 from model_runtime.parallel.layers import AllReduceOutput, VocabParallelEmbedding
@@ -76,7 +76,6 @@ class StaticPrefillBuffers:
 
     def __init__(self, model: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         t = max_tokens
-        self.max_tokens = max_tokens
         self.ids = torch.zeros(t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
         self.qkv = torch.zeros(t, model.q_size + 2 * model.kv_size, dtype=dtype, device=device)
@@ -266,10 +265,10 @@ class PrefillGraphs:
         """Final hidden states [n, hidden] of a step of n = len(input_ids) tokens (a view of the static
         output: use it before the next run)."""
         n = int(input_ids.shape[0])
-        i = bisect.bisect_left(self.sizes, n)
-        if not self.can_run(n) or i == len(self.sizes):
+        if not self.can_run(n):
             raise ValueError(f"PrefillGraphs.run: no graphs for {n} tokens (captured: {self.sizes})")
-        size = self.sizes[i]
+        size = bucket_for(n, self.sizes)
+        assert size is not None  # can_run: n <= max_tokens, the last size
         if self.use_graphs:
             graphs = self._graphs[size]
 
