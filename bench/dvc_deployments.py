@@ -194,12 +194,15 @@ class CpuMeter:
         return cores
 
 
+def process_label(key: str) -> str:
+    """ "serve process" for CpuMeter's "serve_process_cores"."""
+    return key.removesuffix("_cores").replace("_", " ")
+
+
 def cpu_line(cores: dict[str, float]) -> str:
     """The point's CPU use for its progress line, with a warning when a process was saturated."""
-    parts = [
-        f"{name.removesuffix('_cores').replace('_', ' ')} {value:.2f} cores" for name, value in cores.items()
-    ]
-    hot = [name.removesuffix("_cores").replace("_", " ") for name, v in cores.items() if v >= SATURATED_CORES]
+    parts = [f"{process_label(name)} {value:.2f} cores" for name, value in cores.items()]
+    hot = [process_label(name) for name, v in cores.items() if v >= SATURATED_CORES]
     warning = f" (saturated: {', '.join(hot)}; its queueing is in the latencies)" if hot else ""
     return f"; CPU: {', '.join(parts)}{warning}" if parts else ""
 
@@ -326,8 +329,8 @@ class Server:
         """Running sums from each worker's /metrics, by target ("host:port"): the prefill workers' transfer
         seconds, count and bytes, both sides' handoff phase sums and counts ("prefill.stream", "decode.admit",
         ...), every worker's first-token phases ("colocated.first_token_waiting", ...) and the router's
-        event-loop lag ("router.loop_lag"); None when no worker is listed. Kept per worker so that a point's difference survives a worker that left or joined in
-        between (an autoscaler's move): see kv_delta."""
+        event-loop lag ("router.loop_lag"); None when no worker is listed. Kept per worker so that a point's
+        difference survives a worker that left or joined in between (an autoscaler's move): see kv_delta."""
         if not self._targets(("prefill", "decode", "colocated")):
             return None
         names = {"tandem_kv_transfer_seconds_sum": "seconds", "tandem_kv_transfer_seconds_count": "transfers",

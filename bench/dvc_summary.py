@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.dvc_deployments import SATURATED_CORES
+from bench.dvc_deployments import SATURATED_CORES, process_label
 from tandem_cli.bench import SLO
 from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
 from tandem_cli.bench.sweep import capacity, equal_load
@@ -161,11 +161,7 @@ def saturation_table(rows: list[dict]) -> str:
     lines = ["| workload | deployment | rate (req/s) | saturated process (cores) |", "|---|---|---|---|"]
     for row in rows:
         for hot in row.get("saturated", []):
-            procs = ", ".join(
-                f"{k.removesuffix('_cores').replace('_', ' ')} {v:.2f}"
-                for k, v in hot.items()
-                if k.endswith("_cores")
-            )
+            procs = ", ".join(f"{process_label(k)} {v:.2f}" for k, v in hot.items() if k.endswith("_cores"))
             lines.append(f"| {row['workload']} | {hot['deployment']} | {hot['rate']:g} | {procs} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
