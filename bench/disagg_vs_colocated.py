@@ -88,21 +88,16 @@ from bench.dvc_deployments import (  # noqa: E402
     kv_delta,
     pair_delta,
 )
+from bench.dvc_points import bench_point, handoff_line, point_record  # noqa: E402
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402
-    DECODE_HEAVY,
-    PREFILL_HEAVY,
-    SMOKE_MIX,
     SMOKE_WORKLOADS,
     WORKLOADS,
     Workload,
-    chat_trace,
-    mixed_trace,
     parse_rates,
 )
 from bench.pyspy_threads import finish_py_spy, start_py_spy  # noqa: E402
-from tandem_cli.bench import SLO, BenchReport, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
-from tandem_cli.bench.plots import LatencySamples  # noqa: E402
+from tandem_cli.bench import SLO, BenchSettings, parse_dist, parse_slo, run_benchmark  # noqa: E402
 from tandem_cli.bench.report import git_commit  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "results" / "disagg_vs_colocated"
@@ -125,64 +120,6 @@ def point_seed(base: int, rate: float, repeat: int) -> int:
     point's prompts, and the prefix cache would serve them (an earlier version of this script measured cache hits
     that way). Repeat 0 keeps the seeds of earlier runs; warm-up rounds use block WARM_UP_SEED_BLOCK."""
     return base * 100_000 + repeat * 10_000 + round(rate * 100)
-
-
-def bench_point(
-    server: Server, workload: Workload, rate: float, seconds: float, seed: int, args: argparse.Namespace
-) -> BenchReport:
-    """Poisson arrivals at `rate` for `seconds`; the count bound (20% above the expected number) only guards
-    against a long random tail, the time bound decides how many are sent."""
-    closed = workload.concurrency > 0  # closed loop: `seconds` of sending, as many requests as that takes
-    count = workload.concurrency * 50 if closed else math.ceil(rate * seconds * 1.2) + 1
-    trace = None
-    if workload.mixed:
-        trace = str(server.work / f"mixed_{seed}.jsonl")
-        mixed_trace(Path(trace), count, seed, SMOKE_MIX if args.smoke else (PREFILL_HEAVY, DECODE_HEAVY))
-    elif workload.chat:
-        trace = str(server.work / f"chat_{seed}.jsonl")
-        chat_trace(Path(trace), count, seed, workload)
-    placeholder = SMOKE_MIX[0] if args.smoke else PREFILL_HEAVY  # lengths come from the trace when mixed
-    settings = BenchSettings(
-        server=server.address, num_requests=count, rate=None if closed else rate,
-        concurrency=workload.concurrency if closed else None, burstiness=1.0,
-        input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
-        output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),
-        trace=trace, seed=seed, duration_s=seconds, drain_s=args.drain, timeout_s=300.0, slo=args.slo,
-        shared_prefix=0 if workload.chat else workload.shared_prefix, processes=args.client_processes,
-    )  # fmt: skip
-    return run_benchmark(settings, progress=True)
-
-
-def point_record(report: BenchReport, kv: dict | None) -> dict:
-    """One sweep point for the results file: the report without per-request rows, plus latency samples."""
-    data = json.loads(report.to_json())
-    data.pop("requests")
-    samples = LatencySamples.from_report(report)
-    data["samples"] = {k: [round(v, 5) for v in vals] for k, vals in asdict(samples).items()}
-    # Each succeeded request's TTFT, TPOT and e2e, so the summary can judge another SLO set (dvc_summary.INTERACTIVE).
-    data["slo_samples"] = [
-        [None if v is None else round(v, 5) for v in (r.ttft, r.tpot, r.e2e)]
-        for r in report.requests
-        if r.outcome == "succeeded"
-    ]
-    data["kv_transfer"] = kv
-    return data
-
-
-def handoff_line(point: dict) -> str:
-    """Where a disaggregated point's handoffs spent their time (means, ms) and the first token -> second token
-    gap a client saw (p50, ms)."""
-    kv = point.get("kv_transfer")
-    if not kv:
-        return ""
-    gaps = sorted(point["samples"].get("first_itl", []))
-    gap = f"; first->second token p50 {gaps[len(gaps) // 2] * 1e3:.1f} ms" if gaps else ""
-    phases = " ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(kv.get("phases_mean_s", {}).items()))
-    pairs = point.get("pairs")
-    over = f" over {', '.join(f'{k} x{n}' for k, n in pairs.items())}" if pairs else ""
-    if kv["mean_s"] is None:
-        return f"; phase means ms ({phases})"
-    return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over} ({phases}){gap}"
 
 
 def gpu_name() -> str:
