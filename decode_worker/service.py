@@ -97,6 +97,19 @@ class KVWait:
 
     results: queue.Queue[tuple[TransferResult, Future[Admitted] | None]]
     admit: Callable[[Engine, TransferResult], Admitted] | None = None
+    admitted_at: float = 0.0  # time.monotonic() when the engine took the request (0: not admitted from KV)
+    first_output_at: float = 0.0  # when the engine emitted the request's first output (its subscriber)
+
+
+def timed_subscriber(put: Callable[[StepOutput], None], wait: KVWait) -> Callable[[StepOutput], None]:
+    """`put`, noting when the first output came (on the engine thread), for the first_step phase."""
+
+    def deliver(out: StepOutput) -> None:
+        if not wait.first_output_at:
+            wait.first_output_at = time.monotonic()
+        put(out)
+
+    return deliver
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -148,8 +161,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt = list(request.prompt_token_ids)
         outputs: queue.Queue[StepOutput] = queue.Queue()
-        self.loop.subscribe(rid, outputs.put)
         landed = KVWait(queue.Queue())
+        self.loop.subscribe(
+            rid, outputs.put if request.local_prefill else timed_subscriber(outputs.put, landed)
+        )
         with self._lock:
             self._landed[rid] = landed
         try:
@@ -160,7 +175,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 if finished is not None:
                     yield worker_pb2.DecodeEvent(finished=finished)
                     return
-            yield from self._stream(rid, outputs, context)
+            yield from self._stream(rid, outputs, context, landed)
         except CallEnded:
             return
         finally:
@@ -208,6 +223,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         assert admitted is not None, "a landed result comes with its admission"
         taken_at, done = self.loop.wait(admitted)
         receiver.record_phase("admit", taken_at - (result.landed_at or taken_at))  # landed -> in the engine
+        landed.admitted_at = taken_at
         return finished_event(done).finished if done is not None else None
 
     def _admission(
@@ -275,15 +291,30 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    def _stream(self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext) -> Iterator:
+    def _stream(
+        self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext, landed: KVWait
+    ) -> Iterator:
         while True:
             out = coalesce(wait_for(outputs, context, self.loop, float("inf"), "tokens"), outputs)
             if not context.is_active():  # tokens keep coming while the caller is gone: stop at once
                 raise CallEnded()
+            if landed.admitted_at and self.receiver is not None:
+                self._record_first_output(landed)
             yield worker_pb2.DecodeEvent(tokens=token_batch(out))
             if out.finish_reason is not None:
                 yield finished_event(out)
                 return
+
+    def _record_first_output(self, landed: KVWait) -> None:
+        """A request admitted from landed KV sends its first tokens: first_step (in the engine -> the engine
+        emitted its first output) and first_out (emitted -> this thread sends it), the parts of a client's
+        first-to-second token gap after `admit`."""
+        assert self.receiver is not None
+        now = time.monotonic()
+        emitted = landed.first_output_at or now
+        self.receiver.record_phase("first_step", emitted - landed.admitted_at)
+        self.receiver.record_phase("first_out", now - emitted)
+        landed.admitted_at = 0.0  # once
 
     def _cleanup(self, rid: str) -> None:
         """The one exit path: forget the waiters, abort the request, release a lease that never landed."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
-from kv_transfer.cuda_events import bind_device, require_cuda, wait_event
+from kv_transfer.cuda_events import CopyClock, bind_device, require_cuda, wait_event
 from kv_transfer.frames import FrameConnection, Watch, expect
 from kv_transfer.gpu_ops import IdsPool, gpu_ops, transfer_stream
 from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, SenderTransport, part_frame
@@ -45,6 +46,7 @@ from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
+log = logging.getLogger(__name__)
 COPY_ENGINE_MAX_RUNS = (
     0  # parts with at most this many block runs use cudaMemcpy2DAsync instead of the kernel
 )
@@ -129,7 +131,7 @@ class IpcSenderTransport(SenderTransport):
     def send_part(self, job: PartJob) -> None:
         if job.ready is not None:
             job.ready.synchronize()  # the receiver copies as soon as it reads KVPart
-        job.conn.send_frame(part_frame(job), job.watch)
+        job.conn.defer_frame(part_frame(job))  # with the next frame, or before the session waits
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class IpcReceiverTransport(ReceiverTransport):
         self._ops = gpu_ops()  # events and block-id copies that keep the interpreter lock
         self._src_ids = IdsPool(self._stream, layout.num_blocks)
         self._dst_ids = IdsPool(self._stream, layout.num_blocks)
+        self._clock = CopyClock()  # when the copies on _stream should end: waits sleep until then
         self._lock = threading.Lock()
         self._setup_lock = threading.Lock()
         self._mappings: dict[bytes, _Mapping] = {}
@@ -224,8 +227,8 @@ class IpcReceiverTransport(ReceiverTransport):
     def drain_sink(self, peer_id: bytes) -> PartSink | None:
         return _IpcDrain()  # the receiver pulls: a refused transfer has sent no data to take in
 
-    def _start_part(self, job: PartJob, peer_id: bytes) -> Any:
-        """Queue the part's copies on our stream; the event after them."""
+    def _start_part(self, job: PartJob, peer_id: bytes) -> _Copy:
+        """Queue the part's copies on our stream, between two timed events."""
         with self._lock:
             mapping = self._mappings.get(peer_id)
         if mapping is None:
@@ -236,6 +239,8 @@ class IpcReceiverTransport(ReceiverTransport):
             raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
         bind_device(self._device)
         try:
+            started = self._ops.new_event(timed=True)
+            self._ops.record(started, self._stream)
             runs = block_runs(job.remote_block_ids, job.block_ids) if COPY_ENGINE_MAX_RUNS else []
             if runs and len(runs) <= COPY_ENGINE_MAX_RUNS:
                 self._enqueue_copies(job, mapping, runs)
@@ -247,13 +252,22 @@ class IpcReceiverTransport(ReceiverTransport):
                     copy_blocks(
                         mapping.source.layers(l0, l1), self._cache_ptr.layers(l0, l1), src_ids, dst_ids
                     )
-            copied = self._ops.new_event()
+            copied = self._ops.new_event(timed=True)
             self._ops.record(copied, self._stream)
         except Exception as exc:
             raise TransferFailed(
                 FailureReason.TRANSPORT_ERROR, f"CUDA copy: {type(exc).__name__}: {exc}"
             ) from None
-        return copied
+        return _Copy(started, copied, job.num_bytes, self._clock.expect(job.num_bytes))
+
+    def _learn(self, copies: list[_Copy]) -> None:
+        """Teach the clock how fast the completed copies ran."""
+        for copy in copies:
+            try:
+                self._clock.learn(copy.num_bytes, self._ops.elapsed_s(copy.started, copy.copied))
+            except Exception:  # timing only: a failed query never fails a landed transfer
+                log.debug("timing a KV copy failed", exc_info=True)
+                return
 
     def _enqueue_copies(self, job: PartJob, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:
         runtime = _runtime()
@@ -284,20 +298,32 @@ class IpcReceiverTransport(ReceiverTransport):
             runtime.ipcCloseMemHandle(mapping.mapped_ptr)
 
 
+@dataclass(frozen=True)
+class _Copy:
+    """One part's copies on the receiver's stream: between two timed events, with the clock's predicted end."""
+
+    started: Any
+    copied: Any
+    num_bytes: int
+    expect_at: float
+
+
 class _IpcSink(PartSink):
     def __init__(self, transport: IpcReceiverTransport, peer_id: bytes) -> None:
         self._t = transport
         self._peer_id = peer_id
-        self._last: Any = None
+        self._copies: list[_Copy] = []
 
     def part(self, job: PartJob) -> None:
-        self._last = self._t._start_part(job, self._peer_id)
+        self._copies.append(self._t._start_part(job, self._peer_id))
 
     def finish(self, watch: Watch, conn: FrameConnection) -> None:
-        if self._last is not None:
+        if self._copies:
             # A local copy always finishes; only our own deadline and cancellation count. The connection is
             # not read here: the next thing on it may be the sender's next transfer.
-            wait_event(self._last, watch, None, FailureReason.SENDER_ABORTED)
+            last = self._copies[-1]
+            wait_event(last.copied, watch, None, FailureReason.SENDER_ABORTED, last.expect_at)
+            self._t._learn(self._copies)
 
     def abandon(self) -> None:
         self._t._stream.synchronize()  # local copies always finish: no write pending on return

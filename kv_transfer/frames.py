@@ -6,6 +6,11 @@
 Every blocking call wakes each poll interval to run `Watch.check()`, so a deadline, an abort or a closing
 owner ends the call within one interval: nothing waits on a dead or stalled peer forever. A connection is used
 by one thread at a time (the session that owns it), so it needs no lock.
+
+Frames cost a handoff's critical path a system call (and, behind a busy engine loop, a wait for the interpreter
+lock) each, so they are batched both ways: a writer may defer a frame (defer_frame) to go out with the next one
+it sends, and a reader takes whatever the socket holds (up to READ_AHEAD bytes) into a buffer that the next
+frames, and a tcp part's first data bytes, are read from.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ MAGIC = b"TKV1"
 FRAME_HEADER = struct.Struct(">4sI")
 CHUNK_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 4 * 2**20  # a frame is control data; the largest (cuda_ipc block ids) is far below this
+READ_AHEAD = 64 * 2**10  # what one read of a frame may take from the socket beyond it
 
 
 def failure_to_proto(reason: FailureReason) -> kv_pb2.KVFailure:
@@ -147,23 +153,34 @@ class FrameConnection:
         sock.settimeout(poll_interval_s)
         with contextlib.suppress(OSError):  # not a TCP socket (e.g. a socketpair in tests)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._header = bytearray(FRAME_HEADER.size)
         self._chunk = bytearray(CHUNK_HEADER.size)
         self._data_left = 0  # bytes of the current tcp part still to send
         self._chunk_open = False  # a chunk is partly written: only closing can end the stream now
+        self._deferred: list[bytes] = []  # encoded frames that go out with the next send
+        self._rbuf = bytearray(READ_AHEAD)  # bytes read off the socket and not taken yet: [_rstart, _rend)
+        self._rstart = self._rend = 0
 
     # --- frames ----------------------------------------------------------------------------------------
     def send_frame(self, frame: kv_pb2.KVFrame, watch: Watch) -> None:
         self.send_bytes(memoryview(encode_frame(frame)), watch)
 
+    def defer_frame(self, frame: kv_pb2.KVFrame) -> None:
+        """Queue `frame` to go out, in order, with the next send (a frame, a chunk, or flush())."""
+        self._deferred.append(encode_frame(frame))
+
+    def flush(self, watch: Watch) -> None:
+        """Write the deferred frames now (before waiting on anything the peer would do after reading them)."""
+        if self._deferred:
+            self.send_bytes(memoryview(b""), watch)
+
     def read_frame(self, watch: Watch) -> kv_pb2.KVFrame:
-        self.recv_into(memoryview(self._header), watch)
-        payload = bytearray(decode_frame_length(bytes(self._header)))
-        self.recv_into(memoryview(payload), watch)
-        return decode_frame(bytes(payload))
+        length = decode_frame_length(self._take(FRAME_HEADER.size, watch))
+        return decode_frame(self._take(length, watch))
 
     def frame_waiting(self) -> bool:
         """True when the peer sent something (or closed): the sender checks this between data chunks."""
+        if self._rend > self._rstart:
+            return True  # already read off the socket
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return True  # decrypted bytes already read off the socket: poll() would not see them
         poller = select.poll()
@@ -206,6 +223,13 @@ class FrameConnection:
 
     # --- raw bytes -------------------------------------------------------------------------------------
     def send_bytes(self, data: memoryview, watch: Watch) -> None:
+        if self._deferred:  # the deferred frames go first, in the same write when the data is small
+            head = b"".join(self._deferred)
+            self._deferred.clear()
+            if len(data) <= READ_AHEAD:
+                data = memoryview(head + data)
+            else:
+                self.send_bytes(memoryview(head), watch)
         sent = 0
         while sent < len(data):
             try:
@@ -216,10 +240,37 @@ class FrameConnection:
                 raise TransferFailed(FailureReason.CONNECTION_LOST, f"send failed: {exc}") from None
 
     def recv_into(self, view: memoryview, watch: Watch) -> None:
-        got = 0
+        """Fill `view`: first from what earlier reads took off the socket, then straight from the socket."""
+        got = min(len(view), self._rend - self._rstart)
+        if got:
+            view[:got] = self._rbuf[self._rstart : self._rstart + got]
+            self._rstart += got
         while got < len(view):
+            got += self._recv(view[got:], watch)
+
+    def _take(self, n: int, watch: Watch) -> bytes:
+        """The next n bytes, read through the buffer: one read brings in whatever else the peer sent."""
+        have = self._rend - self._rstart
+        if have < n:
+            if self._rstart:  # keep what is left at the front
+                self._rbuf[:have] = self._rbuf[self._rstart : self._rend]
+                self._rstart, self._rend = 0, have
+            if len(self._rbuf) < n:
+                self._rbuf.extend(bytes(n - len(self._rbuf)))
+            while self._rend < n:
+                self._rend += self._recv(memoryview(self._rbuf)[self._rend :], watch)
+            if len(self._rbuf) > READ_AHEAD and self._rend <= READ_AHEAD:
+                del self._rbuf[READ_AHEAD:]  # a large frame passed: give its room back
+        out = bytes(self._rbuf[self._rstart : self._rstart + n])
+        self._rstart += n
+        if self._rstart == self._rend:
+            self._rstart = self._rend = 0
+        return out
+
+    def _recv(self, view: memoryview, watch: Watch) -> int:
+        while True:
             try:
-                n = self.sock.recv_into(view[got:])
+                n = self.sock.recv_into(view)
             except TimeoutError:
                 watch.check()
                 continue
@@ -227,7 +278,7 @@ class FrameConnection:
                 raise TransferFailed(FailureReason.CONNECTION_LOST, f"receive failed: {exc}") from None
             if n == 0:
                 raise TransferFailed(FailureReason.CONNECTION_LOST, "peer closed the connection")
-            got += n
+            return n
 
     def close(self, grace_s: float = 0.0) -> None:
         """Close; with a grace period, first stop writing and discard what the peer still sends (until it

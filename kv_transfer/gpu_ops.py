@@ -12,6 +12,7 @@ loop nothing measurable.
                                           # found, else TorchOps (torch and CuPy calls); TANDEM_KV_RAW_CALLS=0
                                           # forces TorchOps
     event = ops.new_event(); ops.record(event, stream); ops.wait(other_stream, event); event.query()
+    a, b = ops.new_event(timed=True), ops.new_event(timed=True); ...; ops.elapsed_s(a, b)   # both completed
     ops.nccl(send, comm, ptr, nbytes, peer, stream)       # ncclSend (send=True) or ncclRecv of NCCL_UINT8
     ids = ops.ids(pool, block_ids)        # block ids on the device: a memmove and one async copy on pool.stream
 
@@ -58,10 +59,10 @@ class RawEvent:
 
     __slots__ = ("_lib", "handle")
 
-    def __init__(self, lib: _Driver) -> None:
+    def __init__(self, lib: _Driver, timed: bool = False) -> None:
         self._lib = lib
         self.handle = 0
-        self.handle = lib.event_create()
+        self.handle = lib.event_create(timed)
 
     def query(self) -> bool:
         return self._lib.event_query(self.handle)
@@ -83,6 +84,7 @@ class _Driver:
         self._record = _fn(lib, "cuEventRecord", [p, p])
         self._query = _fn(lib, "cuEventQuery", [p])
         self._wait = _fn(lib, "cuStreamWaitEvent", [p, p, u])
+        self._elapsed = _fn(lib, "cuEventElapsedTime", [ctypes.POINTER(ctypes.c_float), p, p])
         self._htod = _fn(lib, "cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, p, s, p])
         self._name = _fn(lib, "cuGetErrorName", [i, ctypes.POINTER(ctypes.c_char_p)])
 
@@ -92,10 +94,16 @@ class _Driver:
             self._name(code, ctypes.byref(name))
             raise GpuCallFailed(f"{what}: {(name.value or b'CUDA error').decode()} ({code})")
 
-    def event_create(self) -> int:
+    def event_create(self, timed: bool = False) -> int:
         handle = ctypes.c_void_p()
-        self.check(self._create(ctypes.byref(handle), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        flags = 0 if timed else CU_EVENT_DISABLE_TIMING
+        self.check(self._create(ctypes.byref(handle), flags), "cuEventCreate")
         return int(handle.value or 0)
+
+    def elapsed_s(self, start: int, end: int) -> float:
+        ms = ctypes.c_float()
+        self.check(self._elapsed(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+        return ms.value / 1000
 
     def event_destroy(self, handle: int) -> None:
         self._destroy(handle)
@@ -189,7 +197,12 @@ class GpuOps:
 
     raw = False
 
-    def new_event(self) -> Any:
+    def new_event(self, timed: bool = False) -> Any:
+        """timed: the event can be an end of elapsed_s (timing costs a little on record)."""
+        raise NotImplementedError
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Seconds between two completed timed events."""
         raise NotImplementedError
 
     def record(self, event: Any, stream: torch.cuda.Stream) -> None:
@@ -223,8 +236,11 @@ class GpuOps:
 
 
 class TorchOps(GpuOps):
-    def new_event(self) -> Any:
-        return torch.cuda.Event()
+    def new_event(self, timed: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timed)
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end)) / 1000
 
     def record(self, event: Any, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -251,8 +267,11 @@ class RawOps(GpuOps):
         self._nccl = nccl
         self._cupy_nccl = TorchOps()  # NCCL through CuPy when its libnccl could not be called directly
 
-    def new_event(self) -> RawEvent:
-        return RawEvent(self._driver)
+    def new_event(self, timed: bool = False) -> RawEvent:
+        return RawEvent(self._driver, timed)
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return self._driver.elapsed_s(_handle(start), _handle(end))
 
     def record(self, event: Any, stream: torch.cuda.Stream) -> None:
         self._driver.record(_handle(event), stream.cuda_stream)

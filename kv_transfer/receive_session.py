@@ -296,15 +296,8 @@ class ReceiveSession:
         seconds = time.monotonic() - self.claimed_at
         self.phases["land"] = seconds - self.phases.get("stream", 0.0)
         num_bytes = self.core.layout.bytes_per_block * len(lease.block_ids)
-        notice = Watch(
-            time.monotonic() + self.core.config.connect_timeout_s, FailureReason.DEADLINE_EXCEEDED, "ack"
-        )
-        try:
-            self.conn.send_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck(num_bytes=num_bytes)), notice)
-        except (
-            TransferFailed
-        ) as exc:  # the KV landed: decode proceeds; the sender frees its blocks either way
-            log.warning("request %r landed but the ack was not delivered: %s", lease.request_id, exc)
+        # The decode side first (it admits the request from here), then the ack: the sender only frees its
+        # blocks on it, and nothing waits for that.
         self.core.deliver(
             TransferResult(
                 lease,
@@ -316,6 +309,15 @@ class ReceiveSession:
                 landed_at=self.claimed_at + seconds,
             )
         )
+        notice = Watch(
+            time.monotonic() + self.core.config.connect_timeout_s, FailureReason.DEADLINE_EXCEEDED, "ack"
+        )
+        try:
+            self.conn.send_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck(num_bytes=num_bytes)), notice)
+        except (
+            TransferFailed
+        ) as exc:  # the KV landed: decode proceeds; the sender frees its blocks either way
+            log.warning("request %r landed but the ack was not delivered: %s", lease.request_id, exc)
 
     # --- failure ---------------------------------------------------------------------------------------
     def _fail(self, failure: TransferFailed) -> None:

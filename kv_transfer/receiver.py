@@ -272,15 +272,15 @@ class KVReceiver:
         self._deliver(TransferResult(lease, False, failure.reason, failure.message, seconds=seconds))
 
     def _deliver(self, result: TransferResult) -> None:
+        if self._on_result is not None:
+            try:  # before the counts: the decode worker admits a landed request from here
+                self._on_result(result)
+            except Exception:  # the callback is the decode worker's; log it and keep serving other leases
+                log.exception("on_result callback failed for request %r", result.request_id)
         if result.ok:
             self._stats.record_ok(result.num_bytes, result.seconds, result.phases)
         else:
             assert result.failure is not None
             self._stats.record_failure(result.failure)
-        if self._on_result is None:
+        if self._on_result is None:  # after the counts: a poll() that returns it finds them updated
             self._results.append(result)
-            return
-        try:
-            self._on_result(result)
-        except Exception:  # the callback is the decode worker's; log it and keep serving other leases
-            log.exception("on_result callback failed for request %r", result.request_id)

@@ -4,6 +4,10 @@
     -> KVBegin -> for each layer group the caller queues: KVPart + transport data -> KVDone  (no reply awaited)
     -> KVAck
 
+Frames that are ready together go out together: KVBegin is deferred to the first part's write, and a
+transport may defer its part frames (cuda_ipc does) to the next write; whatever is deferred goes out before
+the session waits for the caller's next layer group.
+
 It never raises: every outcome becomes a SendResult, with the time spent in each phase. A local stop (abort,
 deadline, shutdown) is announced to the receiver with KVAbort when the stream allows; whatever the receiver says
 while we stream (KVError, KVAbort) ends the transfer with the receiver's reason.
@@ -106,7 +110,7 @@ class SendSession:
         self.channel = self.core.channels.acquire(target, kind, self.watch, self.handle.started_at)
         self._phase("connect" if self.channel.transfers == 0 else "channel")
         conn = self.channel.conn
-        conn.send_frame(kv_pb2.KVFrame(begin=self._begin(kind)), self.watch)
+        conn.defer_frame(kv_pb2.KVFrame(begin=self._begin(kind)))  # goes out with the first part's frame
         self.source = self.core.transports[kind].source(self.channel.peer_id)
         finished_at = self._stream(conn, self.channel.peer_id, self.source)
         expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
@@ -161,6 +165,7 @@ class SendSession:
         """The caller's next layer group (or the end), while watching our deadline and the receiver."""
         item = self.handle.next_request(0.0)
         if item is None:
+            conn.flush(self.watch)  # nothing else to add: deferred frames go out before we wait
             while True:
                 item = self.handle.next_request(self.core.config.poll_interval_s)
                 if item is not None:

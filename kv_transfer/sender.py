@@ -151,7 +151,7 @@ class KVSender:
         expected = self.layout.blocks_for_tokens(num_tokens)
         if len(ids) != expected:
             raise ValueError(f"src_block_ids: {num_tokens} tokens fill {expected} blocks, got {len(ids)} ids")
-        if any(isinstance(b, bool) or not isinstance(b, int) for b in ids):
+        if not set(map(type, ids)) <= {int}:  # exactly int (no bool): one C loop over the ids
             raise ValueError(f"src_block_ids: must be integers, got {ids!r}")
         if len(set(ids)) != len(ids):
             raise ValueError("src_block_ids: contains duplicates")

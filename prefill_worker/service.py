@@ -4,9 +4,11 @@ One Prefill call:
     add the prompt to the engine (batched with other prompts, chunked under the token budget)
     -> during the step that completes the prompt, ship each group of layers as soon as it is written
        (transfer.layer_groups > 0: LayerSend; the transfer overlaps the rest of the forward pass)
-    -> first token sampled: yield FirstToken now (time to first token does not wait for the transfer)
-    -> finish the transfer with the first token (or, with layer_groups 0, hand all the blocks to the sender
-       now); the sender frees what it holds on ack, abort or deadline
+    -> first token sampled: finish the transfer with it on the engine thread, in the same pass that emits it
+       (LayerSend.first_token: KVDone leaves while this call's thread is still waking up), then yield
+       FirstToken (time to first token does not wait for the transfer). With layer_groups 0, or when no layer
+       was streamed, this call hands all the blocks to the sender first and then yields the token. The sender
+       frees what it holds on ack, abort or deadline
     -> yield TransferDone, or fail the call with the transfer's reason
 
 Block ownership: engine (prompt running) -> this call (first token sampled, blocks detached) -> KV sender
@@ -21,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -73,9 +75,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         except SamplingError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs: queue.Queue[StepOutput] = queue.Queue()
-        self.loop.subscribe(rid, outputs.put)
         held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
         streamed = LayerSend(self.sender, request.target) if request.HasField("target") else None
+        self.loop.subscribe(rid, outputs.put if streamed is None else streamed.deliver_to(outputs.put))
         try:
             try:
                 offset, priority = request.output_offset, priority_from_proto(request.priority)
@@ -93,15 +95,19 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 outputs, context, self.loop, time.monotonic() + self.prefill_timeout_s, "the prompt"
             )
             held = out.kv_block_ids
+            handle = None
+            if out.finish_reason is None and streamed is not None:
+                handle = streamed.handle
+                if handle is None:  # nothing streamed: all the blocks go now, before the token's own write
+                    handle = self.sender.send(
+                        request.target, held, out.num_prompt_tokens, _kv_first_token(out)
+                    )
+                    held = ()  # the sender owns them now and frees them through on_release
+                elif not streamed.finished:  # the engine thread could not finish it: say why here
+                    handle.finish(_kv_first_token(out))
             yield worker_pb2.PrefillEvent(first_token=self._first_token(out))
-            if out.finish_reason is not None or streamed is None:
+            if handle is None:
                 return
-            handle = streamed.handle
-            if handle is not None:  # layers already on their way; it holds its own reference on the blocks
-                handle.finish(_kv_first_token(out))
-            else:
-                handle = self.sender.send(request.target, held, out.num_prompt_tokens, _kv_first_token(out))
-                held = ()  # the sender owns them now and frees them through on_release
             yield from self._await_transfer(handle, context)
         except CallEnded:
             return
@@ -160,13 +166,36 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
 class LayerSend:
     """The engine's layer listener for one Prefill call (model_runtime.layer_stream): opens the transfer at
-    the first group written and queues each group with the event behind its kernels. Runs on the engine thread
-    and never blocks: open() and send_layers() only queue work for a sender thread."""
+    the first group written and queues each group with the event behind its kernels, then finishes it with
+    the first token as the engine emits it. Runs on the engine thread and never blocks: open(), send_layers()
+    and finish() only queue work for a sender thread."""
 
     def __init__(self, sender: KVSender, target: kv_pb2.KVTarget) -> None:
         self.sender = sender
         self.target = target
         self.handle: SendHandle | None = None
+        self.finished = False  # finish() was queued on the engine thread
+
+    def deliver_to(self, put: Callable[[StepOutput], None]) -> Callable[[StepOutput], None]:
+        """The call's subscriber: its first output finishes the transfer before it is queued for the call's
+        thread, so the KVDone frame does not wait for that thread to wake up and write the first token."""
+
+        def deliver(out: StepOutput) -> None:
+            if not self.finished and self.handle is not None and out.finish_reason is None:
+                self.first_token(out)
+            put(out)
+
+        return deliver
+
+    def first_token(self, out: StepOutput) -> None:
+        assert self.handle is not None
+        try:
+            self.handle.finish(_kv_first_token(out))
+        except (ValueError, TypeError) as exc:  # layers missing (a group failed to queue): the call says so
+            log.warning("request %r: the transfer could not be finished on the engine thread: %s",
+                        self.target.request_id, exc)  # fmt: skip
+            return
+        self.finished = True
 
     def layers_written(
         self, block_ids: tuple[int, ...], num_tokens: int, layer_begin: int, layer_end: int, ready: Any

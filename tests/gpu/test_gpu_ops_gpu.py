@@ -75,3 +75,27 @@ def test_transfer_streams_run_at_the_highest_priority() -> None:
     low, high = torch.cuda.Stream(device, priority=0).priority, transfer_stream(device).priority
     assert high < low  # lower is more urgent
     assert torch.cuda.Stream(device, priority=high - 1).priority == high
+
+
+def test_timed_events_measure_the_work_between_them(ops) -> None:
+    """elapsed_s (what a CopyClock learns a copy's rate from) agrees with the host's view of a ~0.1 s kernel,
+    and an event pair around nothing reads about zero."""
+    import time
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    stream = transfer_stream(device)
+    torch.cuda._sleep(1000)  # load the kernel first (see above)
+    torch.cuda.synchronize(device)
+    start, end, empty = ops.new_event(timed=True), ops.new_event(timed=True), ops.new_event(timed=True)
+    began = time.monotonic()
+    ops.record(start, stream)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+    ops.record(end, stream)
+    ops.record(empty, stream)
+    stream.synchronize()
+    host = time.monotonic() - began
+    gpu = ops.elapsed_s(start, end)
+    assert 0.01 < gpu <= host + 1e-3, (gpu, host)
+    assert 0 <= ops.elapsed_s(end, empty) < 1e-3

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kv_transfer import FailureReason, FirstToken, KVSender, NoRoom, TransferConfig, TransferFailed
+from kv_transfer.cuda_events import CopyClock, wait_event
 from kv_transfer.cuda_ipc import block_runs, byte_strides
 from kv_transfer.frames import (
     MAGIC,
@@ -142,6 +143,102 @@ def test_connection_chunks_and_abort_inside_a_part():
     left.close()
     assert reason_of(lambda: right.read_frame(watch)) is FailureReason.CONNECTION_LOST
     right.close()
+
+
+def test_deferred_frames_go_out_in_order_with_the_next_write_and_reads_take_them_from_one_buffer():
+    a, b = socket.socketpair()
+    left, right = FrameConnection(a, 0.01), FrameConnection(b, 0.01)
+    watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+    left.defer_frame(kv_pb2.KVFrame(begin=kv_pb2.KVBegin(request_id="r", num_blocks=2)))
+    left.defer_frame(kv_pb2.KVFrame(part=kv_pb2.KVPart(layer_begin=0, layer_end=4)))
+    assert not right.frame_waiting()  # deferred: nothing written yet
+    left.send_frame(kv_pb2.KVFrame(done=kv_pb2.KVDone(first_token=kv_pb2.KVFirstToken(token_id=7))), watch)
+    left.start_data(3)
+    left.send_chunk(memoryview(b"xyz"), watch)
+    left.flush(watch)  # nothing deferred: a no-op
+    assert right.read_frame(watch).begin.request_id == "r"
+    # The first read took everything the socket held: the rest is served from the buffer.
+    assert right._rend - right._rstart > 0 and right.frame_waiting()
+    assert right.read_frame(watch).part.layer_end == 4
+    assert right.read_frame(watch).done.first_token.token_id == 7
+    assert right.read_chunk_length(watch) == 3
+    data = bytearray(3)
+    right.recv_into(memoryview(data), watch)
+    assert bytes(data) == b"xyz" and not right.frame_waiting()
+    left.defer_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck(num_bytes=5)))
+    left.flush(watch)
+    assert right.read_frame(watch).ack.num_bytes == 5
+    left.close()
+    right.close()
+
+
+def test_a_frame_larger_than_the_read_buffer_arrives_whole():
+    a, b = socket.socketpair()
+    left, right = FrameConnection(a, 0.01), FrameConnection(b, 0.01)
+    watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+    ids = list(range(1, 40_000))  # about 120 KB of varints: two reads' worth
+    sender = threading.Thread(
+        target=lambda: [
+            left.send_frame(kv_pb2.KVFrame(begin=kv_pb2.KVBegin(src_block_ids=ids)), watch),
+            left.send_frame(kv_pb2.KVFrame(ack=kv_pb2.KVAck(num_bytes=1)), watch),
+        ]
+    )
+    sender.start()
+    assert list(right.read_frame(watch).begin.src_block_ids) == ids
+    assert right.read_frame(watch).ack.num_bytes == 1
+    sender.join(5)
+    left.close()
+    right.close()
+
+
+def test_copy_clock_predicts_from_the_fastest_timed_copy_and_queues_copies_behind_each_other():
+    clock = CopyClock()
+    assert clock.expect(2**30) == 0.0  # nothing learned: no prediction
+    clock.learn(2**20, 1e-6)  # below MIN_TIMED_BYTES: launch-bound, not a rate
+    assert clock.rate == 0.0
+    clock.learn(2**28, 2e-3)
+    clock.learn(2**28, 1e-3)  # the fastest rate counts
+    clock.learn(2**28, 4e-3)
+    assert clock.rate == pytest.approx(2**28 / 1e-3)
+    now = time.monotonic()
+    first = clock.expect(2**28)
+    second = clock.expect(2**28)  # queued behind the first on the same stream
+    assert first == pytest.approx(now + 1e-3, abs=5e-4)
+    assert second == pytest.approx(first + 1e-3)
+
+
+class _DoneAt:
+    """A stand-in for a CUDA event that completes at a given time (wait_event is under test, not CUDA)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.queries: list[float] = []
+
+    def query(self) -> bool:
+        now = time.monotonic()
+        self.queries.append(now)
+        return now >= self.at
+
+
+def test_a_wait_with_a_predicted_end_sleeps_until_then_and_ends_soon_after():
+    watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+    end = time.monotonic() + 0.02
+    event = _DoneAt(end)
+    wait_event(event, watch, None, FailureReason.SENDER_ABORTED, expect_at=end)
+    assert time.monotonic() >= end
+    early = [t for t in event.queries if t < end - 0.002]
+    assert len(early) == 1  # the first look; then it slept until just before the prediction
+    event = _DoneAt(time.monotonic() + 0.02)  # no prediction: polls with growing sleeps meanwhile
+    wait_event(event, watch, None, FailureReason.SENDER_ABORTED)
+    assert len(event.queries) > 10
+    stalled = _DoneAt(time.monotonic() + 60)
+    short = Watch(time.monotonic() + 0.05, FailureReason.DEADLINE_EXCEEDED, "test")
+    assert (
+        reason_of(
+            lambda: wait_event(stalled, short, None, FailureReason.SENDER_ABORTED, expect_at=stalled.at)
+        )
+        is FailureReason.DEADLINE_EXCEEDED
+    )  # a prediction far off never outlasts the deadline
 
 
 def test_blocked_read_ends_at_the_deadline():
