@@ -97,7 +97,7 @@ class KVWait:
 
     results: queue.Queue[tuple[TransferResult, Future[Admitted] | None]]
     admit: Callable[[Engine, TransferResult], Admitted] | None = None
-    admitted_at: float = 0.0  # time.monotonic() when the engine took the request (0: not admitted from KV)
+    admitted_at: float = 0.0  # time.monotonic() when the engine held the request (0: not admitted from KV)
     first_output_at: float = 0.0  # when the engine emitted the request's first output (its subscriber)
 
 
@@ -199,7 +199,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     "transfer.kinds differ?)",
                 )
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
-        landed.admit = self._admission(request, prompt, sampling)
+        landed.admit = self._admission(request, prompt, sampling, landed)
         try:
             lease = self._reserve(rid, prompt, sampling, ttl, transport)
         except NoRoom as exc:
@@ -223,15 +223,19 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         assert admitted is not None, "a landed result comes with its admission"
         taken_at, done = self.loop.wait(admitted)
         receiver.record_phase("admit", taken_at - (result.landed_at or taken_at))  # landed -> in the engine
-        landed.admitted_at = taken_at
+        receiver.record_phase("admit_cpu", landed.admitted_at - taken_at)  # Engine.add_prefilled itself
         return finished_event(done).finished if done is not None else None
 
     def _admission(
-        self, request: worker_pb2.DecodeRequest, prompt: list[int], sampling: SamplingParams
+        self,
+        request: worker_pb2.DecodeRequest,
+        prompt: list[int],
+        sampling: SamplingParams,
+        wait: KVWait,
     ) -> Callable[[Engine, TransferResult], Admitted]:
         """For KVWait.admit: on the engine thread, between two steps, admit the request from a landed result
         with prefill's first token. Its blocks are the engine's from then on; if the admission fails they go
-        back to the pool at once."""
+        back to the pool at once. Sets wait.admitted_at once the engine holds the request."""
         rid, offset = request.request_id, request.output_offset
         priority = priority_from_proto(request.priority)
 
@@ -248,6 +252,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             except BaseException:
                 engine.release_blocks(blocks)
                 raise
+            wait.admitted_at = time.monotonic()
             return taken_at, done
 
         return admit
@@ -306,9 +311,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 return
 
     def _record_first_output(self, landed: KVWait) -> None:
-        """A request admitted from landed KV sends its first tokens: first_step (in the engine -> the engine
+        """A request admitted from landed KV sends its first tokens: first_step (admitted -> the engine
         emitted its first output) and first_out (emitted -> this thread sends it), the parts of a client's
-        first-to-second token gap after `admit`."""
+        first-to-second token gap after `admit` and `admit_cpu`."""
         assert self.receiver is not None
         now = time.monotonic()
         emitted = landed.first_output_at or now

@@ -79,8 +79,9 @@ class TransferConfig:
         reusing one after half of it (connections are kept open between transfers: a warm handoff is one
         round trip).
     layer_groups: the prefill worker ships a prompt's KV in this many layer groups, each as soon as the
-        prompt's last step has written it, so the transfer overlaps the rest of the forward pass; 0 ships it
-        all after the first token is sampled.
+        prompt's last step has written it, so the transfer overlaps the rest of the forward pass (the last
+        group is the last layer alone: model_runtime.layer_stream.group_ends); 0 ships it all after the first
+        token is sampled.
     nccl_lanes: how many nccl transfers a sender runs to one receiver at once, each on its own control
         connection, NCCL communicator and staging ring (192 MiB of GPU memory per lane and side, made when
         first needed). With one lane, a prompt whose KV is ready waits for the previous prompt's transfer

@@ -168,6 +168,7 @@ class IpcReceiverTransport(ReceiverTransport):
         self._src_ids = IdsPool(self._stream, layout.num_blocks)
         self._dst_ids = IdsPool(self._stream, layout.num_blocks)
         self._clock = CopyClock()  # when the copies on _stream should end: waits sleep until then
+        self._timers: list[Any] = []  # timed events of completed copies, reused (creating one costs more)
         self._lock = threading.Lock()
         self._setup_lock = threading.Lock()
         self._mappings: dict[bytes, _Mapping] = {}
@@ -239,7 +240,7 @@ class IpcReceiverTransport(ReceiverTransport):
             raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
         bind_device(self._device)
         try:
-            started = self._ops.new_event(timed=True)
+            started = self._timer()
             self._ops.record(started, self._stream)
             runs = block_runs(job.remote_block_ids, job.block_ids) if COPY_ENGINE_MAX_RUNS else []
             if runs and len(runs) <= COPY_ENGINE_MAX_RUNS:
@@ -252,7 +253,7 @@ class IpcReceiverTransport(ReceiverTransport):
                     copy_blocks(
                         mapping.source.layers(l0, l1), self._cache_ptr.layers(l0, l1), src_ids, dst_ids
                     )
-            copied = self._ops.new_event(timed=True)
+            copied = self._timer()
             self._ops.record(copied, self._stream)
         except Exception as exc:
             raise TransferFailed(
@@ -260,14 +261,23 @@ class IpcReceiverTransport(ReceiverTransport):
             ) from None
         return _Copy(started, copied, job.num_bytes, self._clock.expect(job.num_bytes))
 
-    def _learn(self, copies: list[_Copy]) -> None:
-        """Teach the clock how fast the completed copies ran."""
+    def _timer(self) -> Any:
+        with self._lock:
+            if self._timers:
+                return self._timers.pop()
+        return self._ops.new_event(timed=True)
+
+    def _done(self, copies: list[_Copy], learn: bool) -> None:
+        """The copies completed: teach the clock how fast they ran (learn) and keep their events for reuse."""
         for copy in copies:
-            try:
-                self._clock.learn(copy.num_bytes, self._ops.elapsed_s(copy.started, copy.copied))
-            except Exception:  # timing only: a failed query never fails a landed transfer
-                log.debug("timing a KV copy failed", exc_info=True)
-                return
+            if learn:
+                try:
+                    self._clock.learn(copy.num_bytes, self._ops.elapsed_s(copy.started, copy.copied))
+                except Exception:  # timing only: a failed query never fails a landed transfer
+                    log.debug("timing a KV copy failed", exc_info=True)
+                    learn = False
+        with self._lock:
+            self._timers.extend(e for copy in copies for e in (copy.started, copy.copied))
 
     def _enqueue_copies(self, job: PartJob, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:
         runtime = _runtime()
@@ -323,10 +333,13 @@ class _IpcSink(PartSink):
             # not read here: the next thing on it may be the sender's next transfer.
             last = self._copies[-1]
             wait_event(last.copied, watch, None, FailureReason.SENDER_ABORTED, last.expect_at)
-            self._t._learn(self._copies)
+            copies, self._copies = self._copies, []
+            self._t._done(copies, learn=True)
 
     def abandon(self) -> None:
         self._t._stream.synchronize()  # local copies always finish: no write pending on return
+        copies, self._copies = self._copies, []
+        self._t._done(copies, learn=False)
 
 
 class _IpcDrain(PartSink):

@@ -338,7 +338,10 @@ class Scheduler:
             raise RequestRejected(f"request_id: {rid!r} is already scheduled")
         if request.num_prompt_tokens == 0:
             raise RequestRejected(f"request {rid!r}: prompt_token_ids is empty")
-        if not all(isinstance(t, int) and t >= 0 for t in request.all_token_ids):
+        ids = request.all_token_ids
+        if not (set(map(type, ids)) <= {int} and min(ids) >= 0) and not all(  # C loops first: the common case
+            isinstance(t, int) and t >= 0 for t in ids
+        ):
             raise RequestRejected(f"request {rid!r}: token ids must be non-negative integers")
         problem = prompt_leaves_no_room(request.num_prompt_tokens, self.max_model_len)
         if problem is not None:

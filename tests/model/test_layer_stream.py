@@ -58,11 +58,19 @@ def _run(engine: Engine, rid: str) -> list:
     return outputs
 
 
-def test_group_ends_split_the_layers_evenly() -> None:
-    assert group_ends(32, 4) == (8, 16, 24, 32)
-    assert group_ends(6, 4) == (2, 3, 4, 6)
+def test_group_ends_keep_the_last_layer_alone_and_split_the_rest_evenly() -> None:
+    assert group_ends(32, 4) == (10, 21, 31, 32)  # the tail after the forward pass moves one layer's KV
+    assert group_ends(6, 4) == (2, 3, 5, 6)
     assert group_ends(3, 8) == (1, 2, 3)  # never more groups than layers
     assert group_ends(5, 1) == (5,)
+    assert group_ends(5, 2) == (4, 5)
+    for layers in range(1, 40):
+        for groups in range(1, 9):
+            ends = group_ends(layers, groups)
+            assert ends[-1] == layers and len(ends) == min(groups, layers)
+            assert list(ends) == sorted(set(ends)) and ends[0] >= 1
+            if len(ends) > 1:
+                assert ends[-2] == layers - 1
     with pytest.raises(ValueError):
         group_ends(4, 0)
 
@@ -73,7 +81,7 @@ def test_a_prompt_is_handed_over_in_groups_during_its_last_step(engine: Engine) 
     engine.add_request("a", prompt, SamplingParams(max_tokens=4))
     engine.stream_layers("a", recorder, groups=3)
     first = _run(engine, "a")[0]
-    assert [c[2:] for c in recorder.calls] == [(0, 2), (2, 4), (4, 6)]  # one step, every layer once
+    assert [c[2:] for c in recorder.calls] == [(0, 2), (2, 5), (5, 6)]  # one step, every layer once
     assert all(c[0] == first.kv_block_ids and c[1] == len(prompt) for c in recorder.calls)
     cache = engine.runner.kv_cache
     final = cache[:, :, list(first.kv_block_ids)]
