@@ -264,6 +264,36 @@ def test_prefill_detach_then_decode_add_running() -> None:
     assert decode.pool.num_free == decode.pool.usable
 
 
+def test_a_landed_prompt_enters_the_prefix_cache_only_after_its_first_step() -> None:
+    """add_running defers hashing the prompt's blocks (the decode worker's admission is on the path of the
+    request's second token) to the schedule() after the request's first step, and then registers them all."""
+    s = make(num_blocks=32)
+    prompt = list(range(10, 22))  # 3 full blocks of 4
+    landed = Request("a", prompt, SamplingParams(max_tokens=8), status=RequestStatus.WAITING_FOR_KV)
+    landed.block_ids = s.pool.allocate(4)
+    landed.output_token_ids = [5]
+    landed.num_computed_tokens = len(prompt)
+    s.add_running(landed)
+    hashes = s.pool.hash_blocks(prompt)
+    assert s.pool.cached_prefix_blocks(hashes) == 0
+    assert shape(step(s)) == [("a", 1, True)]  # its first step: nothing hashed yet
+    assert s.pool.cached_prefix_blocks(hashes) == 0
+    step(s)  # the next schedule() registers every full block it holds
+    assert s.pool.cached_prefix_blocks(hashes) == 3
+    assert s.pool.cached_prefix_blocks(s.pool.hash_blocks(landed.all_token_ids)) == 3
+    aborted = Request(
+        "b", list(range(40, 52)), SamplingParams(max_tokens=8), status=RequestStatus.WAITING_FOR_KV
+    )
+    aborted.block_ids = s.pool.allocate(4)
+    aborted.output_token_ids = [5]
+    aborted.num_computed_tokens = 12
+    s.add_running(aborted)
+    s.abort("b")  # gone before its commit: nothing of it is registered, its blocks are free
+    step(s)
+    step(s)
+    assert s.pool.cached_prefix_blocks(s.pool.hash_blocks(list(range(40, 52)))) == 0
+
+
 def step_no_finish(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
     s.advance(out)
