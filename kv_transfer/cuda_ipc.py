@@ -129,7 +129,10 @@ class IpcSenderTransport(SenderTransport):
             return self._export
 
     def send_part(self, job: PartJob) -> None:
-        if job.ready is not None:
+        if job.ready is not None and not job.ready.query():
+            # The earlier parts' frames go out before this thread blocks: the receiver copies them meanwhile.
+            # (Deferred past the wait, a prompt's groups would all reach it after its forward pass.)
+            job.conn.flush(job.watch)
             job.ready.synchronize()  # the receiver copies as soon as it reads KVPart
         job.conn.defer_frame(part_frame(job))  # with the next frame, or before the session waits
 

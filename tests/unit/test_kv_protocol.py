@@ -191,6 +191,52 @@ def test_a_frame_larger_than_the_read_buffer_arrives_whole():
     right.close()
 
 
+class _Pending:
+    """A stand-in for a prefill layer group's CUDA event (the transport under test is the code around it): not
+    complete until synchronize(), which records what the peer could already read at that moment."""
+
+    def __init__(self, peer: FrameConnection) -> None:
+        self.peer, self.done, self.peer_had_data = peer, False, None
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.peer_had_data = self.peer.frame_waiting()
+        self.done = True
+
+
+def test_cuda_ipc_sends_the_frames_it_deferred_before_it_blocks_on_the_next_layer_group():
+    """cuda_ipc defers a part's frame to the next write, but never past a wait for the next group's KV: the
+    receiver must be able to copy the groups already written while the prompt's later layers compute."""
+    from kv_transfer.cuda_ipc import IpcSenderTransport
+    from kv_transfer.transport import PartJob
+
+    a, b = socket.socketpair()
+    sender, receiver = FrameConnection(a, 0.01), FrameConnection(b, 0.01)
+    watch = Watch(time.monotonic() + 5, FailureReason.DEADLINE_EXCEEDED, "test")
+
+    def job(begin: int, end: int, ready) -> PartJob:
+        return PartJob(sender, watch, b"peer", "r", (1, 2), begin, end, 10 * (end - begin), ready=ready)
+
+    send_part = IpcSenderTransport.send_part  # uses none of the transport's CUDA state
+    send_part(None, job(0, 2, None))  # type: ignore[arg-type]  # ready: deferred
+    assert not receiver.frame_waiting()
+    second = _Pending(receiver)
+    send_part(None, job(2, 3, second))  # type: ignore[arg-type]
+    assert second.peer_had_data is True  # the first part went out before the wait
+    assert receiver.read_frame(watch).part.layer_end == 2
+    assert not receiver.frame_waiting()  # the second is deferred to the next write
+    done = _Pending(receiver)
+    done.done = True  # already complete: no wait, so nothing is flushed
+    send_part(None, job(3, 4, done))  # type: ignore[arg-type]
+    assert done.peer_had_data is None and not receiver.frame_waiting()
+    sender.flush(watch)
+    assert [receiver.read_frame(watch).part.layer_end for _ in range(2)] == [3, 4]
+    sender.close()
+    receiver.close()
+
+
 def test_copy_clock_predicts_from_the_fastest_timed_copy_and_queues_copies_behind_each_other():
     clock = CopyClock()
     assert clock.expect(2**30) == 0.0  # nothing learned: no prediction
