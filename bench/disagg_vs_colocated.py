@@ -266,7 +266,7 @@ def warm_up(server: Server, input_len: int = 1024) -> None:
     """Pair NCCL communicators, fill allocator pools and CUDA graphs before anything is timed (each workload then
     gets its own warm_up_sweep at low rates)."""
     settings = BenchSettings(
-        server=server.address, num_requests=8, rate=None, concurrency=4, burstiness=1.0,
+        server=server.bench_server, num_requests=8, rate=None, concurrency=4, burstiness=1.0,
         input_len=parse_dist(str(input_len), "warm-up"), output_len=parse_dist("16", "warm-up"), trace=None, seed=99,
         duration_s=None, drain_s=0.0, timeout_s=600.0, slo=SLO(),
     )  # fmt: skip

@@ -55,6 +55,9 @@ SPILL_TOKENS = 8192
 # step (steps of up to 1024 tokens replay the piecewise prefill graphs, so small chunks cost little).
 SPILL_SMALL_CHUNKS = "-spill512"
 SPILL_CHUNK_TOKENS = 512
+# Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
+# take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
+ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
 # A colocated name + "-tpN" (e.g. "colocated-2-tp2": 2 workers of 2 GPUs): each worker spans N GPUs
 # (engine.parallel.tensor_parallel_size N). Prefill and decode workers cannot span GPUs yet (issue 18).
 TENSOR_PARALLEL = re.compile(r"(?P<base>.+)-tp(?P<size>[1-8])")
@@ -86,6 +89,10 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH, NO_STREAM,
     ONE_LANE and SPILL);
     `slo` is the (TTFT, TPOT) the autoscaler aims at."""
+    routers = ROUTERS.fullmatch(name)
+    if routers is not None:
+        config = deployment_config(routers["base"], slo)
+        return dict(config, router=dict(config.get("router", {}), processes=int(routers["routers"])))
     if name.endswith(IPC):
         config = deployment_config(name.removesuffix(IPC), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), kind="cuda_ipc"))
@@ -130,7 +137,7 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (colocated)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (colocated), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -207,10 +214,26 @@ def cpu_line(cores: dict[str, float]) -> str:
     return f"; CPU: {', '.join(parts)}{warning}" if parts else ""
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
+    """A free loopback port; with count > 1 the first of that many consecutive free ones."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = int(s.getsockname()[1])
+        if count == 1:
+            return first
+        if first + count <= 65536 and all(_free(port) for port in range(first + 1, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def smoke_config(config: dict) -> dict:
@@ -245,11 +268,13 @@ class Server:
         self.gpus = config_gpus(config)
         if smoke:
             config = smoke_config(config)
-        self.port = free_port()
+        self.routers = int(config["router"].get("processes", 1))
+        self.port = free_port(self.routers)
         self.file_sd = self.work / "targets.json"
         config["router"].update(
-            port=self.port, http_port=free_port(), metrics_port=free_port(), metrics_file_sd=str(self.file_sd)
-        )
+            port=self.port, http_port=free_port(self.routers), metrics_port=free_port(self.routers),
+            metrics_file_sd=str(self.file_sd),
+        )  # fmt: skip
         self.config = config
         self.autoscaled = bool(config.get("autoscaler", {}).get("enabled"))
         self.config_path = self.work / "tandem.yaml"
@@ -260,7 +285,13 @@ class Server:
 
     @property
     def address(self) -> str:
+        """The first router's (status, scaling)."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def bench_server(self) -> str:
+        """What the bench's clients send to: every router process, comma-separated."""
+        return ",".join(f"127.0.0.1:{self.port + i}" for i in range(self.routers))
 
     @property
     def pid(self) -> int | None:

@@ -31,7 +31,7 @@ def bench_point(
         chat_trace(Path(trace), count, seed, workload)
     placeholder = SMOKE_MIX[0] if args.smoke else PREFILL_HEAVY  # lengths come from the trace when mixed
     settings = BenchSettings(
-        server=server.address, num_requests=count, rate=None if closed else rate,
+        server=server.bench_server, num_requests=count, rate=None if closed else rate,
         concurrency=workload.concurrency if closed else None, burstiness=1.0,
         input_len=parse_dist(placeholder[0] if workload.mixed else workload.input_len, "--input-len"),
         output_len=parse_dist(placeholder[1] if workload.mixed else workload.output_len, "--output-len"),

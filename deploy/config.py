@@ -19,7 +19,7 @@ tls:      {router: {cert, key, client_ca, require_client_cert}, cluster: {ca, ce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
 from model_runtime.roles import WorkerRole
 
 MODES = ("disaggregated", "colocated")
+MAX_ROUTER_PROCESSES = 64
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class RouterSettings:
     # tokens queued and the decode worker's own queue stays within it; 0 turns it off (LocalPrefill).
     local_prefill_spill_tokens: int = 0
     auth: AuthSettings = field(default_factory=AuthSettings)
+    # `tandem serve` / the Ray job: how many router processes relay requests (one relays on the order of 10k
+    # tokens/s). The first runs in the serving process on the ports above; process i (1, 2, ...) is a standalone
+    # router on port + i, and on http_port + i and metrics_port + i where those are on. The controller pushes the
+    # worker set to every one; each places its own requests. On Kubernetes the chart's router.replicas does this.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "poll_timeout_s", "worker_rpc_timeout_s"):
@@ -104,6 +110,11 @@ class RouterSettings:
                 f"router.http_port: {self.http_port} is taken by router.port or router.metrics_port; "
                 "pick another (0 turns the HTTP API off)"
             )
+        if not _is_int(self.processes) or not 1 <= self.processes <= MAX_ROUTER_PROCESSES:
+            raise ConfigError(
+                f"router.processes: must be an integer in [1, {MAX_ROUTER_PROCESSES}], got {self.processes!r}"
+            )
+        self._check_port_ranges()
         for name in ("max_queue", "max_inflight", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"router.{name}: must be >= 1, got {getattr(self, name)}")
@@ -118,6 +129,39 @@ class RouterSettings:
                 "router.local_prefill_max_tokens / router.local_prefill_max_queued_tokens: must be >= 0 / >= 1, "
                 f"got {self.local_prefill_max_tokens} / {self.local_prefill_max_queued_tokens}"
             )
+
+    def process_ports(self, index: int) -> RouterSettings:
+        """These settings for router process `index` (0: the serving process's own): every port that is on
+        (not 0) moved up by index."""
+        if not 0 <= index < self.processes:
+            raise ValueError(f"router process {index}: there are {self.processes}")
+        return replace(
+            self,
+            port=self.port + index if self.port else 0,
+            http_port=self.http_port + index if self.http_port else 0,
+            metrics_port=self.metrics_port + index if self.metrics_port else 0,
+        )
+
+    def _check_port_ranges(self) -> None:
+        """With several processes, each of port, http_port and metrics_port that is on takes `processes`
+        consecutive ports: the ranges must fit below 65536 and must not overlap."""
+        if self.processes == 1:
+            return
+        ranges = [(n, getattr(self, n)) for n in ("port", "http_port", "metrics_port") if getattr(self, n)]
+        for name, first in ranges:
+            if first + self.processes - 1 > 65535:
+                raise ConfigError(
+                    f"router.{name}: {self.processes} router processes need ports {first}-"
+                    f"{first + self.processes - 1}, past 65535"
+                )
+        for i, (name, first) in enumerate(ranges):
+            for other, start in ranges[i + 1 :]:
+                if abs(first - start) < self.processes:
+                    raise ConfigError(
+                        f"router.{other}: with router.processes {self.processes}, router.{name} and "
+                        f"router.{other} each take {self.processes} consecutive ports, and {first} and {start} "
+                        f"overlap; space them at least {self.processes} apart"
+                    )
 
 
 @dataclass(frozen=True)
@@ -254,6 +298,11 @@ class DeployConfig:
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ConfigError("colocated.replicas: colocated mode needs at least one worker")
         self.autoscaler.check_pools({role: pool.replicas for role, pool in self.pools().items()})
+        if self.router.processes > 1 and self.controller.routers:
+            raise ConfigError(
+                "router.processes: more than one with controller.routers set; the routers are standalone "
+                "already (Kubernetes: the chart's router.replicas), leave router.processes at 1"
+            )
 
     def pools(self) -> dict[WorkerRole, PoolSettings]:
         """role -> pool, for the roles this mode runs."""

@@ -123,6 +123,7 @@ class ServeMetrics:
         self._server: MetricsHTTPServer | None = None
         self._lock = threading.Lock()
         self._members: list[Member] = []
+        self._more_routers: tuple[str, ...] = ()  # router.processes > 1: the other router processes' /metrics
 
     @property
     def router_address(self) -> str:
@@ -164,12 +165,19 @@ class ServeMetrics:
                 self._members = []
             self._write()
 
+    def add_router_targets(self, addresses: Sequence[str]) -> None:
+        """The /metrics of `tandem serve`'s other router processes (router.processes > 1) join the list."""
+        with self._lock:
+            self._more_routers = (*self._more_routers, *(a for a in addresses if a))
+        self._write()
+
     def _write(self, strict: bool = False) -> None:
         """strict: raise (start-up); otherwise log, since discovery must not take serving down."""
         if self.file_sd is None:
             return
         with self._lock:
             router = [self.router_address] if self.router_address else []
+            router += self._more_routers
             groups = target_groups(router, self._members)
             try:
                 write_file_sd(self.file_sd, groups)

@@ -2,7 +2,8 @@
 
 It reads the same deployment config as the controller, serves the public API on router.host:router.port (gRPC)
 and router.host:router.http_port (the OpenAI-compatible HTTP API, unless 0), and learns the workers from the
-controller's RouterControl.SetWorkers pushes. SIGTERM stops it gracefully.
+controller's RouterControl.SetWorkers pushes. SIGTERM stops it gracefully. `tandem serve` with router.processes
+> 1 runs its extra routers this way too, each with `--process-index i` (its ports: the configured ones + i).
 """
 
 from __future__ import annotations
@@ -13,20 +14,23 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from deploy.config import load_config
 from deploy.router_inputs import router_config
 from model_runtime.config import ConfigError
 
 
-async def run(config_path: str | None) -> int:
+async def run(config_path: str | None, process_index: int = 0) -> int:
     from router.auth import KeyFileError
     from router.server import RouterServer
     from tandem_client.tls import TLSError
 
     try:
         config = load_config(config_path)
-    except ConfigError as exc:
+        if process_index:  # one of `tandem serve`'s extra router processes: its own ports
+            config = replace(config, router=config.router.process_ports(process_index))
+    except (ConfigError, ValueError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     from deploy.metrics import MetricsHTTPServer
@@ -46,11 +50,18 @@ async def run(config_path: str | None) -> int:
         await router.stop(0)
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1
-    http = (
-        MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry)
-        if metrics
-        else None
-    )
+    try:
+        http = (
+            MetricsHTTPServer(config.router.host, config.router.metrics_port, metrics.registry)
+            if metrics
+            else None
+        )
+    except OSError as exc:  # router.metrics_port held by another process
+        await router.stop(0)
+        print(f"tandem router: router.metrics_port: {exc}", file=sys.stderr)
+        return 1
+    if http is not None:  # before the serving line: `tandem serve` reads both once it sees that one
+        print(f"Router metrics on {http.address}", flush=True)
     print(f"Tandem router serving {config.model} on {address}", flush=True)
     if router.http_address:
         print(f"OpenAI-compatible API on {router.http_address}/v1", flush=True)
@@ -69,9 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.router", description=__doc__)
     parser.add_argument("--config", help="deployment YAML (the same file the controller uses)")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--process-index",
+        type=int,
+        default=0,
+        help="this router's index among router.processes (tandem serve starts 1, 2, ... with it): it serves on "
+        "the configured ports plus the index",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    return asyncio.run(run(args.config))
+    return asyncio.run(run(args.config, args.process_index))
 
 
 if __name__ == "__main__":

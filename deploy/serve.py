@@ -25,10 +25,12 @@ from model_runtime.config import ConfigError
 
 if TYPE_CHECKING:
     from deploy.autoscaler.loop import Autoscaler
+    from deploy.extra_routers import ExtraRouters
     from deploy.metrics import ServeMetrics
 
 log = logging.getLogger("tandem.serve")
 _SERVING_WAIT_S = 30.0
+_EXTRA_ROUTERS_WAIT_S = 60.0  # for router.processes - 1 standalone routers to start serving
 
 
 def build_parser(prog: str = "tandem serve") -> argparse.ArgumentParser:
@@ -53,21 +55,23 @@ def main(argv: Sequence[str] | None = None, *, join_cluster: bool = False) -> in
     except ConfigError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
+    config_path = args.config
     address = args.ray_address or ("auto" if join_cluster else None)
     if address is not None:
         from dataclasses import replace
 
         config = replace(config, ray=replace(config.ray, address=address))
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, config_path))
 
 
 def _say(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
 
-async def serve(config: DeployConfig) -> int:
+async def serve(config: DeployConfig, config_path: str | None = None) -> int:
     """Run until SIGINT/SIGTERM. With controller.routers set (Kubernetes), membership goes to those standalone
-    routers over gRPC; otherwise a router runs in this process."""
+    routers over gRPC; otherwise a router runs in this process, and router.processes - 1 more beside it
+    (standalone routers started from `config_path`, the file `config` was loaded from)."""
     from deploy.metrics import ServeMetrics
     from deploy.publish import AdminKeyError, RouterPublisher, admin_key_reader
     from deploy.router_inputs import endpoints, router_config
@@ -75,6 +79,7 @@ async def serve(config: DeployConfig) -> int:
     loop = asyncio.get_running_loop()
     router = None
     publisher: RouterPublisher | None = None
+    extra: ExtraRouters | None = None
     metrics = ServeMetrics(config, in_process_router=not config.controller.routers)
     try:  # the router's /metrics and the Prometheus target list (router.metrics_port, router.metrics_file_sd)
         metrics.start()
@@ -82,6 +87,20 @@ async def serve(config: DeployConfig) -> int:
         metrics.close()
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
+    if config.router.processes > 1 and not config.controller.routers:
+        extra, problem = await _start_extra_routers(config, config_path)
+        if problem:
+            metrics.close()
+            print(f"tandem serve: {problem}", file=sys.stderr)
+            return 1 if extra is None else 2
+        assert extra is not None
+        metrics.add_router_targets(extra.metrics_addresses)
+        publisher = RouterPublisher(
+            extra.addresses,
+            config.controller.health_interval_s,
+            tls=config.tls.router_client(),
+            api_key=admin_key_reader(config.controller.admin_key_file),
+        )
     if config.controller.routers:
         try:
             admin_key = admin_key_reader(config.controller.admin_key_file)
@@ -103,6 +122,8 @@ async def serve(config: DeployConfig) -> int:
         from tandem_client.tls import TLSError
 
         def publish(members: list[Member], generation: int) -> object:
+            if publisher is not None:  # router.processes > 1: the extra routers get the same set
+                publisher.publish(members, generation)
             return in_process.set_workers(endpoints(members), generation)
 
         # The controller is the router's Scaler (Admin.Scale, `tandem scale`); it publishes to the router.
@@ -113,22 +134,27 @@ async def serve(config: DeployConfig) -> int:
         try:
             address = await router.start()
         except KeyFileError as exc:  # router.auth.api_keys_file: missing or invalid
+            _stop_extra(extra, publisher)
             metrics.close()
             print(f"tandem serve: router.auth.api_keys_file: {exc}", file=sys.stderr)
             return 2
         except TLSError as exc:  # a certificate file went missing since the config was loaded
+            _stop_extra(extra, publisher)
             metrics.close()
             print(f"tandem serve: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:  # router.port (or router.http_port) held by another process
             await router.stop(0)
+            _stop_extra(extra, publisher)
             metrics.close()
             print(f"tandem serve: {exc}", file=sys.stderr)
             return 1
+        if extra is not None:
+            address = ", ".join([address, *extra.addresses])
     try:
         controller.connect()
     except Exception as exc:
-        await _shutdown(router, publisher, controller, config)
+        await _shutdown(router, publisher, controller, config, extra)
         metrics.close()
         print(f"tandem serve: cannot start Ray: {exc}", file=sys.stderr)
         return 1
@@ -147,7 +173,7 @@ async def serve(config: DeployConfig) -> int:
             started.result()
             if router is not None:  # the workers are up; the router knows once its first polls answer
                 await _until_serving(router, _SERVING_WAIT_S)
-            autoscaler = _start_autoscaler(config, controller, router, metrics)
+            autoscaler = _start_autoscaler(config, controller, router, metrics, extra)
             print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
             if router is not None and router.http_address:
                 print(f"OpenAI-compatible API on {router.http_address}/v1", flush=True)
@@ -160,17 +186,57 @@ async def serve(config: DeployConfig) -> int:
     finally:
         if autoscaler is not None:
             autoscaler.stop()
-        await _shutdown(router, publisher, controller, config)
+        await _shutdown(router, publisher, controller, config, extra)
         metrics.close()
     return code
 
 
+async def _start_extra_routers(
+    config: DeployConfig, config_path: str | None
+) -> tuple[ExtraRouters | None, str]:
+    """router.processes - 1 standalone routers, serving: (them, "") or (None or them stopped, why not). The
+    second is 2 for a configuration problem (no admin key where the routers ask for keys), else 1."""
+    from deploy.extra_routers import ExtraRouters
+    from deploy.publish import AdminKeyError, admin_key_reader
+
+    try:
+        admin_key = admin_key_reader(config.controller.admin_key_file)
+    except AdminKeyError as exc:
+        return ExtraRouters(config_path, 0), str(exc)
+    if config.router.auth.api_keys_file and admin_key() is None and config.tls.router_client() is None:
+        problem = (
+            "router.processes: the extra routers ask for API keys (router.auth.api_keys_file) and take the "
+            "worker set only from an admin: set controller.admin_key_file (or TANDEM_API_KEY) to an admin key"
+        )
+        return ExtraRouters(config_path, 0), problem
+    extra = ExtraRouters(config_path, config.router.processes - 1)
+    _say(f"starting {config.router.processes - 1} more router process(es)")
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, extra.start, _EXTRA_ROUTERS_WAIT_S)
+    except RuntimeError as exc:
+        extra.stop()
+        return None, str(exc)
+    return extra, ""
+
+
+def _stop_extra(extra: ExtraRouters | None, publisher) -> None:
+    if publisher is not None:
+        publisher.close()
+    if extra is not None:
+        extra.stop()
+
+
 def _start_autoscaler(
-    config: DeployConfig, controller: Controller, router, metrics: ServeMetrics
+    config: DeployConfig,
+    controller: Controller,
+    router,
+    metrics: ServeMetrics,
+    extra: ExtraRouters | None = None,
 ) -> Autoscaler | None:
     """The SLO autoscaler (autoscaler.enabled): it reads the in-process router's latency window and workers, or
-    asks the standalone routers (controller.routers) for theirs, and asks this controller for pool sizes. Its decisions
-    are counted on router.metrics_port's /metrics served from this process."""
+    asks the standalone routers (controller.routers, or with router.processes > 1 every router process) for
+    theirs, and asks this controller for pool sizes. Its decisions are counted on router.metrics_port's /metrics
+    served from this process."""
     if not config.autoscaler.enabled:
         return None
     from deploy.autoscaler.loop import Autoscaler, LatencySource, WorkerSource
@@ -178,10 +244,15 @@ def _start_autoscaler(
 
     latency: LatencySource
     workers: WorkerSource
-    if router is not None:
+    if router is not None and extra is None:
         latency, workers = router.metrics.recent.stats, router.worker_status
     else:
-        routers = RouterLatency(config.controller.routers, tls=config.tls.router_client())
+        if router is None:
+            targets: tuple[str, ...] = tuple(config.controller.routers)
+        else:
+            assert extra is not None
+            targets = (router.address, *extra.addresses)
+        routers = RouterLatency(targets, tls=config.tls.router_client())
         latency, workers = routers, routers.workers
     autoscaler = Autoscaler(config.autoscaler, controller, latency, workers, metrics.registry)
     controller.autoscaler_status = lambda: autoscaler.last_decision
@@ -201,8 +272,10 @@ async def _until_serving(router, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _shutdown(router, publisher, controller: Controller, config: DeployConfig) -> None:
-    """Stop admission, drain and stop the workers, stop the router, and stop Ray if we started it."""
+async def _shutdown(
+    router, publisher, controller: Controller, config: DeployConfig, extra: ExtraRouters | None = None
+) -> None:
+    """Stop admission, drain and stop the workers, stop the routers, and stop Ray if we started it."""
     import ray
 
     loop = asyncio.get_running_loop()
@@ -213,6 +286,8 @@ async def _shutdown(router, publisher, controller: Controller, config: DeployCon
     await loop.run_in_executor(None, controller.stop, True)
     if publisher is not None:
         publisher.close()
+    if extra is not None:  # SIGTERM: each drains what it still relays (the workers are gone by now)
+        await loop.run_in_executor(None, extra.stop)
     if router is not None:
         await router.stop(2.0)
     if config.ray.address is None and ray.is_initialized():

@@ -49,7 +49,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "--server",
         metavar="HOST:PORT",
         help=f"router address (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS}; with --protocol openai "
-        f"the HTTP API's base URL, default {DEFAULT_OPENAI_SERVER})",
+        f"the HTTP API's base URL, default {DEFAULT_OPENAI_SERVER}); several routers of one deployment "
+        "separated by commas (tandem serve's router.processes): requests take them in turn, and with "
+        "--processes each process takes its own",
     )
     p.add_argument(
         "--protocol",

@@ -37,6 +37,7 @@ from tandem_cli.bench.loadgen import (
     run_load,
 )
 from tandem_cli.bench.stats import Timeline
+from tandem_cli.bench.transports import servers
 from tandem_cli.bench.workload import BenchConfigError, RequestSpec
 
 START_DELAY_S = 5.0  # the children import grpc and the SDK and connect before the common start instant
@@ -101,13 +102,15 @@ def run_processes(
 
     parts = shares(specs, pacing, n)
     start_at = time.time() + START_DELAY_S
+    routers = servers(address)  # several: each process takes its own of them (or its own subset)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         children = []
         for i, (mine, share) in enumerate(parts):
             job, out, ticks, err = (
                 Path(tmp) / f"{name}-{i}" for name in ("job.json", "records.jsonl", "progress", "stderr")
             )
-            job.write_text(json.dumps(_job(address, protocol, mine, share, limits, start_at)))
+            mine_to = routers[i % len(routers)] if len(routers) <= n else ",".join(routers[i::n])
+            job.write_text(json.dumps(_job(mine_to, protocol, mine, share, limits, start_at)))
             ticks.touch()
             cmd = [sys.executable, "-m", "tandem_cli.bench.processes", str(job), str(out), str(ticks)]
             # stderr to a file, not a pipe: nobody reads a pipe while the child runs, and a full one would

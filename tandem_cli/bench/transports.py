@@ -155,11 +155,52 @@ class OpenAITransport:
         await self._session.close()
 
 
+class RoundRobin:
+    """Several routers of one deployment (`tandem serve` with router.processes > 1, router replicas behind no
+    load balancer): request i goes to router i mod n. Each must serve the same model."""
+
+    def __init__(self, transports: list[GrpcTransport | OpenAITransport], addresses: list[str]) -> None:
+        self._transports = transports
+        self._addresses = addresses
+        self._next = 0
+
+    async def served_model(self) -> ModelInfo:
+        models = [await t.served_model() for t in self._transports]
+        for address, model in zip(self._addresses, models):
+            if model.id != models[0].id:
+                raise TandemError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"--server: {address} serves {model.id!r}, {self._addresses[0]} serves {models[0].id!r}; "
+                    "give routers of one deployment",
+                )
+        return models[0]
+
+    async def send(self, spec: RequestSpec, timeout_s: float | None, on_delta: OnDelta) -> int | None:
+        transport = self._transports[self._next]
+        self._next = (self._next + 1) % len(self._transports)
+        return await transport.send(spec, timeout_s, on_delta)
+
+    async def close(self) -> None:
+        for transport in self._transports:
+            await transport.close()
+
+
+AnyTransport = GrpcTransport | OpenAITransport | RoundRobin
+
+
+def servers(server: str) -> list[str]:
+    """The addresses of a --server value: one, or several separated by commas."""
+    addresses = [a.strip() for a in server.split(",")]
+    if not all(addresses):
+        raise ValueError(f"--server: an empty address in {server!r} (give HOST:PORT[,HOST:PORT...])")
+    return addresses
+
+
 class _Opened:
-    def __init__(self, transport: GrpcTransport | OpenAITransport) -> None:
+    def __init__(self, transport: AnyTransport) -> None:
         self.transport = transport
 
-    async def __aenter__(self) -> GrpcTransport | OpenAITransport:
+    async def __aenter__(self) -> AnyTransport:
         return self.transport
 
     async def __aexit__(
@@ -169,9 +210,12 @@ class _Opened:
 
 
 def transport_for(protocol: str, server: str) -> _Opened:
-    """An async context manager holding the transport for `protocol` ("grpc" or "openai")."""
-    if protocol == "grpc":
-        return _Opened(GrpcTransport(server))
-    if protocol == "openai":
-        return _Opened(OpenAITransport(server))
-    raise ValueError(f"--protocol: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    """An async context manager holding the transport for `protocol` ("grpc" or "openai") to `server`: one
+    address, or several separated by commas (RoundRobin over them)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    kind = GrpcTransport if protocol == "grpc" else OpenAITransport
+    addresses = servers(server)
+    if len(addresses) == 1:
+        return _Opened(kind(addresses[0]))
+    return _Opened(RoundRobin([kind(a) for a in addresses], addresses))

@@ -149,3 +149,16 @@ def test_spill512_spills_and_cuts_the_decode_workers_step_budget_only() -> None:
     assert config["prefill"] == plain["prefill"]  # the prefill pool keeps its whole-prompt steps
     assert (config["decode"]["replicas"], config["prefill"]["replicas"]) == (2, 2)
     parse_config(config)  # a valid deploy config (raises otherwise)
+
+
+def test_router_processes_variant_sets_router_processes_and_composes_with_others() -> None:
+    config = deployment_config("colocated-4-r3")
+    plain = deployment_config("colocated-4")
+    assert config["router"]["processes"] == 3 and "processes" not in plain.get("router", {})
+    assert {k: v for k, v in config.items() if k != "router"} == {
+        k: v for k, v in plain.items() if k != "router"
+    }
+    assert deployment_config("disagg-2p2d-ipc-r2")["transfer"]["kind"] == "cuda_ipc"
+    assert parse_config(config).router.processes == 3
+    with pytest.raises(ValueError, match="-rN"):
+        deployment_config("colocated-4-r9")
