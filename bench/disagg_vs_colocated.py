@@ -163,7 +163,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
                 if rate == args.py_spy and not repeat
                 else []
             )
-            meter = CpuMeter(server.pid, args.client_processes)
+            meter = CpuMeter(server.pid, args.client_processes, server.router_pids)
             report = bench_point(server, workload, rate, point_seconds(rate, args), seed, args)
             cores = meter.read()
             finish_py_spy(spies)

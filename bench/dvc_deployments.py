@@ -183,11 +183,13 @@ class CpuMeter:
     its client processes: `clients` of them share the load) used over one point. One Python event loop past
     SATURATED_CORES adds its own queueing to the latencies."""
 
-    def __init__(self, serve_pid: int | None, clients: int = 1) -> None:
+    def __init__(self, serve_pid: int | None, clients: int = 1, router_pids: tuple[int, ...] = ()) -> None:
         self._pid = serve_pid
         self._clients = clients
         self._serve = None if serve_pid is None else process_cpu_seconds(serve_pid)
         self._client = _client_cpu_seconds()
+        # router.processes > 1: the other router processes, each one event loop (the busiest is reported)
+        self._routers = {pid: process_cpu_seconds(pid) for pid in router_pids}
         self._wall = time.monotonic()
 
     def read(self) -> dict[str, float]:
@@ -198,7 +200,31 @@ class CpuMeter:
         serve = None if self._pid is None else process_cpu_seconds(self._pid)
         if serve is not None and self._serve is not None:
             cores["serve_process_cores"] = round((serve - self._serve) / wall, 3)
+        busiest = [
+            (now - before) / wall
+            for pid, before in self._routers.items()
+            if before is not None and (now := process_cpu_seconds(pid)) is not None
+        ]
+        if busiest:
+            cores["busiest_other_router_cores"] = round(max(busiest), 3)
         return cores
+
+
+def child_pids(parent: int, command_part: str) -> tuple[int, ...]:
+    """Processes whose parent is `parent` and whose command line contains `command_part` (Linux /proc; () where
+    there is none): the extra router processes of a `tandem serve`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != parent:  # fields after the command: state, ppid, ...
+                continue
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if command_part in cmdline:
+            found.append(int(stat.parent.name))
+    return tuple(sorted(found))
 
 
 def process_label(key: str) -> str:
@@ -297,6 +323,12 @@ class Server:
     def pid(self) -> int | None:
         """The `tandem serve` process (router and controller), while it runs."""
         return None if self.proc is None or self.proc.poll() is not None else self.proc.pid
+
+    @property
+    def router_pids(self) -> tuple[int, ...]:
+        """Its other router processes (router.processes > 1), while it runs."""
+        pid = self.pid
+        return () if pid is None or self.routers == 1 else child_pids(pid, "deploy.router")
 
     def __enter__(self) -> Server:
         cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--config", str(self.config_path)]

@@ -31,6 +31,36 @@ def test_a_busy_process_reads_about_one_core_and_an_idle_one_about_none() -> Non
     assert hot > 0.5 and cold < 0.1, (hot, cold)
 
 
+def test_the_busiest_other_router_process_is_found_among_the_children_and_measured() -> None:
+    """child_pids finds a `tandem serve`'s extra routers by parent and command line (here: this test's own
+    children, one busy and one idle, with "deploy.router" in their command lines)."""
+    from bench.dvc_deployments import child_pids
+
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.time() + 3\nwhile time.time() < end: pass",
+            "deploy.router",
+        ]
+    )
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)", "deploy.router"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    try:
+        time.sleep(0.5)
+        pids = child_pids(os.getpid(), "deploy.router")
+        assert pids == tuple(sorted((busy.pid, idle.pid)))
+        meter = CpuMeter(None, router_pids=pids)
+        time.sleep(1.5)
+        busiest = meter.read()["busiest_other_router_cores"]
+    finally:
+        for proc in (busy, idle, other):
+            proc.kill()
+            proc.wait()
+    assert busiest > 0.5, busiest
+    assert child_pids(os.getpid(), "deploy.router") == ()  # gone
+
+
 def test_process_cpu_seconds_counts_this_process_and_not_a_missing_one() -> None:
     before = process_cpu_seconds(os.getpid())
     assert before is not None
