@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from deploy.autoscaler.loop import Autoscaler
     from deploy.extra_routers import ExtraRouters
     from deploy.metrics import ServeMetrics
+    from deploy.publish import RouterPublisher
 
 log = logging.getLogger("tandem.serve")
 _SERVING_WAIT_S = 30.0
@@ -88,19 +89,13 @@ async def serve(config: DeployConfig, config_path: str | None = None) -> int:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     if config.router.processes > 1 and not config.controller.routers:
-        extra, problem = await _start_extra_routers(config, config_path)
-        if problem:
+        try:
+            extra, publisher = await _start_extra_routers(config, config_path)
+        except StartFailed as exc:
             metrics.close()
-            print(f"tandem serve: {problem}", file=sys.stderr)
-            return 1 if extra is None else 2
-        assert extra is not None
+            print(f"tandem serve: {exc}", file=sys.stderr)
+            return exc.code
         metrics.add_router_targets(extra.metrics_addresses)
-        publisher = RouterPublisher(
-            extra.addresses,
-            config.controller.health_interval_s,
-            tls=config.tls.router_client(),
-            api_key=admin_key_reader(config.controller.admin_key_file),
-        )
     if config.controller.routers:
         try:
             admin_key = admin_key_reader(config.controller.admin_key_file)
@@ -191,35 +186,50 @@ async def serve(config: DeployConfig, config_path: str | None = None) -> int:
     return code
 
 
+class StartFailed(Exception):
+    """A start-up step failed: the message for stderr and the exit status (2: the configuration)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 async def _start_extra_routers(
     config: DeployConfig, config_path: str | None
-) -> tuple[ExtraRouters | None, str]:
-    """router.processes - 1 standalone routers, serving: (them, "") or (None or them stopped, why not). The
-    second is 2 for a configuration problem (no admin key where the routers ask for keys), else 1."""
+) -> tuple[ExtraRouters, RouterPublisher]:
+    """router.processes - 1 standalone routers, serving, and the publisher that pushes the worker set to them;
+    StartFailed when they cannot start (1) or could never take the worker set (2: no admin key where the
+    routers ask for API keys)."""
     from deploy.extra_routers import ExtraRouters
-    from deploy.publish import AdminKeyError, admin_key_reader
+    from deploy.publish import AdminKeyError, RouterPublisher, admin_key_reader
 
     try:
         admin_key = admin_key_reader(config.controller.admin_key_file)
     except AdminKeyError as exc:
-        return ExtraRouters(config_path, 0), str(exc)
+        raise StartFailed(str(exc), 2) from None
     if config.router.auth.api_keys_file and admin_key() is None and config.tls.router_client() is None:
-        problem = (
+        raise StartFailed(
             "router.processes: the extra routers ask for API keys (router.auth.api_keys_file) and take the "
-            "worker set only from an admin: set controller.admin_key_file (or TANDEM_API_KEY) to an admin key"
+            "worker set only from an admin: set controller.admin_key_file (or TANDEM_API_KEY) to an admin key",
+            2,
         )
-        return ExtraRouters(config_path, 0), problem
     extra = ExtraRouters(config_path, config.router.processes - 1)
     _say(f"starting {config.router.processes - 1} more router process(es)")
     try:
         await asyncio.get_running_loop().run_in_executor(None, extra.start, _EXTRA_ROUTERS_WAIT_S)
     except RuntimeError as exc:
         extra.stop()
-        return None, str(exc)
-    return extra, ""
+        raise StartFailed(str(exc), 1) from None
+    publisher = RouterPublisher(
+        extra.addresses,
+        config.controller.health_interval_s,
+        tls=config.tls.router_client(),
+        api_key=admin_key,
+    )
+    return extra, publisher
 
 
-def _stop_extra(extra: ExtraRouters | None, publisher) -> None:
+def _stop_extra(extra: ExtraRouters | None, publisher: RouterPublisher | None) -> None:
     if publisher is not None:
         publisher.close()
     if extra is not None:

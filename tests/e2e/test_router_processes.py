@@ -3,7 +3,7 @@ whose second router is a standalone process on router.port + 1 and router.metric
 requests (the second learns the worker from the controller's pushes), `tandem bench --server a,b` spreads its
 requests over both, both routers count theirs on their own /metrics and both are in the Prometheus target list,
 and stopping the service stops the second router too. A second router's port that is taken fails the start-up,
-naming the process and the port."""
+naming the process and the port; router API keys without an admin key for the pushes are refused at start."""
 
 from __future__ import annotations
 
@@ -87,3 +87,18 @@ def test_a_taken_port_of_the_second_router_fails_the_start_naming_it(tmp_path: P
     assert "router process 1 (router.processes)" in text
     assert f"router.port: cannot bind the router to 127.0.0.1:{port + 1}" in text
     assert not port_open(port), "the first router outlived the failed start"
+
+
+def test_router_processes_behind_api_keys_without_an_admin_key_are_refused_at_start(tmp_path: Path) -> None:
+    """The extra routers would never take the worker set (RouterControl asks an admin key): refused, exit 2."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "alpha", "secret": "tk-alpha-0123456789abcdef"}]}))
+    serve = make_cluster(
+        tmp_path,
+        colocated=1,
+        router={"port": consecutive_free_ports(2), "processes": 2, "auth": {"api_keys_file": str(keys)}},
+        env={"TANDEM_API_KEY": ""},
+    )
+    with pytest.raises(RuntimeError, match="exited with 2") as failed, serve:
+        pass
+    assert "set controller.admin_key_file (or TANDEM_API_KEY) to an admin key" in str(failed.value)
