@@ -129,7 +129,8 @@ async def _open_loop(
     limits: RunLimits,
     start: float,
 ) -> list[asyncio.Task[RequestRecord]]:
-    """Start each request at its send time; stop sending at the duration bound."""
+    """Start each request at its send time; stop sending at the duration bound (by the schedule, and by the
+    clock: a loop that fell behind its schedule does not send late requests past the bound)."""
     tasks = []
     for spec, offset in zip(specs, arrivals, strict=True):
         if limits.duration_s is not None and offset >= limits.duration_s:
@@ -137,6 +138,8 @@ async def _open_loop(
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        if limits.duration_s is not None and time.perf_counter() - start >= limits.duration_s:
+            break
         tasks.append(asyncio.create_task(recorder.run(spec)))
     return tasks
 

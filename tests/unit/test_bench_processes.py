@@ -41,3 +41,32 @@ def test_a_record_survives_its_json_line() -> None:
         RequestRecord(4, 12, 6, 0.5, Timeline((), 0.7), Outcome.FAILED, "DEADLINE_EXCEEDED", None),
     ]
     assert [record_from_json(record_to_json(r)) for r in records] == records
+
+
+def test_an_open_loop_behind_its_schedule_sends_nothing_past_the_duration_bound() -> None:
+    """The open loop stops at the duration bound by the clock too: a loop that fell 2 s behind a 1 s schedule
+    (a busy machine) sends none of its late requests, and one on time sends those due before the bound."""
+    import asyncio
+    import time
+
+    from tandem_cli.bench.loadgen import RunLimits, _open_loop
+
+    class Counting:  # the recorder's part the loop uses: run(spec) as a task
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        async def run(self, spec: RequestSpec) -> int:
+            self.sent.append(spec.index)
+            return spec.index
+
+    specs = [RequestSpec(i, (1, 2), 2) for i in range(3)]
+
+    async def send(behind_s: float) -> list[int]:
+        recorder = Counting()
+        start = time.perf_counter() - behind_s
+        tasks = await _open_loop(recorder, specs, [0.0, 0.05, 0.9], RunLimits(duration_s=1.0), start)  # type: ignore[arg-type]
+        await asyncio.gather(*tasks)
+        return recorder.sent
+
+    assert asyncio.run(send(2.0)) == []
+    assert asyncio.run(send(0.0)) == [0, 1, 2]
