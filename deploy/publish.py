@@ -115,6 +115,11 @@ class RouterPublisher:
             self._last = worker_pb2.WorkerSet(workers=endpoints(members), generation=generation)
         self._send_all()
 
+    def set_targets(self, targets: Sequence[str]) -> None:
+        """Push to these from now on (a restarted router process on new ports), starting now."""
+        self.targets = tuple(targets)
+        self._send_all()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

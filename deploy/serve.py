@@ -226,6 +226,8 @@ async def _start_extra_routers(
         tls=config.tls.router_client(),
         api_key=admin_key,
     )
+    # One that exits is started again (on its ports; with router.port 0 on new ones, which the pushes follow).
+    extra.supervise(config.controller.restart_limit, _say, moved=publisher.set_targets)
     return extra, publisher
 
 

@@ -2,12 +2,15 @@
 whose second router is a standalone process on router.port + 1 and router.metrics_port + 1. Both routers serve
 requests (the second learns the worker from the controller's pushes), `tandem bench --server a,b` spreads its
 requests over both, both routers count theirs on their own /metrics and both are in the Prometheus target list,
-and stopping the service stops the second router too. A second router's port that is taken fails the start-up,
+the second router killed is started again on its port and serves again, and stopping the service stops the
+second router too. A second router's port that is taken fails the start-up,
 naming the process and the port; router API keys without an admin key for the pushes are refused at start."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.dvc_deployments import child_pids
 from tandem_client import Client
+from tandem_client.errors import TandemError
 from tests.e2e.cluster import make_cluster
 from tests.loopback import consecutive_free_ports, port_open
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -32,6 +38,15 @@ def requests_counted(metrics_address: str) -> float:
         for line in text.splitlines()
         if line.startswith("tandem_requests_total{")
     )
+
+
+def serves(address: str) -> bool:
+    """One short request through the router at `address` succeeds."""
+    try:
+        with Client(address, timeout=5) as client:
+            return len(client.generate(token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
+    except TandemError:
+        return False
 
 
 def test_two_router_processes_serve_one_deployment_and_stop_together(tmp_path: Path) -> None:
@@ -68,6 +83,15 @@ def test_two_router_processes_serve_one_deployment_and_stop_together(tmp_path: P
         groups = json.loads(file_sd.read_text())
         routers = next(g["targets"] for g in groups if g["labels"]["component"] == "router")
         assert sorted(routers) == sorted([f"127.0.0.1:{metrics_port}", f"127.0.0.1:{metrics_port + 1}"])
+        # A router process that dies is started again on its ports and gets the worker set again.
+        assert serve.proc is not None
+        (pid,) = child_pids(serve.proc.pid, "deploy.router")
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: serves(second), timeout_s=60, what="the restarted router to serve a request")
+        log = "".join(serve.lines)
+        assert "router process 1 exited with -9" in log and "restarting it in 1s (1/10)" in log
+        assert f"router process 1 is serving again on {second}" in log
+        assert child_pids(serve.proc.pid, "deploy.router") not in ((), (pid,))
     assert serve.exit_code == 0, "".join(serve.lines[-30:])
     assert not port_open(port + 1), "the second router outlived tandem serve"
 
