@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tandem_client import Client
+from tandem_client.errors import TandemError
 from tests.e2e.ray_head import REPO, RayHead, job_id_of, job_logs, job_status, wait_serving, write_config
 from tests.loopback import free_port, port_open
 from tests.polling import wait_until
@@ -74,6 +75,15 @@ def head() -> Iterator[RayHead]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def tandem_router_answers(address: str) -> bool:
+    """A Tandem router serves at `address` (its ListModels answers; any other server there does not)."""
+    try:
+        with Client(address, timeout=2) as client:
+            return bool(client.list_models())
+    except TandemError:
+        return False
+
+
 def test_ray_job_submit_serves_and_stops_cleanly(offline_text: subprocess.Popen, head: RayHead) -> None:
     router_port = free_port()
     address = f"127.0.0.1:{router_port}"
@@ -102,7 +112,14 @@ def test_ray_job_submit_serves_and_stops_cleanly(offline_text: subprocess.Popen,
     logs = job_logs(head, job_id)
     # The driver got SIGTERM, drained and removed its workers before Ray's stop grace period ran out.
     assert "[tandem] stopped" in logs, logs
-    wait_until(lambda: not port_open(router_port), 30, "the router to close its port after `ray job stop`")
+    # Our router is gone from its address. (Not "the port is closed": once freed, the port is an ordinary
+    # ephemeral one, and a Ray process starting meanwhile may bind it; a clean-clone run once saw that.)
+    wait_until(
+        lambda: not tandem_router_answers(address),
+        30,
+        "the router to stop answering after `ray job stop`",
+        lambda: f"port {router_port} open: {port_open(router_port)}",
+    )
     head.stop()
     left = head.leftovers()
     assert not left, f"processes left after the head stopped: {left}"
