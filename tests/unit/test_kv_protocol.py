@@ -246,10 +246,11 @@ def test_copy_clock_predicts_from_the_fastest_timed_copy_and_queues_copies_behin
     clock.learn(2**28, 1e-3)  # the fastest rate counts
     clock.learn(2**28, 4e-3)
     assert clock.rate == pytest.approx(2**28 / 1e-3)
-    now = time.monotonic()
+    before = time.monotonic()
     first = clock.expect(2**28)
+    after = time.monotonic()
     second = clock.expect(2**28)  # queued behind the first on the same stream
-    assert first == pytest.approx(now + 1e-3, abs=5e-4)
+    assert before + 1e-3 <= first <= after + 1e-3  # starts now, lasts its bytes at the fastest rate
     assert second == pytest.approx(first + 1e-3)
 
 
@@ -273,10 +274,10 @@ def test_a_wait_with_a_predicted_end_sleeps_until_then_and_ends_soon_after():
     wait_event(event, watch, None, FailureReason.SENDER_ABORTED, expect_at=end)
     assert time.monotonic() >= end
     early = [t for t in event.queries if t < end - 0.002]
-    assert len(early) == 1  # the first look; then it slept until just before the prediction
-    event = _DoneAt(time.monotonic() + 0.02)  # no prediction: polls with growing sleeps meanwhile
+    assert len(early) <= 1  # at most the first look; then it slept until just before the prediction
+    event = _DoneAt(time.monotonic() + 0.02)  # no prediction: spins, then polls with growing sleeps meanwhile
     wait_event(event, watch, None, FailureReason.SENDER_ABORTED)
-    assert len(event.queries) > 10
+    assert len(event.queries) > 3
     stalled = _DoneAt(time.monotonic() + 60)
     short = Watch(time.monotonic() + 0.05, FailureReason.DEADLINE_EXCEEDED, "test")
     assert (
