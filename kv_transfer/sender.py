@@ -34,6 +34,7 @@ from kv_transfer.send_session import SenderCore, SendSession
 from kv_transfer.stats import StatsRecorder, TransferStats
 from kv_transfer.transport import device_uuid, make_sender_transports
 from model_runtime.kv_layout import KVLayout
+from model_runtime.request_rules import ints_within
 from tandem_api.tandem.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class KVSender:
         expected = self.layout.blocks_for_tokens(num_tokens)
         if len(ids) != expected:
             raise ValueError(f"src_block_ids: {num_tokens} tokens fill {expected} blocks, got {len(ids)} ids")
-        if not set(map(type, ids)) <= {int}:  # exactly int (no bool): one C loop over the ids
+        if not ints_within(ids):  # exactly int, no bool
             raise ValueError(f"src_block_ids: must be integers, got {ids!r}")
         if len(set(ids)) != len(ids):
             raise ValueError("src_block_ids: contains duplicates")

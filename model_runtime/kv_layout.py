@@ -39,6 +39,7 @@ import hashlib
 from dataclasses import dataclass
 
 from model_runtime.config import DTYPES, ConfigError
+from model_runtime.request_rules import ints_within
 
 FP8_KV_DTYPE = "float8_e4m3fn"  # the layout's (and torch's) name for cache.dtype fp8_e4m3
 LAYOUT_DTYPES = (*DTYPES, FP8_KV_DTYPE)
@@ -172,8 +173,8 @@ class KVLayout:
 
     def check_block_ids(self, block_ids: list[int] | tuple[int, ...], where: str = "block id") -> None:
         """Reject ids outside [1, num_blocks): a peer must never make us read or write the null block or beyond.
-        (min and max first: a handoff checks hundreds of ids on its critical path, and they are C loops.)"""
-        if not block_ids or (min(block_ids) >= 1 and max(block_ids) < self.num_blocks):
+        (ints_within first: a handoff checks hundreds of ids on its critical path.)"""
+        if ints_within(block_ids, 1, self.num_blocks):
             return
         for b in block_ids:
             if not 1 <= b < self.num_blocks:

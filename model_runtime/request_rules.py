@@ -25,13 +25,25 @@ class InvalidRequest(ValueError):
     """A request the engine cannot run (bad prompt or parameters); the message names the field."""
 
 
+def ints_within(values: Sequence[object], low: int | None = None, high: int | None = None) -> bool:
+    """Whether every value is exactly an int (not a bool, not an int subclass) in [low, high) (None: unbounded).
+
+    For the id lists on a request's or a handoff's hot path (thousands of prompt tokens, hundreds of block ids):
+    set, min and max are C loops. It only answers the common case quickly; a caller that gets False walks the
+    values itself to name the offender (and may accept what this does not, such as a bool)."""
+    if not set(map(type, values)) <= {int}:
+        return False
+    if not values:
+        return True
+    ints: Sequence[int] = values  # type: ignore[assignment]  # every value is an int (checked above)
+    return (low is None or min(ints) >= low) and (high is None or max(ints) < high)
+
+
 def out_of_vocab(token_ids: Sequence[object], vocab_size: int) -> object | None:
-    """The first id that is not an integer in [0, vocab_size), or None. (The common case, all plain ints in
-    range, is decided by C loops: a decode worker checks every admitted prompt on its engine thread.)"""
-    if set(map(type, token_ids)) <= {int}:
-        ints: Sequence[int] = token_ids  # type: ignore[assignment]
-        if not ints or (min(ints) >= 0 and max(ints) < vocab_size):
-            return None
+    """The first id that is not an integer in [0, vocab_size), or None. (ints_within decides the common case:
+    a decode worker checks every admitted prompt on its engine thread.)"""
+    if ints_within(token_ids, 0, vocab_size):
+        return None
     return next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from model_runtime.block_pool import BlockPool, extend_block_hashes
 from model_runtime.config import SchedulerConfig
 from model_runtime.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
-from model_runtime.request_rules import pool_overflow, prompt_leaves_no_room, token_cap
+from model_runtime.request_rules import ints_within, pool_overflow, prompt_leaves_no_room, token_cap
 from model_runtime.waiting import WaitingQueue
 
 
@@ -356,9 +356,7 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise RequestRejected(f"request {rid!r}: prompt_token_ids is empty")
         ids = request.all_token_ids
-        if not (set(map(type, ids)) <= {int} and min(ids) >= 0) and not all(  # C loops first: the common case
-            isinstance(t, int) and t >= 0 for t in ids
-        ):
+        if not ints_within(ids, 0) and not all(isinstance(t, int) and t >= 0 for t in ids):
             raise RequestRejected(f"request {rid!r}: token ids must be non-negative integers")
         problem = prompt_leaves_no_room(request.num_prompt_tokens, self.max_model_len)
         if problem is not None:
