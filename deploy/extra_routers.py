@@ -154,7 +154,9 @@ class ExtraRouters:
                 try:
                     address, _ = restarted.wait_serving(time.monotonic() + RESTART_SERVING_S)
                 except RuntimeError as exc:  # the next pass sees it exited, and counts the next restart
-                    say(f"{exc}")
+                    if self._stopping.is_set():  # stop() ended it: nothing to report
+                        return
+                    say(str(exc))
                     continue
                 if address != self.addresses[i]:
                     self.addresses = (*self.addresses[:i], address, *self.addresses[i + 1 :])
