@@ -80,14 +80,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dvc_deployments import (  # noqa: E402
-    CpuMeter,
-    Server,
-    cpu_line,
-    deployment_config,
-    kv_delta,
-    pair_delta,
-)
+from bench.dvc_cpu import CpuMeter, cpu_line  # noqa: E402
+from bench.dvc_deployments import Server, deployment_config, kv_delta, pair_delta  # noqa: E402
 from bench.dvc_points import bench_point, handoff_line, point_record  # noqa: E402
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402

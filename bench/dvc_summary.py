@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.dvc_deployments import SATURATED_CORES, process_label
+from bench.dvc_cpu import SATURATED_CORES, process_label
 from tandem_cli.bench import SLO
 from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
 from tandem_cli.bench.sweep import capacity, equal_load
@@ -147,7 +147,7 @@ def summarize_workload(name: str, runs: dict[str, dict], slo: SLO, out_dir: Path
 
 def saturated_points(points: dict[str, list[dict]]) -> list[dict]:
     """The points at which the `tandem serve` process (router) or a bench client process used SATURATED_CORES
-    or more (the point's `cpu`, dvc_deployments.CpuMeter): their latencies include that process's own queueing."""
+    or more (the point's `cpu`, dvc_cpu.CpuMeter): their latencies include that process's own queueing."""
     rows = []
     for dep, ps in points.items():
         for p in ps:

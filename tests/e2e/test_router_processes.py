@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dvc_deployments import child_pids
+from bench.dvc_cpu import child_pids
 from tandem_client import Client
 from tandem_client.errors import TandemError
 from tests.e2e.cluster import make_cluster

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bench.dvc_deployments import SATURATED_CORES, CpuMeter, cpu_line, process_cpu_seconds
+from bench.dvc_cpu import SATURATED_CORES, CpuMeter, cpu_line, process_cpu_seconds
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +34,7 @@ def test_a_busy_process_reads_about_one_core_and_an_idle_one_about_none() -> Non
 def test_the_busiest_other_router_process_is_found_among_the_children_and_measured() -> None:
     """child_pids finds a `tandem serve`'s extra routers by parent and command line (here: this test's own
     children, one busy and one idle, with "deploy.router" in their command lines)."""
-    from bench.dvc_deployments import child_pids
+    from bench.dvc_cpu import child_pids
 
     busy = subprocess.Popen(
         [
