@@ -2,6 +2,8 @@
 
     python bench/tp_decode.py --model dummy:llama-3-70b --tp 4 [--batches 32,64,128] [--contexts 512,2048]
     python bench/tp_decode.py --model dummy:llama-3-8b --tp 2
+    python bench/tp_decode.py --model dummy:llama-3-8b --tp 1   (the same step on one GPU: the same-run baseline)
+    python bench/tp_decode.py ... --profile 32,512        (also: rank 0's kernels over a few steps of that point)
     python bench/tp_decode.py --smoke                       (CPU, gloo, a tiny model: checks the script runs)
 
 One process per GPU (rank r on cuda:r, NCCL over 127.0.0.1), each building its rank's runner as the engine does
@@ -22,6 +24,10 @@ share for the step less its all-reduces (how much of the gap to the floor is NCC
 Prefill rows (--prefill-lens): one prompt computed whole in one step, eager, against the same kind of floor
 (its FLOPs, or its weights + the KV it writes), its all-reduces timed alone as for decode ([length, hidden]):
 what splitting a prompt over N GPUs does to its time to first token.
+
+`--profile B,C` runs torch.profiler on rank 0 over a few steps of batch B at context C after the rows (CUDA
+graphs, then eager), and prints and saves (beside the JSON, .profile.txt) its table of device time by kernel and
+host time by call: where a step's time goes beyond the floor.
 
 Writes bench/results/tp_decode_<model>_tp<N>_<gpu>.json (--out to change).
 """
@@ -94,6 +100,7 @@ class Settings:
     reps: int
     device: str  # "cuda" or "cpu" (--smoke)
     gpu_memory_utilization: float
+    profile: tuple[int, int] | None = None  # (batch, context) to profile on rank 0 after the rows
 
 
 def rank_config(settings: Settings, rank: int) -> EngineConfig:
@@ -153,6 +160,8 @@ def allreduce_us(
         for _ in range(2 * layers):
             group.all_reduce(x)
 
+    if group.size == 1:
+        return 0.0  # one GPU: no collectives in its step
     if not timer.on_gpu:
         return timer.median_us(eager, settings.warmup, settings.reps)
     eager()  # the communicator exists before a capture
@@ -211,8 +220,8 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
                 lambda rows, skipped: write_json(out_path, settings, rows, skipped, rates, built),
             )
         finally:
-            assert built.tensor_parallel is not None
-            built.tensor_parallel.stop_followers()
+            if built.tensor_parallel is not None:  # None at --tp 1
+                built.tensor_parallel.stop_followers()
     finally:
         close_tp_group()
 
@@ -276,6 +285,8 @@ def lead_steps(
                 raise SystemExit(f"batch {batch}: the step did not replay a CUDA graph")
             kv = batch * (context + 1) * built.layout.bytes_per_token
             row("decode", batch, context, step_us, kv, cost.decode_step_flops(batch, context + 1), batch)
+    if settings.profile is not None:
+        profile_step(built, settings, timer, gen)
     for length in settings.prefill_lens:
         if -(-length // BLOCK_SIZE) > built.layout.usable_blocks:
             skipped.append({"prefill": length})
@@ -285,6 +296,39 @@ def lead_steps(
         kv = length * built.layout.bytes_per_token  # written once
         row("prefill", 1, length, timed(out), kv, cost.prefill_flops(length), length)
     save(rows, skipped)
+
+
+def profile_step(built: RankRunner, settings: Settings, timer: Timer, gen: torch.Generator) -> None:
+    """torch.profiler over a few steps of settings.profile on this (lead) rank, graphs then eager; the table is
+    printed and written beside the JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert settings.profile is not None
+    batch, context = settings.profile
+    runner = built.runner
+    if blocks_needed(batch, context) > built.layout.usable_blocks:
+        print(f"profile batch {batch} ctx {context}: skipped, its KV does not fit", flush=True)
+        return
+    out = decode_step(batch, context, built.layout.num_blocks, runner.config.vocab_size, gen)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.on_gpu else [])
+    text = []
+    for use_graphs in (True, False):
+        for _ in range(3):  # warm
+            runner.execute(out, use_graphs=use_graphs).argmax(-1).tolist()
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                runner.execute(out, use_graphs=use_graphs).argmax(-1).tolist()
+        sort = "cuda_time_total" if timer.on_gpu else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
+        title = (
+            f"== profile: batch {batch} ctx {context}, {'CUDA graphs' if use_graphs else 'eager'}, 5 steps"
+        )
+        text += [title, table]
+        print(title + "\n" + table, flush=True)
+    _PROFILE_TEXT.extend(text)
+
+
+_PROFILE_TEXT: list[str] = []
 
 
 def prefill_step(length: int, num_blocks: int, vocab: int, gen: torch.Generator) -> SchedulerOutput:
@@ -325,6 +369,8 @@ def write_json(
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    if _PROFILE_TEXT:
+        Path(path).with_suffix(".profile.txt").write_text("\n".join(_PROFILE_TEXT) + "\n")
 
 
 def _nccl_version() -> str:
@@ -356,11 +402,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--profile", default=None, help="B,C: profile batch B at context C on rank 0 after the rows"
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny-llama, TP=2, a few steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    profile_at = None
+    if args.profile:
+        try:
+            b, c = (int(v) for v in args.profile.split(","))
+        except ValueError:
+            parser.error(f"--profile: expected BATCH,CONTEXT such as 32,512, got {args.profile!r}")
+        profile_at = (b, c)
     if args.smoke:
-        settings = Settings("dummy:tiny-llama", 2, (2, 4), (32,), (48,), 1, 3, "cpu", 0.9)
+        settings = Settings("dummy:tiny-llama", 2, (2, 4), (32,), (48,), 1, 3, "cpu", 0.9, profile_at)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench/tp_decode.py needs CUDA GPUs (or --smoke on CPU)")
@@ -378,6 +434,7 @@ def main(argv: list[str] | None = None) -> None:
             args.reps,
             "cuda",
             args.gpu_memory_utilization,
+            profile_at,
         )
     out = args.out or default_out(settings)
     # NVLink multicast stays off unless the caller set it (../shared/gpu/README.md: it can take a shared host's
