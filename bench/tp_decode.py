@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,8 +54,9 @@ from bench.decode_step import BLOCK_SIZE, blocks_needed, copy_bandwidth_gbps, de
 from bench.dvc_deployments import free_port
 from bench.harness import ModelCost, measure_matmul_tflops, median_seconds
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from model_runtime.parallel.follower import follow
+from model_runtime.model_runner import ModelRunner
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
+from model_runtime.parallel.step_sync import StepReceiver
 from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from model_runtime.runner_setup import RankRunner, build_runner
 from model_runtime.startup import StartupProgress
@@ -73,9 +75,10 @@ class Row:
     floor_us: float
     bound: str  # "bytes" or "flops"
     step_us: float
-    allreduce_us: float
+    allreduce_us: float  # the path the step runs
     fraction_of_floor: float  # floor / step
     fraction_of_floor_without_allreduce: float  # floor / (step - all-reduces)
+    allreduce_paths_us: dict[str, float] = dataclasses.field(default_factory=dict)  # each path, timed alone
 
     def line(self) -> str:
         what = (
@@ -86,6 +89,11 @@ class Row:
             f"{self.allreduce_us:.0f} us ({100 * self.allreduce_us / self.step_us:.0f}%), floor {self.floor_us:.0f} "
             f"us ({self.bound}): {100 * self.fraction_of_floor:.0f}% of floor, "
             f"{100 * self.fraction_of_floor_without_allreduce:.0f}% without the all-reduces"
+            + (
+                " [" + ", ".join(f"{k} {v:.0f}" for k, v in self.allreduce_paths_us.items()) + " us]"
+                if len(self.allreduce_paths_us) > 1
+                else ""
+            )
         )
 
 
@@ -101,6 +109,9 @@ class Settings:
     device: str  # "cuda" or "cpu" (--smoke)
     gpu_memory_utilization: float
     profile: tuple[int, int] | None = None  # (batch, context) to profile on rank 0 after the rows
+    all_reduce: str = (
+        "auto"  # parallel.all_reduce: "auto" (symmetric memory for small sums where usable), "nccl"
+    )
 
 
 def rank_config(settings: Settings, rank: int) -> EngineConfig:
@@ -131,7 +142,7 @@ def rank_config(settings: Settings, rank: int) -> EngineConfig:
         device=DeviceConfig(
             device=f"cuda:{rank}" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32"
         ),
-        parallel=ParallelConfig(tensor_parallel_size=settings.tp),
+        parallel=ParallelConfig(tensor_parallel_size=settings.tp, all_reduce=settings.all_reduce),
     )
 
 
@@ -151,25 +162,38 @@ class Timer:
 
 def allreduce_us(
     group: TPGroup, batch: int, hidden: int, layers: int, timer: Timer, settings: Settings
-) -> float:
-    """One step's all-reduces alone: 2 x layers of a [batch, hidden] tensor, in a CUDA graph on a GPU."""
+) -> dict[str, float]:
+    """One step's all-reduces alone: 2 x layers of a [batch, hidden] tensor, in a CUDA graph on a GPU, by each
+    path: "step" (what the step runs: TPGroup.all_reduce), "nccl", and where the ranks set up the symmetric-memory
+    path, "one_shot" and "two_shot" forced at every size."""
+    if group.size == 1:
+        return {"step": 0.0}  # one GPU: no collectives in its step
     dtype = torch.bfloat16 if timer.on_gpu else torch.float32
     x = torch.zeros(batch, hidden, dtype=dtype, device=timer.device)
+    paths: dict[str, Callable[[torch.Tensor], object]] = {
+        "step": group.all_reduce,
+        "nccl": lambda t: torch.distributed.all_reduce(t, group=group.device_group),
+    }
+    if group.fast is not None:
+        paths["one_shot"] = dataclasses.replace(group.fast, one_shot_max=1 << 62)
+        paths["two_shot"] = dataclasses.replace(group.fast, one_shot_max=0)
+    times = {}
+    for name, reduce in paths.items():
 
-    def eager() -> None:
-        for _ in range(2 * layers):
-            group.all_reduce(x)
+        def eager(reduce: Callable[[torch.Tensor], object] = reduce) -> None:
+            for _ in range(2 * layers):
+                reduce(x)
 
-    if group.size == 1:
-        return 0.0  # one GPU: no collectives in its step
-    if not timer.on_gpu:
-        return timer.median_us(eager, settings.warmup, settings.reps)
-    eager()  # the communicator exists before a capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        eager()
-    return timer.median_us(graph.replay, settings.warmup, settings.reps)
+        if not timer.on_gpu:
+            times[name] = timer.median_us(eager, settings.warmup, settings.reps)
+            continue
+        eager()  # the communicator (or the symmetric buffer) is ready before a capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        times[name] = timer.median_us(graph.replay, settings.warmup, settings.reps)
+    return times
 
 
 def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
@@ -178,7 +202,12 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
     if not on_gpu:
         torch.set_num_threads(1)
     group = init_tp_group(
-        rank, settings.tp, f"tcp://127.0.0.1:{port}", f"cuda:{rank}" if on_gpu else "cpu", timeout_s=600
+        rank,
+        settings.tp,
+        f"tcp://127.0.0.1:{port}",
+        f"cuda:{rank}" if on_gpu else "cpu",
+        timeout_s=600,
+        fast_all_reduce=settings.all_reduce == "auto",
     )
     try:
         rates = None
@@ -202,12 +231,13 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
             for tokens in (*settings.batches, *settings.prefill_lens)
         }
         if not group.is_lead:
-            follow(built, group)
+            follow_timed(built, group, Path(out_path).with_suffix(f".rank{rank}.steps.json"))
             return
         if rates is not None:
             print(f"rank 0 GPU: HBM copy {rates[0]:.0f} GB/s, bf16 matmul {rates[1]:.0f} TFLOP/s", flush=True)
         print(
-            f"ranks built in {time.perf_counter() - t0:.0f} s; cache {built.layout.num_blocks} blocks",
+            f"ranks built in {time.perf_counter() - t0:.0f} s; cache {built.layout.num_blocks} blocks; "
+            f"small all-reduces: {'symmetric memory' if group.fast is not None else 'NCCL' if on_gpu else 'gloo'}",
             flush=True,
         )
         try:
@@ -222,6 +252,7 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
         finally:
             if built.tensor_parallel is not None:  # None at --tp 1
                 built.tensor_parallel.stop_followers()
+            Path(out_path).with_suffix(".rank0.steps.json").write_text(json.dumps(_LEAD_TIMES))
     finally:
         close_tp_group()
 
@@ -231,7 +262,7 @@ def lead_steps(
     settings: Settings,
     timer: Timer,
     rates: tuple[float, float] | None,
-    collectives: dict[int, float],
+    collectives: dict[int, dict[str, float]],
     save: Callable[[list[Row], list[dict[str, int]]], None],
 ) -> None:
     """Time every decode (batch, context) step, then every prefill length, on the lead; `save` gets the rows
@@ -248,7 +279,8 @@ def lead_steps(
         if rates is not None:
             byte_floor = (weights + kv) / (rates[0] * 1e3)
             flop_floor = flops / (rates[1] * 1e6)
-        floor, ar_us = max(byte_floor, flop_floor), collectives[tokens]
+        floor, paths = max(byte_floor, flop_floor), collectives[tokens]
+        ar_us = paths["step"]
         rows.append(
             Row(
                 phase=phase,
@@ -262,15 +294,14 @@ def lead_steps(
                 allreduce_us=ar_us,
                 fraction_of_floor=floor / step_us,
                 fraction_of_floor_without_allreduce=floor / max(step_us - ar_us, 1e-9),
+                allreduce_paths_us=paths,
             )
         )
         print(rows[-1].line(), flush=True)
         save(rows, skipped)
 
-    def timed(out: SchedulerOutput) -> float:  # build the host batch, publish it, run it, greedy ids to host
-        return timer.median_us(
-            lambda: runner.execute(out, use_graphs=True).argmax(-1).tolist(), settings.warmup, settings.reps
-        )
+    def timed(out: SchedulerOutput, label: str) -> float:  # build the host batch, publish, run, ids to host
+        return timer.median_us(lambda: lead_step(runner, out, label), settings.warmup, settings.reps)
 
     for context in settings.contexts:
         for batch in settings.batches:
@@ -280,7 +311,7 @@ def lead_steps(
                 continue
             out = decode_step(batch, context, built.layout.num_blocks, runner.config.vocab_size, gen)
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
-            step_us = timed(out)
+            step_us = timed(out, f"decode batch {batch} ctx {context}")
             if runner.graphs is not None and runner.graphs.num_replays == replays:
                 raise SystemExit(f"batch {batch}: the step did not replay a CUDA graph")
             kv = batch * (context + 1) * built.layout.bytes_per_token
@@ -294,7 +325,7 @@ def lead_steps(
             continue
         out = prefill_step(length, built.layout.num_blocks, runner.config.vocab_size, gen)
         kv = length * built.layout.bytes_per_token  # written once
-        row("prefill", 1, length, timed(out), kv, cost.prefill_flops(length), length)
+        row("prefill", 1, length, timed(out, f"prefill {length}"), kv, cost.prefill_flops(length), length)
     save(rows, skipped)
 
 
@@ -314,10 +345,10 @@ def profile_step(built: RankRunner, settings: Settings, timer: Timer, gen: torch
     text = []
     for use_graphs in (True, False):
         for _ in range(3):  # warm
-            runner.execute(out, use_graphs=use_graphs).argmax(-1).tolist()
+            lead_step(runner, out, "profile", use_graphs)
         with profile(activities=activities) as prof:
             for _ in range(5):
-                runner.execute(out, use_graphs=use_graphs).argmax(-1).tolist()
+                lead_step(runner, out, "profile", use_graphs)
         sort = "cuda_time_total" if timer.on_gpu else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
         title = (
@@ -329,6 +360,55 @@ def profile_step(built: RankRunner, settings: Settings, timer: Timer, gen: torch
 
 
 _PROFILE_TEXT: list[str] = []
+
+# The host timeline of every step (time.monotonic_ns, one clock for every process of the host): the lead's
+# (label, started, all queued, ids on the host), each follower's (received, all queued), in step order.
+_LEAD_TIMES: list[tuple[str, int, int, int]] = []
+
+
+def lead_step(runner: ModelRunner, out: SchedulerOutput, label: str, use_graphs: bool = True) -> None:
+    """One step as the engine's lead runs it (publish, run, logits gathered, greedy ids to the host), timed."""
+    start = time.monotonic_ns()
+    logits = runner.execute(out, use_graphs=use_graphs)
+    queued = time.monotonic_ns()
+    logits.argmax(-1).tolist()
+    _LEAD_TIMES.append((label, start, queued, time.monotonic_ns()))
+
+
+def follow_timed(built: RankRunner, group: TPGroup, path: Path) -> None:
+    """model_runtime.parallel.follower.follow, recording when each step arrived and was queued."""
+    receiver = StepReceiver(group)
+    times = []
+    while (batch := receiver.receive()) is not None:
+        received = time.monotonic_ns()
+        built.runner.execute_batch(batch)
+        times.append((received, time.monotonic_ns()))
+    path.write_text(json.dumps(times))
+
+
+def host_timeline(out: str, ranks: int) -> dict[str, dict[str, float]]:
+    """Per label, the median microseconds from the lead's start of a step to: the lead's kernels all queued,
+    its ids on the host, and each follower's receipt and queued kernels (from the files the ranks wrote)."""
+    lead_path = Path(out).with_suffix(".rank0.steps.json")
+    if not lead_path.exists():
+        return {}
+    lead = json.loads(lead_path.read_text())
+    followers = []
+    for r in range(1, ranks):
+        path = Path(out).with_suffix(f".rank{r}.steps.json")
+        followers.append(json.loads(path.read_text()) if path.exists() else [])
+    spans: dict[str, dict[str, list[float]]] = {}
+    for i, (label, start, queued, done) in enumerate(lead):
+        span = spans.setdefault(label, {})
+        span.setdefault("lead_queued", []).append((queued - start) / 1e3)
+        span.setdefault("lead_done", []).append((done - start) / 1e3)
+        for r, steps in enumerate(followers, start=1):
+            if i < len(steps):
+                span.setdefault(f"rank{r}_received", []).append((steps[i][0] - start) / 1e3)
+                span.setdefault(f"rank{r}_queued", []).append((steps[i][1] - start) / 1e3)
+    for path in [lead_path] + [Path(out).with_suffix(f".rank{r}.steps.json") for r in range(1, ranks)]:
+        path.unlink(missing_ok=True)
+    return {label: {k: float(np.median(v)) for k, v in span.items()} for label, span in spans.items()}
 
 
 def prefill_step(length: int, num_blocks: int, vocab: int, gen: torch.Generator) -> SchedulerOutput:
@@ -405,6 +485,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile", default=None, help="B,C: profile batch B at context C on rank 0 after the rows"
     )
+    parser.add_argument(
+        "--all-reduce",
+        choices=("auto", "nccl"),
+        default="auto",
+        help="parallel.all_reduce: auto = small sums over CUDA symmetric memory where every rank can",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny-llama, TP=2, a few steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -416,7 +502,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--profile: expected BATCH,CONTEXT such as 32,512, got {args.profile!r}")
         profile_at = (b, c)
     if args.smoke:
-        settings = Settings("dummy:tiny-llama", 2, (2, 4), (32,), (48,), 1, 3, "cpu", 0.9, profile_at)
+        settings = Settings(
+            "dummy:tiny-llama", 2, (2, 4), (32,), (48,), 1, 3, "cpu", 0.9, profile_at, args.all_reduce
+        )
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench/tp_decode.py needs CUDA GPUs (or --smoke on CPU)")
@@ -435,6 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             "cuda",
             args.gpu_memory_utilization,
             profile_at,
+            args.all_reduce,
         )
     out = args.out or default_out(settings)
     # NVLink multicast stays off unless the caller set it (../shared/gpu/README.md: it can take a shared host's
@@ -447,6 +536,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(name, value)
     # spawn: a rank that raises ends the others and raises here with its traceback.
     torch.multiprocessing.spawn(run_rank, args=(settings, free_port(), out), nprocs=settings.tp, join=True)
+    timeline = host_timeline(out, settings.tp)
+    if timeline:
+        print("host timeline, median us from the lead's start of a step:")
+        for label, spans in timeline.items():
+            print(f"  {label}: " + ", ".join(f"{k} {v:.0f}" for k, v in spans.items()))
+        doc = json.loads(Path(out).read_text())
+        doc["host_timeline_us"] = timeline
+        Path(out).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

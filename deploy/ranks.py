@@ -62,7 +62,9 @@ class RankProcess:
         device = device_kind(engine)
         if device == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        group = init_tp_group(rank, size, rendezvous, device)
+        group = init_tp_group(
+            rank, size, rendezvous, device, fast_all_reduce=engine.parallel.all_reduce == "auto"
+        )
         try:
             return run_follower(engine, group)
         finally:
@@ -104,7 +106,9 @@ class Ranks:
             self.actors.append(actor)
             self.runs.append(actor.run.remote(engine, rank, size, rendezvous))
         log.info("rank 0 waits for %d ranks at %s", size - 1, rendezvous)
-        return init_tp_group(0, size, rendezvous, device_kind(engine))
+        return init_tp_group(
+            0, size, rendezvous, device_kind(engine), fast_all_reduce=engine.parallel.all_reduce == "auto"
+        )
 
     def close(self) -> None:
         """Remove the rendezvous directory (the ranks end with rank 0's actor)."""

@@ -248,13 +248,20 @@ class DeviceConfig:
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
 
 
+ALL_REDUCE_PATHS = ("auto", "nccl")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many devices one engine spans. `tensor_parallel_size` ranks each hold 1/N of every layer's query
     heads, KV heads (replicated when the model has fewer KV heads than ranks), MLP width and vocabulary
-    (model_runtime.parallel). Its fit to a model's shape is checked by `check_model`, once the shape is known."""
+    (model_runtime.parallel). Its fit to a model's shape is checked by `check_model`, once the shape is known.
+
+    `all_reduce`: "auto" sums small tensors (a decode step's) over CUDA symmetric memory when every rank can map
+    its peers' memory, and everything else with NCCL; "nccl" always uses NCCL."""
 
     tensor_parallel_size: int = 1
+    all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size
@@ -262,6 +269,11 @@ class ParallelConfig:
             isinstance(size, int) and not isinstance(size, bool) and size > 0,
             "parallel.tensor_parallel_size",
             f"must be a positive integer, got {size!r}",
+        )
+        _require(
+            self.all_reduce in ALL_REDUCE_PATHS,
+            "parallel.all_reduce",
+            f"must be one of {', '.join(ALL_REDUCE_PATHS)}, got {self.all_reduce!r}",
         )
 
     def check_model(self, model: ModelConfig) -> None:

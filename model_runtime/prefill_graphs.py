@@ -153,7 +153,7 @@ class PiecewiseForward:
             hidden = self.attns[i - 1].o_proj(st.attn[:size])
             group = self.groups[i - 1]
             if group is not None:
-                group.all_reduce(hidden)
+                hidden = group.all_reduce(hidden)
             normed, stream = ops.add_rms_norm(
                 hidden, residual, prev.post_attn_norm.weight, prev.post_attn_norm.eps
             )

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model_runtime.parallel.fast_all_reduce import FastAllReduce
+
 LEAD_RANK = 0
 
 
@@ -32,14 +34,21 @@ class TPGroup:
     size: int
     device_group: dist.ProcessGroup
     host_group: dist.ProcessGroup
+    fast: FastAllReduce | None = None  # small sums over CUDA symmetric memory, where every rank can
 
     @property
     def is_lead(self) -> bool:
         return self.rank == LEAD_RANK
 
-    def all_reduce(self, x: torch.Tensor) -> None:
-        """Sum x across ranks, in place (the row-parallel reduction)."""
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed across ranks (the row-parallel reduction): a new tensor from the symmetric-memory path for
+        a small CUDA tensor, else x itself, summed in place by NCCL (gloo on CPU). Use the result."""
+        if self.fast is not None:
+            summed = self.fast(x)
+            if summed is not None:
+                return summed
         dist.all_reduce(x, group=self.device_group)
+        return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank r's part at columns [r*n, (r+1)*n)."""
@@ -71,13 +80,16 @@ def init_tp_group(
     device: str,
     timeout_s: float = 300.0,
     idle_timeout_s: float = 7 * 24 * 3600.0,
+    fast_all_reduce: bool = True,
 ) -> TPGroup:
     """Join the engine's ranks at `rendezvous`, a torch.distributed init_method: "file:///path" (ranks of one
     node; nothing listens on the network) or "tcp://address:port" (rank 0 listens there, on every interface:
     torch's TCPStore takes no bind address). `device` picks the collectives' backend: nccl for cuda (cuda:N also makes N this process's device; a rank that sees one GPU, as under
     Ray, passes "cuda"), gloo for cpu. A collective of a step that waits past `timeout_s` raises instead of
     hanging (a rank that died takes the others down with an error). The host group waits up to
-    `idle_timeout_s`: a follower waits there for the next step for as long as the engine has no work."""
+    `idle_timeout_s`: a follower waits there for the next step for as long as the engine has no work.
+    `fast_all_reduce` (parallel.all_reduce: auto): on GPUs, small sums go over CUDA symmetric memory where every
+    rank can map its peers' memory (model_runtime.parallel.fast_all_reduce); NCCL otherwise."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))  # NCCL binds each rank to the current device
@@ -97,7 +109,10 @@ def init_tp_group(
         torch.cuda.synchronize()
     host = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
     assert isinstance(host, dist.ProcessGroup)
-    return TPGroup(rank=rank, size=size, device_group=world, host_group=host)
+    fast = None
+    if backend == "nccl" and fast_all_reduce and size > 1:
+        fast = FastAllReduce.setup(world, host, torch.device("cuda", torch.cuda.current_device()))
+    return TPGroup(rank=rank, size=size, device_group=world, host_group=host, fast=fast)
 
 
 def close_tp_group() -> None:

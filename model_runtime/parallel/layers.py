@@ -38,8 +38,7 @@ class AllReduceOutput(nn.Module):
 
     def forward(self, *args: Any) -> torch.Tensor:
         out: torch.Tensor = self.inner(*args)
-        self.group.all_reduce(out)
-        return out
+        return self.group.all_reduce(out)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,8 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (input_ids >= self.start) & (input_ids < self.stop)
         local = torch.where(mine, input_ids - self.start, 0)
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        self.group.all_reduce(out)
-        return out
+        return self.group.all_reduce(out)
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, shard: TPShard, group: TPGroup) -> LlamaForCausalLM:

@@ -8,10 +8,12 @@ import hashlib
 
 import numpy as np
 import pytest
+import torch
 
 from deploy.config import parse_config
 from model_runtime.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from model_runtime.kv_layout import KVLayout, KVShard
+from model_runtime.parallel.fast_all_reduce import FastAllReduce
 from model_runtime.parallel.shard import TPShard
 from model_runtime.parallel.step_sync import decode, encode
 from model_runtime.roles import WorkerRole
@@ -54,6 +56,18 @@ def test_tensor_parallel_size_must_be_a_positive_integer(size: object) -> None:
 def test_a_shape_that_cannot_be_split_names_the_field(shape: dict, tp: int, what: str) -> None:
     with pytest.raises(ConfigError, match=f"^{FIELD}: {what}"):
         TPShard.plan(model(**shape), ParallelConfig(tp), rank=0)
+
+
+def test_the_all_reduce_path_is_auto_or_nccl_and_a_cpu_tensor_never_takes_symmetric_memory() -> None:
+    assert ParallelConfig().all_reduce == "auto"
+    assert EngineConfig.from_dict({"parallel": {"all_reduce": "nccl"}}).parallel.all_reduce == "nccl"
+    with pytest.raises(
+        ConfigError, match=r"^engine\.parallel\.all_reduce: must be one of auto, nccl, got 'mpi'"
+    ):
+        EngineConfig.from_dict({"parallel": {"all_reduce": "mpi"}})
+    # The fast path declines what it cannot sum (the caller then runs NCCL or gloo): a CPU tensor here.
+    fast = FastAllReduce(torch.zeros(1 << 20, dtype=torch.uint8), "unused")
+    assert fast(torch.ones(4, 64)) is None
 
 
 def test_engine_and_deploy_yaml_map_onto_the_parallel_section() -> None:

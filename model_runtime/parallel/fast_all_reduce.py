@@ -1,0 +1,145 @@
+"""Small all-reduces over CUDA symmetric memory: a decode step's 2 x layers sums without NCCL's ring.
+
+A decode step of a tensor-parallel engine sums a [batch, hidden] tensor twice per layer: 160 sums of 0.5-2 MiB
+for a 70B model at batch 32-128. NCCL's ring (LL protocol) takes 15-25 us for each on two H200s
+(bench/tp_decode.py), a sixth of the step. Every rank of a worker is on one node, linked by NVLink, so each can
+read its peers' buffers directly: one kernel copies the rank's input into its symmetric buffer, waits at a
+barrier of signal flags, and sums the peers' buffers as it reads them (one-shot), or, for larger messages, each
+rank sums one slice and the ranks then gather the sums (two-shot). torch provides both kernels
+(torch.ops.symm_mem, over CUDA IPC; NVLink multicast stays off), and CUDA graphs capture them.
+
+    FastAllReduce.setup(group, device)   collective, once, before any graph capture; None where unusable
+    fast(x) -> summed tensor, or None    None: too large or not a CUDA tensor, so the caller runs NCCL
+
+Set-up is all or nothing: every rank checks it can allocate and map the buffer, the ranks agree on the host
+group, one sum is checked against NCCL's, and they agree again. Any rank that cannot (an old torch, a rank that
+sees only its own GPU, no peer access) makes every rank keep NCCL, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# Thresholds from bench/tp_decode.py's all-reduce rows (NCCL, one-shot and two-shot timed in the same run).
+ONE_SHOT_MAX_BYTES = 256 * 1024
+MAX_BYTES = 8 * 1024 * 1024  # the symmetric buffer; larger sums (long prompts) go to NCCL
+_DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernels take
+
+
+@dataclass(frozen=True)
+class FastAllReduce:
+    buffer: torch.Tensor  # uint8 [MAX_BYTES], symmetric: every rank's is mapped in every other rank
+    group_name: str
+    one_shot_max: int = ONE_SHOT_MAX_BYTES
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum of x over the ranks as a new tensor, or None when x is not one this path takes."""
+        nbytes = x.numel() * x.element_size()
+        if (
+            not x.is_cuda
+            or x.dtype not in _DTYPES
+            or nbytes > self.buffer.numel()
+            or nbytes % 16
+            or not x.is_contiguous()
+        ):
+            return None
+        # Every view starts at the buffer's first byte: the ops find the allocation by its address.
+        staged = self.buffer[:nbytes].view(x.dtype).view(x.shape)
+        out = torch.empty_like(x)
+        if nbytes <= self.one_shot_max:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, out)
+        else:
+            staged.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        return out
+
+    @classmethod
+    def setup(
+        cls,
+        group: dist.ProcessGroup,
+        host_group: dist.ProcessGroup,
+        device: torch.device,
+        max_bytes: int = MAX_BYTES,
+    ) -> FastAllReduce | None:
+        """Collective over every rank of `group` (NCCL) and `host_group` (gloo); None on every rank unless every
+        rank can use it."""
+        rank = dist.get_rank(group)
+
+        def agree(ok: bool, step: str, why: str) -> bool:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group)
+            if not ok:
+                log.info("rank %d: small all-reduces stay on NCCL (%s: %s)", rank, step, why)
+            elif int(flag.item()) == 0:
+                log.info("rank %d: small all-reduces stay on NCCL (another rank failed at %s)", rank, step)
+            return int(flag.item()) == 1
+
+        buffer, why = _allocate(device, max_bytes)
+        if not agree(buffer is not None, "allocation", why):
+            return None
+        assert buffer is not None
+        name = group.group_name
+        handle, why = _attempt(lambda: _rendezvous(buffer, group))
+        if not agree(handle is not None, "rendezvous", why):
+            return None
+        fast = cls(buffer, name)
+        ok, why = _check(fast, group, device, rank)
+        if not agree(ok, "check against NCCL", why):
+            return None
+        log.info("rank %d: small all-reduces (<= %d bytes) over CUDA symmetric memory", rank, max_bytes)
+        return fast
+
+
+def _allocate(device: torch.device, nbytes: int) -> tuple[torch.Tensor | None, str]:
+    if device.type != "cuda":
+        return None, "not a CUDA device"
+    ops = getattr(torch.ops, "symm_mem", None)
+    for op in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out"):
+        if ops is None or not hasattr(ops, op):
+            return None, f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{op}"
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer, why = _attempt(lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=device))
+    return buffer, why
+
+
+def _rendezvous(buffer: torch.Tensor, group: dist.ProcessGroup) -> object:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # required by older torch, a no-op later
+    if enable is not None:
+        enable(group.group_name)
+    return symm_mem.rendezvous(buffer, group.group_name)
+
+
+def _check(
+    fast: FastAllReduce, group: dist.ProcessGroup, device: torch.device, rank: int
+) -> tuple[bool, str]:
+    """One sum of each path (one-shot and two-shot sizes) equal to NCCL's, exactly (small integers)."""
+    for rows in (4, fast.one_shot_max // 4096 + 8):  # [rows, 1024] bfloat16: one-shot, then two-shot
+        x = torch.arange(rows * 1024, device=device, dtype=torch.float32).remainder(17).add(rank)
+        x = x.to(torch.bfloat16).view(rows, 1024)
+        expected = x.clone()
+        dist.all_reduce(expected, group=group)
+        got, why = _attempt(functools.partial(fast, x))
+        if got is None:
+            return False, why or "the fast path refused a tensor it should take"
+        torch.cuda.synchronize(device)
+        if not torch.equal(got, expected):
+            return False, f"a sum of {rows} x 1024 differs from NCCL's"
+    return True, ""
+
+
+def _attempt(fn: Callable[[], object]) -> tuple:
+    try:
+        return fn(), ""
+    except Exception as exc:  # any failure means "use NCCL"; the reason is logged by the caller
+        return None, f"{type(exc).__name__}: {exc}"
