@@ -210,51 +210,63 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
         fast_all_reduce=settings.all_reduce == "auto",
     )
     try:
-        rates = None
-        if on_gpu:
-            rates = (copy_bandwidth_gbps(), measure_matmul_tflops(f"cuda:{rank}", torch.bfloat16, 8192))
-        source = resolve_model(settings.model)
-        model = load_model_config(source)
-        t0 = time.perf_counter()
-        progress = StartupProgress(
-            (lambda message: print(f"[start-up] {message}", flush=True)) if rank == 0 else None
-        )
-        built = build_runner(rank_config(settings, rank), source, model, progress, group)
-        runner = built.runner
-        if on_gpu and runner.graphs is None:
-            raise SystemExit("the decode CUDA graphs were not captured")
-        runner.kv_cache.normal_(generator=torch.Generator(device=runner.kv_cache.device).manual_seed(rank))
-        timer = Timer(f"cuda:{rank}" if on_gpu else "cpu")
-        # The all-reduces alone first, every rank together; then the steps, which the followers only follow.
-        collectives = {
-            tokens: allreduce_us(group, tokens, model.hidden_size, model.num_layers, timer, settings)
-            for tokens in (*settings.batches, *settings.prefill_lens)
-        }
-        if not group.is_lead:
-            follow_timed(built, group, Path(out_path).with_suffix(f".rank{rank}.steps.json"))
-            return
-        if rates is not None:
-            print(f"rank 0 GPU: HBM copy {rates[0]:.0f} GB/s, bf16 matmul {rates[1]:.0f} TFLOP/s", flush=True)
-        print(
-            f"ranks built in {time.perf_counter() - t0:.0f} s; cache {built.layout.num_blocks} blocks; "
-            f"small all-reduces: {'symmetric memory' if group.fast is not None else 'NCCL' if on_gpu else 'gloo'}",
-            flush=True,
-        )
-        try:
-            lead_steps(
-                built,
-                settings,
-                timer,
-                rates,
-                collectives,
-                lambda rows, skipped: write_json(out_path, settings, rows, skipped, rates, built),
-            )
-        finally:
-            if built.tensor_parallel is not None:  # None at --tp 1
-                built.tensor_parallel.stop_followers()
-            Path(out_path).with_suffix(".rank0.steps.json").write_text(json.dumps(_LEAD_TIMES))
-    finally:
+        _rank_work(rank, settings, group, out_path)
+    except BaseException:
         close_tp_group()
+        raise
+    if on_gpu:
+        # Every result is written. Tearing NCCL down (destroy_process_group) hung at exit in 4 of 7 GPU runs of
+        # this script (2x and 4x H200), so a rank that finished leaves without it; spawn sees exit code 0.
+        sys.stdout.flush()
+        os._exit(0)
+    close_tp_group()
+
+
+def _rank_work(rank: int, settings: Settings, group: TPGroup, out_path: str) -> None:
+    on_gpu = settings.device == "cuda"
+    rates = None
+    if on_gpu:
+        rates = (copy_bandwidth_gbps(), measure_matmul_tflops(f"cuda:{rank}", torch.bfloat16, 8192))
+    source = resolve_model(settings.model)
+    model = load_model_config(source)
+    t0 = time.perf_counter()
+    progress = StartupProgress(
+        (lambda message: print(f"[start-up] {message}", flush=True)) if rank == 0 else None
+    )
+    built = build_runner(rank_config(settings, rank), source, model, progress, group)
+    runner = built.runner
+    if on_gpu and runner.graphs is None:
+        raise SystemExit("the decode CUDA graphs were not captured")
+    runner.kv_cache.normal_(generator=torch.Generator(device=runner.kv_cache.device).manual_seed(rank))
+    timer = Timer(f"cuda:{rank}" if on_gpu else "cpu")
+    # The all-reduces alone first, every rank together; then the steps, which the followers only follow.
+    collectives = {
+        tokens: allreduce_us(group, tokens, model.hidden_size, model.num_layers, timer, settings)
+        for tokens in (*settings.batches, *settings.prefill_lens)
+    }
+    if not group.is_lead:
+        follow_timed(built, group, Path(out_path).with_suffix(f".rank{rank}.steps.json"))
+        return
+    if rates is not None:
+        print(f"rank 0 GPU: HBM copy {rates[0]:.0f} GB/s, bf16 matmul {rates[1]:.0f} TFLOP/s", flush=True)
+    print(
+        f"ranks built in {time.perf_counter() - t0:.0f} s; cache {built.layout.num_blocks} blocks; "
+        f"small all-reduces: {'symmetric memory' if group.fast is not None else 'NCCL' if on_gpu else 'gloo'}",
+        flush=True,
+    )
+    try:
+        lead_steps(
+            built,
+            settings,
+            timer,
+            rates,
+            collectives,
+            lambda rows, skipped: write_json(out_path, settings, rows, skipped, rates, built),
+        )
+    finally:
+        if built.tensor_parallel is not None:  # None at --tp 1
+            built.tensor_parallel.stop_followers()
+        Path(out_path).with_suffix(".rank0.steps.json").write_text(json.dumps(_LEAD_TIMES))
 
 
 def lead_steps(
