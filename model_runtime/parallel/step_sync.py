@@ -1,8 +1,8 @@
-"""Lockstep: the lead rank tells the others what each step runs, as raw integers over torch.distributed.
+"""Lockstep: the lead rank tells the others what each step runs, as raw integers, never pickle.
 
 Only the lead schedules. Every step it publishes the HostBatch it built (model_runner's host-side inputs) and
 then runs it; the other ranks receive the same batch and run it too, so every rank makes the same collectives
-in the same order. Broadcasts on the host group, never pickle:
+in the same order. Each message is a header and, for some kinds, a payload:
 
     header   int64 [5]:  kind, then per kind:
                          STEP     T tokens, B sequences, S sampling rows, W block-table width
@@ -16,6 +16,22 @@ in the same order. Broadcasts on the host group, never pickle:
 query_lens and the host lists are derived from query_start and seq_lens on arrival, so a received batch is
 equal to the sent one field for field.
 
+Transport. Every rank of an engine is on one node, so the lead writes each message once into a shared-memory
+ring (model_runtime.parallel.shm_channel) that the followers poll: a step reaches them in microseconds, where a
+gloo broadcast over loopback takes 100-250 us, late enough to hold up the step's first all-reduce. One ring
+message per lead message:
+
+    int64 [6]: the header, then where the payload is (PAYLOAD_HERE / PAYLOAD_ON_GLOO) | the payload's bytes
+
+A payload larger than a slot (a step of a very long prompt batch) goes as before, as a gloo broadcast on the
+host group right after its header; the header on the ring says so. GATHER's answers come back over the host
+group (an all-gather), its request travels on the ring like every other message, so everything stays in the
+order the lead issued it. The ring is set up at the first message, where the first broadcast used to be, not
+in the constructors: the lead makes its publisher before the start-up collectives (TensorParallel.join, in
+build_runner) and a follower its receiver after them, and the set-up's two collectives must pair up on every
+rank. Where a ring cannot be made or mapped on any rank, or a rank passed shared_memory=False, every rank uses
+the host group's broadcasts for everything (the reason is logged).
+
 CONTROL and GATHER are the two directions of a channel between the lead and whatever runs beside each follower's
 step loop (a rank's KV agent, for a worker whose ranks each send or receive their own heads). CONTROL carries
 bytes the receiving side parses itself (a protobuf message; the channel never interprets them). GATHER brings
@@ -26,6 +42,8 @@ are ordered with the steps exactly as the lead issued them.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -33,27 +51,41 @@ import torch
 
 from model_runtime.host_batch import HostBatch
 from model_runtime.parallel.group import TPGroup
+from model_runtime.parallel.shm_channel import ReaderExited, ShmReader, ShmWriter
+
+log = logging.getLogger(__name__)
 
 STEP, STOP, CONTROL, GATHER = 1, 0, 2, 3
 _HEADER = 5
 MAX_CONTROL_BYTES = 1 << 20  # a control message names requests, blocks and peers; never KV data
+PAYLOAD_HERE, PAYLOAD_ON_GLOO = 0, 1  # a ring message's sixth word
+_FRAME_BYTES = (_HEADER + 1) * 8  # a ring message's payload starts here
+_PATH_BYTES = 1024  # the set-up broadcasts the ring's path in this many bytes (an empty path: no ring)
 
 
 class StepPublisher:
-    """The lead's side: `publish(batch)` before running each step, `stop()` once at shutdown (safe twice)."""
+    """The lead's side: `publish(batch)` before running each step, `stop()` once at shutdown (safe twice).
+    `shared_memory=False` sends everything over the host group's broadcasts (on every rank: the ranks agree)."""
 
-    def __init__(self, group: TPGroup) -> None:
+    def __init__(self, group: TPGroup, shared_memory: bool = True) -> None:
         if not group.is_lead:
             raise ValueError(f"StepPublisher: only the lead rank publishes steps, this is rank {group.rank}")
         self._group = group
+        self._shared_memory = shared_memory
+        self._set_up = False  # the first message sets the transport up (see the module docstring)
+        self._ring: ShmWriter | None = None
         self._stopped = False
+
+    @property
+    def on_shared_memory(self) -> bool:
+        """Whether messages go over the shared-memory ring (known from the first message on)."""
+        return self._ring is not None
 
     def publish(self, batch: HostBatch) -> None:
         if self._stopped:
             raise RuntimeError("StepPublisher: the other ranks were stopped; no step can run")
         header, payload = encode(batch)
-        self._group.broadcast_host(header)
-        self._group.broadcast_host(payload)
+        self._send(header, payload)
 
     def control(self, message: bytes) -> None:
         """Hand `message` to every follower's `on_control`, between two steps."""
@@ -63,8 +95,8 @@ class StepPublisher:
             raise ValueError(
                 f"StepPublisher.control: {len(message)} bytes; a message is 1 to {MAX_CONTROL_BYTES}"
             )
-        self._group.broadcast_host(torch.tensor([CONTROL, len(message), 0, 0, 0], dtype=torch.int64))
-        self._group.broadcast_host(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+        header = torch.tensor([CONTROL, len(message), 0, 0, 0], dtype=torch.int64)
+        self._send(header, torch.frombuffer(bytearray(message), dtype=torch.uint8))
 
     def gather(self, width: int) -> list[list[int]]:
         """What each follower queued for the lead (rank 1, 2, ... in order): at most width - 1 words each."""
@@ -72,7 +104,7 @@ class StepPublisher:
             raise RuntimeError("StepPublisher: the other ranks were stopped; they report nothing")
         if width < 2:
             raise ValueError(f"StepPublisher.gather: width must be >= 2 (a count and a word), got {width}")
-        self._group.broadcast_host(torch.tensor([GATHER, width, 0, 0, 0], dtype=torch.int64))
+        self._send(torch.tensor([GATHER, width, 0, 0, 0], dtype=torch.int64), None)
         rows = self._group.all_gather_host(torch.zeros(width, dtype=torch.int64))  # the lead reports nothing
         return [_unpack(row, rank) for rank, row in enumerate(rows) if rank != self._group.rank]
 
@@ -81,7 +113,36 @@ class StepPublisher:
         if self._stopped:
             return
         self._stopped = True
-        self._group.broadcast_host(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64))
+        try:
+            self._send(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64), None)
+        finally:
+            if self._ring is not None:
+                self._ring.close()  # the followers' mappings outlive it: they still read the STOP
+
+    def _send(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
+        if not self._set_up:
+            self._ring = _open_writer(self._group, self._shared_memory)
+            self._set_up = True
+        if self._ring is None:
+            self._group.broadcast_host(header)
+            if payload is not None:
+                self._group.broadcast_host(payload)
+        elif payload is not None and _FRAME_BYTES + payload.nbytes > self._ring.slot_bytes:
+            self._ring_send(self._ring, header, PAYLOAD_ON_GLOO)
+            self._group.broadcast_host(payload)
+        else:
+            self._ring_send(self._ring, header, PAYLOAD_HERE, payload)
+
+    def _ring_send(
+        self, ring: ShmWriter, header: torch.Tensor, where: int, payload: torch.Tensor | None = None
+    ) -> None:
+        frame = np.append(header.numpy(), where)
+        try:
+            ring.send(*((frame,) if payload is None else (frame, payload.numpy())))
+        except ReaderExited as err:
+            raise RuntimeError(
+                f"StepPublisher: rank {err.reader + 1} (pid {err.pid}) exited; the engine cannot step without it"
+            ) from err
 
 
 class StepReceiver:
@@ -97,34 +158,65 @@ class StepReceiver:
         group: TPGroup,
         on_control: Callable[[bytes], None] | None = None,
         reports: Callable[[int], Sequence[int]] | None = None,
+        shared_memory: bool = True,
     ) -> None:
         if group.is_lead:
             raise ValueError("StepReceiver: the lead rank publishes steps, it does not receive them")
         self._group = group
         self._on_control = on_control
         self._reports = reports
+        self._shared_memory = shared_memory
+        self._set_up = False  # the lead's first message sets the transport up
+        self._ring: ShmReader | None = None
+
+    @property
+    def on_shared_memory(self) -> bool:
+        """Whether messages come over the shared-memory ring (known from the first message on)."""
+        return self._ring is not None
 
     def receive(self) -> HostBatch | None:
         while True:
-            header = torch.empty(_HEADER, dtype=torch.int64)
-            self._group.broadcast_host(header)
-            kind, t, b, s, w = header.tolist()
+            header, inline = self._next()
+            kind, t, b, s, w = header
             if kind == STOP:
+                if self._ring is not None:
+                    self._ring.close()
                 return None
             if kind == STEP:
-                payload = torch.empty(3 * t + s + 2 * b + 1 + b * w, dtype=torch.int64)
-                self._group.broadcast_host(payload)
-                return decode(header, payload)
+                payload = self._payload(inline, 3 * t + s + 2 * b + 1 + b * w, torch.int64)
+                return decode(torch.tensor(header, dtype=torch.int64), payload)
             if kind == CONTROL:
-                self._control(t)
+                self._control(self._payload(inline, t, torch.uint8))
             elif kind == GATHER:
                 self._gather(t)
             else:
                 raise RuntimeError(f"StepReceiver: unknown message kind {kind} from the lead rank")
 
-    def _control(self, size: int) -> None:
-        message = torch.empty(size, dtype=torch.uint8)
-        self._group.broadcast_host(message)
+    def _next(self) -> tuple[list[int], memoryview | None]:
+        """The next message's header, and its payload's bytes when they came with it (None: on gloo)."""
+        if not self._set_up:
+            self._ring = _open_reader(self._group, self._shared_memory)
+            self._set_up = True
+        if self._ring is None:
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            self._group.broadcast_host(header)
+            return header.tolist(), None
+        frame = self._ring.receive()
+        words = np.frombuffer(frame, dtype=np.int64, count=_HEADER + 1).tolist()
+        return words[:_HEADER], memoryview(frame)[_FRAME_BYTES:] if words[_HEADER] == PAYLOAD_HERE else None
+
+    def _payload(self, inline: memoryview | None, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """The message's payload of `count` elements: from the ring message, or the host group's broadcast."""
+        if inline is None:
+            payload = torch.empty(count, dtype=dtype)
+            self._group.broadcast_host(payload)
+            return payload
+        size = count * dtype.itemsize
+        if len(inline) != size or count < 1:
+            raise RuntimeError(f"StepReceiver: a payload of {len(inline)} bytes where its header says {size}")
+        return torch.frombuffer(inline, dtype=dtype)
+
+    def _control(self, message: torch.Tensor) -> None:
         if self._on_control is None:
             raise RuntimeError(
                 f"StepReceiver: rank {self._group.rank} got a control message and has no handler"
@@ -139,6 +231,69 @@ class StepReceiver:
         row[0] = len(words)
         row[1 : 1 + len(words)] = torch.tensor(words, dtype=torch.int64)
         self._group.all_gather_host(row)
+
+
+def _open_writer(group: TPGroup, wanted: bool) -> ShmWriter | None:
+    """The lead's half of the ring's set-up (two host-group collectives, paired with _open_reader): make the
+    ring, broadcast its path, learn whether every follower mapped it, then remove its name either way."""
+    ring = _create_ring(group.size - 1) if wanted else None
+    path = np.zeros(_PATH_BYTES, dtype=np.uint8)  # all zeros: no ring
+    if ring is not None:
+        name = os.fsencode(ring.path)
+        path[: len(name)] = np.frombuffer(name, dtype=np.uint8)
+    group.broadcast_host(torch.from_numpy(path))
+    attached = _agree(group, ring is not None)
+    if ring is None:
+        return None
+    ring.unlink()  # every follower has mapped it, or never will
+    if not all(attached):
+        missing = [rank for rank, ok in enumerate(attached) if not ok]
+        log.warning(
+            "step_sync: ranks %s cannot map the shared-memory ring; steps go over the host group", missing
+        )
+        ring.close()
+        return None
+    log.info("step_sync: the lead's messages go over a shared-memory ring (%d bytes a slot)", ring.slot_bytes)
+    return ring
+
+
+def _create_ring(num_readers: int) -> ShmWriter | None:
+    """A ring whose path fits the set-up's broadcast, or None (the reason logged)."""
+    try:
+        ring = ShmWriter.create(num_readers)
+    except OSError as err:
+        log.warning("step_sync: no shared-memory ring (%s); steps go over the host group", err)
+        return None
+    if len(os.fsencode(ring.path)) > _PATH_BYTES:
+        log.warning(
+            "step_sync: the ring's path %s is too long to send; steps go over the host group", ring.path
+        )
+        ring.close()
+        return None
+    return ring
+
+
+def _open_reader(group: TPGroup, wanted: bool) -> ShmReader | None:
+    """A follower's half of the set-up: map the ring whose path the lead broadcasts, and agree on using it."""
+    message = torch.empty(_PATH_BYTES, dtype=torch.uint8)
+    group.broadcast_host(message)
+    path = os.fsdecode(message.numpy().tobytes().rstrip(b"\0"))
+    ring = None
+    if path and wanted:
+        try:
+            ring = ShmReader.attach(path, group.rank - 1)
+        except (OSError, ValueError) as err:
+            log.warning("step_sync: rank %d cannot map the shared-memory ring (%s)", group.rank, err)
+    if all(_agree(group, ring is not None)):
+        return ring
+    if ring is not None:
+        ring.close()
+    return None
+
+
+def _agree(group: TPGroup, ok: bool) -> list[bool]:
+    """Every rank's `ok`, in rank order (the lead's first)."""
+    return [bool(row.item()) for row in group.all_gather_host(torch.tensor([int(ok)], dtype=torch.int64))]
 
 
 def _unpack(row: torch.Tensor, rank: int) -> list[int]:
