@@ -270,7 +270,7 @@ def test_tensor_parallel_values_run_workers_of_several_gpus_per_pod() -> None:
     so a pod advertises 8 units (devices), not 4 (workers), and exposes 4 metrics ports (one per rank 0)."""
     r = rendered("tensor-parallel-values.yaml")
     assert r.values["colocated"]["gpusPerWorker"] == 8
-    assert r.values["colocated"]["engine"]["parallel"] == {"tensorParallelSize": 2}
+    assert r.values["colocated"]["engine"]["parallel"] == {"tensorParallelSize": 2, "allReduce": "nccl"}
     group = r.one("RayCluster")["spec"]["workerGroupSpecs"]
     assert [g["groupName"] for g in group] == ["colocated"]
     pods = group[0]["replicas"]
@@ -288,6 +288,7 @@ def test_tensor_parallel_values_run_workers_of_several_gpus_per_pod() -> None:
     config = rendered_config(r)
     pool = config.colocated
     assert pool.engine.parallel.tensor_parallel_size == 2
+    assert pool.engine.parallel.all_reduce == "nccl"  # the chart's camelCase key reaches the engine config
     assert (pool.replicas, pool.num_gpus, pool.ray_resources) == (pods * 4, 1, {"tandem_colocated": 1})
     assert (pool.metrics_port, pool.metrics_port_count) == (9465, 4)
     bounds = config.autoscaler.bounds(

@@ -329,3 +329,12 @@ def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
         assert row["kv_bytes"] == tokens * whole.kv_bytes_per_token // 2, row
         assert 0.4 * whole.weight_bytes_read < row["weight_bytes"] < 0.7 * whole.weight_bytes_read, row
         assert row["step_us"] > 0 and row["allreduce_us"] > 0, row  # no order between timings on a shared box
+        assert set(row["allreduce_paths_us"]) == {"step", "nccl"}, row  # no symmetric memory on a CPU
+    # Every timed step's host timeline, from both ranks' records: the follower received each step after the
+    # lead started it (one clock on one host), and the lead had the ids after it had queued the step.
+    timeline = doc["host_timeline_us"]
+    assert set(timeline) == {"decode batch 2 ctx 32", "decode batch 4 ctx 32", "prefill 48"}
+    for spans in timeline.values():
+        assert 0 < spans["rank1_received"] <= spans["rank1_queued"], spans
+        assert 0 < spans["lead_queued"] <= spans["lead_done"], spans
+    assert not list(tmp_path.glob("*.steps.json")), "the ranks' step records are removed once merged"

@@ -57,7 +57,9 @@ def test_the_busiest_other_router_process_is_found_among_the_children_and_measur
         for proc in (busy, idle, other):
             proc.kill()
             proc.wait()
-    assert busiest > 0.5, busiest
+    # The spinning child's share, not the idle one's (about 0): on the 2-core CI box beside the other test half
+    # it got exactly 0.5 of a core once, so the bound sits well under that and well above idle.
+    assert busiest > 0.25, busiest
     assert child_pids(os.getpid(), "deploy.router") == ()  # gone
 
 

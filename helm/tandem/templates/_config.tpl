@@ -26,8 +26,8 @@ hand-assembled YAML, so quoting and nesting are always valid. Keys are the confi
 {{- $_ := set $config "metrics_port" (int .ctx.Values.workers.metricsPort) -}}
 {{- $_ := set $config "metrics_port_count" $perPod -}}
 {{- $engine := include "tandem.engineConfig" ($pool.engine | default dict) | fromJson -}}
-{{- /* `parallel` holds only tensorParallelSize (values.schema.json). At 1, the deploy config's default, it is
-left out, so a one-device pool's config, and the checksum that rolls the routers and the controller, stay as
+{{- /* `parallel` holds tensorParallelSize and allReduce (values.schema.json). At a size of 1, the deploy config's
+default, it is left out (allReduce means nothing on one device), so a one-device pool's config, and the checksum that rolls the routers and the controller, stay as
 they were before the chart knew the key. */ -}}
 {{- if eq (int (include "tandem.tensorParallelSize" $pool)) 1 -}}
 {{- $_ := unset $engine "parallel" -}}
