@@ -109,8 +109,10 @@ class Settings:
     device: str  # "cuda" or "cpu" (--smoke)
     gpu_memory_utilization: float
     profile: tuple[int, int] | None = None  # (batch, context) to profile on rank 0 after the rows
-    all_reduce: str = (
-        "auto"  # parallel.all_reduce: "auto" (symmetric memory for small sums where usable), "nccl"
+    # parallel.all_reduce: "auto" (symmetric memory for small sums where usable) or "nccl"
+    all_reduce: str = "auto"
+    step_channel: str = (
+        "shm"  # how the lead's steps reach the other ranks: "shm" (the engine's way) or "gloo"
     )
 
 
@@ -245,7 +247,12 @@ def _rank_work(rank: int, settings: Settings, group: TPGroup, out_path: str) -> 
         for tokens in (*settings.batches, *settings.prefill_lens)
     }
     if not group.is_lead:
-        follow_timed(built, group, Path(out_path).with_suffix(f".rank{rank}.steps.json"))
+        follow_timed(
+            built,
+            group,
+            Path(out_path).with_suffix(f".rank{rank}.steps.json"),
+            shared_memory=settings.step_channel == "shm",
+        )
         return
     if rates is not None:
         print(f"rank 0 GPU: HBM copy {rates[0]:.0f} GB/s, bf16 matmul {rates[1]:.0f} TFLOP/s", flush=True)
@@ -263,6 +270,11 @@ def _rank_work(rank: int, settings: Settings, group: TPGroup, out_path: str) -> 
             collectives,
             lambda rows, skipped: write_json(out_path, settings, rows, skipped, rates, built),
         )
+        tp = built.tensor_parallel
+        if tp is not None and tp.publisher is not None:
+            print(
+                f"steps went over {'shared memory' if tp.publisher.on_shared_memory else 'gloo'}", flush=True
+            )
     finally:
         if built.tensor_parallel is not None:  # None at --tp 1
             built.tensor_parallel.stop_followers()
@@ -387,9 +399,10 @@ def lead_step(runner: ModelRunner, out: SchedulerOutput, label: str, use_graphs:
     _LEAD_TIMES.append((label, start, queued, time.monotonic_ns()))
 
 
-def follow_timed(built: RankRunner, group: TPGroup, path: Path) -> None:
-    """model_runtime.parallel.follower.follow, recording when each step arrived and was queued."""
-    receiver = StepReceiver(group)
+def follow_timed(built: RankRunner, group: TPGroup, path: Path, shared_memory: bool = True) -> None:
+    """model_runtime.parallel.follower.follow, recording when each step arrived and was queued.
+    `shared_memory=False` makes every rank send the steps over gloo (the ranks agree at the first message)."""
+    receiver = StepReceiver(group, shared_memory=shared_memory)
     times = []
     while (batch := receiver.receive()) is not None:
         received = time.monotonic_ns()
@@ -503,6 +516,12 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="parallel.all_reduce: auto = small sums over CUDA symmetric memory where every rank can",
     )
+    parser.add_argument(
+        "--step-channel",
+        choices=("shm", "gloo"),
+        default="shm",
+        help="the steps' way to the other ranks: the shared-memory ring (the engine's) or gloo broadcasts",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny-llama, TP=2, a few steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -515,7 +534,18 @@ def main(argv: list[str] | None = None) -> None:
         profile_at = (b, c)
     if args.smoke:
         settings = Settings(
-            "dummy:tiny-llama", 2, (2, 4), (32,), (48,), 1, 3, "cpu", 0.9, profile_at, args.all_reduce
+            "dummy:tiny-llama",
+            2,
+            (2, 4),
+            (32,),
+            (48,),
+            1,
+            3,
+            "cpu",
+            0.9,
+            profile_at,
+            args.all_reduce,
+            args.step_channel,
         )
     else:
         if not torch.cuda.is_available():
@@ -536,6 +566,7 @@ def main(argv: list[str] | None = None) -> None:
             args.gpu_memory_utilization,
             profile_at,
             args.all_reduce,
+            args.step_channel,
         )
     out = args.out or default_out(settings)
     # NVLink multicast stays off unless the caller set it (../shared/gpu/README.md: it can take a shared host's
