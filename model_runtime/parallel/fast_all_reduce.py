@@ -13,7 +13,8 @@ rank sums one slice and the ranks then gather the sums (two-shot). torch provide
 
 Set-up is all or nothing: every rank checks it can allocate and map the buffer, the ranks agree on the host
 group, one sum is checked against NCCL's, and they agree again. Any rank that cannot (an old torch, a rank that
-sees only its own GPU, no peer access) makes every rank keep NCCL, with the reason logged.
+sees fewer GPUs than the group spans, as under Ray's one GPU per actor, no peer access) makes every rank keep
+NCCL, with the reason logged.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class FastAllReduce:
                 log.info("rank %d: small all-reduces stay on NCCL (another rank failed at %s)", rank, step)
             return int(flag.item()) == 1
 
-        buffer, why = _allocate(device, max_bytes)
+        buffer, why = _allocate(device, max_bytes, dist.get_world_size(group))
         if not agree(buffer is not None, "allocation", why):
             return None
         assert buffer is not None
@@ -98,9 +99,13 @@ class FastAllReduce:
         return fast
 
 
-def _allocate(device: torch.device, nbytes: int) -> tuple[torch.Tensor | None, str]:
+def _allocate(device: torch.device, nbytes: int, ranks: int) -> tuple[torch.Tensor | None, str]:
     if device.type != "cuda":
         return None, "not a CUDA device"
+    if torch.cuda.device_count() < ranks:
+        # Under Ray each rank's process sees only its own GPU (CUDA_VISIBLE_DEVICES): its peers' memory is on
+        # devices it cannot name, and mapping it is not something to try inside a serving process.
+        return None, f"this process sees {torch.cuda.device_count()} GPU(s), the group spans {ranks}"
     ops = getattr(torch.ops, "symm_mem", None)
     for op in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out"):
         if ops is None or not hasattr(ops, op):
