@@ -54,6 +54,7 @@ from bench.decode_step import BLOCK_SIZE, blocks_needed, copy_bandwidth_gbps, de
 from bench.dvc_deployments import free_port
 from bench.harness import ModelCost, measure_matmul_tflops, median_seconds
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from model_runtime.host_batch import build_host_batch
 from model_runtime.model_runner import ModelRunner
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
 from model_runtime.parallel.step_sync import StepReceiver
@@ -386,17 +387,24 @@ def profile_step(built: RankRunner, settings: Settings, timer: Timer, gen: torch
 _PROFILE_TEXT: list[str] = []
 
 # The host timeline of every step (time.monotonic_ns, one clock for every process of the host): the lead's
-# (label, started, all queued, ids on the host), each follower's (received, all queued), in step order.
-_LEAD_TIMES: list[tuple[str, int, int, int]] = []
+# (label, started, host batch built, published, all queued, ids on the host), each follower's (received, all
+# queued), in step order.
+_LEAD_TIMES: list[tuple[str, int, int, int, int, int]] = []
 
 
 def lead_step(runner: ModelRunner, out: SchedulerOutput, label: str, use_graphs: bool = True) -> None:
-    """One step as the engine's lead runs it (publish, run, logits gathered, greedy ids to the host), timed."""
+    """One step as the engine's lead runs it (ModelRunner.execute's three parts: build the host batch, publish
+    it, run it; then the logits gathered and greedy ids to the host), timed between the parts."""
     start = time.monotonic_ns()
-    logits = runner.execute(out, use_graphs=use_graphs)
+    batch = build_host_batch(out, runner.layout.block_size, runner.block_tables)
+    built = time.monotonic_ns()
+    if runner.tensor_parallel is not None:
+        runner.tensor_parallel.publish(batch)
+    published = time.monotonic_ns()
+    logits = runner.execute_batch(batch, use_graphs=use_graphs)
     queued = time.monotonic_ns()
     logits.argmax(-1).tolist()
-    _LEAD_TIMES.append((label, start, queued, time.monotonic_ns()))
+    _LEAD_TIMES.append((label, start, built, published, queued, time.monotonic_ns()))
 
 
 def follow_timed(built: RankRunner, group: TPGroup, path: Path, shared_memory: bool = True) -> None:
@@ -412,8 +420,9 @@ def follow_timed(built: RankRunner, group: TPGroup, path: Path, shared_memory: b
 
 
 def host_timeline(out: str, ranks: int) -> dict[str, dict[str, float]]:
-    """Per label, the median microseconds from the lead's start of a step to: the lead's kernels all queued,
-    its ids on the host, and each follower's receipt and queued kernels (from the files the ranks wrote)."""
+    """Per label, the median microseconds from the lead's start of a step to: its host batch built, published,
+    the lead's kernels all queued, its ids on the host, and each follower's receipt and queued kernels (from the
+    files the ranks wrote)."""
     lead_path = Path(out).with_suffix(".rank0.steps.json")
     if not lead_path.exists():
         return {}
@@ -423,8 +432,10 @@ def host_timeline(out: str, ranks: int) -> dict[str, dict[str, float]]:
         path = Path(out).with_suffix(f".rank{r}.steps.json")
         followers.append(json.loads(path.read_text()) if path.exists() else [])
     spans: dict[str, dict[str, list[float]]] = {}
-    for i, (label, start, queued, done) in enumerate(lead):
+    for i, (label, start, built, published, queued, done) in enumerate(lead):
         span = spans.setdefault(label, {})
+        span.setdefault("lead_built", []).append((built - start) / 1e3)
+        span.setdefault("lead_published", []).append((published - start) / 1e3)
         span.setdefault("lead_queued", []).append((queued - start) / 1e3)
         span.setdefault("lead_done", []).append((done - start) / 1e3)
         for r, steps in enumerate(followers, start=1):
