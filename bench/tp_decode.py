@@ -218,7 +218,7 @@ def run_rank(rank: int, settings: Settings, port: int, out_path: str) -> None:
         close_tp_group()
         raise
     if on_gpu:
-        # Every result is written. Tearing NCCL down (destroy_process_group) hung at exit in 4 of 7 GPU runs of
+        # Every result is written. Tearing NCCL down (destroy_process_group) hung at exit in 5 of 7 GPU runs of
         # this script (2x and 4x H200), so a rank that finished leaves without it; spawn sees exit code 0.
         sys.stdout.flush()
         os._exit(0)
