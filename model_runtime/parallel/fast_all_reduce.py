@@ -131,7 +131,8 @@ def _check(
     fast: FastAllReduce, group: dist.ProcessGroup, device: torch.device, rank: int
 ) -> tuple[bool, str]:
     """One sum of each path (one-shot and two-shot sizes) equal to NCCL's, exactly (small integers)."""
-    for rows in (4, fast.one_shot_max // 4096 + 8):  # [rows, 1024] bfloat16: one-shot, then two-shot
+    row_bytes = 1024 * torch.bfloat16.itemsize
+    for rows in (4, fast.one_shot_max // row_bytes + 8):  # [rows, 1024] bfloat16: one-shot, then two-shot
         x = torch.arange(rows * 1024, device=device, dtype=torch.float32).remainder(17).add(rank)
         x = x.to(torch.bfloat16).view(rows, 1024)
         expected = x.clone()
