@@ -8,7 +8,7 @@ barrier of signal flags, and sums the peers' buffers as it reads them (one-shot)
 rank sums one slice and the ranks then gather the sums (two-shot). torch provides both kernels
 (torch.ops.symm_mem, over CUDA IPC; NVLink multicast stays off), and CUDA graphs capture them.
 
-    FastAllReduce.setup(group, device)   collective, once, before any graph capture; None where unusable
+    FastAllReduce.setup(group, device)   collective (a TPGroup), once, before any graph capture; None where unusable
     fast(x) -> summed tensor, or None    None: too large or not a CUDA tensor, so the caller runs NCCL
 
 Set-up is all or nothing: every rank checks it can allocate and map the buffer, the ranks agree on the host
@@ -23,9 +23,13 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from model_runtime.parallel.group import TPGroup  # which imports this module
 
 log = logging.getLogger(__name__)
 
@@ -65,39 +69,32 @@ class FastAllReduce:
         return out
 
     @classmethod
-    def setup(
-        cls,
-        group: dist.ProcessGroup,
-        host_group: dist.ProcessGroup,
-        device: torch.device,
-        max_bytes: int = MAX_BYTES,
-    ) -> FastAllReduce | None:
-        """Collective over every rank of `group` (NCCL) and `host_group` (gloo); None on every rank unless every
-        rank can use it."""
-        rank = dist.get_rank(group)
+    def setup(cls, group: TPGroup, device: torch.device, max_bytes: int = MAX_BYTES) -> FastAllReduce | None:
+        """Collective over every rank of `group` (its device group and its host group); None on every rank
+        unless every rank can use it."""
 
         def agree(ok: bool, step: str, why: str) -> bool:
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group)
+            everyone = group.agree_min(1 if ok else 0) == 1
             if not ok:
-                log.info("rank %d: small all-reduces stay on NCCL (%s: %s)", rank, step, why)
-            elif int(flag.item()) == 0:
-                log.info("rank %d: small all-reduces stay on NCCL (another rank failed at %s)", rank, step)
-            return int(flag.item()) == 1
+                log.info("rank %d: small all-reduces stay on NCCL (%s: %s)", group.rank, step, why)
+            elif not everyone:
+                log.info(
+                    "rank %d: small all-reduces stay on NCCL (another rank failed at %s)", group.rank, step
+                )
+            return everyone
 
-        buffer, why = _allocate(device, max_bytes, dist.get_world_size(group))
+        buffer, why = _allocate(device, max_bytes, group.size)
         if not agree(buffer is not None, "allocation", why):
             return None
         assert buffer is not None
-        name = group.group_name
-        handle, why = _attempt(lambda: _rendezvous(buffer, group))
+        handle, why = _attempt(lambda: _rendezvous(buffer, group.device_group))
         if not agree(handle is not None, "rendezvous", why):
             return None
-        fast = cls(buffer, name)
-        ok, why = _check(fast, group, device, rank)
+        fast = cls(buffer, group.device_group.group_name)
+        ok, why = _check(fast, group, device)
         if not agree(ok, "check against NCCL", why):
             return None
-        log.info("rank %d: small all-reduces (<= %d bytes) over CUDA symmetric memory", rank, max_bytes)
+        log.info("rank %d: small all-reduces (<= %d bytes) over CUDA symmetric memory", group.rank, max_bytes)
         return fast
 
 
@@ -127,16 +124,14 @@ def _rendezvous(buffer: torch.Tensor, group: dist.ProcessGroup) -> object:
     return symm_mem.rendezvous(buffer, group.group_name)
 
 
-def _check(
-    fast: FastAllReduce, group: dist.ProcessGroup, device: torch.device, rank: int
-) -> tuple[bool, str]:
+def _check(fast: FastAllReduce, group: TPGroup, device: torch.device) -> tuple[bool, str]:
     """One sum of each path (one-shot and two-shot sizes) equal to NCCL's, exactly (small integers)."""
     row_bytes = 1024 * torch.bfloat16.itemsize
     for rows in (4, fast.one_shot_max // row_bytes + 8):  # [rows, 1024] bfloat16: one-shot, then two-shot
-        x = torch.arange(rows * 1024, device=device, dtype=torch.float32).remainder(17).add(rank)
+        x = torch.arange(rows * 1024, device=device, dtype=torch.float32).remainder(17).add(group.rank)
         x = x.to(torch.bfloat16).view(rows, 1024)
         expected = x.clone()
-        dist.all_reduce(expected, group=group)
+        dist.all_reduce(expected, group=group.device_group)
         got, why = _attempt(functools.partial(fast, x))
         if got is None:
             return False, why or "the fast path refused a tensor it should take"

@@ -17,6 +17,7 @@ lead: it schedules and samples).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 
@@ -109,10 +110,11 @@ def init_tp_group(
         torch.cuda.synchronize()
     host = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
     assert isinstance(host, dist.ProcessGroup)
-    fast = None
+    group = TPGroup(rank=rank, size=size, device_group=world, host_group=host)
     if backend == "nccl" and fast_all_reduce and size > 1:
-        fast = FastAllReduce.setup(world, host, torch.device("cuda", torch.cuda.current_device()))
-    return TPGroup(rank=rank, size=size, device_group=world, host_group=host, fast=fast)
+        here = torch.device("cuda", torch.cuda.current_device())
+        group = dataclasses.replace(group, fast=FastAllReduce.setup(group, here))
+    return group
 
 
 def close_tp_group() -> None:
