@@ -29,6 +29,9 @@ what splitting a prompt over N GPUs does to its time to first token.
 graphs, then eager), and prints and saves (beside the JSON, .profile.txt) its table of device time by kernel and
 host time by call: where a step's time goes beyond the floor.
 
+Every rank also records each step's host timeline (bench/tp_timeline.py): the medians are printed last and kept in
+the JSON as host_timeline_us.
+
 Writes bench/results/tp_decode_<model>_tp<N>_<gpu>.json (--out to change).
 """
 
@@ -45,7 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,11 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_step import BLOCK_SIZE, blocks_needed, copy_bandwidth_gbps, decode_step, weight_bytes_read
 from bench.dvc_deployments import free_port
 from bench.harness import ModelCost, measure_matmul_tflops, median_seconds
+from bench.tp_timeline import follow_timed, lead_step, report_timeline, write_lead_times
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from model_runtime.host_batch import build_host_batch
-from model_runtime.model_runner import ModelRunner
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
-from model_runtime.parallel.step_sync import StepReceiver
 from model_runtime.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from model_runtime.runner_setup import RankRunner, build_runner
 from model_runtime.startup import StartupProgress
@@ -248,12 +248,7 @@ def _rank_work(rank: int, settings: Settings, group: TPGroup, out_path: str) -> 
         for tokens in (*settings.batches, *settings.prefill_lens)
     }
     if not group.is_lead:
-        follow_timed(
-            built,
-            group,
-            Path(out_path).with_suffix(f".rank{rank}.steps.json"),
-            shared_memory=settings.step_channel == "shm",
-        )
+        follow_timed(built, group, out_path, shared_memory=settings.step_channel == "shm")
         return
     if rates is not None:
         print(f"rank 0 GPU: HBM copy {rates[0]:.0f} GB/s, bf16 matmul {rates[1]:.0f} TFLOP/s", flush=True)
@@ -279,7 +274,7 @@ def _rank_work(rank: int, settings: Settings, group: TPGroup, out_path: str) -> 
     finally:
         if built.tensor_parallel is not None:  # None at --tp 1
             built.tensor_parallel.stop_followers()
-        Path(out_path).with_suffix(".rank0.steps.json").write_text(json.dumps(_LEAD_TIMES))
+        write_lead_times(out_path)
 
 
 def lead_steps(
@@ -385,66 +380,6 @@ def profile_step(built: RankRunner, settings: Settings, timer: Timer, gen: torch
 
 
 _PROFILE_TEXT: list[str] = []
-
-# The host timeline of every step (time.monotonic_ns, one clock for every process of the host): the lead's
-# (label, started, host batch built, published, all queued, ids on the host), each follower's (received, all
-# queued), in step order.
-_LEAD_TIMES: list[tuple[str, int, int, int, int, int]] = []
-
-
-def lead_step(runner: ModelRunner, out: SchedulerOutput, label: str, use_graphs: bool = True) -> None:
-    """One step as the engine's lead runs it (ModelRunner.execute's three parts: build the host batch, publish
-    it, run it; then the logits gathered and greedy ids to the host), timed between the parts."""
-    start = time.monotonic_ns()
-    batch = build_host_batch(out, runner.layout.block_size, runner.block_tables)
-    built = time.monotonic_ns()
-    if runner.tensor_parallel is not None:
-        runner.tensor_parallel.publish(batch)
-    published = time.monotonic_ns()
-    logits = runner.execute_batch(batch, use_graphs=use_graphs)
-    queued = time.monotonic_ns()
-    logits.argmax(-1).tolist()
-    _LEAD_TIMES.append((label, start, built, published, queued, time.monotonic_ns()))
-
-
-def follow_timed(built: RankRunner, group: TPGroup, path: Path, shared_memory: bool = True) -> None:
-    """model_runtime.parallel.follower.follow, recording when each step arrived and was queued.
-    `shared_memory=False` makes every rank send the steps over gloo (the ranks agree at the first message)."""
-    receiver = StepReceiver(group, shared_memory=shared_memory)
-    times = []
-    while (batch := receiver.receive()) is not None:
-        received = time.monotonic_ns()
-        built.runner.execute_batch(batch)
-        times.append((received, time.monotonic_ns()))
-    path.write_text(json.dumps(times))
-
-
-def host_timeline(out: str, ranks: int) -> dict[str, dict[str, float]]:
-    """Per label, the median microseconds from the lead's start of a step to: its host batch built, published,
-    the lead's kernels all queued, its ids on the host, and each follower's receipt and queued kernels (from the
-    files the ranks wrote)."""
-    lead_path = Path(out).with_suffix(".rank0.steps.json")
-    if not lead_path.exists():
-        return {}
-    lead = json.loads(lead_path.read_text())
-    followers = []
-    for r in range(1, ranks):
-        path = Path(out).with_suffix(f".rank{r}.steps.json")
-        followers.append(json.loads(path.read_text()) if path.exists() else [])
-    spans: dict[str, dict[str, list[float]]] = {}
-    for i, (label, start, built, published, queued, done) in enumerate(lead):
-        span = spans.setdefault(label, {})
-        span.setdefault("lead_built", []).append((built - start) / 1e3)
-        span.setdefault("lead_published", []).append((published - start) / 1e3)
-        span.setdefault("lead_queued", []).append((queued - start) / 1e3)
-        span.setdefault("lead_done", []).append((done - start) / 1e3)
-        for r, steps in enumerate(followers, start=1):
-            if i < len(steps):
-                span.setdefault(f"rank{r}_received", []).append((steps[i][0] - start) / 1e3)
-                span.setdefault(f"rank{r}_queued", []).append((steps[i][1] - start) / 1e3)
-    for path in [lead_path] + [Path(out).with_suffix(f".rank{r}.steps.json") for r in range(1, ranks)]:
-        path.unlink(missing_ok=True)
-    return {label: {k: float(np.median(v)) for k, v in span.items()} for label, span in spans.items()}
 
 
 def prefill_step(length: int, num_blocks: int, vocab: int, gen: torch.Generator) -> SchedulerOutput:
@@ -590,14 +525,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(name, value)
     # spawn: a rank that raises ends the others and raises here with its traceback.
     torch.multiprocessing.spawn(run_rank, args=(settings, free_port(), out), nprocs=settings.tp, join=True)
-    timeline = host_timeline(out, settings.tp)
-    if timeline:
-        print("host timeline, median us from the lead's start of a step:")
-        for label, spans in timeline.items():
-            print(f"  {label}: " + ", ".join(f"{k} {v:.0f}" for k, v in spans.items()))
-        doc = json.loads(Path(out).read_text())
-        doc["host_timeline_us"] = timeline
-        Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    report_timeline(out, settings.tp)
 
 
 if __name__ == "__main__":
