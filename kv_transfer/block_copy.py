@@ -4,13 +4,15 @@ another by block id: the gather and scatter of the nccl transport and the cuda_i
     dst[l, kv, dst_ids[i]] = src[l, kv, src_ids[i]]     for every layer l, K|V plane kv and i
 
 A (layer, plane, block) chunk is contiguous (block_size x kv_heads x head_dim elements), so each program
-copies one chunk with wide loads and stores; one launch covers a whole part. It replaces torch's index_select /
+copies one chunk with wide loads and stores; one launch covers a whole part. A window of a block's heads (one
+piece of a handoff between tensor-parallel workers of different sizes, `DevicePointer.heads`) is block_size
+rows of heads x head_dim elements, a row stride apart: the program then copies row by row. It replaces torch's index_select /
 index_copy_ on the block dimension (two generic kernels, about half the HBM bandwidth in bench/kv_transfer.py)
 and, for cuda_ipc, a copy-engine call per run of consecutive blocks: with the sender's mapped cache as `src`
 the SMs read the peer's memory over NVLink directly into our blocks, scattered ids and all, with no staging.
 
 `src` and `dst` are tensors, or `DevicePointer`s for memory torch does not own (a peer's mapped cache); dims
-0-2 are (layer, K|V, block) and the rest must be contiguous. Block ids are int64 tensors on the device.
+0-2 are (layer, K|V, block), dim 3 the block's rows (tokens), and the rest contiguous within a row. Block ids are int64 tensors on the device.
 
 Over NVLink the kernel pulls 347-372 GB/s between two H200s (bench/block_copy.py), 91-95% of what the copy
 engines move for one contiguous buffer of the same size. A CUDA C version of it, launched through
@@ -43,6 +45,15 @@ class DevicePointer:
 
     def stride(self) -> tuple[int, ...]:
         return self.strides
+
+    def heads(self, begin: int, count: int) -> DevicePointer:
+        """Heads [begin, begin + count) of a cache shaped [L, 2, N, B, H, D], like tensor[..., begin:end, :]."""
+        return DevicePointer(
+            self.ptr + begin * self.strides[4] * self.dtype.itemsize,
+            self.dtype,
+            (*self.shape[:4], count, *self.shape[5:]),
+            self.strides,
+        )
 
     def layers(self, begin: int, end: int) -> DevicePointer:
         """Layers [begin, end), like tensor[begin:end]."""
@@ -93,7 +104,10 @@ def _kernel() -> Any:
         dst_s0,
         dst_s1,
         dst_s2,
-        chunk,
+        rows,
+        row_len,
+        src_rs,
+        dst_rs,
         STEP: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -105,10 +119,12 @@ def _kernel() -> Any:
         d = tl.load(dst_ids + i).to(tl.int64)
         src_base = src + layer * src_s0 + kv * src_s1 + s * src_s2
         dst_base = dst + layer * dst_s0 + kv * dst_s1 + d * dst_s2
-        for start in range(0, chunk, STEP):
-            offs = start + tl.arange(0, STEP)
-            mask = offs < chunk
-            tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+        for r in range(0, rows):
+            for start in range(0, row_len, STEP):
+                offs = start + tl.arange(0, STEP)
+                mask = offs < row_len
+                value = tl.load(src_base + r * src_rs + offs, mask=mask)
+                tl.store(dst_base + r * dst_rs + offs, value, mask=mask)
 
     return copy_blocks_kernel
 
@@ -122,18 +138,24 @@ def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
     num = int(src_ids.shape[0])
     if num != int(dst_ids.shape[0]):
         raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.shape[0]} destination ids")
-    layers, chunk = int(src.shape[0]), _chunk_elements(src.shape)
-    if int(dst.shape[0]) != layers or _chunk_elements(dst.shape) != chunk:
+    layers = int(src.shape[0])
+    if int(dst.shape[0]) != layers or tuple(src.shape)[3:] != tuple(dst.shape)[3:]:
         raise ValueError(f"copy_blocks: shapes {tuple(src.shape)} and {tuple(dst.shape)} do not match")
     if num == 0:
         return
     if not _COMPILED:
         _COMPILED.append(_kernel())
     ss, ds = src.stride(), dst.stride()
+    rows, row_len = _rows(src.shape)
+    src_rs, dst_rs = (int(ss[3]), int(ds[3])) if len(ss) > 3 else (row_len, row_len)
+    if src_rs == row_len and dst_rs == row_len:  # whole blocks: one contiguous chunk each
+        rows, row_len = 1, rows * row_len
+    step = min(CHUNK_ELEMENTS, _pow2(row_len))
     grid = (layers * 2 * num,)
     _COMPILED[0][grid](
-        src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], chunk, STEP=CHUNK_ELEMENTS
-    )
+        src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], rows, row_len, src_rs,
+        dst_rs, STEP=step,
+    )  # fmt: skip
 
 
 def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool) -> None:
@@ -152,8 +174,16 @@ def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather:
     torch.cuda.synchronize(cache.device)
 
 
-def _chunk_elements(shape: Any) -> int:
+def _rows(shape: Any) -> tuple[int, int]:
+    """(rows, elements per row) of one (layer, plane, block) chunk."""
+    dims = [int(size) for size in tuple(shape)[3:]]
+    if not dims:
+        return 1, 1
     out = 1
-    for size in tuple(shape)[3:]:
-        out *= int(size)
-    return out
+    for size in dims[1:]:
+        out *= size
+    return dims[0], out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -91,6 +91,21 @@ class FirstToken:
 
 
 @dataclass(frozen=True)
+class HeadWindow:
+    """The heads one transfer moves when the two caches hold different heads of the model (tensor-parallel
+    workers of different sizes, kv_transfer.shard_plan): heads [source_begin, source_begin + count) of the
+    sender's cache into [target_begin, target_begin + count) of the receiver's."""
+
+    source_begin: int
+    target_begin: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.source_begin < 0 or self.target_begin < 0 or self.count < 1:
+            raise ValueError(f"HeadWindow: begins must be >= 0 and count >= 1, got {self}")
+
+
+@dataclass(frozen=True)
 class Lease:
     """Blocks a receiver reserved for one request. `handle` is the credential; it stays out of repr and logs."""
 

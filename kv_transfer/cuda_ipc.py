@@ -349,5 +349,7 @@ class _IpcDrain(PartSink):
     def part(self, job: PartJob) -> None:
         raise TransferFailed(FailureReason.INTERNAL, "a drain sink takes no parts")
 
-    def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
+    def discard(
+        self, layer_begin: int, layer_end: int, num_blocks: int, heads: tuple[int, int] | None = None
+    ) -> None:
         pass

@@ -3,17 +3,22 @@
     reserve() ---> RESERVED --claim()--> RECEIVING --land()--> (caller owns the blocks)
                    |  ^ renew()             |
                    |  '---'                 |
-           cancel/expire: freed now    cancel/expire: only flagged; the receiving thread sees the flag,
-                                       stops writing, then fail_claimed() frees
+           cancel/expire: freed now    cancel/expire: only flagged; the receiving threads see the flag,
+                                       stop writing, then the last fail_claimed() frees
+
+A claim names the heads it fills (a window of the cache's heads; the whole cache unless the sender is one rank
+of a tensor-parallel prefill worker of another size). Several claims may fill one lease if their windows do
+not overlap: the lease lands when its windows cover every head and each claimant's writes completed; one
+claimant's failure fails the lease, and its blocks are freed once the last claimant has stopped writing.
 
 A lease lives `ttl_s` past its reservation or its last renew(). Its holder (the decode call waiting for the
 KV) renews it while it waits, so a prompt queued for a long time on the prefill side keeps its room; once a
 sender claims it, renewals stop and the transfer has what is left of the last term, so a stalled transfer or
 a holder that vanished still ends within one TTL.
 
-Invariant: a block is returned to the allocator only by the thread that last could write into it. Unclaimed
-leases have no writer, so cancel() and expire() free them at once; a claimed lease is freed by its receiving
-thread in fail_claimed() after its last write, never by the reaper. A handle is 16 random bytes, bound to one
+Invariant: a block is returned to the allocator only by the thread that last could write into it. A lease
+with no claimant writing has no writer, so cancel() and expire() free it at once; otherwise it is freed by
+its last receiving thread in fail_claimed() after that thread's last write, never by the reaper. A handle is 16 random bytes, bound to one
 request id, usable for one claim; retired handles are remembered (bounded) so a reused or expired handle fails
 with the precise reason, and an unknown one with UNKNOWN_HANDLE.
 """
@@ -50,7 +55,10 @@ class _Entry:
     state: LeaseState = LeaseState.RESERVED
     ttl_s: float = 0.0
     cancel: TransferFailed | None = None
-    claimed_at: float = 0.0
+    claimed_at: float = 0.0  # the first claim's
+    windows: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # claimed (begin, count)
+    writing: int = 0  # claimants that may still write
+    heads_landed: int = 0
 
 
 class LeaseTable:
@@ -81,9 +89,13 @@ class LeaseTable:
         ttl_s: float,
         allocate: Allocate | None = None,
         transport: str = "tcp",
+        handle: bytes | None = None,
     ) -> Lease:
         """`allocate` takes the blocks instead of the allocator's allocate() (its errors propagate); they go
-        back through the allocator's free() either way. `transport`: the only one the lease may arrive over."""
+        back through the allocator's free() either way. `transport`: the only one the lease may arrive over.
+        `handle`: the lease's credential when another rank of the same worker chose it (random otherwise)."""
+        if handle is not None and len(handle) != HANDLE_BYTES:
+            raise ValueError(f"handle: must be {HANDLE_BYTES} bytes, got {len(handle)}")
         num_blocks = self._check_request(request_id, num_tokens, ttl_s)
         with self._lock:
             if request_id in self._by_request:
@@ -95,7 +107,7 @@ class LeaseTable:
         now = self._clock()
         lease = Lease(
             request_id,
-            secrets.token_bytes(HANDLE_BYTES),
+            handle if handle is not None else secrets.token_bytes(HANDLE_BYTES),
             tuple(block_ids),
             num_tokens,
             now,
@@ -103,7 +115,7 @@ class LeaseTable:
             transport,
         )
         with self._lock:
-            duplicate = request_id in self._by_request
+            duplicate = request_id in self._by_request or lease.handle in self._by_handle
             if not duplicate:
                 self._by_handle[lease.handle] = _Entry(lease, ttl_s=ttl_s)
                 self._by_request[request_id] = lease.handle
@@ -156,8 +168,10 @@ class LeaseTable:
             return True
 
     # --- the receiving thread --------------------------------------------------------------------------
-    def claim(self, handle: bytes, request_id: str) -> Lease:
-        """Bind the lease to the calling thread (its only writer from now on), or raise why not."""
+    def claim(self, handle: bytes, request_id: str, window: tuple[int, int] | None = None) -> Lease:
+        """Bind heads [begin, begin + count) of the lease (`window`; None: every head) to the calling thread,
+        their only writer from now on, or raise why not."""
+        begin, count = window if window is not None else (0, self._layout.num_kv_heads)
         expired = None
         with self._lock:
             entry = self._by_handle.get(handle)
@@ -168,16 +182,27 @@ class LeaseTable:
                     FailureReason.HANDLE_MISMATCH,
                     f"the handle belongs to another request than {request_id!r}",
                 )
-            if entry.state is LeaseState.RECEIVING:
+            if entry.cancel is not None:
+                raise entry.cancel
+            if any(begin < b + c and b < begin + count for b, c in entry.windows):
                 raise TransferFailed(
                     FailureReason.HANDLE_BUSY,
-                    f"request {request_id!r}: another connection is filling this lease",
+                    f"request {request_id!r}: another connection is filling heads "
+                    f"[{begin}, {begin + count}) of this lease",
                 )
             if self._clock() > entry.lease.expires_at:
-                expired = self._remove(entry, FailureReason.LEASE_EXPIRED)
+                if entry.writing == 0:
+                    expired = self._remove(entry, FailureReason.LEASE_EXPIRED)
+                else:
+                    raise TransferFailed(
+                        FailureReason.LEASE_EXPIRED, f"request {request_id!r}: the lease expired"
+                    )
             else:
-                entry.state = LeaseState.RECEIVING
-                entry.claimed_at = self._clock()
+                if entry.state is LeaseState.RESERVED:
+                    entry.state = LeaseState.RECEIVING
+                    entry.claimed_at = self._clock()
+                entry.windows.append((begin, count))
+                entry.writing += 1
                 return entry.lease
         failure = TransferFailed(FailureReason.LEASE_EXPIRED, f"request {request_id!r}: the lease expired")
         self._release(expired, failure, 0.0)
@@ -191,20 +216,32 @@ class LeaseTable:
             return TransferFailed(FailureReason.INTERNAL, "a claimed lease left the table")
         return entry.cancel
 
-    def land(self, handle: bytes) -> Lease:
-        """All bytes arrived: the blocks now belong to the caller. Raises the cancellation if one came first."""
+    def land(self, handle: bytes, count: int | None = None) -> Lease | None:
+        """The claimant's `count` heads (None: every head) arrived and its writes completed. Returns the lease
+        once every head has landed (the blocks now belong to the caller), None while other heads are still to
+        come. Raises the cancellation if one came first (the claimant then calls fail_claimed)."""
         with self._lock:
             entry = self._by_handle[handle]
             if entry.cancel is not None:
                 raise entry.cancel
+            entry.writing -= 1
+            entry.heads_landed += self._layout.num_kv_heads if count is None else count
+            if entry.heads_landed < self._layout.num_kv_heads:
+                return None
             self._remove(entry, None)
             return entry.lease
 
     def fail_claimed(self, handle: bytes, failure: TransferFailed) -> None:
-        """The receiving thread gave up and will not write again: free the blocks and report."""
+        """A receiving thread gave up and will not write again: the lease fails; its blocks are freed and the
+        failure reported once no other claimant may still write."""
         with self._lock:
             entry = self._by_handle.get(handle)
             if entry is None:
+                return
+            entry.writing -= 1
+            if entry.cancel is None:
+                entry.cancel = failure  # the other claimants stop at their next check
+            if entry.writing > 0:
                 return
             self._remove(entry, failure.reason)
         self._release(entry, failure, entry.claimed_at)
@@ -246,10 +283,10 @@ class LeaseTable:
 
     # --- internals -------------------------------------------------------------------------------------
     def _cancel_locked(self, entry: _Entry, failure: TransferFailed) -> _Entry | None:
-        if entry.state is LeaseState.RESERVED:
+        if entry.writing == 0:  # reserved, or every claimant so far landed its heads: nobody writes
             return self._remove(entry, failure.reason)
         if entry.cancel is None:
-            entry.cancel = failure  # the receiving thread frees after its last write
+            entry.cancel = failure  # the last receiving thread frees after its last write
         return None
 
     def _remove(self, entry: _Entry, reason: FailureReason | None) -> _Entry:

@@ -241,6 +241,11 @@ class _Pairs:
             pair.abort()
 
 
+def _window(cache: DevicePointer, heads: tuple[int, int] | None) -> DevicePointer:
+    """The cache, or the window of its heads that a job moves."""
+    return cache if heads is None else cache.heads(*heads)
+
+
 def _as_failure(exc: Exception) -> TransferFailed:
     if isinstance(exc, TransferFailed):
         return exc
@@ -311,11 +316,12 @@ class _NcclSource(PartSource):
                     ops.wait(pair.first, job.ready)
                 if self._ids is None:  # once per transfer: its parts share the block list
                     self._ids = ops.ids(pair.ids, job.block_ids)
-                for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
-                    k, nbytes = pair.next_slot(), piece.num_bytes(t._layout)
+                layout, cache_ptr = job.layout(t._layout), _window(t._cache_ptr, job.heads)
+                for piece in slices(layout, job.layer_begin, job.layer_end, len(job.block_ids)):
+                    k, nbytes = pair.next_slot(), piece.num_bytes(layout)
                     ops.wait(pair.first, pair.second_done[k])
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
-                        k, t._cache_ptr, self._ids, piece, t._layout
+                        k, cache_ptr, self._ids, piece, layout
                     )
                     copy_blocks(cache, staging, cache_ids, staging_ids)
                     ops.record(pair.first_done[k], pair.first)
@@ -391,11 +397,12 @@ class _NcclSink(PartSink):
                 ops = pair.ops
                 if self._ids is None:  # once per transfer: its parts share the block list
                     self._ids = ops.ids(pair.ids, job.block_ids)
-                for piece in slices(t._layout, job.layer_begin, job.layer_end, len(job.block_ids)):
-                    k = pair.post_recv(piece.num_bytes(t._layout))
+                layout, cache_ptr = job.layout(t._layout), _window(t._cache_ptr, job.heads)
+                for piece in slices(layout, job.layer_begin, job.layer_end, len(job.block_ids)):
+                    k = pair.post_recv(piece.num_bytes(layout))
                     ops.wait(pair.second, pair.first_done[k])
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
-                        k, t._cache_ptr, self._ids, piece, t._layout
+                        k, cache_ptr, self._ids, piece, layout
                     )
                     copy_blocks(staging, cache, staging_ids, cache_ids)
                     ops.record(pair.second_done[k], pair.second)
@@ -403,16 +410,19 @@ class _NcclSink(PartSink):
         except Exception as exc:
             raise _as_failure(exc) from None
 
-    def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
+    def discard(
+        self, layer_begin: int, layer_end: int, num_blocks: int, heads: tuple[int, int] | None = None
+    ) -> None:
         """Post the receives a refused transfer's sends expect, into the ring, with no scatter: the
         communicator stays in step and the cache is not touched."""
         t = self._t
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
+        layout = t._layout if heads is None else t._layout.head_window(*heads)
         try:
             bind_device(t._device)
             with pair.lock:
-                for piece in slices(t._layout, layer_begin, layer_end, num_blocks):
-                    self._last = pair.first_done[pair.post_recv(piece.num_bytes(t._layout))]
+                for piece in slices(layout, layer_begin, layer_end, num_blocks):
+                    self._last = pair.first_done[pair.post_recv(piece.num_bytes(layout))]
         except Exception as exc:
             raise _as_failure(exc) from None
 

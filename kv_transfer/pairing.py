@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from kv_transfer.config import MAX_LANES
 from kv_transfer.contracts import FailureReason, TransferFailed
-from model_runtime.kv_layout import FORMAT_FIELDS, KVLayout
+from model_runtime.config import ConfigError
+from model_runtime.kv_layout import FORMAT_FIELDS, KVLayout, KVShard
 from tandem_api.tandem.v1 import kv_pb2
 
 PROTOCOL_VERSION = 3  # 2: reused connections, no KVBeginOk / KVPartReady; 3: KVHello.lane (nccl lanes)
@@ -30,6 +31,10 @@ def format_message(layout: KVLayout) -> kv_pb2.KVFormat:
     message = kv_pb2.KVFormat()
     for name, value in layout.format_dict().items():
         setattr(message, name, value)
+    if layout.shard is not None:
+        shard = layout.shard
+        message.tp_size, message.tp_rank = shard.tp_size, shard.tp_rank
+        message.head_start, message.model_kv_heads = shard.head_start, shard.model_kv_heads
     return message
 
 
@@ -37,16 +42,38 @@ def format_from_message(message: kv_pb2.KVFormat) -> dict[str, int | str]:
     return {name: getattr(message, name) for name in FORMAT_FIELDS}
 
 
+def layout_from_message(message: kv_pb2.KVFormat) -> KVLayout:
+    """The peer's layout as its format message describes it (its cache size is not part of the format)."""
+    shard = None
+    if message.model_kv_heads:
+        shard = KVShard(message.tp_size, message.tp_rank, message.head_start, message.model_kv_heads)
+    fields = format_from_message(message)
+    return KVLayout(num_blocks=2, shard=shard, **fields)  # type: ignore[arg-type]
+
+
 def check_format(layout: KVLayout, message: kv_pb2.KVFormat, fingerprint: str) -> None:
-    """Refuse a peer whose blocks mean something else; the message names every differing field."""
-    diff = layout.mismatch(format_from_message(message))
+    """Refuse a peer whose blocks mean something else; the message names every differing field. Two caches of
+    one model sharded differently (tensor-parallel ranks of different sizes) pair when everything but their
+    head counts agrees: a transfer between them names the heads it moves (KVBegin's head window)."""
+    if layout.shard is None and not message.model_kv_heads:
+        diff = layout.mismatch(format_from_message(message))
+        expected = layout.fingerprint()
+    else:
+        try:
+            theirs = layout_from_message(message)
+        except (ConfigError, TypeError) as exc:
+            raise TransferFailed(
+                FailureReason.LAYOUT_MISMATCH, f"the peer's KV format is invalid: {exc}"
+            ) from None
+        diff = layout.whole().mismatch(theirs.whole().format_dict())
+        expected = theirs.fingerprint()
     if diff is not None:
         raise TransferFailed(FailureReason.LAYOUT_MISMATCH, f"KV layouts differ: {diff}")
-    if fingerprint != layout.fingerprint():
+    if fingerprint != expected:
         raise TransferFailed(
             FailureReason.LAYOUT_MISMATCH,
-            f"layout fingerprints differ ({fingerprint!r} vs ours {layout.fingerprint()!r}) "
-            "although the format fields agree: peers run different KVLayout versions",
+            f"layout fingerprints differ ({fingerprint!r} vs {expected!r} for the same format fields): "
+            "peers run different KVLayout versions",
         )
 
 
@@ -101,6 +128,12 @@ def check_hello(layout: KVLayout, held: Sequence[str], device_uuid: str, hello: 
         raise TransferFailed(
             FailureReason.TRANSPORT_MISMATCH,
             f"transport: ours={','.join(held)} theirs={','.join(theirs) or 'none'}",
+        )
+    if kind == "cuda_ipc" and hello.format.num_kv_heads != layout.num_kv_heads:
+        raise TransferFailed(
+            FailureReason.TRANSPORT_MISMATCH,
+            f"cuda_ipc copies whole caches, and these hold {hello.format.num_kv_heads} and "
+            f"{layout.num_kv_heads} KV heads (tensor-parallel workers of different sizes): use nccl or tcp",
         )
     if kind == "nccl" and device_uuid and hello.device_uuid == device_uuid:
         raise TransferFailed(

@@ -61,6 +61,7 @@ class ReceiveSession:
         self.sink: PartSink | None = None  # the claimed lease's writes, until they completed
         self.claimed_at = 0.0
         self.src_block_ids: tuple[int, ...] = ()
+        self.heads: tuple[int, int] | None = None  # the claimed window of our cache's heads; None: all
         self.phases: dict[str, float] = {}
         self.watch = Watch(
             time.monotonic() + core.config.connect_timeout_s,
@@ -153,6 +154,10 @@ class ReceiveSession:
             cancelled=self.core.shutdown,
         )
         covered: set[int] = set()
+        try:
+            heads = _window(layout, begin)
+        except TransferFailed:
+            return False
         while (frame := self.conn.read_frame(watch)).WhichOneof("body") == "part":
             part = frame.part
             layers = range(part.layer_begin, part.layer_end)
@@ -163,7 +168,7 @@ class ReceiveSession:
                     FailureReason.DESCRIPTOR_MISMATCH, "a refused transfer's parts are invalid"
                 )
             covered.update(layers)
-            sink.discard(part.layer_begin, part.layer_end, begin.num_blocks)
+            sink.discard(part.layer_begin, part.layer_end, begin.num_blocks, heads)
         if frame.WhichOneof("body") != "done":
             raise frame_failure(frame, FailureReason.SENDER_ABORTED) or TransferFailed(
                 FailureReason.PROTOCOL_ERROR, f"expected a part or done frame, got {frame.WhichOneof('body')}"
@@ -175,7 +180,13 @@ class ReceiveSession:
 
     def _claim(self, begin: kv_pb2.KVBegin) -> None:
         started = time.monotonic()
-        lease = self.core.table.claim(bytes(begin.handle), begin.request_id)
+        self.heads = _window(self.core.layout, begin)
+        if self.heads is not None and self.kind == "cuda_ipc":
+            raise TransferFailed(
+                FailureReason.TRANSPORT_MISMATCH,
+                f"request {begin.request_id!r}: cuda_ipc moves whole caches, not a window of their heads",
+            )
+        lease = self.core.table.claim(bytes(begin.handle), begin.request_id, self.heads)
         self.lease, self.claimed_at = lease, time.monotonic()
         self.phases = {"claim": self.claimed_at - started}
         self._check_begin(begin, lease)
@@ -195,7 +206,7 @@ class ReceiveSession:
                 f"request {lease.request_id!r}: its lease is for {lease.transport}, this connection is {self.kind}",
             )
         n = len(lease.block_ids)
-        expected_bytes = self.core.layout.bytes_per_block * n
+        expected_bytes = self._layout().bytes_per_block * n
         problems = []
         if begin.num_blocks != n:
             problems.append(f"num_blocks: lease={n} sender={begin.num_blocks}")
@@ -236,6 +247,11 @@ class ReceiveSession:
                     FailureReason.PROTOCOL_ERROR, f"unexpected {kind} frame after KVBegin"
                 )
 
+    def _layout(self) -> KVLayout:
+        """The layout of what the claimed transfer moves: our cache, or the window of its heads."""
+        layout = self.core.layout
+        return layout if self.heads is None else layout.head_window(*self.heads)
+
     def _transport(self) -> ReceiverTransport:
         assert self.transport is not None, "set by the handshake"
         return self.transport
@@ -245,7 +261,7 @@ class ReceiveSession:
 
     def _receive_part(self, peer_id: bytes, part: kv_pb2.KVPart, covered: set[int]) -> None:
         assert self.lease is not None
-        layout, n = self.core.layout, len(self.lease.block_ids)
+        layout, n = self._layout(), len(self.lease.block_ids)
         layers = range(part.layer_begin, part.layer_end)
         if not 0 <= part.layer_begin < part.layer_end <= layout.num_layers:
             raise TransferFailed(
@@ -276,6 +292,7 @@ class ReceiveSession:
                 layer_end=part.layer_end,
                 num_bytes=expected,
                 remote_block_ids=self.src_block_ids,
+                heads=self.heads,
             )
         )
         covered.update(layers)
@@ -291,8 +308,13 @@ class ReceiveSession:
         assert self.sink is not None
         self.sink.finish(self.watch, self.conn)
         self.sink = None  # every write completed
-        lease = self.core.table.land(self.lease.handle)  # raises a cancellation that came first
-        self.lease = None  # the blocks are the caller's now
+        count = None if self.heads is None else self.heads[1]
+        claimed = self.lease
+        lease = self.core.table.land(claimed.handle, count)  # raises a cancellation that came first
+        self.lease = None  # our heads landed: the blocks are the caller's, or the last claimant's to land
+        if lease is None:  # other windows of the lease are still on their way: their claimant delivers
+            self._ack(claimed, self._layout().bytes_per_block * len(claimed.block_ids))
+            return
         seconds = time.monotonic() - self.claimed_at
         self.phases["land"] = seconds - self.phases.get("stream", 0.0)
         num_bytes = self.core.layout.bytes_per_block * len(lease.block_ids)
@@ -309,6 +331,9 @@ class ReceiveSession:
                 landed_at=self.claimed_at + seconds,
             )
         )
+        self._ack(lease, self._layout().bytes_per_block * len(lease.block_ids))
+
+    def _ack(self, lease: Lease, num_bytes: int) -> None:
         notice = Watch(
             time.monotonic() + self.core.config.connect_timeout_s, FailureReason.DEADLINE_EXCEEDED, "ack"
         )
@@ -341,6 +366,19 @@ class ReceiveSession:
                 sent = False
         if sent:  # let the frame reach the sender before the socket goes: drain what it still sends
             self.conn.close(grace_s=grace)
+
+
+def _window(layout: KVLayout, begin: kv_pb2.KVBegin) -> tuple[int, int] | None:
+    """The heads a KVBegin fills, (begin, count) in our cache, or None for every head."""
+    if begin.num_heads == 0 or (begin.head_begin == 0 and begin.num_heads == layout.num_kv_heads):
+        return None
+    try:
+        layout.head_window(begin.head_begin, begin.num_heads)
+    except ValueError as exc:
+        raise TransferFailed(
+            FailureReason.DESCRIPTOR_MISMATCH, f"request {begin.request_id!r}: {exc}"
+        ) from None
+    return begin.head_begin, begin.num_heads
 
 
 def _first_token(done: kv_pb2.KVDone) -> FirstToken:

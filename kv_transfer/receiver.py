@@ -110,6 +110,7 @@ class KVReceiver:
         ttl_s: float | None = None,
         allocate: Allocate | None = None,
         transport: str | None = None,
+        handle: bytes | None = None,
     ) -> Lease:
         """Reserve blocks for `num_tokens` prompt tokens for ttl_s seconds (default config.lease_ttl_s), to
         arrive over `transport` (one of `transports`; None: the first). Raises NoRoom when the allocator has no
@@ -117,14 +118,15 @@ class KVReceiver:
 
         `allocate(num_blocks)`, when given, takes this reservation's blocks instead of the allocator (the decode
         worker checks the request and allocates in one call onto its engine thread); its errors propagate and
-        no lease is made. The blocks return through the allocator's free() as always."""
+        no lease is made. The blocks return through the allocator's free() as always. `handle`: the lease's
+        credential when rank 0 of a tensor-parallel decode worker chose it for this rank (random otherwise)."""
         if self._closing.is_set():
             raise RuntimeError("KVReceiver is closed")
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
         kind = self.transports[0] if transport is None else transport
         if kind not in self._transports:
             raise ValueError(f"transport: this KV receiver holds {', '.join(self.transports)}, not {kind!r}")
-        return self._table.reserve(request_id, num_tokens, ttl, allocate, kind)
+        return self._table.reserve(request_id, num_tokens, ttl, allocate, kind, handle)
 
     def target(self, lease: Lease) -> kv_pb2.KVTarget:
         """The KVTarget that tells a sender where and under which handle to ship this lease's blocks."""

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kv_transfer.contracts import FailureReason, FirstToken, SendResult, TransferFailed
+from kv_transfer.contracts import FailureReason, FirstToken, HeadWindow, SendResult, TransferFailed
 from tandem_api.tandem.v1 import kv_pb2
 
 
@@ -47,8 +47,10 @@ class SendHandle:
         num_tokens: int,
         num_layers: int,
         timeout_s: float,
+        heads: HeadWindow | None = None,
     ) -> None:
         self.target = target
+        self.heads = heads  # None: every head of our cache into every head of the receiver's
         self.request_id = target.request_id
         self.src_block_ids = src_block_ids
         self.num_tokens = num_tokens

@@ -55,6 +55,14 @@ class SendSession:
         self.source: PartSource | None = None
         self.phases: dict[str, float] = {}
         self._mark = handle.started_at
+        heads = handle.heads
+        # What moves: our whole cache, or a window of its heads (and then only those heads' bytes).
+        self.layout = (
+            core.layout if heads is None else core.layout.head_window(heads.source_begin, heads.count)
+        )
+        self.source_heads = None if heads is None else (heads.source_begin, heads.count)
+        if self.source_heads == (0, core.layout.num_kv_heads):
+            self.source_heads = None
         self.watch = Watch(
             handle.deadline,
             FailureReason.DEADLINE_EXCEEDED,
@@ -68,7 +76,7 @@ class SendSession:
         try:
             self._run()
             in_step = True
-            num_bytes = self.core.layout.bytes_per_block * len(self.handle.src_block_ids)
+            num_bytes = self.layout.bytes_per_block * len(self.handle.src_block_ids)
             return self._result(True, None, "", num_bytes)
         except TransferFailed as failure:
             failure = self._explain(failure)
@@ -99,6 +107,17 @@ class SendSession:
     def _run(self) -> None:
         target = self.handle.target
         kind = check_target(self.core.layout, tuple(self.core.transports), target)
+        heads = self.handle.heads
+        if (
+            kind == "cuda_ipc"
+            and heads is not None
+            and (self.source_heads is not None or heads.count != target.format.num_kv_heads)
+        ):
+            raise TransferFailed(
+                FailureReason.TRANSPORT_MISMATCH,
+                "cuda_ipc moves whole caches, not a window of their heads (tensor-parallel workers of "
+                "different sizes): use nccl or tcp",
+            )
         n = len(self.handle.src_block_ids)
         if target.num_tokens != self.handle.num_tokens or target.num_blocks != n:
             raise TransferFailed(
@@ -118,14 +137,16 @@ class SendSession:
         self.phases["tail"] = time.monotonic() - finished_at
 
     def _begin(self, kind: str) -> kv_pb2.KVBegin:
-        core, handle = self.core, self.handle
+        _core, handle = self.core, self.handle
         begin = kv_pb2.KVBegin(
             handle=handle.target.handle,
             request_id=handle.target.request_id,
             num_blocks=len(handle.src_block_ids),
             num_tokens=handle.num_tokens,
-            num_bytes=core.layout.bytes_per_block * len(handle.src_block_ids),
+            num_bytes=self.layout.bytes_per_block * len(handle.src_block_ids),
         )
+        if handle.heads is not None:
+            begin.head_begin, begin.num_heads = handle.heads.target_begin, handle.heads.count
         if kind == "cuda_ipc":
             begin.src_block_ids.extend(handle.src_block_ids)
         return begin
@@ -140,7 +161,7 @@ class SendSession:
         while True:
             item = self._next_item(conn)
             if isinstance(item, PartRequest):
-                num_bytes = core.layout.bytes_per_block_layer * len(handle.src_block_ids) * item.num_layers
+                num_bytes = self.layout.bytes_per_block_layer * len(handle.src_block_ids) * item.num_layers
                 source.part(
                     PartJob(
                         conn=conn,
@@ -153,6 +174,7 @@ class SendSession:
                         num_bytes=num_bytes,
                         ready=item.ready,
                         progress=progress,
+                        heads=self.source_heads,
                     )
                 )
                 self._phase("stream")

@@ -28,7 +28,7 @@ import torch
 
 from kv_transfer.channels import ChannelPool
 from kv_transfer.config import TransferConfig
-from kv_transfer.contracts import FailureReason, FirstToken, SendResult, TransferFailed
+from kv_transfer.contracts import FailureReason, FirstToken, HeadWindow, SendResult, TransferFailed
 from kv_transfer.send_handle import SendHandle
 from kv_transfer.send_session import SenderCore, SendSession
 from kv_transfer.stats import StatsRecorder, TransferStats
@@ -86,16 +86,23 @@ class KVSender:
         src_block_ids: Sequence[int],
         num_tokens: int,
         timeout_s: float | None = None,
+        heads: HeadWindow | None = None,
     ) -> SendHandle:
         """Start a transfer whose layers the caller queues with send_layers() and completes with finish().
-        timeout_s (default config.transfer_timeout_s) bounds everything from now to the receiver's ack."""
+        timeout_s (default config.transfer_timeout_s) bounds everything from now to the receiver's ack.
+        `heads`: only these heads move (one piece of a handoff between tensor-parallel workers of different
+        sizes); None: the whole cache into the whole of the receiver's."""
         ids = self._check_blocks(src_block_ids, num_tokens)
+        if heads is not None:
+            if not isinstance(heads, HeadWindow):
+                raise TypeError(f"heads: expected a HeadWindow, got {type(heads).__name__}")
+            self.layout.head_window(heads.source_begin, heads.count)  # ValueError names what is wrong
         timeout = self.config.transfer_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
         if not isinstance(target, kv_pb2.KVTarget):
             raise TypeError(f"target: expected a KVTarget protobuf, got {type(target).__name__}")
-        handle = SendHandle(target, ids, num_tokens, self.layout.num_layers, timeout)
+        handle = SendHandle(target, ids, num_tokens, self.layout.num_layers, timeout, heads)
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVSender is closed")
@@ -111,12 +118,13 @@ class KVSender:
         first_token: FirstToken,
         timeout_s: float | None = None,
         ready: Any = None,
+        heads: HeadWindow | None = None,
     ) -> SendHandle:
         """Ship all layers and the first token. `ready`: a torch.cuda.Event recorded after the KV writes, or
-        None when they are complete (e.g. the first token was already copied to the host)."""
+        None when they are complete (e.g. the first token was already copied to the host). `heads`: as open()."""
         if not isinstance(first_token, FirstToken):
             raise TypeError(f"first_token: expected FirstToken, got {type(first_token).__name__}")
-        handle = self.open(target, src_block_ids, num_tokens, timeout_s)
+        handle = self.open(target, src_block_ids, num_tokens, timeout_s, heads)
         handle.send_layers(0, self.layout.num_layers, ready)
         handle.finish(first_token)
         return handle

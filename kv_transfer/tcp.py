@@ -24,6 +24,14 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return tensor.view(torch.uint8).reshape(-1).numpy().data
 
 
+def _heads(layers: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
+    """A view of `heads` (begin, count) of cache layers [L, 2, N, B, H, D]; the layers themselves for None."""
+    if heads is None:
+        return layers
+    begin, count = heads
+    return layers[:, :, :, :, begin : begin + count]
+
+
 class TcpSenderTransport(SenderTransport):
     def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
         self._layout = layout
@@ -38,7 +46,8 @@ class TcpSenderTransport(SenderTransport):
         job.conn.start_data(job.num_bytes)
         sent = 0
         for layer in range(job.layer_begin, job.layer_end):
-            staging = torch.index_select(self._cache[layer], 1, ids).cpu()  # [2, n, B, H, D], contiguous
+            cache = _heads(self._cache[layer : layer + 1], job.heads)[0]
+            staging = torch.index_select(cache, 1, ids).cpu()  # [2, n, B, H, D] (H: the window's), contiguous
             data = _byte_view(staging)
             for offset in range(0, len(data), self._chunk_bytes):
                 self._between_chunks(job)
@@ -68,14 +77,14 @@ class TcpReceiverTransport(ReceiverTransport):
 
     def receive_part(self, job: PartJob) -> None:
         ids = torch.tensor(job.block_ids, dtype=torch.long, device=self._cache.device)
-        one_layer = self._layout.staging_shape(len(job.block_ids), (0, 1))
+        one_layer = job.layout(self._layout).staging_shape(len(job.block_ids), (0, 1))
         staging = torch.empty(one_layer, dtype=self._cache.dtype)
         view = _byte_view(staging)
         for layer in range(job.layer_begin, job.layer_end):
             self._read_layer(job, view)
             job.watch.check()  # a lease cancelled while we read gets no write
             source = staging.to(self._cache.device) if self._cache.device.type != "cpu" else staging
-            self._cache[layer : layer + 1].index_copy_(2, ids, source)
+            _heads(self._cache[layer : layer + 1], job.heads).index_copy_(2, ids, source)
         if self._cache.device.type == "cuda":
             torch.cuda.synchronize(self._cache.device)  # the contract: no write pending on return
 

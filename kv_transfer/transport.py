@@ -48,6 +48,13 @@ class PartJob:
     remote_block_ids: tuple[int, ...] = ()  # receiver, cuda_ipc: the sender's blocks to copy from
     ready: Any = None  # sender: a torch.cuda.Event recorded after the KV writes, or None (already complete)
     progress: Callable[[int], None] | None = None  # sender, tcp: called with the bytes written so far
+    # This side's heads (begin, count) that the transfer moves, in its own cache; None: every head. Set for a
+    # piece of a handoff between tensor-parallel workers of different sizes (kv_transfer.shard_plan).
+    heads: tuple[int, int] | None = None
+
+    def layout(self, whole: KVLayout) -> KVLayout:
+        """The layout of what this job moves: `whole`, or the window of its heads."""
+        return whole if self.heads is None else whole.head_window(*self.heads)
 
 
 class PartSink(ABC):
@@ -63,8 +70,11 @@ class PartSink(ABC):
     def abandon(self) -> None:  # noqa: B027 (optional hook)
         """After a failure: return only when no write of this transfer is pending."""
 
-    def discard(self, layer_begin: int, layer_end: int, num_blocks: int) -> None:
-        """Take in a part of a refused transfer without writing the cache (a drain sink only)."""
+    def discard(
+        self, layer_begin: int, layer_end: int, num_blocks: int, heads: tuple[int, int] | None = None
+    ) -> None:
+        """Take in a part of a refused transfer (of `heads`, as its KVBegin said) without writing the cache
+        (a drain sink only)."""
         raise NotImplementedError
 
 

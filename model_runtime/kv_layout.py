@@ -36,7 +36,7 @@ moves about half of a bfloat16 cache's bytes (Llama-3-8B: 16,640 per block and l
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model_runtime.config import DTYPES, ConfigError
 from model_runtime.request_rules import ints_within
@@ -153,6 +153,34 @@ class KVLayout:
     def usable_blocks(self) -> int:
         """Blocks the pool can hand out (block 0 is the null block)."""
         return self.num_blocks - 1
+
+    # --- tensor parallelism ----------------------------------------------------------------------------
+    @property
+    def model_kv_heads(self) -> int:
+        """KV heads of the whole model (this cache may hold only some of them)."""
+        return self.shard.model_kv_heads if self.shard is not None else self.num_kv_heads
+
+    def whole(self) -> KVLayout:
+        """The model's whole cache in this format: every head, no shard. Workers of different tensor-parallel
+        sizes pair when their whole layouts agree (the router compares its fingerprint)."""
+        if self.shard is None:
+            return self
+        return replace(self, num_kv_heads=self.model_kv_heads, shard=None)
+
+    def head_window(self, begin: int, count: int) -> KVLayout:
+        """Heads [begin, begin + count) of this cache as a layout of their own, for the bytes and staging shapes
+        of a transfer that moves only them (a piece of a handoff between different tensor-parallel sizes).
+        An FP8 block keeps its heads' codes and scales apart (see above), so it moves whole or not at all."""
+        if not (begin >= 0 and count > 0 and begin + count <= self.num_kv_heads):
+            raise ValueError(f"head window [{begin}, {begin + count}) is not inside [0, {self.num_kv_heads})")
+        if count == self.num_kv_heads:
+            return replace(self, shard=None)
+        if self.quantized:
+            raise ValueError(
+                "head window: an FP8 cache's blocks move whole; a handoff between different tensor-parallel "
+                "sizes needs a bfloat16, float16 or float32 cache"
+            )
+        return replace(self, num_kv_heads=count, shard=None)
 
     def staging_shape(self, num_blocks: int, layers: tuple[int, int] | None = None) -> tuple[int, ...]:
         """Shape of `cache[l0:l1, :, block_ids]`: the contiguous buffer a request's blocks travel in."""

@@ -77,7 +77,7 @@ def worker_info(
         active_leases=active_leases,
         queued_prefill_tokens=c.queued_prompt_tokens,
         model=engine.config.model,
-        layout_fingerprint=engine.layout.fingerprint(),
+        layout_fingerprint=engine.layout.whole().fingerprint(),  # pairs across TP sizes
         kv_block_size=engine.layout.block_size,
         prefix_cache_version=prefix.version,
         cached_block_hashes=prefix.block_hashes if prefix.version != known_prefix_version else (),

@@ -58,6 +58,15 @@ def test_slices_refuse_an_empty_part():
         slices(layout(), 3, 3, 4)
 
 
+def test_device_pointer_heads_matches_tensor_slicing():
+    cache = torch.zeros(layout(num_layers=2, blocks=8).cache_shape, dtype=torch.bfloat16)
+    whole = DevicePointer(cache.data_ptr(), cache.dtype, tuple(cache.shape), cache.stride())
+    window = whole.heads(2, 3)
+    view = cache[:, :, :, :, 2:5]
+    assert window.data_ptr() == view.data_ptr() and window.shape == tuple(view.shape)
+    assert window.stride() == view.stride()
+
+
 def test_device_pointer_layers_matches_tensor_slicing():
     cache = torch.zeros(layout(num_layers=4, blocks=8).cache_shape, dtype=torch.bfloat16)
     whole = DevicePointer(cache.data_ptr(), cache.dtype, tuple(cache.shape), cache.stride())
@@ -91,6 +100,19 @@ copy_blocks(src[1:3], dst[1:3], torch.tensor([0, 5]), torch.tensor([4, 1]))
 ref = torch.zeros_like(dst)
 ref[1:3, :, [4, 1]] = src[1:3, :, [0, 5]]
 out["layer_slice"] = bool(torch.equal(dst, ref))
+
+# A head window on each side (a piece between tensor-parallel ranks of different sizes): heads 1-2 of a 4-head
+# cache into heads 1-2 of a 3-head one, through contiguous staging as the nccl transport does, bf16.
+# (Tensor views: the interpreter needs tensors. DevicePointer.heads gives the same pointer and strides: below.)
+src = torch.randn(3, 2, 7, 4, 4, 8).to(torch.bfloat16)
+dst = torch.randn(3, 2, 5, 4, 3, 8).to(torch.bfloat16)
+staging = torch.zeros(3, 2, 2, 4, 2, 8, dtype=torch.bfloat16)
+ref = dst.clone()
+ref[:, :, [4, 1], :, 1:3] = src[:, :, [6, 2], :, 1:3]
+arange = torch.arange(2)
+copy_blocks(src[:, :, :, :, 1:3], staging, torch.tensor([6, 2]), arange)
+copy_blocks(staging, dst[:, :, :, :, 1:3], arange, torch.tensor([4, 1]))
+out["head_window"] = bool(torch.equal(dst.view(torch.uint8), ref.view(torch.uint8)))
 print(json.dumps(out))
 """
 
@@ -103,7 +125,9 @@ def test_copy_blocks_kernel_matches_torch_indexing():
     import json
 
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert results == {"scatter_gather_f32": True, "bf16": True, "layer_slice": True}, results
+    assert results == {"scatter_gather_f32": True, "bf16": True, "layer_slice": True, "head_window": True}, (
+        results
+    )
 
 
 def test_copy_blocks_refuses_mismatched_ids_and_shapes():

@@ -62,21 +62,43 @@ KV_FAILURE_SHUTDOWN: KVFailure
 KV_FAILURE_INTERNAL: KVFailure
 
 class KVFormat(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size", "tp_rank", "head_start", "model_kv_heads")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    tp_rank: int
+    head_start: int
+    model_kv_heads: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., model_kv_heads: _Optional[int] = ...) -> None: ...
+
+class KVRankTarget(_message.Message):
+    __slots__ = ("port", "handle", "receiver_id", "layout_fingerprint", "format")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    handle: bytes
+    receiver_id: bytes
+    layout_fingerprint: str
+    format: KVFormat
+    def __init__(self, port: _Optional[int] = ..., handle: _Optional[bytes] = ..., receiver_id: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("host", "port", "handle", "request_id", "layout_fingerprint", "format", "num_blocks", "num_tokens", "transport", "receiver_id", "lease_ttl_ms")
+    __slots__ = ("host", "port", "handle", "request_id", "layout_fingerprint", "format", "num_blocks", "num_tokens", "transport", "receiver_id", "lease_ttl_ms", "rank_targets")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +110,7 @@ class KVTarget(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RANK_TARGETS_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     handle: bytes
@@ -99,7 +122,8 @@ class KVTarget(_message.Message):
     transport: KVTransport
     receiver_id: bytes
     lease_ttl_ms: int
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., receiver_id: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    rank_targets: _containers.RepeatedCompositeFieldContainer[KVRankTarget]
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., receiver_id: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., rank_targets: _Optional[_Iterable[_Union[KVRankTarget, _Mapping]]] = ...) -> None: ...
 
 class KVHello(_message.Message):
     __slots__ = ("protocol_version", "instance_id", "format", "layout_fingerprint", "transports", "device_uuid", "pair_ready", "idle_timeout_ms", "lane")
@@ -124,20 +148,24 @@ class KVHello(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[bytes] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[KVTransport, str]]] = ..., device_uuid: _Optional[str] = ..., pair_ready: _Optional[bool] = ..., idle_timeout_ms: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class KVBegin(_message.Message):
-    __slots__ = ("handle", "request_id", "num_blocks", "num_tokens", "num_bytes", "src_block_ids")
+    __slots__ = ("handle", "request_id", "num_blocks", "num_tokens", "num_bytes", "src_block_ids", "head_begin", "num_heads")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     request_id: str
     num_blocks: int
     num_tokens: int
     num_bytes: int
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    head_begin: int
+    num_heads: int
+    def __init__(self, handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., head_begin: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class KVPart(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "num_bytes")
