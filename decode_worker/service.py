@@ -32,6 +32,7 @@ from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls, take_blocks
 from worker_host.node import WorkerNode
+from worker_host.rank_agents import ShardedReceiver
 from worker_host.rpc import CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self,
         worker_id: str,
         loop: EngineLoop,
-        receiver: KVReceiver | None,
+        receiver: KVReceiver | ShardedReceiver | None,
         role: admin_pb2.WorkerRole,
         kv_wait_timeout_s: float = 60.0,
     ) -> None:

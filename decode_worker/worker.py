@@ -16,6 +16,7 @@ from worker_host.host import EngineLoopAllocator, start_grpc
 from worker_host.lifecycle import WorkerLifecycle
 from worker_host.metrics import WorkerMetrics
 from worker_host.node import describe_node
+from worker_host.rank_agents import AgentHub, ShardedReceiver
 from worker_host.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -23,19 +24,19 @@ SERVICE = "tandem.v1.DecodeWorker"
 
 
 class DecodeWorker(WorkerLifecycle):
-    def __init__(self, spec: WorkerSpec, tp_group: TPGroup | None = None) -> None:
+    def __init__(
+        self, spec: WorkerSpec, tp_group: TPGroup | None = None, agents: AgentHub | None = None
+    ) -> None:
         """`tp_group`: the ranks of a worker that spans several devices (this process is rank 0; deploy.ranks).
-        Colocated only: the KV receiver writes one cache, not the shards of several ranks."""
+        `agents`: a decode worker's other ranks' KV agents: each rank receives the heads of its own cache."""
         if spec.role not in (WorkerRole.DECODE, WorkerRole.COLOCATED):
             raise ValueError(f"role: a DecodeWorker is 'decode' or 'colocated', got {spec.role.value!r}")
-        if tp_group is not None and spec.role is not WorkerRole.COLOCATED:
-            raise ValueError(
-                "engine.parallel.tensor_parallel_size: a decode worker of several devices cannot receive KV yet "
-                "(issue 18); only a colocated worker may span devices"
-            )
+        if tp_group is not None and tp_group.size > 1 and spec.role is WorkerRole.DECODE and agents is None:
+            raise ValueError("a decode worker of several devices needs its ranks' KV agents (deploy.ranks)")
         super().__init__(spec)
         self.tp_group = tp_group
-        self.receiver: KVReceiver | None = None
+        self.agents = agents
+        self.receiver: KVReceiver | ShardedReceiver | None = None
         self.service: DecodeService | None = None
 
     def start(self) -> str:
@@ -54,14 +55,27 @@ class DecodeWorker(WorkerLifecycle):
             )
             if warning:
                 log.warning(warning)
-            self.receiver = KVReceiver(
-                engine.layout,
-                engine.runner.kv_cache,
-                EngineLoopAllocator(self.loop),
-                spec.transfer,
-                on_result=self.service.on_transfer_result,
-                tls=spec.tls.ssl_context() if spec.tls is not None else None,  # KV control connections too
-            )
+            tls = spec.tls.ssl_context() if spec.tls is not None else None  # KV control connections too
+            if self.agents is not None:
+                self._progress("waiting for the other ranks' KV agents")
+                self.receiver = ShardedReceiver(
+                    engine.layout,
+                    engine.runner.kv_cache,
+                    EngineLoopAllocator(self.loop),
+                    spec.transfer,
+                    self.agents,
+                    on_result=self.service.on_transfer_result,
+                    tls=tls,
+                )
+            else:
+                self.receiver = KVReceiver(
+                    engine.layout,
+                    engine.runner.kv_cache,
+                    EngineLoopAllocator(self.loop),
+                    spec.transfer,
+                    on_result=self.service.on_transfer_result,
+                    tls=tls,
+                )
             self.service.receiver = self.receiver
             # What the router may name for this worker's pairs: the transports its receiver holds.
             self.service.node = describe_node(spec.node_id, engine.runner.kv_cache, self.receiver.transports)
@@ -80,7 +94,7 @@ class DecodeWorker(WorkerLifecycle):
     def _drainable(self) -> DecodeService | None:
         return self.service
 
-    def _transfer(self) -> KVReceiver | None:
+    def _transfer(self) -> KVReceiver | ShardedReceiver | None:
         return self.receiver
 
     def _forget_transfer(self) -> None:

@@ -65,15 +65,16 @@ class WorkerProcess:
 
             self._stage = "starting the other tensor-parallel ranks"
             self.ranks = Ranks()
-            group = self.ranks.start(self.spec.engine, placement_group, num_gpus)
+            group = self.ranks.start(self.spec, placement_group, num_gpus)
+        hub = self.ranks.hub if self.ranks is not None else None
         if self.spec.role is WorkerRole.PREFILL:
             from prefill_worker.worker import PrefillWorker
 
-            self.worker = PrefillWorker(self.spec)
+            self.worker = PrefillWorker(self.spec, tp_group=group, agents=hub)
             return self.worker.start()
         from decode_worker.worker import DecodeWorker
 
-        self.worker = DecodeWorker(self.spec, tp_group=group)
+        self.worker = DecodeWorker(self.spec, tp_group=group, agents=hub)
         return self.worker.start()
 
     def startup_stage(self) -> str:

@@ -34,6 +34,9 @@ from model_runtime.roles import WorkerRole
 MODES = ("disaggregated", "colocated")
 MAX_ROUTER_PROCESSES = 64
 
+# kv_transfer.shard_plan.TP_SIZES (a unit test checks they agree): not imported, the driver stays light.
+HANDOFF_TP_SIZES = (1, 2, 4, 8)
+
 
 @dataclass(frozen=True)
 class AuthSettings:
@@ -200,10 +203,10 @@ class PoolSettings:
         if not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
             raise ConfigError(f"{where}.num_gpus: must be >= 0, got {self.num_gpus!r}")
         tp = self.engine.parallel.tensor_parallel_size
-        if tp != 1 and where != "colocated":  # deploy.ranks: a worker of tp actors; its KV stays in its ranks
+        if where != "colocated" and tp not in HANDOFF_TP_SIZES:  # each rank hands over its own KV heads
             raise ConfigError(
-                f"{where}.engine.parallel.tensor_parallel_size: a {where} worker spanning {tp} devices cannot "
-                "hand its KV over yet (issue 18); use 1, or a colocated pool of workers spanning devices"
+                f"{where}.engine.parallel.tensor_parallel_size: a {where} worker hands its KV over between "
+                f"workers of {', '.join(map(str, HANDOFF_TP_SIZES))} devices, got {tp}"
             )
         self._validate_metrics_ports(where)
 

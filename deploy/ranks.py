@@ -7,7 +7,9 @@ placement group (STRICT_PACK: one node, all or nothing), one per rank.
                  nothing listens on the network), starts ranks 1..N-1 (RankProcess) in bundles
                  1..N-1, joins them (model_runtime.parallel.group.init_tp_group), then builds its worker with
                  the group: it is the worker's face (gRPC, status, metrics), it schedules and samples
-    rank r > 0   run_follower: its share of the weights and KV cache, running the steps rank 0 publishes
+    rank r > 0   run_follower: its share of the weights and KV cache, running the steps rank 0 publishes; in a
+                 prefill or decode pool also a KV agent that sends or receives its own heads (rank 0's
+                 AgentHub, listening in the rendezvous directory, drives it: worker_host.rank_agents)
 
 Rank 0's actor creates the other ranks' actors, so it owns them: Ray ends them when it ends (the controller kills
 only rank 0, then removes the placement group). A rank that dies fails rank 0's next collective, which ends its
@@ -24,9 +26,12 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from model_runtime.config import EngineConfig
+from model_runtime.roles import WorkerRole
 
 if TYPE_CHECKING:
     from model_runtime.parallel.group import TPGroup
+    from worker_host.rank_agents import AgentHub
+    from worker_host.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 CPU_BUNDLE = 0.01  # a placement group bundle may not be empty; CPU ranks ask for a sliver of a CPU each
@@ -52,23 +57,59 @@ class RankProcess:
 
         os.environ.update(GPU_SAFE_ENV)
 
-    def run(self, engine: EngineConfig, rank: int, size: int, rendezvous: str) -> int:
-        """Join the ranks and follow rank 0's steps until it stops them; returns the steps run."""
+    def run(self, spec: WorkerSpec, rank: int, size: int, rendezvous: str) -> int:
+        """Join the ranks and follow rank 0's steps until it stops them; returns the steps run. A prefill or
+        decode rank also runs its KV agent beside the steps."""
         import torch
 
-        from model_runtime.parallel.follower import run_follower
+        from model_runtime.parallel.follower import build_follower, follow
         from model_runtime.parallel.group import close_tp_group, init_tp_group
 
+        engine = spec.engine
         device = device_kind(engine)
         if device == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         group = init_tp_group(
             rank, size, rendezvous, device, fast_all_reduce=engine.parallel.all_reduce == "auto"
         )
+        agent = None
         try:
-            return run_follower(engine, group)
+            runner = build_follower(engine, group)
+            after_step = None
+            if spec.role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+                agent, after_step = start_agent(spec, rank, runner, rendezvous)
+            return follow(runner, group, after_step=after_step)
         finally:
+            if agent is not None:
+                agent.close()
             close_tp_group()
+
+
+def start_agent(spec: WorkerSpec, rank: int, runner: Any, rendezvous: str) -> tuple[Any, Any]:
+    """A prefill or decode rank's KV agent over its cache (started; it connects to rank 0's hub by itself), and
+    the clock its step loop ticks."""
+    from worker_host.rank_agents import FollowerAgent, StepClock
+
+    cache = runner.runner.kv_cache
+    clock = StepClock(cache.device)
+    tls = spec.tls
+    agent = FollowerAgent(
+        spec.role.value,
+        rank,
+        runner.layout,
+        cache,
+        spec.transfer,
+        rendezvous_directory(rendezvous),
+        clock,
+        server_tls=tls.ssl_context() if tls is not None else None,
+        client_tls=tls.member_client_context() if tls is not None else None,
+    )
+    agent.start()
+    return agent, clock.tick
+
+
+def rendezvous_directory(rendezvous: str) -> str:
+    return os.path.dirname(rendezvous.removeprefix("file://"))
 
 
 class Ranks:
@@ -78,19 +119,25 @@ class Ranks:
         self.actors: list[Any] = []
         self.runs: list[Any] = []  # ObjectRef of each rank's run(): ready only when the rank stopped
         self._directory = ""
+        self.hub: AgentHub | None = None  # a prefill or decode worker's: the other ranks' KV agents
 
-    def start(self, engine: EngineConfig, placement_group: Any, num_gpus: float) -> TPGroup:
+    def start(self, spec: WorkerSpec, placement_group: Any, num_gpus: float) -> TPGroup:
         """Start ranks 1..N-1 in the group's bundles and join them as rank 0; blocks until all have joined."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from model_runtime.parallel.group import init_tp_group
 
+        engine = spec.engine
         size = engine.parallel.tensor_parallel_size
         # STRICT_PACK puts every rank on this node: a file store here is their rendezvous. A TCP store would
         # listen on every interface, unauthenticated, for the group's whole life.
         self._directory = tempfile.mkdtemp(prefix="tandem-ranks-")
         rendezvous = f"file://{os.path.join(self._directory, 'store')}"
+        if spec.role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+            from worker_host.rank_agents import AgentHub
+
+            self.hub = AgentHub(self._directory, size - 1)  # listening before any rank can connect
         rank_class = ray.remote(RankProcess)
         for rank in range(1, size):
             options: dict[str, Any] = {
@@ -104,7 +151,7 @@ class Ranks:
                 options["num_cpus"] = 0
             actor: Any = rank_class.options(**options).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(engine, rank, size, rendezvous))
+            self.runs.append(actor.run.remote(spec, rank, size, rendezvous))
         log.info("rank 0 waits for %d ranks at %s", size - 1, rendezvous)
         return init_tp_group(
             0, size, rendezvous, device_kind(engine), fast_all_reduce=engine.parallel.all_reduce == "auto"
@@ -112,6 +159,9 @@ class Ranks:
 
     def close(self) -> None:
         """Remove the rendezvous directory (the ranks end with rank 0's actor)."""
+        if self.hub is not None:
+            self.hub.close()
+            self.hub = None
         if self._directory:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = ""

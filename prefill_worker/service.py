@@ -37,6 +37,7 @@ from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls
 from worker_host.node import WorkerNode
+from worker_host.rank_agents import ShardedSender, ShardedSendHandle, splits
 from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,17 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self,
         worker_id: str,
         loop: EngineLoop,
-        sender: KVSender,
+        sender: KVSender | ShardedSender,
         prefill_timeout_s: float = 600.0,
         layer_groups: int = 0,
+        split: ShardedSender | None = None,
     ) -> None:
+        """`split`: how a worker of one rank sends to a decode worker that holds other heads (one of several
+        ranks): a transfer per decode rank, after the prompt's step (worker_host.rank_agents.splits)."""
         self.worker_id = worker_id
         self.loop = loop
         self.sender = sender
+        self.split = split
         self.prefill_timeout_s = prefill_timeout_s
         self.layer_groups = layer_groups  # transfer.layer_groups: 0 ships the KV after the first token
         self.address = ""
@@ -76,7 +81,15 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs: queue.Queue[StepOutput] = queue.Queue()
         held: tuple[int, ...] = ()  # blocks this call owns (between the first token and the send)
-        streamed = LayerSend(self.sender, request.target) if request.HasField("target") else None
+        sender = self.sender
+        if (
+            self.split is not None
+            and request.HasField("target")
+            and splits(request.target, self.split.layout)
+        ):
+            sender = self.split  # one transfer per decode rank; no layer streaming
+        streams = self.layer_groups if sender is not self.split else 0
+        streamed = LayerSend(sender, request.target) if request.HasField("target") else None
         self.loop.subscribe(rid, outputs.put if streamed is None else streamed.deliver_to(outputs.put))
         try:
             try:
@@ -85,8 +98,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
                 def add(engine: Engine) -> None:
                     engine.add_request(rid, prompt, sampling, offset, priority, arrived)
-                    if streamed is not None and self.layer_groups:
-                        engine.stream_layers(rid, streamed, self.layer_groups)
+                    if streamed is not None and streams:
+                        engine.stream_layers(rid, streamed, streams)
 
                 self.loop.call(add)
             except (InvalidRequest, RequestRejected, SamplingError) as exc:
@@ -95,13 +108,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 outputs, context, self.loop, time.monotonic() + self.prefill_timeout_s, "the prompt"
             )
             held = out.kv_block_ids
-            handle = None
+            handle: SendHandle | ShardedSendHandle | None = None
             if out.finish_reason is None and streamed is not None:
                 handle = streamed.handle
                 if handle is None:  # nothing streamed: all the blocks go now, before the token's own write
-                    handle = self.sender.send(
-                        request.target, held, out.num_prompt_tokens, _kv_first_token(out)
-                    )
+                    handle = sender.send(request.target, held, out.num_prompt_tokens, _kv_first_token(out))
                     held = ()  # the sender owns them now and frees them through on_release
                 elif not streamed.finished:  # the engine thread could not finish it: say why here
                     handle.finish(_kv_first_token(out))
@@ -133,7 +144,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             msg.logprob.CopyFrom(logprob_proto(token, out.logprobs[0]))
         return msg
 
-    def _await_transfer(self, handle: SendHandle, context: grpc.ServicerContext) -> Iterator:
+    def _await_transfer(
+        self, handle: SendHandle | ShardedSendHandle, context: grpc.ServicerContext
+    ) -> Iterator:
         while not handle.done():
             if not context.is_active():
                 handle.abort("the prefill call was cancelled")
@@ -170,7 +183,7 @@ class LayerSend:
     the first token as the engine emits it. Runs on the engine thread and never blocks: open(), send_layers()
     and finish() only queue work for a sender thread."""
 
-    def __init__(self, sender: KVSender, target: kv_pb2.KVTarget) -> None:
+    def __init__(self, sender: KVSender | ShardedSender, target: kv_pb2.KVTarget) -> None:
         self.sender = sender
         self.target = target
         self.handle: SendHandle | None = None

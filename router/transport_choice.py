@@ -2,7 +2,9 @@
 
 One pure function over plain values, so that every combination is a unit test. The rules, per transport:
 
-    cuda_ipc : both ends can use it (a CUDA GPU each) and both are on one node (equal, known node ids)
+    cuda_ipc : both ends can use it (a CUDA GPU each), both are on one node (equal, known node ids), and both
+               span as many devices (ranks of tensor-parallel workers of different sizes hold different heads,
+               and cuda_ipc copies whole caches)
     nccl     : both ends can use it (a CUDA GPU each, NCCL built in) and the caches are on two different GPUs
                (NCCL refuses two ranks on one GPU; unknown GPU ids count as different)
     tcp      : both ends can use it (every worker can: any device, the bytes go over the control socket)
@@ -51,16 +53,18 @@ class PairEnd:
     node_id: the Ray node id, or a host identity outside Ray; "" when unknown (never taken as "one node").
     gpu_uuid: the GPU that holds the worker's KV cache; "" on CPU or when unknown.
     transports: what the worker can use, whatever the config allows.
+    devices: the devices (tensor-parallel ranks) the worker spans.
     """
 
     node_id: str = ""
     gpu_uuid: str = ""
     transports: frozenset[str] = frozenset({"tcp"})
+    devices: int = 1
 
 
 def pair_end(info: admin_pb2.WorkerInfo) -> PairEnd:
     """A worker's end of a pair from its polled status."""
-    return PairEnd(info.node_id, info.kv_gpu_uuid, transport_names(info.kv_transports))
+    return PairEnd(info.node_id, info.kv_gpu_uuid, transport_names(info.kv_transports), max(1, info.devices))
 
 
 class NoCommonTransport(ValueError):
@@ -91,6 +95,11 @@ def why_not(kind: str, prefill: PairEnd, decode: PairEnd) -> str | None:
         return f"the {' and the '.join(lacking)} worker cannot use it"
     if kind == "cuda_ipc" and not (prefill.node_id and prefill.node_id == decode.node_id):
         return f"the workers are not on one node (prefill {_node(prefill)}, decode {_node(decode)})"
+    if kind == "cuda_ipc" and prefill.devices != decode.devices:
+        return (
+            f"it copies whole caches, and the workers span {prefill.devices} and {decode.devices} devices "
+            "(their ranks hold different KV heads)"
+        )
     if kind == "nccl" and prefill.gpu_uuid and prefill.gpu_uuid == decode.gpu_uuid:
         return "both KV caches are on one GPU (nccl needs two)"
     return None

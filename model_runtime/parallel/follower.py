@@ -34,14 +34,18 @@ def follow(
     group: TPGroup,
     on_control: Callable[[bytes], None] | None = None,
     reports: Callable[[int], Sequence[int]] | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> int:
     """Run the lead's steps until it stops the ranks; returns how many ran. `on_control` and `reports` serve the
-    lead's control messages and gathers between steps (step_sync: CONTROL, GATHER)."""
+    lead's control messages and gathers between steps (step_sync: CONTROL, GATHER). `after_step` runs after
+    each step (a KV agent's clock: the k-th call follows the lead's k-th published step)."""
     receiver = StepReceiver(group, on_control, reports)
     steps = 0
     while (batch := receiver.receive()) is not None:
         rank.runner.execute_batch(batch)
         steps += 1
+        if after_step is not None:
+            after_step()
     return steps
 
 

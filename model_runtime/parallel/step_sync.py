@@ -75,6 +75,7 @@ class StepPublisher:
         self._set_up = False  # the first message sets the transport up (see the module docstring)
         self._ring: ShmWriter | None = None
         self._stopped = False
+        self.published = 0  # steps published so far: a follower has run step k once it ran k batches
 
     @property
     def on_shared_memory(self) -> bool:
@@ -86,6 +87,7 @@ class StepPublisher:
             raise RuntimeError("StepPublisher: the other ranks were stopped; no step can run")
         header, payload = encode(batch)
         self._send(header, payload)
+        self.published += 1
 
     def control(self, message: bytes) -> None:
         """Hand `message` to every follower's `on_control`, between two steps."""

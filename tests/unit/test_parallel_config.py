@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.config import parse_config
+from deploy.config import HANDOFF_TP_SIZES, parse_config
+from kv_transfer.shard_plan import TP_SIZES
 from model_runtime.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from model_runtime.kv_layout import KVLayout, KVShard
 from model_runtime.parallel.fast_all_reduce import FastAllReduce
@@ -78,14 +79,18 @@ def test_engine_and_deploy_yaml_map_onto_the_parallel_section() -> None:
         EngineConfig.from_dict({"parallel": {"tensor_parallel_size": 0}})
     with pytest.raises(ConfigError, match=r"^engine\.parallel\.ranks: unknown key"):
         EngineConfig.from_dict({"parallel": {"ranks": 2}})
-    # Workers of several devices cannot hand KV over yet: a disaggregated pool refuses them at parse time,
-    # naming the key; a colocated pool takes them (deploy.ranks).
+    # Every pool takes workers of several devices (deploy.ranks); a disaggregated pool's sizes are those the
+    # handoff splits heads between (kv_transfer.shard_plan), and another is refused at parse time, naming the key.
     for pool in ("prefill", "decode"):
+        parsed = parse_config({pool: {"engine": {"parallel": {"tensor_parallel_size": 4}}}}, "test")
+        assert parsed.pools()[WorkerRole(pool)].engine.parallel.tensor_parallel_size == 4
         with pytest.raises(
             ConfigError,
-            match=rf"^{pool}\.engine\.parallel\.tensor_parallel_size: a {pool} worker spanning 2 devices cannot",
+            match=rf"^{pool}\.engine\.parallel\.tensor_parallel_size: a {pool} worker hands its KV over between "
+            r"workers of 1, 2, 4, 8 devices, got 3",
         ):
-            parse_config({pool: {"engine": {"parallel": {"tensor_parallel_size": 2}}}}, "test")
+            parse_config({pool: {"engine": {"parallel": {"tensor_parallel_size": 3}}}}, "test")
+    assert HANDOFF_TP_SIZES == TP_SIZES
     colocated = {
         "mode": "colocated",
         "colocated": {"replicas": 1, "engine": {"parallel": {"tensor_parallel_size": 2}}},

@@ -26,6 +26,16 @@ PAIRS = {
     "one node, prefill on CPU": (PairEnd("n1", "", CPU), PairEnd("n1", "g1", GPU), {"tcp"}),
     "one node, decode on CPU": (PairEnd("n1", "g1", GPU), PairEnd("n1", "", CPU), {"tcp"}),
     "two nodes, both on CPU": (PairEnd("n1", "", CPU), PairEnd("n2", "", CPU), {"tcp"}),
+    "one node, tensor-parallel 2 -> 1": (
+        PairEnd("n1", "g1", GPU, 2),
+        PairEnd("n1", "g3", GPU),
+        {"nccl", "tcp"},
+    ),
+    "one node, tensor-parallel 2 -> 2": (
+        PairEnd("n1", "g1", GPU, 2),
+        PairEnd("n1", "g3", GPU, 2),
+        {"cuda_ipc", "nccl", "tcp"},
+    ),
     "one node, one GPU without NCCL": (
         PairEnd("n1", "g1", GPU_NO_NCCL),
         PairEnd("n1", "g2", GPU),
