@@ -3,11 +3,15 @@ of 2 ranks handing its KV to a decode worker of 1, and one of 1 handing it to on
 receives the KV heads of its own cache (worker_host.rank_agents over kv_transfer.sharded, tcp here), so no rank
 gathers another's heads. The greedy tokens must equal the engine's own on one device, and afterwards no block or
 lease may be left held on any worker. The model: a tiny random-weight Llama written here, 4 query heads over 2
-KV heads, so a rank of two holds one KV head.
+KV heads, so a rank of two holds one KV head. With the decode worker of two ranks, its rank 1 is then SIGKILLed
+in the middle of a request: the request resumes with the same tokens or ends with a clear status, the controller
+replaces the whole decode worker, and it serves the same tokens again with nothing left held.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,16 +19,18 @@ import pytest
 import yaml
 
 from model_runtime.llm import LLM
-from tandem_client import Client
+from tandem_client import Client, Unavailable
 from tests.e2e.cluster import ServeProcess
-from tests.e2e.faults_support import assert_all_idle, greedy, offline_engine, workers
+from tests.e2e.faults_support import Background, assert_all_idle, greedy, offline_engine, workers
 from tests.e2e.test_tensor_parallel_serve import SHARP_INIT, rank_processes
 from tests.model.tiny_models import write_tiny_hf
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 NUM_BLOCKS = 64
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog and keeps running", "class Engine:"]
 MAX_TOKENS = 12
+LONG = 120  # tokens of the request that the decode rank's death interrupts
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +58,40 @@ def test_prefill_and_decode_of_different_sizes_serve_one_device_tokens(
             found = workers(serve.address)
             assert found["prefill-0"].devices == prefill_tp and found["decode-0"].devices == decode_tp
             assert len(rank_processes()) == 1  # the one other rank, of whichever worker spans two
-            with Client(serve.address) as client:
-                for prompt in PROMPTS:
-                    got = client.generate(
-                        prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, timeout=60
-                    )
-                    assert list(got.token_ids) == greedy(offline, prompt, MAX_TOKENS), prompt
+            check_greedy(serve.address, offline)
             assert_all_idle(serve.address)
+            if decode_tp == 2:
+                kill_a_decode_rank_mid_request(serve, offline)
             assert serve.stop() == 0
         finally:
             print("".join(serve.lines[-80:]))  # shown with a failing test
+
+
+def check_greedy(address: str, offline: LLM) -> None:
+    with Client(address) as client:
+        for prompt in PROMPTS:
+            got = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, timeout=60)
+            assert list(got.token_ids) == greedy(offline, prompt, MAX_TOKENS), prompt
+
+
+def kill_a_decode_rank_mid_request(serve: ServeProcess, offline: LLM) -> None:
+    (rank,) = rank_processes()
+    before = workers(serve.address)["decode-0"]
+    prompt = "Tell me about foxes"
+    request = Background(serve.address, prompt, max_tokens=LONG, temperature=0, ignore_eos=True)
+    wait_until(lambda: request.num_tokens >= 8 or request.error, 60, "the request to be decoding")
+    os.kill(rank.pid, signal.SIGKILL)
+    request.join(120)
+    if request.error is None:  # resumed on the replaced worker: the same tokens, none lost or repeated
+        assert list(request.result.token_ids) == greedy(offline, prompt, LONG)
+    else:
+        assert isinstance(request.error, Unavailable), repr(request.error)
+    wait_until(
+        lambda: (w := workers(serve.address).get("decode-0")) and w.address != before.address,
+        120,
+        "the decode worker to be replaced",
+    )
+    wait_until(lambda: workers(serve.address)["decode-0"].state.name == "READY", 60, "the new decode worker")
+    assert any("worker decode-0 restarting (1)" in line for line in serve.lines)
+    check_greedy(serve.address, offline)
+    assert_all_idle(serve.address)

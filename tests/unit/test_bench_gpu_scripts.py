@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import offline_throughput, offline_variants, ttft
 from bench.harness import (
@@ -340,3 +341,46 @@ def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
             0 < spans["lead_built"] <= spans["lead_published"] <= spans["lead_queued"] <= spans["lead_done"]
         )
     assert not list(tmp_path.glob("*.steps.json")), "the ranks' step records are removed once merged"
+
+
+def test_kv_sharded_smoke_lands_every_rank_its_heads(tmp_path):
+    """bench/kv_sharded.py's driver on a CPU (one process per rank, tcp): prefill TP=2 -> decode TP=1 and
+    TP=1 -> TP=2 next to the equal layout 1x1. Every rep's landed blocks passed their checksum against the
+    whole model's data (a decode rank stops the script otherwise), each decode rank got exactly its share of
+    the heads, and the percentages compare against the 1x1 row of the same size."""
+    doc = _smoke_script("kv_sharded.py", tmp_path / "sharded.json")
+    assert doc["complete"] and doc["skipped"] == [] and doc["raw"] == []  # no raw NCCL baseline on a CPU
+    rows = {(r["layout"], r["tokens"]): r for r in doc["rows"]}
+    assert list(rows) == [(layout, tokens) for layout in ("1x1", "2x1", "1x2") for tokens in (16, 64)]
+    for (layout, tokens), row in rows.items():
+        decode_tp = int(layout.split("x")[1])
+        # a block: 4 layers x K, V x 4 tokens x 4 heads x head dim 8 x 2 bytes = 2048
+        whole = -(-tokens // 4) * 2048
+        assert row["checksum_ok"] and row["bytes"] == whole, row
+        assert row["decode_rank_bytes"] == [whole // decode_tp] * decode_tp, row
+        assert row["handoff_s"] > 0 and row["handoff_gbps"] == pytest.approx(whole / row["handoff_s"] / 1e9)
+        equal = rows["1x1", tokens]["handoff_gbps"]
+        assert row["pct_of_1x1"] == pytest.approx(100 * row["handoff_gbps"] / equal), row
+        assert row["pct_of_raw"] is None and row["phases_s"]["sender"] and row["phases_s"]["receiver"], row
+
+
+def test_kv_sharded_self_check_refuses_one_wrong_element():
+    """The check a decode rank runs after each landing: its blocks hold its heads of the prompt's source
+    blocks (here decode rank 1 of 2, written by hand), and one changed element stops the run."""
+    from bench import kv_sharded
+
+    whole = kv_sharded.KVLayout(2, 4, 8, 4, 20, "bfloat16")
+    rank = kv_sharded.DecodeRank(kv_sharded.RankSpec(whole, 2, 1, "cpu", "tcp", 5.0))
+    try:
+        src, ids = kv_sharded.source_ids(rank.layout, 10), [7, 3, 12]
+        model = kv_sharded.rank_data(whole, whole, torch.device("cpu"))
+        assert torch.equal(rank.expected, model[:, :, :, :, 2:4])  # rank 1 of 2 holds heads 2-3 of 4
+        rank.cache[:, :, ids] = rank.expected[:, :, src]
+        rank.check(ids, 10)
+        assert not rank.cache[:, :, ids].any()  # zeroed for the next rep
+        rank.cache[:, :, ids] = rank.expected[:, :, src]
+        rank.cache[1, 1, ids[2], 0, 1, 5] += 1
+        with pytest.raises(RuntimeError, match="CHECKSUM MISMATCH: decode rank 1 at 10 tokens"):
+            rank.check(ids, 10)
+    finally:
+        rank.close()
