@@ -274,8 +274,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--deployments",
         default="disagg,colocated",
-        help="comma list of: disagg (1P+1D), colocated (2 replicas), colocated-N, disagg-PpDd; + -tpN: colocated "
-        "workers of N GPUs each",
+        help="comma list of: disagg (1P+1D), colocated (2 replicas), colocated-N, disagg-PpDd; + -tpN: workers "
+        "of N GPUs each; disagg + -ptpN / -dtpN: prefill / decode workers of N GPUs (1, 2, 4 or 8)",
     )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of: {', '.join(WORKLOADS)}")
     p.add_argument(

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from bench.dvc_cpu import child_pids
+from deploy.config import HANDOFF_TP_SIZES
 from tandem_client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +59,14 @@ SPILL_CHUNK_TOKENS = 512
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
 ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
-# A colocated name + "-tpN" (e.g. "colocated-2-tp2": 2 workers of 2 GPUs): each worker spans N GPUs
-# (engine.parallel.tensor_parallel_size N). Prefill and decode workers cannot span GPUs yet (issue 18).
-TENSOR_PARALLEL = re.compile(r"(?P<base>.+)-tp(?P<size>[1-8])")
+# Any name + "-tpN": every worker spans N GPUs (engine.parallel.tensor_parallel_size N), e.g. "colocated-2-tp2"
+# (2 workers of 2 GPUs) or "disagg-1p1d-tp2" (a prefill and a decode worker of 2 GPUs each). A disaggregated name
+# + "-ptpN" or "-dtpN": only the prefill or only the decode workers span N GPUs, e.g. "disagg-1p2d-ptp4-dtp2" (a
+# prefill worker of 4 GPUs handing its KV to 2 decode workers of 2; a later suffix wins for its pool). Prefill
+# and decode workers span 1, 2, 4 or 8 GPUs, each rank handing over its own KV heads; between workers of
+# different sizes the router never picks cuda_ipc (it copies whole caches), so "-both" moves their KV over nccl.
+TENSOR_PARALLEL = re.compile(r"(?P<base>.+)-(?P<pools>[pd]?)tp(?P<size>[1-8])")
+TENSOR_PARALLEL_POOLS = {"": ("prefill", "decode", "colocated"), "p": ("prefill",), "d": ("decode",)}
 POOLS = ("prefill", "decode", "colocated")
 # Histograms with a "phase" label that kv_transfer_totals sums: the KV handoff's, then the first token's.
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
@@ -72,10 +78,11 @@ LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
 def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
     """The SLO autoscaler on, aiming at the bench's SLO as p90 targets, within the deployment's own worker count
-    (its GPUs): each disaggregated pool between 1 and all but one worker, colocated between 1 and all. A shorter
-    interval, window and cool-down than the defaults (5 s, 30 s, 60 s) so that it can follow a sweep whose points
-    last seconds: a miss that starts is acted on about 10 s later, and the new worker counts one window after
-    it is ready (the sweep's --settle-s gives it that time before each point)."""
+    (so its GPUs: its workers all span as many, see _check_handoff): each disaggregated pool between 1 and all
+    but one worker, colocated between 1 and all. A shorter interval, window and cool-down than the defaults (5 s,
+    30 s, 60 s) so that it can follow a sweep whose points last seconds: a miss that starts is acted on about
+    10 s later, and the new worker counts one window after it is ready (the sweep's --settle-s gives it that
+    time before each point)."""
     total = sum(config[p].get("replicas", 1) for p in POOLS if p in config)
     bounds = {"colocated": {"min": 1, "max": total}} if "colocated" in config else {
         "prefill": {"min": 1, "max": max(1, total - 1)}, "decode": {"min": 1, "max": max(1, total - 1)}}  # fmt: skip
@@ -87,57 +94,66 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH, NO_STREAM,
-    ONE_LANE and SPILL);
-    `slo` is the (TTFT, TPOT) the autoscaler aims at."""
+    ONE_LANE, SPILL, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
+    ValueError naming the deployment when the name is unknown or its KV could not move between its pools."""
+    config = _named_config(name, slo)
+    _check_handoff(name, config)
+    return config
+
+
+def _named_config(name: str, slo: tuple[float, float]) -> dict:
+    """deployment_config before its checks: each suffix peels off, and applies to, the config of the rest."""
     routers = ROUTERS.fullmatch(name)
     if routers is not None:
-        config = deployment_config(routers["base"], slo)
+        config = _named_config(routers["base"], slo)
         return dict(config, router=dict(config.get("router", {}), processes=int(routers["routers"])))
     if name.endswith(IPC):
-        config = deployment_config(name.removesuffix(IPC), slo)
+        config = _named_config(name.removesuffix(IPC), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), kind="cuda_ipc"))
     if name.endswith(BOTH):
-        config = deployment_config(name.removesuffix(BOTH), slo)
+        config = _named_config(name.removesuffix(BOTH), slo)
         transfer = {k: v for k, v in config.get("transfer", {}).items() if k != "kind"}
         return dict(config, transfer=dict(transfer, kinds=["cuda_ipc", "nccl"]))
     if name.endswith(ONE_LANE):
-        config = deployment_config(name.removesuffix(ONE_LANE), slo)
+        config = _named_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
     if name.endswith(SPILL_SMALL_CHUNKS):
-        config = deployment_config(name.removesuffix(SPILL_SMALL_CHUNKS) + SPILL, slo)
+        config = _named_config(name.removesuffix(SPILL_SMALL_CHUNKS) + SPILL, slo)
         engine = config["decode"].setdefault("engine", {})
         engine["scheduler"] = dict(engine.get("scheduler", {}), max_num_batched_tokens=SPILL_CHUNK_TOKENS)
         return config
     if name.endswith(SPILL):
-        config = deployment_config(name.removesuffix(SPILL), slo)
+        config = _named_config(name.removesuffix(SPILL), slo)
         return dict(config, router=dict(config.get("router", {}), local_prefill_spill_tokens=SPILL_TOKENS))
     if name.endswith(NO_STREAM):
-        config = deployment_config(name.removesuffix(NO_STREAM), slo)
+        config = _named_config(name.removesuffix(NO_STREAM), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
     if name.endswith(AUTOSCALE):
-        return autoscaled(deployment_config(name.removesuffix(AUTOSCALE), slo), *slo)
+        return autoscaled(_named_config(name.removesuffix(AUTOSCALE), slo), *slo)
     if name.endswith(NO_CACHE):
-        config = deployment_config(name.removesuffix(NO_CACHE), slo)
+        config = _named_config(name.removesuffix(NO_CACHE), slo)
         for pool in (p for p in POOLS if p in config):
             engine = config[pool].setdefault("engine", {})
             engine["cache"] = dict(engine.get("cache", {}), enable_prefix_caching=False)
         return config
     tensor_parallel = TENSOR_PARALLEL.fullmatch(name)
     if tensor_parallel is not None:
-        config = deployment_config(tensor_parallel["base"], slo)
-        if "colocated" not in config:
+        config = _named_config(tensor_parallel["base"], slo)
+        pools = [p for p in TENSOR_PARALLEL_POOLS[tensor_parallel["pools"]] if p in config]
+        if not pools:
             raise ValueError(
-                f"{name}: only colocated workers span several GPUs (issue 18: the KV handoff between sharded "
-                "prefill and decode workers is not built)"
+                f"{name}: -{tensor_parallel['pools']}tpN sizes the prefill or decode workers of a disaggregated "
+                "deployment; a colocated one's workers span GPUs with -tpN"
             )
-        engine = config["colocated"].setdefault("engine", {})
-        engine["parallel"] = {"tensor_parallel_size": int(tensor_parallel["size"])}
+        for pool in pools:
+            engine = config[pool].setdefault("engine", {})
+            engine["parallel"] = {"tensor_parallel_size": int(tensor_parallel["size"])}
         return config
     if name in DEPLOYMENTS:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (colocated), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -146,6 +162,35 @@ def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict
     config = yaml.safe_load(DEPLOYMENTS["disagg"].read_text())
     config["prefill"]["replicas"], config["decode"]["replicas"] = int(match["prefill"]), int(match["decode"])
     return config
+
+
+def _check_handoff(name: str, config: dict) -> None:
+    """A disaggregated deployment's KV must be able to move: prefill and decode workers span one of
+    HANDOFF_TP_SIZES GPUs, and cuda_ipc alone cannot join workers of different sizes. Nor may the SLO autoscaler
+    move workers between pools of different sizes: its budget counts workers, so each move would change the GPUs
+    the deployment holds (and the summary compares it with fixed splits on as many GPUs)."""
+    if "colocated" in config:
+        return
+    prefill, decode = _ranks(config["prefill"]), _ranks(config["decode"])
+    for pool, size in (("prefill", prefill), ("decode", decode)):
+        if size not in HANDOFF_TP_SIZES:
+            raise ValueError(
+                f"{name}: {pool} workers span one of {', '.join(map(str, HANDOFF_TP_SIZES))} GPUs (each rank "
+                f"hands over its own KV heads), got {size}"
+            )
+    if prefill == decode:
+        return
+    transfer = config.get("transfer", {})
+    if (transfer.get("kinds") or [transfer.get("kind")]) == ["cuda_ipc"]:
+        raise ValueError(
+            f"{name}: cuda_ipc copies whole caches, so it cannot move KV from a prefill worker of {prefill} GPUs "
+            f"to a decode worker of {decode}; use {BOTH} (the router then picks nccl for such pairs)"
+        )
+    if config.get("autoscaler", {}).get("enabled"):
+        raise ValueError(
+            f"{name}: the SLO autoscaler's budget counts workers, but a prefill worker spans {prefill} GPUs and a "
+            f"decode worker {decode}, so a move between the pools would change the GPUs; give both one size (-tpN)"
+        )
 
 
 def config_gpus(config: dict) -> int:

@@ -276,6 +276,23 @@ def test_invariant_checks_count_ranks_of_tensor_parallel_workers(
     assert any(expected in f for f in findings), findings
 
 
+def swap_phase_widths(config: dict[str, Any]) -> None:
+    """Prefill workers of 2 ranks and decode workers of 4, in groups sized for the other way round."""
+    config["prefill"]["engine"]["parallel"]["tensor_parallel_size"] = 2
+    config["decode"]["engine"]["parallel"]["tensor_parallel_size"] = 4
+
+
+def test_invariant_checks_count_ranks_of_prefill_and_decode_workers() -> None:
+    """The checks count each handoff pool's ranks by its own size, not colocated's alone nor one for both."""
+    r = render(load_values_file(CHART_DIR / "ci" / "disagg-tensor-parallel-values.yaml"), label="disagg tp")
+    assert check_all(r) == []
+    findings = check_all(mutated(r, "ConfigMap", lambda d: set_config(d, swap_phase_widths)))
+    assert (
+        "disagg tp: prefill: 2 workers need 4 tandem_prefill (2 ranks each), the group offers 8" in findings
+    )
+    assert "disagg tp: decode: 4 workers need 16 tandem_decode (4 ranks each), the group offers 8" in findings
+
+
 @pytest.mark.parametrize(
     ("kind", "change", "expected"),
     [

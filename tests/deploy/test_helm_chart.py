@@ -12,6 +12,7 @@ import yaml
 
 from deploy.chartcheck import CHART_DIR, check_all, lint, load_values_file, render, validate_rendering
 from deploy.chartcheck.connections import config_map, rendered_config
+from deploy.chartcheck.objects import group_custom_resources
 from deploy.chartcheck.render import Rendering
 from model_runtime.roles import WorkerRole
 
@@ -298,6 +299,37 @@ def test_tensor_parallel_values_run_workers_of_several_gpus_per_pod() -> None:
     monitor = next(m for m in r.objects("PodMonitor") if m["metadata"]["name"] == "demo-tandem-colocated")
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [f"w{i}-metrics" for i in range(4)]
     assert "(workers of 2 GPUs)" in r.notes
+
+
+def test_disagg_tensor_parallel_values_give_each_phase_its_own_worker_width() -> None:
+    """8-GPU pods in both groups: prefill workers of 4 ranks (2 a pod), decode workers of 2 ranks (4 a pod,
+    1..2 pods). Each group advertises one unit per device, the pools count workers, and KV moves over nccl only
+    (the router never offers cuda_ipc between workers of different sizes)."""
+    r = rendered("disagg-tensor-parallel-values.yaml")
+    groups = {g["groupName"]: g for g in r.one("RayCluster")["spec"]["workerGroupSpecs"]}
+    assert sorted(groups) == ["decode", "prefill"]
+    for role, pods in (("prefill", (1, 1)), ("decode", (1, 2))):
+        group = groups[role]
+        assert (group["replicas"], group["maxReplicas"]) == pods, role
+        assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8, role
+        assert group["rayStartParams"]["num-gpus"] == "8", role
+        assert group_custom_resources(group) == {f"tandem_{role}": 8}, role  # one unit per device
+    assert groups["decode"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    config = rendered_config(r)
+    assert config.model == "/models/Meta-Llama-3.1-70B-Instruct"
+    # replicas count the workers of the group's pods at start; num_gpus and ray_resources are per rank
+    for pool, tp, per_pod in ((config.prefill, 4, 2), (config.decode, 2, 4)):
+        assert pool.engine.parallel.tensor_parallel_size == tp
+        assert pool.engine.parallel.all_reduce == "nccl"
+        assert (pool.replicas, pool.num_gpus, pool.metrics_port_count) == (per_pod, 1, per_pod)
+    assert config.prefill.ray_resources == {"tandem_prefill": 1}
+    assert config.decode.ray_resources == {"tandem_decode": 1}
+    assert config.transfer.kinds == ("nccl",)
+    bounds = [config.autoscaler.bounds(role) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)]
+    assert [(b.min, b.max) for b in bounds] == [(2, 2), (4, 8)]  # workers: pods x workers a pod
+    assert (
+        "1 prefill pod(s) x 8 GPU (workers of 4 GPUs), 1 decode pod(s) x 8 GPU (workers of 2 GPUs)" in r.notes
+    )
 
 
 @pytest.mark.parametrize(("base", "role"), [("defaults", "prefill"), ("colocated-values.yaml", "colocated")])

@@ -13,6 +13,8 @@ import helm_python
 import pytest
 
 from deploy.chartcheck import CHART_DIR, lint, render
+from deploy.chartcheck.connections import rendered_config
+from deploy.config import HANDOFF_TP_SIZES
 from model_runtime.config import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
 
 pytestmark = pytest.mark.unit
@@ -90,13 +92,20 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
             "prefill.minReplicas / prefill.maxReplicas: must range around prefill.replicas (2), got 3..4",
         ),
         (
-            {"prefill": {"gpusPerWorker": 2, "engine": {"parallel": {"tensorParallelSize": 2}}}},
-            "prefill.engine.parallel.tensorParallelSize: 2, but only colocated pools may span devices for now",
+            {"prefill": {"gpusPerWorker": 3, "engine": {"parallel": {"tensorParallelSize": 3}}}},
+            "prefill.engine.parallel.tensorParallelSize: 3, but a prefill worker hands its KV over rank by rank "
+            "only at 1, 2, 4 or 8 devices",
         ),
         (
-            {"decode": {"gpusPerWorker": 8, "engine": {"parallel": {"tensorParallelSize": 4}}}},
-            "decode.engine.parallel.tensorParallelSize: 4, but only colocated pools may span devices for now: "
-            "a decode worker's KV cache split over ranks cannot be handed over yet (issue 18)",
+            {"decode": {"gpusPerWorker": 6, "engine": {"parallel": {"tensorParallelSize": 4}}}},
+            "decode.gpusPerWorker: 6 is not a multiple of decode.engine.parallel.tensorParallelSize (4)",
+        ),
+        (
+            {
+                "transfer": {"kind": "tcp"},
+                "prefill": {"gpusPerWorker": 0, "engine": {"parallel": {"tensorParallelSize": 2}}},
+            },
+            "prefill.engine.parallel.tensorParallelSize: 2 needs GPUs (one per rank), but prefill.gpusPerWorker is 0",
         ),
         (
             {
@@ -119,6 +128,24 @@ def test_schema_rejects_bad_values(values: dict, where: str) -> None:
 def test_templates_refuse_inconsistent_values(values: dict, message: str) -> None:
     with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
         render(values)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_handoff_pools_take_the_tensor_parallel_sizes_the_deploy_config_takes(role: str) -> None:
+    """The chart refuses at render time exactly the prefill and decode worker sizes that deploy/config.py refuses
+    at parse time (the rank-by-rank KV handoff's sizes), naming the key; colocated pools keep the schema's range."""
+    for tp in range(1, 17):
+        values = {role: {"gpusPerWorker": tp, "engine": {"parallel": {"tensorParallelSize": tp}}}}
+        if tp in HANDOFF_TP_SIZES:
+            pool = getattr(rendered_config(render(values, label=f"{role} tp {tp}")), role)
+            assert (pool.engine.parallel.tensor_parallel_size, pool.replicas) == (tp, 1)
+            continue
+        message = f"{role}.engine.parallel.tensorParallelSize: {tp}, but a {role} worker hands its KV over"
+        with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
+            render(values)
+    colocated = {"gpusPerWorker": 3, "engine": {"parallel": {"tensorParallelSize": 3}}}
+    pool = rendered_config(render({"mode": "colocated", "colocated": colocated})).colocated
+    assert pool.engine.parallel.tensor_parallel_size == 3
 
 
 def test_values_schema_engine_keys_are_the_engine_config_fields() -> None:

@@ -46,6 +46,26 @@ def test_copy_blocks_matches_torch_indexing(dtype, block_shape) -> None:
     assert torch.equal(dst, expect)
 
 
+@pytest.mark.parametrize(("src_heads", "dst_heads"), [((2, 4), (0, 4)), ((0, 8), (4, 8)), ((3, 1), (1, 1))])
+def test_a_window_of_heads_moves_through_staging_as_torch_slicing_says(src_heads, dst_heads) -> None:
+    """A piece between tensor-parallel ranks of different sizes (nccl's gather and scatter): heads
+    [s, s + n) of an 8-head cache into heads [t, t + n) of a 12-head one, through contiguous staging."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    (s, n), (t, _) = src_heads, dst_heads
+    src, _, src_ids, dst_ids = _caches(device, torch.bfloat16, (16, 8, 128))
+    dst = torch.zeros((3, 2, 40, 16, 12, 128), dtype=torch.bfloat16, device=device)
+    staging = torch.zeros((3, 2, len(src_ids), 16, n, 128), dtype=torch.bfloat16, device=device)
+    arange = torch.arange(len(src_ids), device=device)
+    ids = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    copy_blocks(cache_pointer(src).heads(s, n), staging, ids(src_ids), arange)
+    copy_blocks(staging, cache_pointer(dst).heads(t, n), arange, ids(dst_ids))
+    torch.cuda.synchronize(device)
+    expect = torch.zeros_like(dst)
+    expect[:, :, dst_ids, :, t : t + n] = src[:, :, src_ids, :, s : s + n]
+    assert torch.equal(dst, expect)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_pull_from_the_peer_gpu_over_nvlink() -> None:
     """What cuda_ipc does: the kernel runs on the receiver's GPU and reads the sender's memory."""

@@ -122,7 +122,7 @@ def test_the_autoscaler_is_compared_with_the_best_fixed_split_on_as_many_gpus() 
     assert not autoscaler_comparison(out, runs, points)["disagg-2p2d-autoscale"]["goal_met"]
 
 
-def test_tp_makes_each_colocated_worker_span_gpus_and_counts_them() -> None:
+def test_tp_sizes_colocated_workers_and_counts_their_gpus_and_ptp_dtp_are_refused_there() -> None:
     config = deployment_config("colocated-2-tp2")
     assert config["colocated"]["replicas"] == 2
     assert config["colocated"]["engine"]["parallel"] == {"tensor_parallel_size": 2}
@@ -137,8 +137,56 @@ def test_tp_makes_each_colocated_worker_span_gpus_and_counts_them() -> None:
         scaled["colocated"]["engine"]["parallel"]["tensor_parallel_size"] == 4
         and scaled["autoscaler"]["enabled"]
     )
-    with pytest.raises(ValueError, match="only colocated workers span several GPUs"):
-        deployment_config("disagg-2p2d-tp2")
+    with pytest.raises(ValueError, match="colocated-2-ptp2: -ptpN sizes the prefill or decode workers"):
+        deployment_config("colocated-2-ptp2")
+    with pytest.raises(ValueError, match="-dtpN sizes the prefill or decode workers"):
+        deployment_config("colocated-dtp4")
+
+
+@pytest.mark.parametrize(
+    ("name", "sizes", "gpus"),
+    [
+        ("disagg-1p1d", (1, 1), 2),
+        ("disagg-2p2d-tp2", (2, 2), 8),  # both pools
+        ("disagg-1p1d-ptp2", (2, 1), 3),  # the prefill worker only
+        ("disagg-1p3d-dtp2", (1, 2), 7),  # the decode workers only
+        ("disagg-1p2d-ptp4-dtp2", (4, 2), 8),  # one 4-GPU prefill worker, two 2-GPU decode workers
+        ("disagg-1p2d-dtp2-ptp4", (4, 2), 8),  # in either order
+        ("disagg-2p1d-tp2-dtp8", (2, 8), 12),  # a later suffix wins for its pool
+        ("disagg-1p1d-ptp2-both-nocache", (2, 1), 3),  # beside the other suffixes
+    ],
+)
+def test_tp_ptp_and_dtp_size_disaggregated_workers_and_the_gpus_count_every_rank(
+    name: str, sizes: tuple[int, int], gpus: int
+) -> None:
+    config = deployment_config(name)
+    assert config_gpus(config) == gpus  # replicas x tensor_parallel_size, summed over the pools
+    parsed = parse_config(config)
+    assert tuple(p.engine.parallel.tensor_parallel_size for p in (parsed.prefill, parsed.decode)) == sizes
+
+
+def test_disaggregated_workers_of_different_sizes_keep_a_transport_and_a_fixed_gpu_count() -> None:
+    """cuda_ipc copies whole caches, so alone it joins no pair of different sizes ("-both" adds nccl, which the
+    router then picks); the SLO autoscaler counts workers, which are GPUs only at one size; and the handoff
+    takes 1, 2, 4 or 8 ranks a worker."""
+    assert deployment_config("disagg-1p1d-ptp2-both")["transfer"] == {"kinds": ["cuda_ipc", "nccl"]}
+    same_size = deployment_config("disagg-1p1d-tp2-ipc")
+    assert same_size["transfer"]["kind"] == "cuda_ipc"  # ranks of one size hold the same heads: whole caches
+    parse_config(same_size)
+    for name in ("disagg-1p1d-ptp2-ipc", "disagg-1p1d-ipc-dtp2"):
+        with pytest.raises(ValueError, match=f"{name}: cuda_ipc copies whole caches, .* use -both"):
+            deployment_config(name)
+    scaled = deployment_config("disagg-2p2d-tp2-autoscale")
+    assert scaled["autoscaler"]["max_total_workers"] == 4 and config_gpus(scaled) == 8
+    parse_config(scaled)
+    for name in ("disagg-2p2d-ptp2-autoscale", "disagg-2p2d-autoscale-dtp4"):
+        with pytest.raises(ValueError, match="autoscaler's budget counts workers"):
+            deployment_config(name)
+    for name, pool in (("disagg-1p1d-tp3", "prefill"), ("disagg-1p1d-dtp6", "decode")):
+        with pytest.raises(ValueError, match=f"{pool} workers span one of 1, 2, 4, 8 GPUs .* got [36]"):
+            deployment_config(name)
+    colocated = deployment_config("colocated-1-tp3")["colocated"]  # colocated workers hand no KV over
+    assert colocated["engine"]["parallel"]["tensor_parallel_size"] == 3
 
 
 def test_spill512_spills_and_cuts_the_decode_workers_step_budget_only() -> None:

@@ -180,12 +180,16 @@ imagePullSecrets: {{ toJson .Values.imagePullSecrets }}
 {{- end }}
 {{- end -}}
 
-{{/* A pool's workers spanning devices: colocated only, on GPUs, whole workers per pod. */}}
+{{/*
+A pool's workers spanning devices: on GPUs, whole workers per pod. Prefill and decode workers hand KV over rank by
+rank (each rank its own KV heads), between the sizes deploy/config.py HANDOFF_TP_SIZES lists (test_helm_values.py
+checks the two lists agree); colocated workers hand nothing over and take the schema's whole range.
+*/}}
 {{- define "tandem.validateParallel" -}}
 {{- $tp := int (include "tandem.tensorParallelSize" .pool) }}
 {{- $gpus := int .pool.gpusPerWorker }}
-{{- if and (gt $tp 1) (ne .role "colocated") }}
-{{- fail (printf "%s.engine.parallel.tensorParallelSize: %d, but only colocated pools may span devices for now: a %s worker's KV cache split over ranks cannot be handed over yet (issue 18); use 1" .role $tp .role) }}
+{{- if and (ne .role "colocated") (not (has $tp (list 1 2 4 8))) }}
+{{- fail (printf "%s.engine.parallel.tensorParallelSize: %d, but a %s worker hands its KV over rank by rank only at 1, 2, 4 or 8 devices; use one of those" .role $tp .role) }}
 {{- end }}
 {{- if and (gt $tp 1) (eq $gpus 0) }}
 {{- fail (printf "%s.engine.parallel.tensorParallelSize: %d needs GPUs (one per rank), but %s.gpusPerWorker is 0; use 1 on CPU pods" .role $tp .role) }}
