@@ -384,12 +384,16 @@ def _window(layout: KVLayout, begin: kv_pb2.KVBegin) -> tuple[int, int] | None:
 def _first_token(done: kv_pb2.KVDone) -> FirstToken:
     if not done.HasField("first_token"):
         raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, "KVDone carries no first token")
-    token = done.first_token
     try:
-        return FirstToken(
-            token.token_id,
-            token.logprob if token.HasField("logprob") else None,
-            tuple((t.token_id, t.logprob) for t in token.top_logprobs),
-        )
+        return first_token_from_message(done.first_token)
     except ValueError as exc:
         raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
+
+
+def first_token_from_message(token: kv_pb2.KVFirstToken) -> FirstToken:
+    """The KVFirstToken on the wire as a FirstToken (ValueError for a negative id)."""
+    return FirstToken(
+        token.token_id,
+        token.logprob if token.HasField("logprob") else None,
+        tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+    )

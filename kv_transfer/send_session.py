@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kv_transfer.channels import Channel, ChannelPool
 from kv_transfer.config import TransferConfig
-from kv_transfer.contracts import FailureReason, SendResult, TransferFailed
+from kv_transfer.contracts import FailureReason, FirstToken, SendResult, TransferFailed
 from kv_transfer.frames import FrameConnection, Watch, expect, frame_failure
 from kv_transfer.pairing import check_target
 from kv_transfer.send_handle import DoneRequest, PartRequest, SendHandle
@@ -179,7 +179,9 @@ class SendSession:
                 )
                 self._phase("stream")
                 continue
-            conn.send_frame(kv_pb2.KVFrame(done=kv_pb2.KVDone(first_token=_token_message(item))), self.watch)
+            conn.send_frame(
+                kv_pb2.KVFrame(done=kv_pb2.KVDone(first_token=token_message(item.first_token))), self.watch
+            )
             self._phase("stream")
             return item.queued_at
 
@@ -239,8 +241,7 @@ class SendSession:
         )
 
 
-def _token_message(done: DoneRequest) -> kv_pb2.KVFirstToken:
-    token = done.first_token
+def token_message(token: FirstToken) -> kv_pb2.KVFirstToken:
     message = kv_pb2.KVFirstToken(token_id=token.token_id)
     if token.logprob is not None:
         message.logprob = token.logprob

@@ -58,7 +58,10 @@ from kv_transfer import (
 )
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import Allocate, BlockAllocator
+from kv_transfer.pairing import format_message
+from kv_transfer.receive_session import first_token_from_message
 from kv_transfer.send_handle import SendHandle
+from kv_transfer.send_session import token_message
 from kv_transfer.shard_plan import handoff_plan, pieces_from
 from kv_transfer.sharded import decode_size, pieces
 from kv_transfer.stats import TransferStats
@@ -599,7 +602,7 @@ class ShardedSender:
             target=target,
             src_block_ids=ids,
             num_tokens=num_tokens,
-            first_token=_token_message(first_token),
+            first_token=token_message(first_token),
             after_step=self._steps(),
             timeout_ms=int(timeout * 1000),
         )
@@ -688,20 +691,6 @@ class ShardedSender:
         except Exception:
             log.exception("on_release callback failed for request %r", handle.request_id)
         handle.future.set_result(result)
-
-
-def _token_message(token: FirstToken) -> kv_pb2.KVFirstToken:
-    message = kv_pb2.KVFirstToken(token_id=token.token_id)
-    if token.logprob is not None:
-        message.logprob = token.logprob
-    for token_id, logprob in token.top_logprobs:
-        message.top_logprobs.add(token_id=token_id, logprob=logprob)
-    return message
-
-
-def _first_token(message: kv_pb2.KVFirstToken) -> FirstToken:
-    logprob = message.logprob if message.HasField("logprob") else None
-    return FirstToken(message.token_id, logprob, tuple((t.token_id, t.logprob) for t in message.top_logprobs))
 
 
 # --- the other ranks -------------------------------------------------------------------------------------
@@ -799,7 +788,6 @@ class FollowerAgent:
             self.sender.close()
 
     def _hello(self) -> pb.AgentMessage:
-        from kv_transfer.pairing import format_message
 
         held = self.receiver.transports if self.receiver is not None else self.sender.transports  # type: ignore[union-attr]
         hello = pb.AgentHello(
@@ -890,7 +878,7 @@ class FollowerAgent:
         try:
             timeout = order.timeout_ms / 1000 or self.sender.config.transfer_timeout_s
             ready = self._clock.after(order.after_step, timeout)
-            first = _first_token(order.first_token)
+            first = first_token_from_message(order.first_token)
             for piece_target, window in pieces(order.target, self.layout):
                 with self._lock:
                     if send.cancelled:

@@ -142,7 +142,7 @@ def test_every_decode_rank_gets_exactly_its_heads(model_heads, prefill_tp, decod
 
 def test_a_failed_piece_fails_the_lease_once_after_every_writer_stopped():
     """decode TP=1 <- prefill TP=2: one rank's piece arrives, the other's sender aborts; the lease fails,
-    its blocks go back once, and the piece that landed is not reported as a landing."""
+    its blocks go back once (half landed or not), and the piece that landed is not reported as a landing."""
     model = model_cache(4)
     decode = DecodeRanks(4, 1)
     prefill = PrefillRanks(model, 4, 2)
@@ -156,6 +156,9 @@ def test_a_failed_piece_fails_the_lease_once_after_every_writer_stopped():
         handle = prefill.senders[1].open(piece1[0], [3, 4, 6], 9, heads=piece1[1])
         handle.abort("the prefill rank gave up")
         failed = handle.result(timeout=20)
+        # Aborted before it claimed, the piece left the lease half landed: the decode side gives up on it (as
+        # the decode call does when the router cancels it). Aborted after, the lease failed already.
+        decode.receivers[0].abort("req-2", "the prefill side failed")
         (result,) = wait_results(decode.receivers[0])
     finally:
         prefill.close()
