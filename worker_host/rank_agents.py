@@ -64,7 +64,7 @@ from kv_transfer.send_handle import SendHandle
 from kv_transfer.send_session import token_message
 from kv_transfer.shard_plan import handoff_plan, pieces_from
 from kv_transfer.sharded import decode_size, pieces
-from kv_transfer.stats import TransferStats
+from kv_transfer.stats import StatsRecorder, TransferStats
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 from tandem_api.tandem.v1 import rank_agent_pb2 as pb
@@ -562,6 +562,7 @@ class ShardedSender:
         self._on_release = on_release
         self._lock = threading.Lock()
         self._sends: dict[str, ShardedSendHandle] = {}
+        self._stats = StatsRecorder()  # one record per request (all its ranks' pieces), as a KVSender's
         self._ranks = hub.wait_ready() if hub is not None else []
         self._own = KVSender(layout, cache, config, tls=tls)
         self.transports = held_by_all(self._own.transports, self._ranks)
@@ -619,7 +620,9 @@ class ShardedSender:
         return handle
 
     def stats(self) -> TransferStats:
-        return self._own.stats()
+        with self._lock:
+            active = len(self._sends)
+        return self._stats.snapshot(active_transfers=active)
 
     def close(self) -> None:
         self._own.close()
@@ -628,6 +631,7 @@ class ShardedSender:
         handle = ShardedSendHandle(rid, ids, set())
         result = SendResult(rid, ids, False, failure.reason, failure.message)
         self._on_release(result)
+        self._stats.record_failure(failure.reason)
         handle.future.set_result(result)
         return handle
 
@@ -690,6 +694,10 @@ class ShardedSender:
             self._on_release(result)
         except Exception:
             log.exception("on_release callback failed for request %r", handle.request_id)
+        if result.ok:
+            self._stats.record_ok(result.num_bytes, result.seconds)
+        else:
+            self._stats.record_failure(result.failure or FailureReason.INTERNAL)
         handle.future.set_result(result)
 
 
@@ -774,11 +782,13 @@ class FollowerAgent:
         else:
             self.sender = KVSender(layout, cache, config, tls=client_tls)
         self._pool = concurrent.futures.ThreadPoolExecutor(config.max_inflight_sends, "kv-agent-send")
+        self._closed = False
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"kv-agent-{self.rank}", daemon=True).start()
 
     def close(self) -> None:
+        self._closed = True
         if self._link is not None:
             self._link.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -907,7 +917,7 @@ class FollowerAgent:
             self._tell(outcome_message(rid, True, None, "", sum(r.num_bytes for r in results)))
 
     def _tell(self, message: pb.AgentMessage) -> None:
-        if self._link is None:
+        if self._link is None or self._closed:
             return
         try:
             self._link.send(message)
