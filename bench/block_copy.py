@@ -156,7 +156,8 @@ def one_size(tokens: int, kernel, sms: int, args, d0: torch.device, d1: torch.de
         raise SystemExit("committed kernel: wrong bytes")
     row["launch_us"] = launch_cost(src, dst, ids[d1], transfer_stream(d1))
     print(f"{tokens:6d} tokens  host time per launch: {row['launch_us']} us", flush=True)
-    chunk = block_copy._chunk_elements(src.shape)
+    rows, row_len = block_copy._rows(src.shape)
+    chunk = rows * row_len  # one block of one layer's K (or V), contiguous
     total = layout.num_layers * 2 * n
     for name, cfg in variants(chunk, sms).items():
         cfg = dict(cfg)

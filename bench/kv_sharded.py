@@ -215,7 +215,8 @@ class RawRank:
     """One end of bench/kv_raw.py's baselines (rank 0 sends, rank 1 receives), with a pipe to the other."""
 
     def __init__(self, spec: RankSpec, peer) -> None:
-        self.spec, self.peer, self.device, self.state = spec, peer, kv_bench.use_device(spec.device), {}
+        self.spec, self.peer, self.device = spec, peer, kv_bench.use_device(spec.device)
+        self.state: dict = {}
 
     def handoff(self, conn, cmd: tuple) -> None:
         conn.send(raw_times(cmd, self.spec.rank, self.peer, self.device, self.state))
