@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from google.protobuf.message import DecodeError
 
 from kv_transfer import (
     FailureReason,
@@ -107,7 +108,10 @@ class _Link:
         if body is None:
             return None
         message = pb.AgentMessage()
-        message.ParseFromString(body)
+        try:
+            message.ParseFromString(body)
+        except DecodeError as exc:
+            raise ValueError(f"an agent message that does not parse: {exc}") from None
         return message
 
     def _exactly(self, n: int) -> bytes | None:
@@ -126,7 +130,9 @@ class _Link:
         self.sock.close()
 
 
-def outcome_message(request_id: str, ok: bool, failure: FailureReason | None, message: str, num_bytes: int):
+def outcome_message(
+    request_id: str, ok: bool, failure: FailureReason | None, message: str, num_bytes: int
+) -> pb.AgentMessage:
     outcome = pb.AgentOutcome(request_id=request_id, ok=ok, message=message, num_bytes=num_bytes)
     if failure is not None:
         outcome.failure = failure.value  # type: ignore[assignment]  # KVFailure mirrors FailureReason
