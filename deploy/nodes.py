@@ -49,11 +49,11 @@ def read_nodes() -> NodeView:
 def demand(num_gpus: float, resources: Mapping[str, float], ranks: int = 1) -> dict[str, float]:
     """What Ray must find on one node to place a worker (deploy.controller launches CPU workers with num_cpus 0,
     GPU ones with Ray's default of one CPU to place an actor). `ranks`: a worker of several devices needs its
-    devices and resources once per rank, all on one node (deploy.ranks)."""
+    devices, resources and (on GPUs) one CPU once per rank, all on one node (deploy.ranks.bundles)."""
     wanted = {name: float(amount) * ranks for name, amount in resources.items()}
     if num_gpus > 0:
         wanted["GPU"] = float(num_gpus) * ranks
-        wanted.setdefault("CPU", 1.0)
+        wanted.setdefault("CPU", 1.0 * ranks)
     return wanted
 
 

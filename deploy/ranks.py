@@ -35,12 +35,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 CPU_BUNDLE = 0.01  # a placement group bundle may not be empty; CPU ranks ask for a sliver of a CPU each
+GPU_RANK_CPUS = (
+    1.0  # what Ray places a GPU actor with by default (num_cpus unset): each GPU rank's bundle holds it
+)
 
 
 def bundles(size: int, num_gpus: float, resources: dict[str, float]) -> list[dict[str, float]]:
-    """One bundle per rank: its GPUs and the pool's custom resources (one unit per device, as for one-device
-    workers), or a sliver of CPU for a CPU rank."""
-    bundle = {**resources, "GPU": float(num_gpus)} if num_gpus > 0 else {**resources, "CPU": CPU_BUNDLE}
+    """One bundle per rank: its GPUs, one CPU (a GPU rank's actor asks Ray for one, as a one-device GPU worker
+    does: a bundle without it cannot take the actor) and the pool's custom resources (one unit per device, as
+    for one-device workers), or a sliver of CPU for a CPU rank."""
+    if num_gpus > 0:
+        bundle = {**resources, "GPU": float(num_gpus), "CPU": GPU_RANK_CPUS}
+    else:
+        bundle = {**resources, "CPU": CPU_BUNDLE}
     return [dict(bundle) for _ in range(size)]
 
 

@@ -40,6 +40,18 @@ def test_demand_is_what_one_node_must_offer(num_gpus: float, resources: dict, wa
     assert demand(num_gpus, resources) == wanted
 
 
+def test_a_worker_of_several_gpus_needs_each_rank_s_bundle_on_one_node() -> None:
+    """Each GPU rank's placement-group bundle holds the CPU its actor asks Ray for (Ray refuses an actor whose
+    request fits no bundle: seen on 4x H200 with bundles of GPUs only), and the node must offer them all."""
+    from deploy.ranks import bundles
+
+    ranks = bundles(2, 1, {"tandem_prefill": 1})
+    assert ranks == [{"tandem_prefill": 1, "GPU": 1.0, "CPU": 1.0}] * 2
+    total = {name: sum(b.get(name, 0) for b in ranks) for name in ("GPU", "CPU", "tandem_prefill")}
+    assert demand(1, {"tandem_prefill": 1}, ranks=2) == total
+    assert bundles(2, 0, {})[0] == {"CPU": 0.01}  # CPU ranks: a sliver each (their actors ask num_cpus 0)
+
+
 def test_a_resource_no_alive_node_has_names_it_and_says_a_node_must_join() -> None:
     view = NodeView({A: {"CPU": 2.0, "prefill_slot": 1.0}})
     reason = placement_wait({"decode_slot": 1.0}, view, {"CPU": 2.0, "prefill_slot": 1.0})
