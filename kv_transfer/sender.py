@@ -65,6 +65,9 @@ class KVSender:
         self.instance_id = secrets.token_bytes(16)
         self._on_release = on_release
         self._stats = StatsRecorder()
+        self.recorder = (
+            self._stats
+        )  # where its transfers are counted (a sender beside it may count there too)
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._closed = False

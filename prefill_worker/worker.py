@@ -92,6 +92,7 @@ class PrefillWorker(WorkerLifecycle):
                 lambda: 0,
                 on_release=release,
                 tls=tls,
+                recorder=self.sender.recorder,  # its requests count in the worker's KV metrics too
             )
         self.split = split
         self.service = PrefillService(

@@ -560,7 +560,10 @@ class ShardedSender:
         *,
         on_release: Callable[[SendResult], None],
         tls: ssl.SSLContext | None = None,
+        recorder: StatsRecorder | None = None,
     ) -> None:
+        """`recorder`: where each request's send is counted (default its own; a one-rank worker passes its
+        KVSender's, so that its metrics count the requests of both)."""
         self.layout = layout
         self.config = config
         self._hub = hub
@@ -568,7 +571,7 @@ class ShardedSender:
         self._on_release = on_release
         self._lock = threading.Lock()
         self._sends: dict[str, ShardedSendHandle] = {}
-        self._stats = StatsRecorder()  # one record per request (all its ranks' pieces), as a KVSender's
+        self._stats = recorder or StatsRecorder()  # one record per request (all its ranks' pieces)
         self._ranks = hub.wait_ready() if hub is not None else []
         self._own = KVSender(layout, cache, config, tls=tls)
         self.transports = held_by_all(self._own.transports, self._ranks)
