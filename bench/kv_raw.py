@@ -17,6 +17,26 @@ def raw_times(cmd, rank: int, peer, device: torch.device, state: dict) -> list[f
     return nccl_p2p(kind, rank, nbytes, runs, peer, device, state)
 
 
+def close_raw(state: dict) -> None:
+    """A process's end of the baselines, once it is done with them: the torch.distributed group destroyed
+    (torch warns at exit otherwise) and the peer's IPC buffer unmapped. Safe when none ran; CuPy's
+    communicator ends with the process."""
+    if state.pop("torch", False) and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if "ipc_base" in state:
+        from cupy.cuda import runtime
+
+        runtime.ipcCloseMemHandle(state.pop("ipc_base"))
+        state.pop("ipc_handle", None)
+
+
+def expect(peer, token: bytes) -> None:
+    """The peer's next message is `token` (the pipe protocol's step); anything else is a protocol error."""
+    got = peer.recv()
+    if got != token:
+        raise RuntimeError(f"raw baseline: expected {token!r} from the peer process, got {got!r:.80}")
+
+
 def setup_comm(kind: str, rank: int, peer, device: torch.device, state: dict, port: int) -> None:
     """Once per run: a CuPy 2-rank communicator, or a torch.distributed NCCL group, between the two GPUs."""
     if kind in state:
@@ -79,7 +99,7 @@ def nccl_p2p(
                 work.wait()
             torch.cuda.synchronize(device)
             continue
-        assert peer.recv() == b"posted"
+        expect(peer, b"posted")
         start = time.perf_counter()
         if kind == "cupy":
             state["cupy"].send(buf.data_ptr(), nbytes, state["nccl"].NCCL_UINT8, 1, stream)
@@ -99,7 +119,7 @@ def ipc_export(nbytes: int, peer, device: torch.device) -> list[float]:
     torch.cuda.synchronize(device)
     base, _ = allocation_range(buf.data_ptr())
     peer.send((bytes(runtime.ipcGetMemHandle(base)), buf.data_ptr() - base))
-    assert peer.recv() == b"done"  # keep `buf` alive while the decode side pulls
+    expect(peer, b"done")  # keep `buf` alive while the decode side pulls
     return []
 
 

@@ -6,11 +6,15 @@ process (a pipe stands in for the router hop), the prefill process sends its blo
 they landed. Next to it, in the same run and on the same cards, the raw baselines for one contiguous buffer of
 the same size (bench/kv_raw.py): CuPy NCCL send/recv, torch.distributed NCCL send/recv, and a CUDA IPC peer copy.
 
-Self-checking: after each size the decode side's landed blocks and the prefill side's source blocks are compared
-by checksum (random bf16 data, scattered block ids on both sides); a mismatch aborts the run.
+Self-checking: after every rep the decode process checks its landed blocks against the prefill process's
+source blocks by checksum (random bf16 data, scattered block ids on both sides), then zeroes them, so a later
+rep that wrote nothing into reused blocks cannot pass; a mismatch stops the run.
 
-The raw baselines run first, so a run cut short by a time limit still has them. Each handoff row also gives
-the median time of each phase on both sides (SendResult.phases, TransferResult.phases): where the time goes.
+The raw baselines run first, so a run cut short by a time limit still has them: the JSON is written after them
+and after every transport and size, with "complete": false until the end. Each handoff row also gives the
+median time of each phase on both sides (SendResult.phases, TransferResult.phases): where the time goes.
+Every wait is bounded: a process that fails sends its traceback to the driver, which raises it; one that exits
+or goes silent is named with its exit code; either way both processes are stopped.
 
 Usage: python bench/kv_transfer.py [--quick] [--transports nccl,cuda_ipc,tcp] [--tokens 128,512,...]; prints
 a table and writes bench/results/kv_transfer_<gpu-name>.json (medians over --reps after --warmup).
@@ -21,6 +25,7 @@ it; its times mean nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -32,6 +37,10 @@ import statistics
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off in every process (inherited).
@@ -41,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.kv_raw import raw_times  # noqa: E402
+from bench.kv_raw import close_raw, raw_times  # noqa: E402
 from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, TransferResult, cuda_ipc, slicing  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
@@ -50,8 +59,11 @@ TOKENS = (128, 512, 2048, 8192, 32768)
 DEFAULT_SLICE_BYTES = slicing.SLICE_BYTES
 TCP_MAX_TOKENS = 2048  # tcp stages GPU blocks through host memory: a reference point, not a GPU transport
 SPARE_BLOCKS = 64
+# A job (every rep of one size) may take this many wait_s: healthy ones take seconds, and a process stuck in
+# one of its own waits (each bounded by wait_s) reports within one; this catches one stuck anywhere else.
+JOB_WAITS = 3
 METHOD = ("handoff: decode-side wall time reserve -> landed (includes the KVTarget pipe hop); send->landed: "
-          "the prefill side's send call to the decode side's landing callback (time.monotonic, one host), what a "
+          "the prefill side's send call to the decode side's landing (TransferResult.landed_at, time.monotonic, one host), what a "
           "prompt whose blocks were reserved before its prefill waits; send->ack: prefill-side SendResult.seconds; raw: one contiguous buffer, send timed after the peer posted its "
           "receive (cupy, torch) or a one-sided pull (ipc); medians after warmup")  # fmt: skip
 
@@ -86,6 +98,17 @@ def kv_checksum(cache: torch.Tensor, ids: list[int]) -> str:
     return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
 
 
+def check_landed(cache: torch.Tensor, ids: list[int], expected: str, what: str) -> None:
+    """The landed blocks cache[:, :, ids] against the source blocks' checksum; then zero them. The free list
+    hands ids out again in the order they came back, so without the zeroing a rep that wrote nothing into
+    blocks an earlier rep filled would pass. Raises RuntimeError naming `what` on a mismatch."""
+    if kv_checksum(cache, ids) != expected:
+        raise RuntimeError(f"CHECKSUM MISMATCH: {what}")
+    cache.index_fill_(2, torch.tensor(ids, device=cache.device), 0)
+    if cache.is_cuda:  # the receiver writes the next rep on streams of its own: the zeros must come first
+        torch.cuda.synchronize(cache.device)
+
+
 class FreeList:
     """The decode side's block pool: scattered ids, thread-safe."""
 
@@ -113,6 +136,56 @@ def apply_variant(label: str) -> tuple[str, str]:
     return base, variant
 
 
+def use_device(spec: str) -> torch.device:
+    """This process's device ("cpu" for --smoke, else "cuda:N"), made current."""
+    device = torch.device(spec)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+# --- messages between the driver and the two processes (multiprocessing pipes on one host) ----------------
+# A raw baseline's command is bench/kv_raw.py's tuple ("raw", kind, bytes, runs, port); its reply a list of
+# seconds.
+@dataclass(frozen=True)
+class Ready:
+    """A process built its cache: it takes jobs."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str  # the process's name and traceback
+    at: float  # time.monotonic(): one failure often fails the other process, so the earlier is the cause
+
+
+@dataclass(frozen=True)
+class HandoffJob:
+    transport: str  # a transport label, variant included: "nccl+s128"
+    tokens: int
+    runs: int  # warmup and timed reps
+
+
+@dataclass(frozen=True)
+class Handoffs:
+    """One side's record of a HandoffJob, one entry per rep. The decode side's: reserve -> landed seconds
+    (perf_counter), TransferResult.phases, TransferResult.landed_at; the prefill side's: send -> ack seconds
+    (SendResult.seconds), SendResult.phases, when send() was called. Moments: time.monotonic (host-wide)."""
+
+    seconds: list[float]
+    phases: list[dict[str, float]]
+    moments: list[float]
+
+
+def recv_within(conn, timeout: float, what: str):
+    """The next message on a pipe to the other process, waiting at most `timeout`."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no {what} within {timeout:.0f} s")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the pipe closed while waiting for {what}: the other process exited") from None
+
+
 # --- the decode process (receiver) ----------------------------------------------------------------------
 class Landing:
     """on_result target: the receiver's thread reports, the benchmark loop waits."""
@@ -123,167 +196,272 @@ class Landing:
         self.landed_at = 0.0
 
     def put(self, result: TransferResult) -> None:
-        self.landed_at = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC is host-wide)
+        # the receiver's own moment of landing; time.monotonic is one clock for both processes (host-wide)
+        self.landed_at = result.landed_at or time.monotonic()
         self.result = result
         self.event.set()
 
 
-def decode_handoffs(
-    receiver: KVReceiver, landing: Landing, alloc: FreeList, cache: torch.Tensor, peer, tokens: int, runs: int
-) -> tuple[list[float], str, list[dict], list[float]]:
-    """Reserve -> KVTarget to the prefill process -> landed, `runs` times; the landed blocks' checksum, each
-    run's phases and the moment (time.monotonic) it landed."""
-    times, ids, phases, landed = [], [], [], []
-    for _ in range(runs):
-        landing.event.clear()
-        start = time.perf_counter()
-        lease = receiver.reserve(f"bench-{tokens}", tokens)
-        peer.send(receiver.target(lease).SerializeToString())
-        if not landing.event.wait(300) or landing.result is None or not landing.result.ok:
-            raise RuntimeError(f"handoff failed: {landing.result}")
-        times.append(time.perf_counter() - start)
-        landed.append(landing.landed_at)
-        phases.append(landing.result.phases)
-        ids = list(lease.block_ids)
-        alloc.free(ids)  # the blocks are ours after landing; hand them back for the next rep
-    peer.send(b"")
-    return times, kv_checksum(cache, ids), phases, landed
+class DecodeProcess:
+    """Reserves blocks, hands their KVTarget to the prefill process, checks what landed, frees the blocks."""
 
+    name = "decode process"
 
-def use_device(spec: str) -> torch.device:
-    """This process's device ("cpu" for --smoke, else "cuda:N"), made current."""
-    device = torch.device(spec)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
+    def __init__(self, peer, device_spec: str, max_tokens: int, wait_s: float) -> None:
+        self.peer, self.wait_s, self.device = peer, wait_s, use_device(device_spec)
+        self.layout = llama3_8b_layout(max_tokens)
+        self.cache = torch.zeros(self.layout.cache_shape, dtype=torch.bfloat16, device=self.device)
+        self.landing, self.alloc = Landing(), FreeList(self.layout.num_blocks)
+        self.receiver: KVReceiver | None = None
+        self.transport = ""
+        self.raw: dict[str, Any] = {}
 
+    def handle(self, cmd: HandoffJob | tuple) -> Handoffs | list[float]:
+        if not isinstance(cmd, HandoffJob):
+            return raw_times(cmd, 1, self.peer, self.device, self.raw)
+        if self.receiver is None or self.transport != cmd.transport:
+            if self.receiver is not None:
+                self.receiver.close()
+            config = transfer_config(apply_variant(cmd.transport)[0])
+            self.receiver = KVReceiver(
+                self.layout, self.cache, self.alloc, config, on_result=self.landing.put
+            )
+            self.transport = cmd.transport
+        return self.handoffs(self.receiver, cmd)
 
-def decode_main(ctl, peer, device_spec: str, max_tokens: int) -> None:
-    device = use_device(device_spec)
-    layout = llama3_8b_layout(max_tokens)
-    cache = torch.zeros(layout.cache_shape, dtype=torch.bfloat16, device=device)
-    landing, alloc = Landing(), FreeList(layout.num_blocks)
-    receiver, current = None, ""
-    state: dict[str, Any] = {}
-    while (cmd := ctl.recv()) is not None:
-        if cmd[0] == "handoff":
-            _, kind, tokens, runs = cmd
-            if receiver is None or current != kind:
-                if receiver is not None:
-                    receiver.close()
-                base, _ = apply_variant(kind)
-                config = transfer_config(base)
-                receiver, current = KVReceiver(layout, cache, alloc, config, on_result=landing.put), kind
-            ctl.send(decode_handoffs(receiver, landing, alloc, cache, peer, tokens, runs))
-        else:
-            ctl.send(raw_times(cmd, 1, peer, device, state))
+    def handoffs(self, receiver: KVReceiver, job: HandoffJob) -> Handoffs:
+        """Reserve -> KVTarget to the prefill process -> landed, job.runs times; every rep's blocks checked
+        against the checksum the prefill process sends first."""
+        expected = recv_within(self.peer, self.wait_s, "source checksum from the prefill process")
+        out = Handoffs([], [], [])
+        for rep in range(job.runs):
+            self.landing.event.clear()
+            start = time.perf_counter()
+            lease = receiver.reserve(f"bench-{job.tokens}", job.tokens)
+            self.peer.send(receiver.target(lease).SerializeToString())
+            result = self.landing.result if self.landing.event.wait(self.wait_s) else None
+            if result is None or not result.ok:
+                raise RuntimeError(f"handoff failed within {self.wait_s:.0f} s: {result}")
+            out.seconds.append(time.perf_counter() - start)
+            out.moments.append(self.landing.landed_at)
+            out.phases.append(result.phases)
+            ids = list(lease.block_ids)
+            check_landed(self.cache, ids, expected, f"{job.transport} at {job.tokens} tokens, rep {rep}")
+            self.alloc.free(ids)  # the blocks are ours after landing; hand them back for the next rep
+        self.peer.send(b"")
+        return out
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        close_raw(self.raw)
 
 
 # --- the prefill process (sender) ------------------------------------------------------------------------
-def prefill_handoffs(
-    sender: KVSender, cache: torch.Tensor, peer, tokens: int
-) -> tuple[list[float], str, list[dict], list[float]]:
-    """Serve KVTargets from the decode process until it says stop; the source blocks' checksum, each send's
-    phases and the moment (time.monotonic) it was called."""
-    n = -(-tokens // 16)
-    ids = random.Random(tokens).sample(range(1, cache.shape[2]), n)
-    times, phases, starts = [], [], []
-    while target := peer.recv():
-        lease = kv_pb2.KVTarget.FromString(target)
-        starts.append(time.monotonic())
-        result = sender.send(lease, ids, tokens, FirstToken(1, -0.1)).result(300)
-        if not result.ok:
-            raise RuntimeError(f"send failed: {result.failure} {result.message}")
-        times.append(result.seconds)
-        phases.append(result.phases)
-    return times, kv_checksum(cache, ids), phases, starts
+class PrefillProcess:
+    """Sends its blocks of random bf16 data (never all-zero) to each KVTarget the decode process hands it."""
+
+    name = "prefill process"
+
+    def __init__(self, peer, device_spec: str, max_tokens: int, wait_s: float, fault: bool) -> None:
+        self.peer, self.wait_s, self.fault, self.device = peer, wait_s, fault, use_device(device_spec)
+        self.layout = llama3_8b_layout(max_tokens)
+        shape, gen = self.layout.cache_shape, torch.Generator(device=self.device).manual_seed(1)
+        self.cache = torch.randn(shape, generator=gen, device=self.device).to(torch.bfloat16)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # sends pass no `ready` event: the KV writes must be complete
+        self.sender: KVSender | None = None
+        self.transport = ""
+        self.raw: dict[str, Any] = {}
+
+    def handle(self, cmd: HandoffJob | tuple) -> Handoffs | list[float]:
+        if not isinstance(cmd, HandoffJob):
+            return raw_times(cmd, 0, self.peer, self.device, self.raw)
+        if self.sender is None or self.transport != cmd.transport:
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = KVSender(self.layout, self.cache, transfer_config(apply_variant(cmd.transport)[0]))
+            self.transport = cmd.transport
+        return self.handoffs(self.sender, cmd.tokens)
+
+    def handoffs(self, sender: KVSender, tokens: int) -> Handoffs:
+        """The source blocks' checksum to the decode process, then serve its KVTargets until it says stop."""
+        n = self.layout.blocks_for_tokens(tokens)
+        ids = random.Random(tokens).sample(range(1, self.layout.num_blocks), n)
+        self.peer.send(kv_checksum(self.cache, ids))
+        out = Handoffs([], [], [])
+        while target := recv_within(self.peer, self.wait_s, "KVTarget from the decode process"):
+            if self.fault:
+                raise RuntimeError("injected fault (--inject-prefill-fault) at the first handoff")
+            lease = kv_pb2.KVTarget.FromString(target)
+            out.moments.append(time.monotonic())
+            result = sender.send(lease, ids, tokens, FirstToken(1, -0.1)).result(self.wait_s)
+            if not result.ok:
+                raise RuntimeError(f"send failed: {result.failure} {result.message}")
+            out.seconds.append(result.seconds)
+            out.phases.append(result.phases)
+        return out
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        close_raw(self.raw)
 
 
-def prefill_main(ctl, peer, device_spec: str, max_tokens: int) -> None:
-    device = use_device(device_spec)
-    layout = llama3_8b_layout(max_tokens)
-    gen = torch.Generator(device=device).manual_seed(1)
-    cache = torch.randn(layout.cache_shape, generator=gen, device=device).to(torch.bfloat16)  # never all-zero
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
-    sender, current = None, ""
-    state: dict[str, Any] = {}
-    while (cmd := ctl.recv()) is not None:
-        if cmd[0] == "handoff":
-            _, kind, tokens, _ = cmd
-            if sender is None or current != kind:
-                if sender is not None:
-                    sender.close()
-                sender, current = KVSender(layout, cache, transfer_config(apply_variant(kind)[0])), kind
-            ctl.send(prefill_handoffs(sender, cache, peer, tokens))
-        else:
-            ctl.send(raw_times(cmd, 0, peer, device, state))
+def side_main(ctl, role: type[DecodeProcess | PrefillProcess], *args) -> None:
+    """A process's life: build, answer the driver's jobs until None; an error goes to the driver first."""
+    side = None
+    try:
+        side = role(*args)
+        ctl.send(Ready())
+        while (cmd := ctl.recv()) is not None:
+            ctl.send(side.handle(cmd))
+    except Exception:
+        with contextlib.suppress(OSError):  # the driver is gone: nobody to tell
+            ctl.send(Failed(f"{role.name}: {traceback.format_exc()}", time.monotonic()))
+        raise
+    finally:
+        if side is not None:
+            side.close()
 
 
-# --- orchestration ---------------------------------------------------------------------------------------
+# --- the driver ------------------------------------------------------------------------------------------
+class Side:
+    """One spawned process and the driver's end of its control pipe; every wait on it is bounded."""
+
+    def __init__(self, ctx, role: type[DecodeProcess | PrefillProcess], *args) -> None:
+        self.name = role.name
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=side_main, args=(theirs, role, *args), daemon=True)
+        self.proc.start()
+        theirs.close()  # the process holds the only other end: its exit shows here as EOF
+
+    def send(self, cmd: object) -> None:
+        try:
+            self.conn.send(cmd)
+        except OSError as exc:  # its end is closed: it exited
+            raise RuntimeError(f"{self.name} is gone ({self.state()})") from exc
+
+    def read(self) -> Any:
+        """Its next message; an exit without one (a crash: the cause of what the other reports) as Failed."""
+        try:
+            return self.conn.recv()
+        except EOFError:
+            return Failed(f"{self.name} exited without a reply ({self.state()})", 0.0)
+
+    def state(self) -> str:
+        self.proc.join(1)  # one that closed its pipe is exiting: let its exit code arrive
+        code = self.proc.exitcode
+        return "still running" if code is None else f"exit code {code}"
+
+
+def replies(sides: list[Side], kind: type, timeout: float) -> list:
+    """One `kind` reply from each side, in order. A failure or an exit of either raises at once, whatever the
+    other is doing (it may be waiting on the one that failed); silence past `timeout` names who was silent."""
+    deadline, got = time.monotonic() + timeout, dict[Side, Any]()
+    while len(got) < len(sides):
+        waiting = [side for side in sides if side not in got]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            silent = ", ".join(f"{side.name} ({side.state()})" for side in waiting)
+            raise TimeoutError(f"no {kind.__name__} within {timeout:.0f} s from {silent}")
+        ready = wait_any([side.conn for side in waiting], left)
+        for side in [side for side in waiting if side.conn in ready]:
+            got[side] = msg = side.read()
+            if isinstance(msg, Failed):
+                raise RuntimeError(failures(msg, [other for other in waiting if other is not side]))
+            if not isinstance(msg, kind):
+                raise RuntimeError(f"{side.name}: expected {kind.__name__}, got {type(msg).__name__}")
+    return [got[side] for side in sides]
+
+
+def failures(first: Failed, others: list[Side]) -> str:
+    """`first` and what the other processes already reported, the earliest (the cause) first."""
+    found = [first] + [msg for side in others if side.conn.poll(0) and isinstance(msg := side.read(), Failed)]
+    return "\n".join(failed.error for failed in sorted(found, key=lambda failed: failed.at))
+
+
+def ask(sides: list[Side], cmd: object, kind: type, timeout: float) -> list:
+    for side in sides:
+        side.send(cmd)
+    return replies(sides, kind, timeout)
+
+
+def stop(sides: list[Side], grace_s: float) -> None:
+    """Ask each process to finish, kill what is left after `grace_s`; safe after any failure, and twice."""
+    for side in sides:
+        if side.proc.is_alive():
+            with contextlib.suppress(OSError):  # its end is gone: it is exiting, and the join bounds it
+                side.conn.send(None)
+    deadline = time.monotonic() + grace_s
+    for side in sides:
+        side.proc.join(max(0.1, deadline - time.monotonic()))
+        if side.proc.is_alive():
+            side.proc.kill()
+            side.proc.join(5)
+
+
 def median_rate(times: list[float], warmup: int, nbytes: int) -> tuple[float, float]:
     med = statistics.median(times[warmup:])
     return med, nbytes / med / 1e9
 
 
-def run(args) -> dict:
+def run(args, doc: dict, write: Callable[[], None]) -> None:
+    """Both processes up, the raw baselines, then every transport and size: each into `doc`, then write()."""
     ctx = mp.get_context("spawn")
-    (ctl_d, ctl_d_child), (ctl_p, ctl_p_child) = ctx.Pipe(), ctx.Pipe()
-    peer_d, peer_p = ctx.Pipe()
     gpus, top = (0 if args.smoke else torch.cuda.device_count()), max(args.tokens)
     decode_device = "cpu" if args.smoke else f"cuda:{1 if gpus > 1 else 0}"
-    procs = [ctx.Process(target=decode_main, args=(ctl_d_child, peer_d, decode_device, top)),
-             ctx.Process(target=prefill_main, args=(ctl_p_child, peer_p, "cpu" if args.smoke else "cuda:0", top))]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    layout = llama3_8b_layout(top)
+    prefill_device = "cpu" if args.smoke else "cuda:0"
+    layout, (peer_d, peer_p) = llama3_8b_layout(top), ctx.Pipe()
+    sides: list[Side] = []
+    grace = 2.0  # after a failure: a process waiting on the one that failed will not come back by itself
     try:
-        # first: a run cut short still has its baselines (none on a CPU)
-        raw = [] if args.smoke else run_raw(args, layout, ctl_d, ctl_p, gpus)
-        print_raw(raw)
-        rows = [
-            row for kind in args.transports for row in run_handoffs(args, kind, layout, ctl_d, ctl_p, gpus)
-        ]
+        sides.append(Side(ctx, DecodeProcess, peer_d, decode_device, top, args.wait_s))
+        sides.append(
+            Side(ctx, PrefillProcess, peer_p, prefill_device, top, args.wait_s, args.inject_prefill_fault)
+        )
+        peer_d.close()  # the processes hold the only ends: one's exit shows the other EOF
+        peer_p.close()
+        replies(sides, Ready, args.wait_s)
+        if not args.smoke:  # first: a run cut short still has its baselines (none on a CPU)
+            run_raw(args, layout, sides, gpus, doc, write)
+        for kind in args.transports:
+            run_handoffs(args, kind, layout, sides, gpus, doc, write)
+        grace = 60.0
     finally:
-        for ctl in (ctl_d, ctl_p):
-            ctl.send(None)
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-    return dict(rows=rows, raw=raw)
+        stop(sides, grace)
 
 
-def run_handoffs(args, kind: str, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:
+def run_handoffs(args, kind: str, layout: KVLayout, sides: list[Side], gpus: int, doc: dict, write) -> None:
+    """Every size through one transport, a row into doc["rows"] as each finishes (every rep's blocks passed
+    the decode process's checksum: it stops the run otherwise)."""
     if kind.startswith("nccl") and gpus < 2:
         print("skipping nccl: needs two GPUs")
-        return []
-    rows = []
+        return
     for tokens in [t for t in args.tokens if kind != "tcp" or t <= TCP_MAX_TOKENS]:
         runs = args.warmup + (args.reps if kind != "tcp" else max(3, args.reps // 4))
-        for ctl in (ctl_d, ctl_p):
-            ctl.send(("handoff", kind, tokens, runs))
-        (d_times, d_sum, d_phases, landed), (p_times, p_sum, p_phases, starts) = ctl_d.recv(), ctl_p.recv()
-        if d_sum != p_sum:
-            raise SystemExit(f"CHECKSUM MISMATCH: {kind} at {tokens} tokens")
-        nbytes = layout.bytes_per_block * -(-tokens // 16)
-        handoff, handoff_gbps = median_rate(d_times, args.warmup, nbytes)
-        send, send_gbps = median_rate(p_times, args.warmup, nbytes)
-        landed_s, landed_gbps = median_rate([b - a for a, b in zip(starts, landed)], args.warmup, nbytes)
+        decode, prefill = ask(sides, HandoffJob(kind, tokens, runs), Handoffs, args.wait_s * JOB_WAITS)
+        nbytes = layout.bytes_per_block * layout.blocks_for_tokens(tokens)
+        handoff, handoff_gbps = median_rate(decode.seconds, args.warmup, nbytes)
+        send, send_gbps = median_rate(prefill.seconds, args.warmup, nbytes)
+        landed = [b - a for a, b in zip(prefill.moments, decode.moments)]
+        landed_s, landed_gbps = median_rate(landed, args.warmup, nbytes)
         phases = dict(
-            sender=median_phases(p_phases[args.warmup :]), receiver=median_phases(d_phases[args.warmup :])
+            sender=median_phases(prefill.phases[args.warmup :]),
+            receiver=median_phases(decode.phases[args.warmup :]),
         )
-        rows.append(dict(transport=kind, tokens=tokens, bytes=nbytes, handoff_s=handoff, handoff_gbps=handoff_gbps,
-                         send_to_ack_s=send, send_to_ack_gbps=send_gbps, send_to_landed_s=landed_s,
-                         send_to_landed_gbps=landed_gbps, checksum_ok=True, phases_s=phases,
-                         cold_handoff_s=d_times[0]))  # fmt: skip
+        doc["rows"].append(dict(transport=kind, tokens=tokens, bytes=nbytes, handoff_s=handoff,
+                                handoff_gbps=handoff_gbps, send_to_ack_s=send, send_to_ack_gbps=send_gbps,
+                                send_to_landed_s=landed_s, send_to_landed_gbps=landed_gbps, checksum_ok=True,
+                                phases_s=phases, cold_handoff_s=decode.seconds[0]))  # fmt: skip
+        write()
         spent = " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases["sender"].items())
         print(
             f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s, send->landed "
-            f"{landed_s * 1e3:.2f} ms {landed_gbps:.1f} GB/s (first {d_times[0] * 1e3:.1f} ms); sender ms: {spent}",
+            f"{landed_s * 1e3:.2f} ms {landed_gbps:.1f} GB/s (first {decode.seconds[0] * 1e3:.1f} ms); "
+            f"sender ms: {spent}",
             flush=True,
         )
-    return rows
 
 
 def median_phases(samples: list[dict[str, float]]) -> dict[str, float]:
@@ -299,21 +477,20 @@ def print_raw(raw: list[dict]) -> None:
         print(f"raw {row['tokens']:6d} tokens ({row['bytes'] / 2**20:.0f} MiB): GB/s {rates}", flush=True)
 
 
-def run_raw(args, layout: KVLayout, ctl_d, ctl_p, gpus: int) -> list[dict]:
+def run_raw(args, layout: KVLayout, sides: list[Side], gpus: int, doc: dict, write) -> None:
+    """One contiguous buffer of each size between the two processes; a row into doc["raw"] as each ends."""
     kinds = ["ipc"] + (["cupy", "torch"] if gpus > 1 else [])
     port = random.Random().randint(20000, 40000)
-    out = []
     for tokens in args.tokens:
-        nbytes = layout.bytes_per_block * -(-tokens // 16)
+        nbytes = layout.bytes_per_block * layout.blocks_for_tokens(tokens)
         row = dict(tokens=tokens, bytes=nbytes)
         for kind in kinds:
             cmd = ("raw", kind, nbytes, args.warmup + args.reps, port)
-            ctl_d.send(cmd)
-            ctl_p.send(cmd)
-            d_times, p_times = ctl_d.recv(), ctl_p.recv()
+            d_times, p_times = ask(sides, cmd, list, args.wait_s * JOB_WAITS)
             row[f"{kind}_s"], row[f"{kind}_gbps"] = median_rate(d_times or p_times, args.warmup, nbytes)
-        out.append(row)
-    return out
+        doc["raw"].append(row)
+        write()
+        print_raw([row])
 
 
 def print_table(result: dict) -> None:
@@ -339,7 +516,7 @@ def nccl_versions() -> dict[str, object]:
     return dict(cupy_nccl=nccl.get_version(), torch_nccl=".".join(map(str, torch.cuda.nccl.version())))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--transports",
@@ -353,6 +530,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="128 and 2048 tokens, 5 reps: a short GPU run")
     parser.add_argument("--smoke", action="store_true", help="CPU, tcp, 16 and 64 tokens: checks the driver")
     parser.add_argument("--out", default="")
+    parser.add_argument("--inject-prefill-fault", action="store_true", help="test hook: the prefill "
+                        "process raises at its first handoff (the run must stop with its error)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.smoke and not args.out:
         parser.error("--smoke: give --out FILE (smoke numbers never go to bench/results)")
@@ -361,21 +540,36 @@ def main(argv: list[str] | None = None) -> None:
     args.tokens = [16, 64] if args.smoke else args.tokens
     args.reps = 5 if args.quick else 4 if args.smoke else args.reps
     args.warmup = 1 if args.smoke else args.warmup
+    args.wait_s = 30.0 if args.smoke else 300.0  # the longest one step may take: a landing, a send, a message
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA GPUs (--smoke runs on a CPU)")
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name(0)
     started = time.time()
-    result = run(args)
-    print_table(result)
     versions = {} if args.smoke else nccl_versions()
     meta = dict(gpu=gpu, gpus=0 if args.smoke else torch.cuda.device_count(), torch=torch.__version__, **versions,
                 warmup=args.warmup, reps=args.reps,
                 layout="llama-3-8b: 32 layers, 8 kv heads, head dim 128, bf16, block 16",
-                seconds=round(time.time() - started, 1), method=METHOD)  # fmt: skip
+                seconds=0.0, method=METHOD)  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / f"kv_transfer_{slug}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(meta=meta, **result), indent=1))
+    doc: dict = dict(meta=meta, rows=[], raw=[], complete=False)
+
+    def write() -> None:
+        meta["seconds"] = round(time.time() - started, 1)
+        out.write_text(json.dumps(doc, indent=1))
+
+    try:
+        run(args, doc, write)
+        doc["complete"] = True
+    finally:  # what finished, also when a job failed
+        write()
+    print_table(doc)
     print(f"\nwrote {out}")
 
 

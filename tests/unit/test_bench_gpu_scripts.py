@@ -4,10 +4,14 @@ JSON they write. The GPU runs themselves happen on the GPU machine; these keep t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -296,10 +300,12 @@ def _smoke_script(name: str, out: Path) -> dict:
 
 
 def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path):
-    """bench/kv_transfer.py's driver on a CPU (two processes, tcp): the checksums of landed and sent blocks
-    agree (the script exits otherwise), and each row has the three times with send->landed inside the
-    handoff (it starts after the reservation's pipe hop)."""
-    rows = _smoke_script("kv_transfer.py", tmp_path / "kv.json")["rows"]
+    """bench/kv_transfer.py's driver on a CPU (two processes, tcp): every rep's landed blocks passed their
+    checksum against the sent ones (the script stops otherwise), and each row has the three times with
+    send->landed inside the handoff (it starts after the reservation's pipe hop)."""
+    doc = _smoke_script("kv_transfer.py", tmp_path / "kv.json")
+    rows = doc["rows"]
+    assert doc["complete"] and doc["raw"] == []  # no raw baselines on a CPU
     assert [(r["transport"], r["tokens"], r["checksum_ok"]) for r in rows] == [
         ("tcp", 16, True),
         ("tcp", 64, True),
@@ -310,6 +316,64 @@ def test_kv_transfer_smoke_moves_the_blocks_and_reports_send_to_landed(tmp_path)
             row["bytes"] == -(-row["tokens"] // 16) * 32 * 2 * 16 * 8 * 128 * 2
         )  # Llama-3-8B: 128 KiB a token
         assert row["phases_s"]["receiver"] and row["phases_s"]["sender"]
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment holds TANDEM_TEST_MARK=mark: a script started with it and every process
+    it started (they inherit it). A zombie's environment reads empty."""
+    needle, pids = f"TANDEM_TEST_MARK={mark}".encode(), []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours
+            if needle in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+    return pids
+
+
+def test_kv_transfer_child_failure_ends_the_run_with_its_error(tmp_path):
+    """The prefill process raises at its first handoff (the script's test hook) while the decode process waits
+    for the landing: the driver stops at once with the prefill process's error (not after the decode side's
+    30 s wait), exits non-zero, leaves no process behind, and its JSON says the run is not complete."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
+    out, mark = tmp_path / "kv.json", uuid.uuid4().hex
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out), "--inject-prefill-fault"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TANDEM_TEST_MARK": mark},
+    )
+    assert done.returncode != 0 and time.monotonic() - started < 25, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]  # the driver's own exception, carrying the child's
+    assert "injected fault (--inject-prefill-fault)" in last, done.stderr[-3000:]
+    assert "RuntimeError: prefill process: Traceback" in done.stderr  # raised by the driver
+    doc = json.loads(out.read_text())
+    assert not doc["complete"] and doc["rows"] == []
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker leaves once the script has gone
+    while (left := _processes_marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], f"processes left running: {left}"
+
+
+def test_kv_transfer_self_check_refuses_blocks_that_did_not_land():
+    """The decode process's check after each rep: landed blocks match the source checksum and are zeroed, so
+    the next rep's lease on the same ids (the free list hands them out again) fails if nothing landed."""
+    from bench import kv_transfer
+
+    gen = torch.Generator().manual_seed(0)
+    source = torch.randn(2, 2, 12, 4, 2, 8, generator=gen).to(torch.bfloat16)  # [L, K|V, blocks, B, H, D]
+    cache = torch.zeros_like(source)
+    src, ids = [5, 9, 2], [7, 3, 11]
+    expected = kv_transfer.kv_checksum(source, src)
+    cache[:, :, ids] = source[:, :, src]
+    kv_transfer.check_landed(cache, ids, expected, "rep 0")
+    assert not cache.any()  # zeroed for the next rep
+    with pytest.raises(RuntimeError, match="CHECKSUM MISMATCH: rep 1"):
+        kv_transfer.check_landed(cache, ids, expected, "rep 1")  # nothing landed this time
+    cache[:, :, ids] = source[:, :, src]
+    cache[1, 0, ids[1], 3, 1, 7] += 1
+    with pytest.raises(RuntimeError, match="CHECKSUM MISMATCH: rep 2"):
+        kv_transfer.check_landed(cache, ids, expected, "rep 2")  # one element off
 
 
 def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
