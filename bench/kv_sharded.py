@@ -22,7 +22,6 @@ tiny layout, layouts 1x1,2x1,1x2 (a test runs it; its times mean nothing).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -32,7 +31,6 @@ import re
 import secrets
 import sys
 import time
-import traceback
 from dataclasses import dataclass, replace
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off in every process (inherited).
@@ -43,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import kv_transfer as kv_bench  # noqa: E402  (the 1->1 bench: its layout, config and checksum)
+from bench.child_procs import Child, Ready, ask, expect_all, recv_within, stop_all  # noqa: E402
 from bench.kv_raw import raw_times  # noqa: E402
 from kv_transfer import FirstToken, KVReceiver, KVSender  # noqa: E402
 from kv_transfer.shard_plan import handoff_plan  # noqa: E402
@@ -63,6 +62,8 @@ METHOD = ("handoff: the driver's go to the prefill ranks (each holding the KVTar
 
 
 # --- messages between the driver and the rank processes (multiprocessing pipes on one host) --------------
+# Besides bench/child_procs.py's Ready (a rank built its cache and its sender or receiver; and a prefill rank
+# holds its pieces of a Ship) and Failed.
 @dataclass(frozen=True)
 class RankSpec:
     whole: KVLayout  # the whole model's cache
@@ -71,16 +72,6 @@ class RankSpec:
     device: str
     transport: str
     wait_s: float  # the longest any one step may take
-
-
-@dataclass(frozen=True)
-class Ready:
-    """A rank built its cache and its sender or receiver; or a prefill rank holds its pieces of a Ship."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: str  # the rank's name and traceback
 
 
 @dataclass(frozen=True)
@@ -159,7 +150,7 @@ class DecodeRank:
         config = kv_bench.transfer_config(spec.transport)
         self.receiver = KVReceiver(self.layout, self.cache, self.pool, config, on_result=self.landing.put)
 
-    def handoff(self, conn, cmd: Reserve) -> None:
+    def serve(self, conn, cmd: Reserve) -> None:
         self.landing.event.clear()
         # rank 0 allocates; a follower leases rank 0's blocks under a handle of its own
         allocate = (lambda n: list(cmd.block_ids)) if cmd.block_ids else None
@@ -174,13 +165,13 @@ class DecodeRank:
         self.pool.free(lease.block_ids)  # landed, so ours: rank 0 hands them back for the next rep
 
     def check(self, ids: list[int], tokens: int) -> None:
-        """Our landed blocks against our heads of the prompt's source blocks; then zero them, so that a later
-        rep that wrote nothing into a reused block cannot pass on what this one left."""
+        """Our landed blocks against our heads of the prompt's source blocks, then zeroed (and the device
+        synchronized: the receiver writes the next rep on streams of its own) by kv_bench.check_landed."""
         if tokens not in self.sums:
             self.sums[tokens] = kv_bench.kv_checksum(self.expected, source_ids(self.layout, tokens))
-        if kv_bench.kv_checksum(self.cache, ids) != self.sums[tokens]:
-            raise RuntimeError(f"CHECKSUM MISMATCH: decode rank {self.spec.rank} at {tokens} tokens")
-        self.cache.index_fill_(2, torch.tensor(ids, device=self.cache.device), 0)
+        kv_bench.check_landed(
+            self.cache, ids, self.sums[tokens], f"decode rank {self.spec.rank} at {tokens} tokens"
+        )
 
     def close(self) -> None:
         self.receiver.close()
@@ -195,12 +186,12 @@ class PrefillRank:
             torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
         self.sender = KVSender(self.layout, self.cache, kv_bench.transfer_config(spec.transport))
 
-    def handoff(self, conn, cmd: Ship) -> None:
+    def serve(self, conn, cmd: Ship) -> None:
         plan = pieces(kv_pb2.KVTarget.FromString(cmd.target), self.layout)
         ids = source_ids(self.layout, cmd.tokens)
         conn.send(Ready())
-        if not conn.poll(self.spec.wait_s) or not isinstance(conn.recv(), Go):
-            raise RuntimeError(f"no go within {self.spec.wait_s:.0f} s")
+        if not isinstance(go := recv_within(conn, self.spec.wait_s, "go from the driver"), Go):
+            raise RuntimeError(f"expected the driver's go, got {type(go).__name__}")
         handles = [self.sender.send(t, ids, cmd.tokens, FIRST, heads=w) for t, w in plan]
         results = [h.result(self.spec.wait_s) for h in handles]
         if failed := [f"{r.failure}: {r.message}" for r in results if not r.ok]:
@@ -218,7 +209,7 @@ class RawRank:
         self.spec, self.peer, self.device = spec, peer, kv_bench.use_device(spec.device)
         self.state: dict = {}
 
-    def handoff(self, conn, cmd: tuple) -> None:
+    def serve(self, conn, cmd: tuple) -> None:
         conn.send(raw_times(cmd, self.spec.rank, self.peer, self.device, self.state))
 
     def close(self) -> None:
@@ -226,83 +217,33 @@ class RawRank:
             torch.distributed.destroy_process_group()
 
 
-def rank_main(conn, role: type[DecodeRank | PrefillRank | RawRank], spec: RankSpec, *extra) -> None:
-    """A rank's process: serve the driver's commands until None; an error goes back to the driver first."""
-    rank = None
-    try:
-        rank = role(spec, *extra)
-        conn.send(Ready())
-        while (cmd := conn.recv()) is not None:
-            rank.handoff(conn, cmd)
-    except Exception:
-        conn.send(Failed(f"{role.__name__} {spec.rank}: {traceback.format_exc()}"))
-        raise
-    finally:
-        if rank is not None:
-            rank.close()
-
-
 # --- the driver ------------------------------------------------------------------------------------------
-class Child:
-    """One spawned rank and the driver's end of its pipe; every wait on it is bounded."""
-
-    def __init__(self, ctx, role: type, spec: RankSpec, *extra) -> None:
-        self.name = f"{role.__name__} {spec.rank}"
-        self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=rank_main, args=(theirs, role, spec, *extra), daemon=True)
-        self.proc.start()
-        theirs.close()  # the child holds the only other end: its exit shows here as EOF
-
-    def reply(self, kind: type, timeout: float):
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(0.2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: no {kind.__name__} within {timeout:.0f} s")
-        try:
-            msg = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"{self.name} exited ({self.proc.exitcode})") from None
-        if isinstance(msg, Failed):
-            raise RuntimeError(f"failed: {msg.error}")
-        if not isinstance(msg, kind):
-            raise RuntimeError(f"{self.name}: expected {kind.__name__}, got {type(msg).__name__}")
-        return msg
+def rank_child(role: type[DecodeRank | PrefillRank | RawRank], spec: RankSpec, *extra) -> Child:
+    """A rank's process, named after its role and rank ("DecodeRank 1") in every error about it."""
+    return Child(f"{role.__name__} {spec.rank}", role, spec, *extra)
 
 
-def stop(children: list[Child], grace_s: float) -> None:
-    """Ask every child to finish, then kill what is left after `grace_s`."""
-    for child in children:
-        if child.proc.is_alive():
-            with contextlib.suppress(OSError):  # its end is gone: it is exiting, and the join bounds it
-                child.conn.send(None)
-    deadline = time.monotonic() + grace_s
-    for child in children:
-        child.proc.join(max(0.1, deadline - time.monotonic()))
-        if child.proc.is_alive():
-            child.proc.kill()
-            child.proc.join(5)
-
-
-def run_raw(args, ctx, whole: KVLayout) -> list[dict]:
-    peers, spec = ctx.Pipe(), RankSpec(whole, 2, 0, "", "nccl", args.wait_s)
-    ranks = [Child(ctx, RawRank, replace(spec, rank=r, device=f"cuda:{r}"), peers[r]) for r in (0, 1)]
-    port, out = random.Random().randint(20000, 40000), []
+def run_raw(args, whole: KVLayout) -> list[dict]:
+    peers, spec = mp.Pipe(), RankSpec(whole, 2, 0, "", "nccl", args.wait_s)
+    port, out, ranks = random.Random().randint(20000, 40000), [], list[Child]()
     try:
-        for child in ranks:
-            child.reply(Ready, args.wait_s)
+        for r in (0, 1):
+            ranks.append(rank_child(RawRank, replace(spec, rank=r, device=f"cuda:{r}"), peers[r]))
+        for peer in peers:
+            peer.close()  # the ranks hold the only ends: one's exit shows the other EOF
+        expect_all(ranks, Ready, args.wait_s)
         for tokens in args.tokens:
             row = dict(tokens=tokens, bytes=whole.bytes_per_block * whole.blocks_for_tokens(tokens))
             for kind in RAW_KINDS:
-                for child in ranks:
-                    child.conn.send(("raw", kind, row["bytes"], args.warmup + args.reps, port))
-                sent, _ = [child.reply(list, args.wait_s) for child in ranks]  # rank 0 times the sends
+                cmd = ("raw", kind, row["bytes"], args.warmup + args.reps, port)
+                sent, _ = ask(ranks, cmd, list, args.wait_s)  # rank 0 times the sends
                 row[f"{kind}_s"], row[f"{kind}_gbps"] = kv_bench.median_rate(sent, args.warmup, row["bytes"])
             print(
                 f"raw  {tokens:6d} tokens: GB/s " + " ".join(f"{k} {row[f'{k}_gbps']:.1f}" for k in RAW_KINDS)
             )
             out.append(row)
     finally:
-        stop(ranks, 30)
+        stop_all(ranks, 30)
     return out
 
 
@@ -310,38 +251,32 @@ def handoff(prefill: list[Child], decode: list[Child], tokens: int, rep: int, wa
     """One request through both workers: (seconds from go to the last landing, [Landed], [Shipped])."""
     request_id = f"bench-{tokens}-{rep}"
     lead, *followers = decode
-    lead.conn.send(Reserve(request_id, tokens))
-    first = lead.reply(Reserved, wait_s)
+    lead.send(Reserve(request_id, tokens))
+    first = lead.expect(Reserved, wait_s)
     target = kv_pb2.KVTarget.FromString(first.target)
-    for child in followers:
-        child.conn.send(Reserve(request_id, tokens, first.block_ids))
-    for child in followers:
-        rank = kv_pb2.KVTarget.FromString(child.reply(Reserved, wait_s).target)
+    for reserved in ask(followers, Reserve(request_id, tokens, first.block_ids), Reserved, wait_s):
+        rank = kv_pb2.KVTarget.FromString(reserved.target)
         target.rank_targets.add(port=rank.port, handle=rank.handle, receiver_id=rank.receiver_id,
                                 layout_fingerprint=rank.layout_fingerprint, format=rank.format)  # fmt: skip
-    for child in prefill:
-        child.conn.send(Ship(target.SerializeToString(), tokens))
-    for child in prefill:
-        child.reply(Ready, wait_s)
+    ask(prefill, Ship(target.SerializeToString(), tokens), Ready, wait_s)
     go = time.monotonic()
-    for child in prefill:
-        child.conn.send(Go())
-    shipped = [child.reply(Shipped, wait_s) for child in prefill]
-    landed = [child.reply(Landed, wait_s) for child in decode]
+    shipped = ask(prefill, Go(), Shipped, wait_s)
+    landed = expect_all(decode, Landed, wait_s)
     return max(lane.at for lane in landed) - go, landed, shipped
 
 
-def run_layout(args, ctx, whole: KVLayout, a: int, b: int, doc: dict) -> None:
+def run_layout(args, whole: KVLayout, a: int, b: int, doc: dict) -> None:
     """Every token count through prefill TP=a -> decode TP=b; a row into doc["rows"] as each finishes."""
-    children = []
-    for role, size, first_gpu in ((PrefillRank, a, 0), (DecodeRank, b, a)):
-        for r in range(size):
-            device = "cpu" if args.smoke else f"cuda:{first_gpu + r}"
-            children.append(Child(ctx, role, RankSpec(whole, size, r, device, args.transport, args.wait_s)))
-    prefill, decode, grace = children[:a], children[a:], 2.0
+    children, grace = list[Child](), 2.0
     try:
-        for child in children:
-            child.reply(Ready, args.wait_s)
+        for role, size, first_gpu in ((PrefillRank, a, 0), (DecodeRank, b, a)):
+            for r in range(size):
+                device = "cpu" if args.smoke else f"cuda:{first_gpu + r}"
+                children.append(
+                    rank_child(role, RankSpec(whole, size, r, device, args.transport, args.wait_s))
+                )
+        prefill, decode = children[:a], children[a:]
+        expect_all(children, Ready, args.wait_s)
         for tokens in args.tokens:
             runs = [
                 handoff(prefill, decode, tokens, rep, args.wait_s) for rep in range(args.warmup + args.reps)
@@ -349,7 +284,7 @@ def run_layout(args, ctx, whole: KVLayout, a: int, b: int, doc: dict) -> None:
             doc["rows"].append(layout_row(args, whole, f"{a}x{b}", tokens, runs, doc))
         grace = 30.0
     finally:
-        stop(children, grace)
+        stop_all(children, grace)
 
 
 def layout_row(args, whole: KVLayout, name: str, tokens: int, runs: list, doc: dict) -> dict:
@@ -447,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("needs CUDA GPUs (--smoke runs on a CPU)")
     gpus = 0 if args.smoke else torch.cuda.device_count()
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
-    whole, ctx, started = whole_layout(args), mp.get_context("spawn"), time.time()
+    whole, started = whole_layout(args), time.time()
     meta = dict(argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)], gpu=names[0] if names else "cpu",
                 gpus=names, torch=torch.__version__, **({} if args.smoke else kv_bench.nccl_versions()),
                 transport=args.transport, warmup=args.warmup, reps=args.reps, layout=str(whole), method=METHOD,
@@ -463,14 +398,14 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if not args.smoke and gpus >= 2:  # first: a run cut short still has its baseline
-            doc["raw"] = run_raw(args, ctx, whole)
+            doc["raw"] = run_raw(args, whole)
             write()
         for a, b in args.layouts:
             if not args.smoke and a + b > gpus:
                 doc["skipped"].append(f"{a}x{b}: needs {a + b} GPUs, {gpus} here")
                 print(f"skipping {doc['skipped'][-1]}", flush=True)
                 continue
-            run_layout(args, ctx, whole, a, b, doc)
+            run_layout(args, whole, a, b, doc)
             write()
         doc["complete"] = True
     finally:  # what finished, also when a layout failed

@@ -25,7 +25,6 @@ it; its times mean nothing).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -37,10 +36,8 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off in every process (inherited).
@@ -50,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.child_procs import Child, Ready, ask, expect_all, recv_within, stop_all  # noqa: E402
 from bench.kv_raw import close_raw, raw_times  # noqa: E402
 from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, TransferResult, cuda_ipc, slicing  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
@@ -145,19 +143,8 @@ def use_device(spec: str) -> torch.device:
 
 
 # --- messages between the driver and the two processes (multiprocessing pipes on one host) ----------------
-# A raw baseline's command is bench/kv_raw.py's tuple ("raw", kind, bytes, runs, port); its reply a list of
-# seconds.
-@dataclass(frozen=True)
-class Ready:
-    """A process built its cache: it takes jobs."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: str  # the process's name and traceback
-    at: float  # time.monotonic(): one failure often fails the other process, so the earlier is the cause
-
-
+# Besides bench/child_procs.py's Ready and Failed. A raw baseline's command is bench/kv_raw.py's tuple ("raw",
+# kind, bytes, runs, port); its reply a list of seconds.
 @dataclass(frozen=True)
 class HandoffJob:
     transport: str  # a transport label, variant included: "nccl+s128"
@@ -174,16 +161,6 @@ class Handoffs:
     seconds: list[float]
     phases: list[dict[str, float]]
     moments: list[float]
-
-
-def recv_within(conn, timeout: float, what: str):
-    """The next message on a pipe to the other process, waiting at most `timeout`."""
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no {what} within {timeout:.0f} s")
-    try:
-        return conn.recv()
-    except EOFError:
-        raise RuntimeError(f"the pipe closed while waiting for {what}: the other process exited") from None
 
 
 # --- the decode process (receiver) ----------------------------------------------------------------------
@@ -216,9 +193,11 @@ class DecodeProcess:
         self.transport = ""
         self.raw: dict[str, Any] = {}
 
-    def handle(self, cmd: HandoffJob | tuple) -> Handoffs | list[float]:
+    def serve(self, conn, cmd: HandoffJob | tuple) -> None:
+        """A job's reply to the driver: a raw baseline's seconds, or this side's Handoffs."""
         if not isinstance(cmd, HandoffJob):
-            return raw_times(cmd, 1, self.peer, self.device, self.raw)
+            conn.send(raw_times(cmd, 1, self.peer, self.device, self.raw))
+            return
         if self.receiver is None or self.transport != cmd.transport:
             if self.receiver is not None:
                 self.receiver.close()
@@ -227,7 +206,7 @@ class DecodeProcess:
                 self.layout, self.cache, self.alloc, config, on_result=self.landing.put
             )
             self.transport = cmd.transport
-        return self.handoffs(self.receiver, cmd)
+        conn.send(self.handoffs(self.receiver, cmd))
 
     def handoffs(self, receiver: KVReceiver, job: HandoffJob) -> Handoffs:
         """Reserve -> KVTarget to the prefill process -> landed, job.runs times; every rep's blocks checked
@@ -274,15 +253,17 @@ class PrefillProcess:
         self.transport = ""
         self.raw: dict[str, Any] = {}
 
-    def handle(self, cmd: HandoffJob | tuple) -> Handoffs | list[float]:
+    def serve(self, conn, cmd: HandoffJob | tuple) -> None:
+        """A job's reply to the driver: a raw baseline's seconds, or this side's Handoffs."""
         if not isinstance(cmd, HandoffJob):
-            return raw_times(cmd, 0, self.peer, self.device, self.raw)
+            conn.send(raw_times(cmd, 0, self.peer, self.device, self.raw))
+            return
         if self.sender is None or self.transport != cmd.transport:
             if self.sender is not None:
                 self.sender.close()
             self.sender = KVSender(self.layout, self.cache, transfer_config(apply_variant(cmd.transport)[0]))
             self.transport = cmd.transport
-        return self.handoffs(self.sender, cmd.tokens)
+        conn.send(self.handoffs(self.sender, cmd.tokens))
 
     def handoffs(self, sender: KVSender, tokens: int) -> Handoffs:
         """The source blocks' checksum to the decode process, then serve its KVTargets until it says stop."""
@@ -308,99 +289,7 @@ class PrefillProcess:
         close_raw(self.raw)
 
 
-def side_main(ctl, role: type[DecodeProcess | PrefillProcess], *args) -> None:
-    """A process's life: build, answer the driver's jobs until None; an error goes to the driver first."""
-    side = None
-    try:
-        side = role(*args)
-        ctl.send(Ready())
-        while (cmd := ctl.recv()) is not None:
-            ctl.send(side.handle(cmd))
-    except Exception:
-        with contextlib.suppress(OSError):  # the driver is gone: nobody to tell
-            ctl.send(Failed(f"{role.name}: {traceback.format_exc()}", time.monotonic()))
-        raise
-    finally:
-        if side is not None:
-            side.close()
-
-
 # --- the driver ------------------------------------------------------------------------------------------
-class Side:
-    """One spawned process and the driver's end of its control pipe; every wait on it is bounded."""
-
-    def __init__(self, ctx, role: type[DecodeProcess | PrefillProcess], *args) -> None:
-        self.name = role.name
-        self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=side_main, args=(theirs, role, *args), daemon=True)
-        self.proc.start()
-        theirs.close()  # the process holds the only other end: its exit shows here as EOF
-
-    def send(self, cmd: object) -> None:
-        try:
-            self.conn.send(cmd)
-        except OSError as exc:  # its end is closed: it exited
-            raise RuntimeError(f"{self.name} is gone ({self.state()})") from exc
-
-    def read(self) -> Any:
-        """Its next message; an exit without one (a crash: the cause of what the other reports) as Failed."""
-        try:
-            return self.conn.recv()
-        except EOFError:
-            return Failed(f"{self.name} exited without a reply ({self.state()})", 0.0)
-
-    def state(self) -> str:
-        self.proc.join(1)  # one that closed its pipe is exiting: let its exit code arrive
-        code = self.proc.exitcode
-        return "still running" if code is None else f"exit code {code}"
-
-
-def replies(sides: list[Side], kind: type, timeout: float) -> list:
-    """One `kind` reply from each side, in order. A failure or an exit of either raises at once, whatever the
-    other is doing (it may be waiting on the one that failed); silence past `timeout` names who was silent."""
-    deadline, got = time.monotonic() + timeout, dict[Side, Any]()
-    while len(got) < len(sides):
-        waiting = [side for side in sides if side not in got]
-        left = deadline - time.monotonic()
-        if left <= 0:
-            silent = ", ".join(f"{side.name} ({side.state()})" for side in waiting)
-            raise TimeoutError(f"no {kind.__name__} within {timeout:.0f} s from {silent}")
-        ready = wait_any([side.conn for side in waiting], left)
-        for side in [side for side in waiting if side.conn in ready]:
-            got[side] = msg = side.read()
-            if isinstance(msg, Failed):
-                raise RuntimeError(failures(msg, [other for other in waiting if other is not side]))
-            if not isinstance(msg, kind):
-                raise RuntimeError(f"{side.name}: expected {kind.__name__}, got {type(msg).__name__}")
-    return [got[side] for side in sides]
-
-
-def failures(first: Failed, others: list[Side]) -> str:
-    """`first` and what the other processes already reported, the earliest (the cause) first."""
-    found = [first] + [msg for side in others if side.conn.poll(0) and isinstance(msg := side.read(), Failed)]
-    return "\n".join(failed.error for failed in sorted(found, key=lambda failed: failed.at))
-
-
-def ask(sides: list[Side], cmd: object, kind: type, timeout: float) -> list:
-    for side in sides:
-        side.send(cmd)
-    return replies(sides, kind, timeout)
-
-
-def stop(sides: list[Side], grace_s: float) -> None:
-    """Ask each process to finish, kill what is left after `grace_s`; safe after any failure, and twice."""
-    for side in sides:
-        if side.proc.is_alive():
-            with contextlib.suppress(OSError):  # its end is gone: it is exiting, and the join bounds it
-                side.conn.send(None)
-    deadline = time.monotonic() + grace_s
-    for side in sides:
-        side.proc.join(max(0.1, deadline - time.monotonic()))
-        if side.proc.is_alive():
-            side.proc.kill()
-            side.proc.join(5)
-
-
 def median_rate(times: list[float], warmup: int, nbytes: int) -> tuple[float, float]:
     med = statistics.median(times[warmup:])
     return med, nbytes / med / 1e9
@@ -408,31 +297,31 @@ def median_rate(times: list[float], warmup: int, nbytes: int) -> tuple[float, fl
 
 def run(args, doc: dict, write: Callable[[], None]) -> None:
     """Both processes up, the raw baselines, then every transport and size: each into `doc`, then write()."""
-    ctx = mp.get_context("spawn")
     gpus, top = (0 if args.smoke else torch.cuda.device_count()), max(args.tokens)
     decode_device = "cpu" if args.smoke else f"cuda:{1 if gpus > 1 else 0}"
     prefill_device = "cpu" if args.smoke else "cuda:0"
-    layout, (peer_d, peer_p) = llama3_8b_layout(top), ctx.Pipe()
-    sides: list[Side] = []
+    layout, (peer_d, peer_p) = llama3_8b_layout(top), mp.Pipe()
+    sides: list[Child] = []
     grace = 2.0  # after a failure: a process waiting on the one that failed will not come back by itself
     try:
-        sides.append(Side(ctx, DecodeProcess, peer_d, decode_device, top, args.wait_s))
+        sides.append(Child(DecodeProcess.name, DecodeProcess, peer_d, decode_device, top, args.wait_s))
+        fault = args.inject_prefill_fault
         sides.append(
-            Side(ctx, PrefillProcess, peer_p, prefill_device, top, args.wait_s, args.inject_prefill_fault)
+            Child(PrefillProcess.name, PrefillProcess, peer_p, prefill_device, top, args.wait_s, fault)
         )
         peer_d.close()  # the processes hold the only ends: one's exit shows the other EOF
         peer_p.close()
-        replies(sides, Ready, args.wait_s)
+        expect_all(sides, Ready, args.wait_s)
         if not args.smoke:  # first: a run cut short still has its baselines (none on a CPU)
             run_raw(args, layout, sides, gpus, doc, write)
         for kind in args.transports:
             run_handoffs(args, kind, layout, sides, gpus, doc, write)
         grace = 60.0
     finally:
-        stop(sides, grace)
+        stop_all(sides, grace)
 
 
-def run_handoffs(args, kind: str, layout: KVLayout, sides: list[Side], gpus: int, doc: dict, write) -> None:
+def run_handoffs(args, kind: str, layout: KVLayout, sides: list[Child], gpus: int, doc: dict, write) -> None:
     """Every size through one transport, a row into doc["rows"] as each finishes (every rep's blocks passed
     the decode process's checksum: it stops the run otherwise)."""
     if kind.startswith("nccl") and gpus < 2:
@@ -469,15 +358,7 @@ def median_phases(samples: list[dict[str, float]]) -> dict[str, float]:
     return {name: statistics.median(s.get(name, 0.0) for s in samples) for name in sorted(names)}
 
 
-def print_raw(raw: list[dict]) -> None:
-    for row in raw:
-        rates = " ".join(
-            f"{k} {row[f'{k}_gbps']:.1f}" for k in ("cupy", "torch", "ipc") if f"{k}_gbps" in row
-        )
-        print(f"raw {row['tokens']:6d} tokens ({row['bytes'] / 2**20:.0f} MiB): GB/s {rates}", flush=True)
-
-
-def run_raw(args, layout: KVLayout, sides: list[Side], gpus: int, doc: dict, write) -> None:
+def run_raw(args, layout: KVLayout, sides: list[Child], gpus: int, doc: dict, write) -> None:
     """One contiguous buffer of each size between the two processes; a row into doc["raw"] as each ends."""
     kinds = ["ipc"] + (["cupy", "torch"] if gpus > 1 else [])
     port = random.Random().randint(20000, 40000)
@@ -490,7 +371,8 @@ def run_raw(args, layout: KVLayout, sides: list[Side], gpus: int, doc: dict, wri
             row[f"{kind}_s"], row[f"{kind}_gbps"] = median_rate(d_times or p_times, args.warmup, nbytes)
         doc["raw"].append(row)
         write()
-        print_raw([row])
+        rates = " ".join(f"{k} {row[f'{k}_gbps']:.1f}" for k in ("cupy", "torch", "ipc") if k in kinds)
+        print(f"raw {tokens:6d} tokens ({nbytes / 2**20:.0f} MiB): GB/s {rates}", flush=True)
 
 
 def print_table(result: dict) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from bench import offline_throughput, offline_variants, ttft
+from bench.child_procs import Child, Ready, expect_all, stop_all
 from bench.harness import (
     Deadline,
     DeviceRates,
@@ -353,6 +355,49 @@ def test_kv_transfer_child_failure_ends_the_run_with_its_error(tmp_path):
     while (left := _processes_marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], f"processes left running: {left}"
+
+
+def test_child_procs_report_a_failing_child_at_once_and_stop_all_kills_a_hung_one():
+    """bench/child_procs.py on a CPU, builtins as the roles: one child raises while it builds (int("not a
+    number")) while another hangs (time.sleep): the wait on both raises at once with the failing child's name
+    and traceback, not after its timeout; a wait on the hung one alone names it as still running; stop_all
+    kills it (and only it), and is safe to call again."""
+    hung, bad = Child("hung child", time.sleep, 60), Child("bad child", int, "not a number")
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"(?s)^bad child: Traceback.*ValueError: invalid literal"):
+            expect_all([hung, bad], Ready, 30)
+        assert time.monotonic() - started < 10
+        with pytest.raises(TimeoutError, match=r"no Ready within 0 s from hung child \(still running\)"):
+            hung.expect(Ready, 0.3)
+    finally:
+        killed = stop_all([hung, bad], 0.2)
+    assert killed == ["hung child"] and hung.proc.exitcode == -signal.SIGKILL and bad.proc.exitcode == 1
+    assert stop_all([hung, bad], 0.2) == []
+
+
+def test_child_procs_name_a_child_that_exits_silently_and_put_the_earliest_failure_first():
+    """Two children that failed one after the other, waited on latest first: the error lists the earlier
+    (the cause) first. A child that exits without a reply (os._exit(3)) is named with its exit code."""
+    children = []
+    try:
+        for name, role, arg in (
+            ("first child", int, "x"),
+            ("second child", int, "y"),
+            ("dead child", os._exit, 3),
+        ):
+            children.append(Child(name, role, arg))
+            children[-1].proc.join(10)  # each one done before the next starts: their failures are ordered
+        first, second, dead = children
+        with pytest.raises(RuntimeError) as failed:
+            expect_all([second, first], Ready, 5)
+        text = str(failed.value)
+        assert 0 <= text.index("first child: Traceback") < text.index("second child: Traceback"), text
+        with pytest.raises(RuntimeError, match=r"^dead child exited without a reply \(exit code 3\)$"):
+            dead.expect(Ready, 5)
+    finally:
+        left = stop_all(children, 1.0)
+    assert left == []  # all had exited
 
 
 def test_kv_transfer_self_check_refuses_blocks_that_did_not_land():
