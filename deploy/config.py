@@ -301,6 +301,15 @@ class DeployConfig:
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ConfigError("colocated.replicas: colocated mode needs at least one worker")
         self.autoscaler.check_pools({role: pool.replicas for role, pool in self.pools().items()})
+        sizes = {role: pool.engine.parallel.tensor_parallel_size for role, pool in self.pools().items()}
+        if self.autoscaler.enabled and self.autoscaler.max_total_workers and len(set(sizes.values())) > 1:
+            # The budget counts workers: moving one between pools of different sizes would change the GPUs held.
+            spans = ", ".join(f"{role.value} {size}" for role, size in sizes.items())
+            raise ConfigError(
+                f"autoscaler.max_total_workers: the budget counts workers, and the pools' workers span different "
+                f"numbers of devices ({spans}), so moving one between them would change the devices held; set it "
+                "to 0 (each pool grows within its own max) or give both pools one tensor_parallel_size"
+            )
         if self.router.processes > 1 and self.controller.routers:
             raise ConfigError(
                 "router.processes: more than one with controller.routers set; the routers are standalone "

@@ -56,6 +56,12 @@ pytestmark = pytest.mark.unit
             {"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
             r"autoscaler.max_total_workers: 3 is below the pools' starting replicas \(4\)",
         ),
+        (
+            {"enabled": True, "max_total_workers": 3},
+            {"prefill": {"engine": {"parallel": {"tensor_parallel_size": 4}}}},
+            r"autoscaler.max_total_workers: the budget counts workers, and the pools' workers span different "
+            r"numbers of devices \(prefill 4, decode 1\)",
+        ),
     ],
 )
 def test_a_bad_autoscaler_section_is_refused_naming_the_field(section: dict, top: dict, message: str) -> None:
