@@ -5,7 +5,9 @@ gathers another's heads. The greedy tokens must equal the engine's own on one de
 lease may be left held on any worker. The model: a tiny random-weight Llama written here, 4 query heads over 2
 KV heads, so a rank of two holds one KV head. With the decode worker of two ranks, its rank 1 is then SIGKILLed
 in the middle of a request: the request resumes with the same tokens or ends with a clear status, the controller
-replaces the whole decode worker, and it serves the same tokens again with nothing left held.
+replaces the whole decode worker, and it serves the same tokens again with nothing left held. With the prefill
+worker of two ranks, its rank 1 is SIGKILLed while idle: the controller replaces the whole prefill worker, which
+then serves the same tokens.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def test_prefill_and_decode_of_different_sizes_serve_one_device_tokens(
             assert_all_idle(serve.address)
             if decode_tp == 2:
                 kill_a_decode_rank_mid_request(serve, offline)
+            else:
+                kill_a_prefill_rank(serve, offline)
             assert serve.stop() == 0
         finally:
             print("".join(serve.lines[-80:]))  # shown with a failing test
@@ -93,5 +97,22 @@ def kill_a_decode_rank_mid_request(serve: ServeProcess, offline: LLM) -> None:
     )
     wait_until(lambda: workers(serve.address)["decode-0"].state.name == "READY", 60, "the new decode worker")
     assert any("worker decode-0 restarting (1)" in line for line in serve.lines)
+    check_greedy(serve.address, offline)
+    assert_all_idle(serve.address)
+
+
+def kill_a_prefill_rank(serve: ServeProcess, offline: LLM) -> None:
+    (rank,) = rank_processes()
+    before = workers(serve.address)["prefill-0"]
+    os.kill(rank.pid, signal.SIGKILL)
+    wait_until(
+        lambda: (w := workers(serve.address).get("prefill-0")) and w.address != before.address,
+        120,
+        "the prefill worker to be replaced",
+    )
+    wait_until(
+        lambda: workers(serve.address)["prefill-0"].state.name == "READY", 60, "the new prefill worker"
+    )
+    assert any("worker prefill-0 restarting (1)" in line for line in serve.lines)
     check_greedy(serve.address, offline)
     assert_all_idle(serve.address)
