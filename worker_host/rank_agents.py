@@ -848,7 +848,10 @@ class FollowerAgent:
         elif kind == "send" and self.sender is not None:
             order = pb.AgentSend()
             order.CopyFrom(message.send)
-            self._pool.submit(self._send, order)
+            try:
+                self._pool.submit(self._send, order)
+            except RuntimeError:  # closing: the rank is going away, and rank 0 learns it from the link
+                return
         elif kind == "cancel":
             rid, why = message.cancel.request_id, message.cancel.message or "cancelled by rank 0"
             if self.receiver is not None:
