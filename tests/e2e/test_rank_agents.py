@@ -132,3 +132,14 @@ def test_a_rank_that_goes_away_fails_what_waits_on_it(pair):
     )  # what the decode call does when the router gives up
     assert not decode.results.get(timeout=20).ok
     assert decode.pool.all_free
+
+
+def test_a_rank_that_cannot_hold_its_lease_fails_the_reservation_and_frees_the_blocks(pair):
+    decode = pair[0]
+    assert decode.agent.receiver is not None
+    decode.agent.receiver.reserve("req-4", 5, allocate=lambda n: list(range(1, n + 1)))  # rank 1 holds req-4
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 could not hold the KV lease: ValueError"):
+        decode.receiver.reserve("req-4", 5)
+    assert not decode.results.get(timeout=20).ok  # the join still ends, once, with the failure
+    assert decode.pool.all_free
+    decode.agent.receiver.abort("req-4")
