@@ -56,21 +56,6 @@ class TensorParallel:
         if self.publisher is not None:
             self.publisher.publish(batch)
 
-    def control(self, message: bytes) -> None:
-        """The lead: hand `message` to every other rank's control handler, between two steps."""
-        self._lead("control").control(message)
-
-    def gather(self, width: int) -> list[list[int]]:
-        """The lead: what each other rank queued for it (step_sync.StepPublisher.gather)."""
-        return self._lead("gather").gather(width)
-
-    def _lead(self, what: str) -> StepPublisher:
-        if self.publisher is None:
-            raise RuntimeError(
-                f"TensorParallel.{what}: only the lead rank talks to the others, this is rank {self.group.rank}"
-            )
-        return self.publisher
-
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         return gather_logits(local, self.group, self.vocab_size)
 

@@ -9,7 +9,7 @@ A follower has no scheduler, block pool, tokenizer or sampler: the lead's step c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from model_runtime.config import EngineConfig
 from model_runtime.parallel.group import TPGroup
@@ -32,14 +32,11 @@ def build_follower(
 def follow(
     rank: RankRunner,
     group: TPGroup,
-    on_control: Callable[[bytes], None] | None = None,
-    reports: Callable[[int], Sequence[int]] | None = None,
     after_step: Callable[[], None] | None = None,
 ) -> int:
-    """Run the lead's steps until it stops the ranks; returns how many ran. `on_control` and `reports` serve the
-    lead's control messages and gathers between steps (step_sync: CONTROL, GATHER). `after_step` runs after
-    each step (a KV agent's clock: the k-th call follows the lead's k-th published step)."""
-    receiver = StepReceiver(group, on_control, reports)
+    """Run the lead's steps until it stops the ranks; returns how many ran. `after_step` runs after each step
+    (a KV agent's clock: the k-th call follows the lead's k-th published step)."""
+    receiver = StepReceiver(group)
     steps = 0
     while (batch := receiver.receive()) is not None:
         rank.runner.execute_batch(batch)

@@ -7,8 +7,6 @@ in the same order. Each message is a header and, for some kinds, a payload:
     header   int64 [5]:  kind, then per kind:
                          STEP     T tokens, B sequences, S sampling rows, W block-table width
                          STOP     (nothing): the followers leave their loop
-                         CONTROL  N bytes: a message for the followers' own agents follows as uint8 [N]
-                         GATHER   W words: every rank then contributes int64 [W] to an all-gather
     payload  (STEP) int64 [3T + S + 2B + 1 + B*W], in this order:
              token_ids [T] | positions [T] | slots [T] | logits_indices [S] | query_start [B+1] | seq_lens [B]
              | block_tables [B, W] row-major       (the int32 arrays travel widened to int64)
@@ -24,27 +22,21 @@ message per lead message:
     int64 [6]: the header, then where the payload is (PAYLOAD_HERE / PAYLOAD_ON_GLOO) | the payload's bytes
 
 A payload larger than a slot (a step of a very long prompt batch) goes as before, as a gloo broadcast on the
-host group right after its header; the header on the ring says so. GATHER's answers come back over the host
-group (an all-gather), its request travels on the ring like every other message, so everything stays in the
-order the lead issued it. The ring is set up at the first message, where the first broadcast used to be, not
+host group right after its header; the header on the ring says so, so everything stays in the order the lead
+issued it. The ring is set up at the first message, where the first broadcast used to be, not
 in the constructors: the lead makes its publisher before the start-up collectives (TensorParallel.join, in
 build_runner) and a follower its receiver after them, and the set-up's two collectives must pair up on every
 rank. Where a ring cannot be made or mapped on any rank, or a rank passed shared_memory=False, every rank uses
 the host group's broadcasts for everything (the reason is logged).
 
-CONTROL and GATHER are the two directions of a channel between the lead and whatever runs beside each follower's
-step loop (a rank's KV agent, for a worker whose ranks each send or receive their own heads). CONTROL carries
-bytes the receiving side parses itself (a protobuf message; the channel never interprets them). GATHER brings
-back what the followers queued for the lead, as integer words: a follower answers with a count and up to W - 1
-words, the rest stays queued for the next GATHER. Both happen between two steps, on the lead's thread, so they
-are ordered with the steps exactly as the lead issued them.
+The ranks' KV agents (worker_host.rank_agents) talk to rank 0 over a socket of their own, not here: the step
+loop never waits on KV bookkeeping.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,9 +47,8 @@ from model_runtime.parallel.shm_channel import ReaderExited, ShmReader, ShmWrite
 
 log = logging.getLogger(__name__)
 
-STEP, STOP, CONTROL, GATHER = 1, 0, 2, 3
+STEP, STOP = 1, 0
 _HEADER = 5
-MAX_CONTROL_BYTES = 1 << 20  # a control message names requests, blocks and peers; never KV data
 PAYLOAD_HERE, PAYLOAD_ON_GLOO = 0, 1  # a ring message's sixth word
 _FRAME_BYTES = (_HEADER + 1) * 8  # a ring message's payload starts here
 _PATH_BYTES = 1024  # the set-up broadcasts the ring's path in this many bytes (an empty path: no ring)
@@ -88,27 +79,6 @@ class StepPublisher:
         header, payload = encode(batch)
         self._send(header, payload)
         self.published += 1
-
-    def control(self, message: bytes) -> None:
-        """Hand `message` to every follower's `on_control`, between two steps."""
-        if self._stopped:
-            raise RuntimeError("StepPublisher: the other ranks were stopped; no message can reach them")
-        if not 0 < len(message) <= MAX_CONTROL_BYTES:
-            raise ValueError(
-                f"StepPublisher.control: {len(message)} bytes; a message is 1 to {MAX_CONTROL_BYTES}"
-            )
-        header = torch.tensor([CONTROL, len(message), 0, 0, 0], dtype=torch.int64)
-        self._send(header, torch.frombuffer(bytearray(message), dtype=torch.uint8))
-
-    def gather(self, width: int) -> list[list[int]]:
-        """What each follower queued for the lead (rank 1, 2, ... in order): at most width - 1 words each."""
-        if self._stopped:
-            raise RuntimeError("StepPublisher: the other ranks were stopped; they report nothing")
-        if width < 2:
-            raise ValueError(f"StepPublisher.gather: width must be >= 2 (a count and a word), got {width}")
-        self._send(torch.tensor([GATHER, width, 0, 0, 0], dtype=torch.int64), None)
-        rows = self._group.all_gather_host(torch.zeros(width, dtype=torch.int64))  # the lead reports nothing
-        return [_unpack(row, rank) for rank, row in enumerate(rows) if rank != self._group.rank]
 
     def stop(self) -> None:
         """Release the other ranks from their loop."""
@@ -148,25 +118,16 @@ class StepPublisher:
 
 
 class StepReceiver:
-    """A follower rank's side: `receive()` waits for the lead's next step; None once the lead stopped.
-
-    Control messages and gathers that come before the step are served on the way: `on_control(message)` gets
-    each message's bytes, `reports(max_words)` returns up to max_words words the follower queued for the lead
-    (and keeps the rest). A follower without them fails on the first such message: nothing is dropped silently.
-    """
+    """A follower rank's side: `receive()` waits for the lead's next step; None once the lead stopped."""
 
     def __init__(
         self,
         group: TPGroup,
-        on_control: Callable[[bytes], None] | None = None,
-        reports: Callable[[int], Sequence[int]] | None = None,
         shared_memory: bool = True,
     ) -> None:
         if group.is_lead:
             raise ValueError("StepReceiver: the lead rank publishes steps, it does not receive them")
         self._group = group
-        self._on_control = on_control
-        self._reports = reports
         self._shared_memory = shared_memory
         self._set_up = False  # the lead's first message sets the transport up
         self._ring: ShmReader | None = None
@@ -187,12 +148,7 @@ class StepReceiver:
             if kind == STEP:
                 payload = self._payload(inline, 3 * t + s + 2 * b + 1 + b * w, torch.int64)
                 return decode(torch.tensor(header, dtype=torch.int64), payload)
-            if kind == CONTROL:
-                self._control(self._payload(inline, t, torch.uint8))
-            elif kind == GATHER:
-                self._gather(t)
-            else:
-                raise RuntimeError(f"StepReceiver: unknown message kind {kind} from the lead rank")
+            raise RuntimeError(f"StepReceiver: unknown message kind {kind} from the lead rank")
 
     def _next(self) -> tuple[list[int], memoryview | None]:
         """The next message's header, and its payload's bytes when they came with it (None: on gloo)."""
@@ -217,22 +173,6 @@ class StepReceiver:
         if len(inline) != size or count < 1:
             raise RuntimeError(f"StepReceiver: a payload of {len(inline)} bytes where its header says {size}")
         return torch.frombuffer(inline, dtype=dtype)
-
-    def _control(self, message: torch.Tensor) -> None:
-        if self._on_control is None:
-            raise RuntimeError(
-                f"StepReceiver: rank {self._group.rank} got a control message and has no handler"
-            )
-        self._on_control(message.numpy().tobytes())
-
-    def _gather(self, width: int) -> None:
-        words = list(self._reports(width - 1)) if self._reports is not None else []
-        if len(words) > width - 1:
-            raise RuntimeError(f"StepReceiver: {len(words)} report words for a gather of {width - 1}")
-        row = torch.zeros(width, dtype=torch.int64)
-        row[0] = len(words)
-        row[1 : 1 + len(words)] = torch.tensor(words, dtype=torch.int64)
-        self._group.all_gather_host(row)
 
 
 def _open_writer(group: TPGroup, wanted: bool) -> ShmWriter | None:

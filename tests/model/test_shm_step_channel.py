@@ -175,76 +175,43 @@ def fingerprint(batch: HostBatch) -> tuple:
     return tuple(fields)
 
 
-def lockstep_script() -> tuple[list[bytes], list[HostBatch]]:
-    """Control messages (up to the largest allowed) and steps, among them one too large for a ring slot."""
-    rng = random.Random(3)
-    messages = [bytes([0]), rng.randbytes(300_000), rng.randbytes(1 << 20), b"\xff" * 9]
+def lockstep_script() -> list[HostBatch]:
+    """Steps in a fixed order, one of them too large for a ring slot (its payload goes on gloo)."""
     prefill, decode = tp_ranks.prefill_then_decode([[5, 9, 14], [11, 4]])
     wide = dataclasses.replace(prefill, block_tables=np.pad(prefill.block_tables, ((0, 0), (0, WIDE_TABLE))))
-    return messages, [prefill, wide, decode]
+    return [prefill, wide, decode, prefill, decode]
 
 
-def lockstep(group: TPGroup, messages: list[bytes], batches: list[HostBatch]) -> Any:
-    """The same exchange over shared memory and then over gloo alone: the lead interleaves controls, steps and
-    gathers (4 words each) and gathers until the followers' queues are empty, then stops them. Per transport,
-    the lead returns (on shared memory, what its gathers brought); a follower (on shared memory, what it got
-    in order: ("control", bytes) or ("step", fingerprint))."""
+def lockstep(group: TPGroup, batches: list[HostBatch]) -> Any:
+    """The same steps over shared memory and then over gloo alone, then STOP. Per transport, the lead returns
+    whether it was on shared memory; a follower returns that and the fingerprints of the steps it got, in order."""
     results = []
     for shared_memory in (True, False):
         if group.is_lead:
-            results.append(_lead(group, messages, batches, shared_memory))
+            publisher = StepPublisher(group, shared_memory=shared_memory)
+            for batch in batches:
+                publisher.publish(batch)
+            publisher.stop()
+            results.append((publisher.on_shared_memory, publisher.published))
         else:
-            results.append(_follow(group, shared_memory))
+            receiver = StepReceiver(group, shared_memory=shared_memory)
+            got = []
+            while (step := receiver.receive()) is not None:
+                got.append(fingerprint(step))
+            results.append((receiver.on_shared_memory, got))
     return results
-
-
-def _lead(group: TPGroup, messages: list[bytes], batches: list[HostBatch], shared_memory: bool) -> Any:
-    publisher = StepPublisher(group, shared_memory=shared_memory)
-    gathers = []
-    for message, batch in zip(messages, batches + [batches[0]]):
-        publisher.control(message)
-        publisher.publish(batch)
-        gathers.append(publisher.gather(4))
-    while any(gathers[-1]):
-        gathers.append(publisher.gather(4))
-    publisher.stop()
-    return publisher.on_shared_memory, gathers
-
-
-def _follow(group: TPGroup, shared_memory: bool) -> Any:
-    got: list[tuple] = []
-    queued: list[int] = []
-
-    def on_control(message: bytes) -> None:
-        queued.extend([group.rank, len(message), sum(message) % 1000])
-        got.append(("control", message))
-
-    def reports(max_words: int) -> list[int]:
-        taken = queued[:max_words]
-        del queued[:max_words]
-        return taken
-
-    receiver = StepReceiver(group, on_control, reports, shared_memory=shared_memory)
-    while (step := receiver.receive()) is not None:
-        got.append(("step", fingerprint(step)))
-    return receiver.on_shared_memory, got
 
 
 @pytest.mark.parametrize("tp", [2, 3])
 def test_step_sync_over_shared_memory_delivers_what_gloo_does(tp: int) -> None:
-    messages, batches = lockstep_script()
+    batches = lockstep_script()
     assert encode(batches[1])[1].nbytes > SLOT_BYTES, "the wide step must overflow a ring slot"
-    lead, *followers = tp_ranks.run_ranks(lockstep, tp, messages, batches, timeout_s=120)
-    expected = []
-    for message, batch in zip(messages, batches + [batches[0]]):
-        expected += [("control", message), ("step", fingerprint(batch))]
-    (lead_shm, gathers_shm), (lead_gloo, gathers_gloo) = lead
-    assert (lead_shm, lead_gloo) == (True, False), "the first run must use the ring, the second gloo alone"
+    lead, *followers = tp_ranks.run_ranks(lockstep, tp, batches, timeout_s=120)
+    expected = [fingerprint(batch) for batch in batches]
+    assert lead == [(True, len(batches)), (False, len(batches))], (
+        "the ring first, then gloo alone; all published"
+    )
     for rank, ((on_shm, got_shm), (on_gloo, got_gloo)) in enumerate(followers, start=1):
         assert (on_shm, on_gloo) == (True, False), f"rank {rank}'s transports"
-        assert got_shm == expected, f"rank {rank} got other messages or steps over shared memory"
-        assert got_gloo == expected, f"rank {rank} got other messages or steps over gloo"
-    assert gathers_shm == gathers_gloo
-    for rank in range(1, tp):
-        words = [w for gather in gathers_shm for w in gather[rank - 1]]
-        assert words == [w for m in messages for w in (rank, len(m), sum(m) % 1000)], f"rank {rank}'s reports"
+        assert got_shm == expected, f"rank {rank} got other steps over shared memory"
+        assert got_gloo == expected, f"rank {rank} got other steps over gloo"

@@ -25,7 +25,6 @@ from model_runtime.engine import Engine
 from model_runtime.host_batch import HostBatch
 from model_runtime.parallel.follower import run_follower
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group
-from model_runtime.parallel.step_sync import StepPublisher, StepReceiver
 from model_runtime.prefill_graphs import PrefillGraphs
 from model_runtime.request import SamplingParams
 from model_runtime.runner_setup import build_runner
@@ -269,40 +268,3 @@ def _batch(chunks: list[list[int]], starts: list[int], table: np.ndarray, block_
         query_lens=lens,
         seq_lens_list=seq_lens.tolist(),
     )
-
-
-def channel_exchange(group: TPGroup, messages: list[bytes], batch: HostBatch) -> Any:
-    """The lead/follower channel of step_sync without an engine. The lead sends each message (CONTROL), gathers
-    (GATHER, 4 words: a count and 3), publishes `batch` as a step between them, gathers until every follower's
-    queue is empty, and stops the followers; it returns what each gather brought. A follower queues, for each
-    message it gets, [its rank, the message's length, its byte sum mod 1000, its index], and returns the
-    messages it got in order and the steps it received (their token ids)."""
-    if group.is_lead:
-        publisher = StepPublisher(group)
-        gathers = []
-        for i, message in enumerate(messages):
-            publisher.control(message)
-            if i == 0:
-                publisher.publish(batch)
-            gathers.append(publisher.gather(4))
-        while any(gathers[-1]):
-            gathers.append(publisher.gather(4))
-        publisher.stop()
-        return gathers
-    got: list[bytes] = []
-    queued: list[int] = []
-
-    def on_control(message: bytes) -> None:
-        queued.extend([group.rank, len(message), sum(message) % 1000, len(got)])
-        got.append(message)
-
-    def reports(max_words: int) -> list[int]:
-        taken = queued[:max_words]
-        del queued[:max_words]
-        return taken
-
-    receiver = StepReceiver(group, on_control, reports)
-    steps = []
-    while (step := receiver.receive()) is not None:
-        steps.append(step.token_ids.tolist())
-    return got, steps
