@@ -159,6 +159,8 @@ class Ranks:
             actor: Any = rank_class.options(**options).remote()
             self.actors.append(actor)
             self.runs.append(actor.run.remote(spec, rank, size, rendezvous))
+        if self.hub is not None:
+            self.hub.ranks_alive = self.alive
         log.info("rank 0 waits for %d ranks at %s", size - 1, rendezvous)
         return init_tp_group(
             0, size, rendezvous, device_kind(engine), fast_all_reduce=engine.parallel.all_reduce == "auto"

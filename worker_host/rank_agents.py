@@ -159,6 +159,9 @@ class AgentHub:
         self._closed = False
         self.on_outcome: Callable[[int, pb.AgentOutcome], None] = lambda rank, outcome: None
         self.on_lost: Callable[[int], None] = lambda rank: None
+        # Whether every other rank's process still runs (deploy.ranks.Ranks.alive): a rank that died before its
+        # agent connected ends wait_ready at once rather than at its timeout.
+        self.ranks_alive: Callable[[], bool] = lambda: True
         threading.Thread(target=self._accept, name="kv-agents-accept", daemon=True).start()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> list[pb.AgentHello]:
@@ -167,12 +170,14 @@ class AgentHub:
         with self._cond:
             while len(self.hellos) < self._expected:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.lost:
+                dead = not self.ranks_alive()
+                if left <= 0 or self.lost or dead:
                     missing = sorted(set(range(1, self._expected + 1)) - set(self.hellos))
-                    raise RuntimeError(
-                        f"tensor-parallel ranks {missing}: their KV agents did not report within {timeout_s:.0f} s"
-                        + (f" (ranks {sorted(self.lost)} went away)" if self.lost else "")
-                    )
+                    why = f"did not report within {timeout_s:.0f} s"
+                    if self.lost or dead:
+                        gone = f"ranks {sorted(self.lost)}" if self.lost else "a rank's process"
+                        why = f"did not report: {gone} went away"
+                    raise RuntimeError(f"tensor-parallel ranks {missing}: their KV agents {why}")
                 self._cond.wait(min(left, 0.5))
             return [self.hellos[rank] for rank in sorted(self.hellos)]
 

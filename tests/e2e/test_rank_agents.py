@@ -143,3 +143,19 @@ def test_a_rank_that_cannot_hold_its_lease_fails_the_reservation_and_frees_the_b
     assert not decode.results.get(timeout=20).ok  # the join still ends, once, with the failure
     assert decode.pool.all_free
     decode.agent.receiver.abort("req-4")
+
+
+def test_rank_0_stops_waiting_for_agents_once_a_rank_is_gone(tmp_path):
+    """A rank that died before its agent connected (deploy.ranks reports its run() ended) ends the wait at once,
+    naming the ranks that never reported, instead of holding the worker's start-up for the whole timeout."""
+    hub = AgentHub(str(tmp_path), 2)
+    hub.ranks_alive = lambda: False
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"tensor-parallel ranks \[1, 2\]: their KV agents did not report: "
+        ):
+            hub.wait_ready(timeout_s=60)
+    finally:
+        hub.close()
+    assert time.monotonic() - started < 5
