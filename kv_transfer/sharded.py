@@ -63,3 +63,9 @@ def pieces(target: kv_pb2.KVTarget, layout: KVLayout) -> list[tuple[kv_pb2.KVTar
         window = None if whole else HeadWindow(piece.source_head, piece.target_head, piece.num_heads)
         out.append((rank_target(target, piece.target_rank), window))
     return out
+
+
+def splits(target: kv_pb2.KVTarget, layout: KVLayout) -> bool:
+    """Whether a handoff to `target` from a cache of `layout` is several transfers: the decode worker spans
+    several ranks, or its cache holds other heads than ours."""
+    return bool(target.rank_targets) or target.format.num_kv_heads != layout.num_kv_heads

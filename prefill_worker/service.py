@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from kv_transfer import FirstToken, KVSender, SendHandle
+from kv_transfer.sharded import splits
 from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError
@@ -37,7 +38,7 @@ from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
 from worker_host.host import OpenCalls
 from worker_host.node import WorkerNode
-from worker_host.rank_agents import ShardedSender, ShardedSendHandle, splits
+from worker_host.rank_agents import ShardedSender, ShardedSendHandle
 from worker_host.rpc import POLL_S, CallEnded, wait_for, worker_info
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         split: ShardedSender | None = None,
     ) -> None:
         """`split`: how a worker of one rank sends to a decode worker that holds other heads (one of several
-        ranks): a transfer per decode rank, after the prompt's step (worker_host.rank_agents.splits)."""
+        ranks): a transfer per decode rank, after the prompt's step (kv_transfer.sharded.splits)."""
         self.worker_id = worker_id
         self.loop = loop
         self.sender = sender
