@@ -55,6 +55,7 @@ from kv_transfer.transport import (
     ReceiverTransport,
     SenderTransport,
     part_frame,
+    window_layout,
 )
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
@@ -417,7 +418,7 @@ class _NcclSink(PartSink):
         communicator stays in step and the cache is not touched."""
         t = self._t
         pair = self._pair = self._pair or _live_pair(t._pairs, self._peer_id)
-        layout = t._layout if heads is None else t._layout.head_window(*heads)
+        layout = window_layout(t._layout, heads)
         try:
             bind_device(t._device)
             with pair.lock:

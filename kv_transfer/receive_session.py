@@ -24,7 +24,7 @@ from kv_transfer.contracts import FailureReason, FirstToken, Lease, TransferFail
 from kv_transfer.frames import FrameConnection, Watch, error_frame, expect, frame_failure
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import check_hello, make_hello, pair_key
-from kv_transfer.transport import PartJob, PartSink, ReceiverTransport
+from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, window_layout
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
@@ -249,8 +249,7 @@ class ReceiveSession:
 
     def _layout(self) -> KVLayout:
         """The layout of what the claimed transfer moves: our cache, or the window of its heads."""
-        layout = self.core.layout
-        return layout if self.heads is None else layout.head_window(*self.heads)
+        return window_layout(self.core.layout, self.heads)
 
     def _transport(self) -> ReceiverTransport:
         assert self.transport is not None, "set by the handshake"

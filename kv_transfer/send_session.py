@@ -26,7 +26,7 @@ from kv_transfer.contracts import FailureReason, FirstToken, SendResult, Transfe
 from kv_transfer.frames import FrameConnection, Watch, expect, frame_failure
 from kv_transfer.pairing import check_target
 from kv_transfer.send_handle import DoneRequest, PartRequest, SendHandle
-from kv_transfer.transport import PartJob, PartSource, SenderTransport
+from kv_transfer.transport import PartJob, PartSource, SenderTransport, window_layout
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 
@@ -56,11 +56,9 @@ class SendSession:
         self.phases: dict[str, float] = {}
         self._mark = handle.started_at
         heads = handle.heads
-        # What moves: our whole cache, or a window of its heads (and then only those heads' bytes).
-        self.layout = (
-            core.layout if heads is None else core.layout.head_window(heads.source_begin, heads.count)
-        )
         self.source_heads = None if heads is None else (heads.source_begin, heads.count)
+        # What moves: our whole cache, or a window of its heads (and then only those heads' bytes).
+        self.layout = window_layout(core.layout, self.source_heads)
         if self.source_heads == (0, core.layout.num_kv_heads):
             self.source_heads = None
         self.watch = Watch(

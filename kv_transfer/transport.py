@@ -54,7 +54,12 @@ class PartJob:
 
     def layout(self, whole: KVLayout) -> KVLayout:
         """The layout of what this job moves: `whole`, or the window of its heads."""
-        return whole if self.heads is None else whole.head_window(*self.heads)
+        return window_layout(whole, self.heads)
+
+
+def window_layout(layout: KVLayout, heads: tuple[int, int] | None) -> KVLayout:
+    """What a transfer of `heads` (begin, count) of a cache of `layout` moves; the cache itself for None."""
+    return layout if heads is None else layout.head_window(*heads)
 
 
 class PartSink(ABC):
