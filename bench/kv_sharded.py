@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench import kv_transfer as kv_bench  # noqa: E402  (the 1->1 bench: its layout, config and checksum)
+from bench import kv_common  # noqa: E402
 from bench.child_procs import Child, Ready, ask, expect_all, recv_within, stop_all  # noqa: E402
 from bench.kv_raw import raw_times  # noqa: E402
 from kv_transfer import FirstToken, KVReceiver, KVSender  # noqa: E402
@@ -132,7 +132,7 @@ def source_ids(layout: KVLayout, tokens: int) -> list[int]:
 
 
 # --- the rank processes ----------------------------------------------------------------------------------
-class Borrowed(kv_bench.FreeList):
+class Borrowed(kv_common.FreeList):
     """A follower decode rank's pool: no blocks of its own; its leases name rank 0's, which rank 0 frees."""
 
     def free(self, ids) -> None:
@@ -141,13 +141,13 @@ class Borrowed(kv_bench.FreeList):
 
 class DecodeRank:
     def __init__(self, spec: RankSpec) -> None:
-        device = kv_bench.use_device(spec.device)
+        device = kv_common.use_device(spec.device)
         self.spec, self.layout = spec, rank_layout(spec.whole, spec.size, spec.rank)
         self.cache = torch.zeros(self.layout.cache_shape, dtype=torch.bfloat16, device=device)
         self.expected = rank_data(spec.whole, self.layout, device)  # what the prefill ranks hold of our heads
-        self.pool = kv_bench.FreeList(self.layout.num_blocks) if spec.rank == 0 else Borrowed(1)
-        self.landing, self.sums = kv_bench.Landing(), dict[int, str]()
-        config = kv_bench.transfer_config(spec.transport)
+        self.pool = kv_common.FreeList(self.layout.num_blocks) if spec.rank == 0 else Borrowed(1)
+        self.landing, self.sums = kv_common.Landing(), dict[int, str]()
+        config = kv_common.transfer_config(spec.transport)
         self.receiver = KVReceiver(self.layout, self.cache, self.pool, config, on_result=self.landing.put)
 
     def serve(self, conn, cmd: Reserve) -> None:
@@ -166,10 +166,10 @@ class DecodeRank:
 
     def check(self, ids: list[int], tokens: int) -> None:
         """Our landed blocks against our heads of the prompt's source blocks, then zeroed (and the device
-        synchronized: the receiver writes the next rep on streams of its own) by kv_bench.check_landed."""
+        synchronized: the receiver writes the next rep on streams of its own) by kv_common.check_landed."""
         if tokens not in self.sums:
-            self.sums[tokens] = kv_bench.kv_checksum(self.expected, source_ids(self.layout, tokens))
-        kv_bench.check_landed(
+            self.sums[tokens] = kv_common.kv_checksum(self.expected, source_ids(self.layout, tokens))
+        kv_common.check_landed(
             self.cache, ids, self.sums[tokens], f"decode rank {self.spec.rank} at {tokens} tokens"
         )
 
@@ -179,12 +179,12 @@ class DecodeRank:
 
 class PrefillRank:
     def __init__(self, spec: RankSpec) -> None:
-        device = kv_bench.use_device(spec.device)
+        device = kv_common.use_device(spec.device)
         self.spec, self.layout = spec, rank_layout(spec.whole, spec.size, spec.rank)
         self.cache = rank_data(spec.whole, self.layout, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # sends pass no `ready` event: the KV writes must be complete
-        self.sender = KVSender(self.layout, self.cache, kv_bench.transfer_config(spec.transport))
+        self.sender = KVSender(self.layout, self.cache, kv_common.transfer_config(spec.transport))
 
     def serve(self, conn, cmd: Ship) -> None:
         plan = pieces(kv_pb2.KVTarget.FromString(cmd.target), self.layout)
@@ -206,7 +206,7 @@ class RawRank:
     """One end of bench/kv_raw.py's baselines (rank 0 sends, rank 1 receives), with a pipe to the other."""
 
     def __init__(self, spec: RankSpec, peer) -> None:
-        self.spec, self.peer, self.device = spec, peer, kv_bench.use_device(spec.device)
+        self.spec, self.peer, self.device = spec, peer, kv_common.use_device(spec.device)
         self.state: dict = {}
 
     def serve(self, conn, cmd: tuple) -> None:
@@ -237,7 +237,7 @@ def run_raw(args, whole: KVLayout) -> list[dict]:
             for kind in RAW_KINDS:
                 cmd = ("raw", kind, row["bytes"], args.warmup + args.reps, port)
                 sent, _ = ask(ranks, cmd, list, args.wait_s)  # rank 0 times the sends
-                row[f"{kind}_s"], row[f"{kind}_gbps"] = kv_bench.median_rate(sent, args.warmup, row["bytes"])
+                row[f"{kind}_s"], row[f"{kind}_gbps"] = kv_common.median_rate(sent, args.warmup, row["bytes"])
             print(
                 f"raw  {tokens:6d} tokens: GB/s " + " ".join(f"{k} {row[f'{k}_gbps']:.1f}" for k in RAW_KINDS)
             )
@@ -290,13 +290,13 @@ def run_layout(args, whole: KVLayout, a: int, b: int, doc: dict) -> None:
 def layout_row(args, whole: KVLayout, name: str, tokens: int, runs: list, doc: dict) -> dict:
     """The row of one layout and size; every rep's checksums passed (a decode rank stops the run otherwise)."""
     nbytes, timed = whole.bytes_per_block * whole.blocks_for_tokens(tokens), runs[args.warmup :]
-    seconds, gbps = kv_bench.median_rate([s for s, _, _ in runs], args.warmup, nbytes)
+    seconds, gbps = kv_common.median_rate([s for s, _, _ in runs], args.warmup, nbytes)
     same = [r["handoff_gbps"] for r in doc["rows"] if r["layout"] == "1x1" and r["tokens"] == tokens]
     equal = gbps if name == "1x1" else same[0] if same else None
     raw = [max(r[f"{k}_gbps"] for k in RAW_KINDS) for r in doc["raw"] if r["tokens"] == tokens]
     sent = [phases for _, _, shipped in timed for s in shipped for phases in s.phases]
-    phases = dict(sender=kv_bench.median_phases(sent),
-                  receiver=kv_bench.median_phases([lane.phases for _, landed, _ in timed for lane in landed]))  # fmt: skip
+    phases = dict(sender=kv_common.median_phases(sent),
+                  receiver=kv_common.median_phases([lane.phases for _, landed, _ in timed for lane in landed]))  # fmt: skip
     row = dict(layout=name, tokens=tokens, bytes=nbytes, handoff_s=seconds, handoff_gbps=gbps,
                pct_of_1x1=100 * gbps / equal if equal else None, pct_of_raw=100 * gbps / raw[0] if raw else None,
                decode_rank_bytes=[lane.num_bytes for lane in runs[-1][1]], checksum_ok=True,
@@ -373,7 +373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def whole_layout(args) -> KVLayout:
     if args.smoke:  # 4 layers, 4 KV heads of dim 8, block 4
         return KVLayout(4, 4, 8, 4, -(-max(args.tokens) // 4) + 16, "bfloat16")
-    return replace(kv_bench.llama3_8b_layout(max(args.tokens)), num_kv_heads=args.model_kv_heads)
+    return replace(kv_common.llama3_8b_layout(max(args.tokens)), num_kv_heads=args.model_kv_heads)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     whole, started = whole_layout(args), time.time()
     meta = dict(argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)], gpu=names[0] if names else "cpu",
-                gpus=names, torch=torch.__version__, **({} if args.smoke else kv_bench.nccl_versions()),
+                gpus=names, torch=torch.__version__, **({} if args.smoke else kv_common.nccl_versions()),
                 transport=args.transport, warmup=args.warmup, reps=args.reps, layout=str(whole), method=METHOD,
                 commit=os.environ.get("TANDEM_COMMIT", ""))  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", meta["gpu"].lower()).strip("-")

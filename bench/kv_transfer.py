@@ -25,16 +25,13 @@ it; its times mean nothing).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing as mp
 import os
 import pathlib
 import random
 import re
-import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,15 +45,26 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.child_procs import Child, Ready, ask, expect_all, recv_within, stop_all  # noqa: E402
+from bench.kv_common import (  # noqa: E402
+    FreeList,
+    Landing,
+    check_landed,
+    kv_checksum,
+    llama3_8b_layout,
+    median_phases,
+    median_rate,
+    nccl_versions,
+    transfer_config,
+    use_device,
+)
 from bench.kv_raw import close_raw, raw_times  # noqa: E402
-from kv_transfer import FirstToken, KVReceiver, KVSender, TransferConfig, TransferResult, cuda_ipc, slicing  # noqa: E402
+from kv_transfer import FirstToken, KVReceiver, KVSender, cuda_ipc, slicing  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
 
 TOKENS = (128, 512, 2048, 8192, 32768)
 DEFAULT_SLICE_BYTES = slicing.SLICE_BYTES
 TCP_MAX_TOKENS = 2048  # tcp stages GPU blocks through host memory: a reference point, not a GPU transport
-SPARE_BLOCKS = 64
 # A job (every rep of one size) may take this many wait_s: healthy ones take seconds, and a process stuck in
 # one of its own waits (each bounded by wait_s) reports within one; this catches one stuck anywhere else.
 JOB_WAITS = 3
@@ -66,65 +74,6 @@ METHOD = ("handoff: decode-side wall time reserve -> landed (includes the KVTarg
           "receive (cupy, torch) or a one-sided pull (ipc); medians after warmup")  # fmt: skip
 
 
-def llama3_8b_layout(max_tokens: int) -> KVLayout:
-    """32 layers, 8 KV heads, head dim 128, bf16, block size 16: 128 KiB of KV per token."""
-    blocks = -(-max_tokens // 16) + SPARE_BLOCKS
-    return KVLayout(
-        num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=blocks, dtype="bfloat16"
-    )
-
-
-def transfer_config(kind: str) -> TransferConfig:
-    return TransferConfig(
-        kind=kind,
-        poll_interval_s=0.005,
-        transfer_timeout_s=300.0,
-        lease_ttl_s=300.0,
-        connect_timeout_s=30.0,
-        pair_setup_timeout_s=120.0,
-    )
-
-
-def kv_checksum(cache: torch.Tensor, ids: list[int]) -> str:
-    """Position-weighted sums of each (layer, K|V, block) of cache[:, :, ids], in ids order, on the GPU."""
-    index = torch.tensor(ids, device=cache.device)
-    weights = torch.arange(cache[0, 0, 0].numel(), device=cache.device) % 251 + 1
-    sums = []
-    for layer in range(cache.shape[0]):
-        blocks = cache[layer].index_select(1, index).reshape(2, len(ids), -1)
-        sums.append((blocks.view(torch.int16).to(torch.int64) * weights).sum(-1))
-    return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
-
-
-def check_landed(cache: torch.Tensor, ids: list[int], expected: str, what: str) -> None:
-    """The landed blocks cache[:, :, ids] against the source blocks' checksum; then zero them. The free list
-    hands ids out again in the order they came back, so without the zeroing a rep that wrote nothing into
-    blocks an earlier rep filled would pass. Raises RuntimeError naming `what` on a mismatch."""
-    if kv_checksum(cache, ids) != expected:
-        raise RuntimeError(f"CHECKSUM MISMATCH: {what}")
-    cache.index_fill_(2, torch.tensor(ids, device=cache.device), 0)
-    if cache.is_cuda:  # the receiver writes the next rep on streams of its own: the zeros must come first
-        torch.cuda.synchronize(cache.device)
-
-
-class FreeList:
-    """The decode side's block pool: scattered ids, thread-safe."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.ids = list(range(1, num_blocks))
-        random.Random(0).shuffle(self.ids)
-        self.lock = threading.Lock()
-
-    def allocate(self, n: int) -> list[int] | None:
-        with self.lock:
-            out, self.ids = self.ids[:n], self.ids[n:]
-            return out if len(out) == n else None
-
-    def free(self, ids) -> None:
-        with self.lock:
-            self.ids.extend(ids)
-
-
 def apply_variant(label: str) -> tuple[str, str]:
     """A transport label's variant, set in this process: "cuda_ipc+engine" (copy engines instead of the block-copy
     kernel), "nccl+s128" (128 MiB nccl slices instead of slicing.SLICE_BYTES). Returns (transport, variant)."""
@@ -132,14 +81,6 @@ def apply_variant(label: str) -> tuple[str, str]:
     cuda_ipc.COPY_ENGINE_MAX_RUNS = 10**9 if variant == "engine" else 0
     slicing.SLICE_BYTES = int(variant[1:]) * 2**20 if variant.startswith("s") else DEFAULT_SLICE_BYTES
     return base, variant
-
-
-def use_device(spec: str) -> torch.device:
-    """This process's device ("cpu" for --smoke, else "cuda:N"), made current."""
-    device = torch.device(spec)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
 
 
 # --- messages between the driver and the two processes (multiprocessing pipes on one host) ----------------
@@ -164,21 +105,6 @@ class Handoffs:
 
 
 # --- the decode process (receiver) ----------------------------------------------------------------------
-class Landing:
-    """on_result target: the receiver's thread reports, the benchmark loop waits."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.result: TransferResult | None = None
-        self.landed_at = 0.0
-
-    def put(self, result: TransferResult) -> None:
-        # the receiver's own moment of landing; time.monotonic is one clock for both processes (host-wide)
-        self.landed_at = result.landed_at or time.monotonic()
-        self.result = result
-        self.event.set()
-
-
 class DecodeProcess:
     """Reserves blocks, hands their KVTarget to the prefill process, checks what landed, frees the blocks."""
 
@@ -290,11 +216,6 @@ class PrefillProcess:
 
 
 # --- the driver ------------------------------------------------------------------------------------------
-def median_rate(times: list[float], warmup: int, nbytes: int) -> tuple[float, float]:
-    med = statistics.median(times[warmup:])
-    return med, nbytes / med / 1e9
-
-
 def run(args, doc: dict, write: Callable[[], None]) -> None:
     """Both processes up, the raw baselines, then every transport and size: each into `doc`, then write()."""
     gpus, top = (0 if args.smoke else torch.cuda.device_count()), max(args.tokens)
@@ -353,11 +274,6 @@ def run_handoffs(args, kind: str, layout: KVLayout, sides: list[Child], gpus: in
         )
 
 
-def median_phases(samples: list[dict[str, float]]) -> dict[str, float]:
-    names = {name for sample in samples for name in sample}
-    return {name: statistics.median(s.get(name, 0.0) for s in samples) for name in sorted(names)}
-
-
 def run_raw(args, layout: KVLayout, sides: list[Child], gpus: int, doc: dict, write) -> None:
     """One contiguous buffer of each size between the two processes; a row into doc["raw"] as each ends."""
     kinds = ["ipc"] + (["cupy", "torch"] if gpus > 1 else [])
@@ -390,12 +306,6 @@ def print_table(result: dict) -> None:
             f"{r['send_to_ack_s'] * 1e3:12.2f} {r['send_to_ack_gbps']:6.1f} |           "
             f"{rates}"
         )
-
-
-def nccl_versions() -> dict[str, object]:
-    from cupy.cuda import nccl
-
-    return dict(cupy_nccl=nccl.get_version(), torch_nccl=".".join(map(str, torch.cuda.nccl.version())))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
