@@ -8,6 +8,7 @@ decode batches and prefill chunk sizes.
 Per (projection, tokens), CUDA-event-timed CUDA-graph replays of 10 back-to-back calls (median of --reps):
 - bf16: F.linear with the bf16 weight (the baseline, measured in the same run);
 - fp8: FP8Linear.forward as the engine runs it (the activation quantization kernel + torch._scaled_mm);
+- fp8_group: the same for `quantization: fp8_group` (group quantization kernel + the Triton group GEMM);
 - fp8 torch-quant: the same with the activations quantized by torch ops (five kernels; the earlier path);
 - quant: the activation quantization kernel alone; scaled_mm: torch._scaled_mm alone (codes made beforehand);
 - scaled_mm fast-accum: the same with use_fast_accum=True (Hopper's faster, less exact FP8 accumulation).
@@ -32,7 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as gpu
 from bench.attention import time_graph
-from model_runtime.quantization.fp8 import FP8Linear, quantize_fp8, quantize_rows_torch, scaled_mm_linear
+from model_runtime.quantization.fp8 import (
+    FP8Linear,
+    quantize_fp8,
+    quantize_fp8_groups,
+    quantize_rows_torch,
+    scaled_mm_linear,
+)
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = "1,32,128,256,512,2048,8192"
@@ -42,12 +49,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def variants(x: torch.Tensor, w: torch.Tensor, fp8: FP8Linear) -> dict:
+def variants(x: torch.Tensor, w: torch.Tensor, fp8: FP8Linear, grouped: FP8Linear) -> dict:
     """name -> a call with no arguments; every call is shape-static and host-sync-free (CUDA graphs)."""
     codes, scales = fp8._quantize(x)
     calls = {
         "bf16": partial(F.linear, x, w),
         "fp8": partial(fp8.forward, x),
+        "fp8_group": partial(grouped.forward, x),
         "fp8_torch_quant": partial(
             scaled_mm_linear, x, fp8.weight, fp8.weight_scale, None, quantize_rows_torch
         ),
@@ -70,10 +78,12 @@ def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args
     fp8 = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda").to(device)
     q, scale = quantize_fp8(w)
     fp8.weight.data, fp8.weight_scale.data = q, scale
-    calls = variants(x, w, fp8)
+    grouped = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda", grouped=True).to(device)
+    grouped.weight.data, grouped.weight_scale.data = quantize_fp8_groups(w)
+    calls = variants(x, w, fp8, grouped)
     ref = calls["bf16"]()
     row: dict = {"projection": name, "n": n, "k": k, "tokens": tokens,
-                 "err_vs_bf16": {v: rel_err(calls[v](), ref) for v in ("fp8", "fp8_torch_quant")}}  # fmt: skip
+                 "err_vs_bf16": {v: rel_err(calls[v](), ref) for v in ("fp8", "fp8_group", "fp8_torch_quant")}}  # fmt: skip
     if device == "cuda":
         row["us"] = {v: time_graph(call, 10, args.reps) for v, call in calls.items()}
         flops = 2 * tokens * n * k
@@ -88,7 +98,7 @@ def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args
 def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None:
     print(f"\n{gpu_name}: FP8 projections vs bf16 (us per call; HBM {rates.hbm_gbps:.0f} GB/s, "
           f"bf16 matmul {rates.matmul_tflops:.0f} TFLOP/s)")  # fmt: skip
-    cols = ("bf16", "fp8", "fp8_torch_quant", "quant", "scaled_mm", "scaled_mm_fast_accum")
+    cols = ("bf16", "fp8", "fp8_group", "fp8_torch_quant", "quant", "scaled_mm", "scaled_mm_fast_accum")
     print(
         f"{'proj':>8} {'T':>5} "
         + " ".join(f"{c[:16]:>16}" for c in cols)
@@ -99,7 +109,10 @@ def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None
         cells = " ".join(f"{us[c]:>16.1f}" if c in us else f"{'-':>16}" for c in cols)
         floor = r.get("floor_us", {}).get("fp8")
         tail = f" {floor:>9.1f} {r['fp8_speedup']:>5.2f}x" if floor else ""
-        print(f"{r['projection']:>8} {r['tokens']:>5} {cells}{tail}  err {r['err_vs_bf16']['fp8']:.3f}")
+        errs = r["err_vs_bf16"]
+        print(
+            f"{r['projection']:>8} {r['tokens']:>5} {cells}{tail}  err {errs['fp8']:.3f} group {errs['fp8_group']:.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.write_json_atomic(path, doc)
     print_table(rows, gpu_name, rates)
     print(f"wrote {path}")
-    bad = [r for r in rows if r["err_vs_bf16"]["fp8"] > 0.08]
+    bad = [r for r in rows if max(r["err_vs_bf16"]["fp8"], r["err_vs_bf16"]["fp8_group"]) > 0.08]
     if bad:
         print(f"FP8 output off the bf16 product by more than 8%: {bad}", file=sys.stderr)
     return 1 if bad else 0

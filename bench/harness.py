@@ -361,27 +361,72 @@ def build_engine(
 @dataclass
 class StepSplit:
     """Wall time of engine steps by kind (a step that ran any prefill or preemption-recompute chunk counts as
-    prefill), the largest batch a step ran, and the scheduler's preemptions."""
+    prefill), the largest batch a step ran, and the scheduler's preemptions. For decode steps on a GPU also where
+    the wall time went: `decode_gpu_s` from the forward's first launch to the sampler's last kernel (CUDA events),
+    `decode_schedule_s` the host work before the forward is launched (scheduling, host inputs), and
+    `decode_post_s` the host work after the sampled tokens reached the host (stop rules, outputs). The GPU idles
+    during those two: they are what overlapping the host with the GPU would hide."""
 
     prefill_steps: int = 0
     prefill_s: float = 0.0
     decode_steps: int = 0
     decode_s: float = 0.0
+    decode_gpu_s: float = 0.0
+    decode_schedule_s: float = 0.0
+    decode_post_s: float = 0.0
     peak_running: int = 0
     preempted: int = 0
 
 
 class StepProbe:
     """Times engine steps and classifies each from the engine's own StepRecord (engine.last_step): a step that
-    ran any prompt chunk or preemption recompute counts as prefill. Use probe.step() in place of engine.step()."""
+    ran any prompt chunk or preemption recompute counts as prefill. Use probe.step() in place of engine.step().
+    On a GPU it wraps the engine's runner.execute, sampler and scheduler.advance (instance attributes, undone by
+    close()) to split a decode step's wall time (StepSplit)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.split = engine, StepSplit()
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._marks: dict[str, float] = {}
+        if engine.runner.device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._wrap()
+
+    def _wrap(self) -> None:
+        engine, marks = self.engine, self._marks
+        assert self._events is not None
+        start, end = self._events
+        execute, sampler, advance = engine.runner.execute, engine.sampler, engine.scheduler.advance
+
+        def timed_execute(*args, **kwargs):
+            marks["launch"] = time.perf_counter()
+            start.record()
+            return execute(*args, **kwargs)
+
+        def timed_sampler(*args, **kwargs):
+            result = sampler(*args, **kwargs)
+            end.record()
+            return result
+
+        def timed_advance(*args, **kwargs):
+            marks["tokens"] = time.perf_counter()  # the engine advances right after the tokens reach the host
+            return advance(*args, **kwargs)
+
+        self._set(timed_execute, timed_sampler, timed_advance)
+        self._originals = (execute, sampler, advance)
+
+    def _set(self, execute: Callable, sampler: Callable, advance: Callable) -> None:
+        # setattr: instance attributes over the methods, which mypy would refuse as assignments
+        setattr(self.engine.runner, "execute", execute)  # noqa: B010
+        setattr(self.engine, "sampler", sampler)  # noqa: B010
+        setattr(self.engine.scheduler, "advance", advance)  # noqa: B010
 
     def step(self) -> list[StepOutput]:
+        self._marks.clear()
         t0 = time.perf_counter()
         outputs = self.engine.step()  # ends in the sampler's .tolist(): the step's GPU work is done
-        seconds, s, record = time.perf_counter() - t0, self.split, self.engine.last_step
+        t1 = time.perf_counter()
+        seconds, s, record = t1 - t0, self.split, self.engine.last_step
         if record is None:  # nothing was runnable
             return outputs
         s.peak_running = max(s.peak_running, record.batch_size)
@@ -390,10 +435,18 @@ class StepProbe:
             s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
         else:
             s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
+            if self._events is not None and "launch" in self._marks and "tokens" in self._marks:
+                start, end = self._events
+                s.decode_gpu_s += start.elapsed_time(end) / 1e3
+                s.decode_schedule_s += self._marks["launch"] - t0
+                s.decode_post_s += t1 - self._marks["tokens"]
         return outputs
 
     def close(self) -> None:
-        """Nothing to undo (the probe only reads the engine); kept so callers can release it explicitly."""
+        """Give the engine back its own methods."""
+        if self._events is not None:
+            self._set(*self._originals)
+            self._events = None
 
 
 def smoke_model_dir() -> str:

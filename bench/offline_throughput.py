@@ -384,9 +384,23 @@ def print_table(doc: dict) -> None:
     )
     print("  the bytes in the variant's format (FP8 weights and KV: one byte an element)")
     print(f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); fp8 75% of it and {SPEEDUP_GOAL}x bf16")
+    print_decode_split(doc["tandem"])
     for key in ("skipped", "errors"):
         if doc[key]:
             print(f"{key}: {doc[key]}")
+
+
+def print_decode_split(rows: list[dict]) -> None:
+    """Where a decode step's wall time went (GPU runs only): the GPU's share and the host work it waited for."""
+    timed = [r for r in rows if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"]]
+    if not timed:
+        return
+    print("decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for")
+    print(f"{'variant':>10} {'shape':>10} {'batch':>6} {'wall':>7} {'gpu':>7} {'schedule':>9} {'post':>7}")
+    for r in timed:
+        s, n = r["steps"], r["steps"]["decode_steps"]
+        cells = [1e3 * s[k] / n for k in ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s")]
+        print(f"{r['variant']:>10} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>7.2f}" for c in cells))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
