@@ -11,7 +11,9 @@ Per (projection, tokens), CUDA-event-timed CUDA-graph replays of 10 back-to-back
 - fp8_group: the same for `quantization: fp8_group` (group quantization kernel + the Triton group GEMM);
 - fp8 torch-quant: the same with the activations quantized by torch ops (five kernels; the earlier path);
 - quant: the activation quantization kernel alone; scaled_mm: torch._scaled_mm alone (codes made beforehand);
-- scaled_mm fast-accum: the same with use_fast_accum=True (Hopper's faster, less exact FP8 accumulation).
+- scaled_mm fast-accum: the same with use_fast_accum=True (Hopper's faster, less exact FP8 accumulation);
+- bw_1x128 / bw_128x128: torch._scaled_mm with block scales (activations per 128 channels; weights per row and
+  128 channels, or per 128 x 128 block), where the torch build takes them (speed only, unit scales).
 Floors: the weight's bytes at the HBM copy rate measured in the same run (bf16: 2 bytes an element, FP8: 1) and
 the FLOPs at the bf16 matmul rate measured in the same run (FP8's tensor-core peak is twice that).
 Each FP8 output is checked against the bf16 product (relative error printed). Writes
@@ -66,7 +68,42 @@ def variants(x: torch.Tensor, w: torch.Tensor, fp8: FP8Linear, grouped: FP8Linea
                      scale_b=fp8.weight_scale.unsqueeze(0), out_dtype=x.dtype)  # fmt: skip
         calls["scaled_mm"] = mm
         calls["scaled_mm_fast_accum"] = partial(mm, use_fast_accum=True)
+        calls.update(blockwise_calls(x, fp8.weight))
     return calls
+
+
+def blockwise_calls(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """torch._scaled_mm with block scales, where this torch build and card take them: activations per (token,
+    128 channels) against weights per (row, 128 channels) ("bw_1x128") or per 128 x 128 block ("bw_128x128").
+    The scales are ones (speed only); a recipe the build refuses is left out, its error logged once."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 128 or n % 128 or m % 4:
+        return {}
+    codes = x.to(FP8)
+    a_scale = torch.ones(k // 128, m, device=x.device).t()  # [M, K/128], M-major as cuBLAS wants it
+    recipes = {
+        "bw_1x128": torch.ones(k // 128, n, device=x.device).t(),  # [N, K/128]
+        "bw_128x128": torch.ones(n // 128, k // 128, device=x.device),
+    }
+    calls = {}
+    for name, b_scale in recipes.items():
+        call = partial(
+            torch._scaled_mm, codes, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=x.dtype
+        )
+        try:
+            call()
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            if name not in _REFUSED:
+                _REFUSED[name] = str(e).splitlines()[0][:200]
+                gpu.log(f"{name}: refused by this torch build: {_REFUSED[name]}")
+            continue
+        calls[name] = call
+    return calls
+
+
+FP8 = torch.float8_e4m3fn
+_REFUSED: dict[str, str] = {}
 
 
 def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args: argparse.Namespace) -> dict:
@@ -98,15 +135,24 @@ def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args
 def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None:
     print(f"\n{gpu_name}: FP8 projections vs bf16 (us per call; HBM {rates.hbm_gbps:.0f} GB/s, "
           f"bf16 matmul {rates.matmul_tflops:.0f} TFLOP/s)")  # fmt: skip
-    cols = ("bf16", "fp8", "fp8_group", "fp8_torch_quant", "quant", "scaled_mm", "scaled_mm_fast_accum")
+    cols = (
+        "bf16",
+        "fp8",
+        "fp8_group",
+        "quant",
+        "scaled_mm",
+        "scaled_mm_fast_accum",
+        "bw_1x128",
+        "bw_128x128",
+    )
     print(
         f"{'proj':>8} {'T':>5} "
-        + " ".join(f"{c[:16]:>16}" for c in cols)
+        + " ".join(f"{c[:12]:>12}" for c in cols)
         + f" {'fp8 floor':>9} {'x bf16':>6}"
     )
     for r in rows:
         us = r.get("us", {})
-        cells = " ".join(f"{us[c]:>16.1f}" if c in us else f"{'-':>16}" for c in cols)
+        cells = " ".join(f"{us[c]:>12.1f}" if c in us else f"{'-':>12}" for c in cols)
         floor = r.get("floor_us", {}).get("fp8")
         tail = f" {floor:>9.1f} {r['fp8_speedup']:>5.2f}x" if floor else ""
         errs = r["err_vs_bf16"]
@@ -140,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_name = gpu.device_name(device)
     doc = {"benchmark": "FP8 projections vs bf16", "gpu": gpu_name, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "hbm_gbps": rates.hbm_gbps,
-           "matmul_tflops": rates.matmul_tflops, "rows": rows}  # fmt: skip
+           "matmul_tflops": rates.matmul_tflops, "rows": rows, "blockwise_refused": _REFUSED}  # fmt: skip
     path = Path(args.out) if args.out else gpu.result_path(None, "fp8_matmul", device, args.smoke)
     gpu.write_json_atomic(path, doc)
     print_table(rows, gpu_name, rates)

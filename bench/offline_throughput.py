@@ -59,6 +59,7 @@ from bench.offline_variants import (
     parse_variants,
     versus_bf16,
 )
+from bench.step_profile import print_profile, profile_step
 from model_runtime.config import ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
@@ -136,6 +137,7 @@ class TandemRow:
     reference_tok_s: float | None
     goal_tok_s: float | None  # the bf16 goal: bf16 rows only
     fraction_of_goal: float | None
+    decode_profile: dict | None = None  # --profile-decode: kernels of a few decode steps at the full batch
 
 
 def concurrency(engine: Engine, shape: Shape, num_prompts: int) -> int:
@@ -155,22 +157,39 @@ def warm_up(engine: Engine, shape: Shape) -> None:
         engine.step()
 
 
-def drive(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, deadline: gpu.Deadline):
-    """Runs the prompts, at most `limit` in the engine at once: (tokens per request, StepSplit, complete)."""
+def drive(
+    engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, deadline: gpu.Deadline, profile: bool
+):
+    """Runs the prompts, at most `limit` in the engine at once: (tokens per request, StepSplit, complete, the
+    decode profile). `profile`: once every prompt is in and 10 decode steps ran, the kernels of 5 more decode
+    steps (torch profiler, after 3 unprofiled ones)."""
     sampling = SamplingParams(temperature=0, max_tokens=shape.output_len, ignore_eos=True)
     pending, counts = deque(enumerate(prompts)), [0] * len(prompts)
     in_flight, finished, next_log = 0, 0, time.monotonic() + PROGRESS_EVERY_S
-    probe = gpu.StepProbe(engine)
+    probe, decode_profile = gpu.StepProbe(engine), None
+    outputs: list = []
+
+    def collect() -> None:
+        outputs.extend(probe.step())
+
     try:
         while pending or in_flight:
             while pending and in_flight < limit:
                 i, prompt = pending.popleft()
                 engine.add_request(f"r-{i}", prompt, sampling)
                 in_flight += 1
-            for out in probe.step():
+            ready = not pending and engine.scheduler.num_waiting == 0 and probe.split.decode_steps >= 10
+            if profile and decode_profile is None and ready and in_flight > 0:
+                found = profile_step(collect, reps=5)
+                decode_profile = dataclasses.asdict(found) | {"batch": engine.scheduler.num_running}
+                print_profile(f"{shape.key} decode at batch {engine.scheduler.num_running}", found)
+            else:
+                collect()
+            for out in outputs:
                 counts[int(out.request_id[2:])] += len(out.token_ids)
                 if out.finish_reason is not None:
                     in_flight, finished = in_flight - 1, finished + 1
+            outputs.clear()
             if time.monotonic() >= next_log:
                 next_log += PROGRESS_EVERY_S
                 gpu.log(f"tandem {shape.key}: {finished}/{len(prompts)} requests done, {sum(counts)} tokens")
@@ -182,7 +201,7 @@ def drive(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, de
     complete = not pending and in_flight == 0
     for i in range(0 if complete else len(prompts)):
         engine.abort(f"r-{i}")
-    return counts, probe.split, complete
+    return counts, probe.split, complete, decode_profile
 
 
 def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setup) -> TandemRow:
@@ -193,7 +212,9 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
     prompts = gpu.random_prompts(num_prompts, shape.input_len, vocab, seed=shape.input_len)
     gpu.synchronize(setup.where.device)
     t0 = time.perf_counter()
-    counts, split, complete = drive(engine, shape, prompts, limit, setup.run.deadline)
+    counts, split, complete, profile = drive(
+        engine, shape, prompts, limit, setup.run.deadline, setup.args.profile_decode
+    )
     wall = time.perf_counter() - t0
     wrong = [(i, c) for i, c in enumerate(counts) if c != shape.output_len]
     if complete and wrong:
@@ -209,6 +230,7 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
     return TandemRow(
         setup.variant.name, shape.key, num_prompts, batch, complete, sum(counts), wall, rate, split, ceiling,
         rate / ceiling.tokens_per_s, REFERENCE_TOK_S.get(shape.key), goal, rate / goal if goal else None,
+        profile,
     )  # fmt: skip
 
 
@@ -419,9 +441,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="run only Tandem")
     p.add_argument("--skip-tandem", action="store_true", help="run only transformers (mind --out)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new job after this many seconds")
+    p.add_argument(
+        "--profile-decode", action="store_true", help="kernel breakdown of 5 decode steps per shape (GPU)"
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny shapes, float32, no graphs")
     p.add_argument("--out", help="JSON path (default bench/results/offline_throughput_<gpu>.json)")
     args = p.parse_args(argv)
+    if args.smoke and args.profile_decode:
+        p.error("--profile-decode: the profiler's CUDA timing needs a GPU (drop --smoke)")
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
     args.shapes, args.num_prompts = args.shapes or defaults[0], args.num_prompts or defaults[1]
     args.hf_batches = args.hf_batches or defaults[2]
