@@ -40,7 +40,7 @@ from model_runtime.kv_quant import fp8_pages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-KV_DTYPES = ("bf16", "fp8")  # the cache: bf16, or e4m3 codes and per-token-head scales (fp8_e4m3)
+KV_DTYPES = ("bf16", "fp8", "fp8raw")  # bf16, or e4m3 codes + per-token-head scales; fp8raw: an ablation
 SCALE = HEAD_DIM**-0.5
 CHECK_SEQS = 4
 TOL = 1e-2
@@ -176,6 +176,8 @@ def dense_sdpa_us(q, k_cache, v_cache, tables, context: int, args) -> float | No
 def bench_one(
     batch: int, context: int, bw_gbps: float, args, gen: torch.Generator, kv_dtype: str = "bf16"
 ) -> Row:
+    if kv_dtype == "fp8raw":
+        return bench_raw_codes(batch, context, bw_gbps, args, gen)
     q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, fp8=kv_dtype == "fp8")
     tuning = DecodeTuning(
         tile_n=args.tile_n,
@@ -213,6 +215,35 @@ def bench_one(
     )
 
 
+def bench_raw_codes(batch: int, context: int, bw_gbps: float, args, gen: torch.Generator) -> Row:
+    """An ablation, not attention: the FP8 pool's codes read as float16 pairs (head dim 64, float16 queries) by
+    the 16-bit kernel at the FP8 tile. It reads the same bytes, from the same pages and strides, as the FP8
+    kernel, without converting codes or applying scales: how fast this access pattern alone can go. Its output
+    is meaningless and not checked."""
+    _, k_cache, v_cache, tables, seq_lens, _ = build(batch, context, gen, fp8=True)
+    k16, v16 = k_cache.view(torch.float16), v_cache.view(torch.float16)  # [N, B, H, D/2]
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM // 2, device="cuda", dtype=torch.float16)
+    tuning = DecodeTuning(tile_n=args.fp8_tile_n, num_warps=args.num_warps, num_stages=args.fp8_num_stages)
+    backend = TritonAttention(num_segments=args.segments, tuning=tuning)
+    segments = backend.segments_for(batch, KV_HEADS, q.device)
+    us = time_graph(lambda: backend.decode(q, k16, v16, tables, seq_lens, SCALE), args.inner, args.reps)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM  # one byte a code; no scales read
+    roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
+    return Row(
+        batch,
+        context,
+        segments,
+        kv_bytes,
+        us,
+        roof_us,
+        roof_us / us,
+        kv_bytes / us / 1e3,
+        None,
+        0.0,
+        "fp8raw",
+    )
+
+
 def print_table(rows: list[Row], bw_gbps: float, gpu: str) -> None:
     print(
         f"\n{gpu}: decode attention, Llama-3-8B layer (32/8 heads, D 128, bf16 queries, block {BLOCK}); "
@@ -247,7 +278,11 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
-    parser.add_argument("--kv-dtypes", default="bf16", help="bf16, fp8, or both (bf16,fp8)")
+    parser.add_argument(
+        "--kv-dtypes",
+        default="bf16",
+        help="bf16, fp8, or both (bf16,fp8); fp8raw: an ablation reading the FP8 codes as float16 pairs",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<gpu>.json)")
     args = parser.parse_args()
     kv_dtypes = args.kv_dtypes.split(",")
