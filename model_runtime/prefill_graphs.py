@@ -47,7 +47,7 @@ from torch import nn
 from model_runtime.attention.base import AttentionMetadata
 from model_runtime.config import ModelConfig
 from model_runtime.cuda_graphs import bucket_for
-from model_runtime.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from model_runtime.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, norm_rows
 from model_runtime.parallel.group import TPGroup
 from model_runtime.parallel.layers import AllReduceOutput, VocabParallelEmbedding
 
@@ -145,8 +145,7 @@ class PiecewiseForward:
         ops, residual = m.ops, st.residual[:size]
         if i == 0:
             hidden = m.embed_tokens(st.ids[:size])
-            norm = layers[0].input_norm
-            normed = ops.rms_norm(hidden, norm.weight, norm.eps)
+            normed, _ = norm_rows(ops, layers[0].input_norm, hidden, None)
             residual.copy_(hidden)
         else:
             prev = layers[i - 1]
@@ -154,15 +153,13 @@ class PiecewiseForward:
             group = self.groups[i - 1]
             if group is not None:
                 hidden = group.all_reduce(hidden)
-            normed, stream = ops.add_rms_norm(
-                hidden, residual, prev.post_attn_norm.weight, prev.post_attn_norm.eps
-            )
+            normed, stream = norm_rows(ops, prev.post_attn_norm, hidden, residual)
             hidden = prev.mlp(normed)
-            norm = m.norm if i == len(layers) else layers[i].input_norm
-            normed, stream = ops.add_rms_norm(hidden, stream, norm.weight, norm.eps)
             if i == len(layers):
-                st.hidden[:size].copy_(normed)
+                final, _ = ops.add_rms_norm(hidden, stream, m.norm.weight, m.norm.eps)
+                st.hidden[:size].copy_(final)
                 return
+            normed, stream = norm_rows(ops, layers[i].input_norm, hidden, stream)
             _keep(residual, stream)
         st.qkv[:size].copy_(self.attns[i].qkv(normed))
         q, k, _ = self._views(size)

@@ -10,6 +10,10 @@ implementation may run as one kernel:
     linear         x @ weight^T (+ bias): the projections, which an implementation may stream itself at
                    small batch, where a matmul is a read of its weight matrix
 
+For FP8 projections that take their input quantized per token (fused/fp8_rows.py), the norms and silu_mul
+have `_fp8` forms that return QuantizedRows: the result above, rounded to the activation dtype, then quantized.
+The defaults here run the two steps one after the other; an implementation may fuse them.
+
 Numerics contract (every implementation): the result is what the torch reference computes, the
 reference's roundings included: a residual sum is rounded to the activation dtype before it is normed,
 RMSNorm and rotary compute in float32 and round once, and silu(gate) is rounded before the multiply.
@@ -23,6 +27,8 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
+
+from model_runtime.fused.fp8_rows import QuantizedRows, quantize_rows_torch
 
 
 class FusedOps(ABC):
@@ -52,3 +58,18 @@ class FusedOps(ABC):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N]; the default is torch's (cuBLAS on a GPU)."""
         return F.linear(x, weight, bias)
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
+        """rms_norm, quantized per token for an FP8 projection."""
+        return QuantizedRows(*quantize_rows_torch(self.rms_norm(x, weight, eps)))
+
+    def add_rms_norm_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        """add_rms_norm with the normed rows quantized per token for an FP8 projection."""
+        normed, total = self.add_rms_norm(x, residual, weight, eps)
+        return QuantizedRows(*quantize_rows_torch(normed)), total
+
+    def silu_mul_fp8(self, gate_up: torch.Tensor) -> QuantizedRows:
+        """silu_mul, quantized per token for an FP8 projection."""
+        return QuantizedRows(*quantize_rows_torch(self.silu_mul(gate_up)))

@@ -16,9 +16,15 @@ import triton
 import triton.language as tl
 
 from model_runtime.fused.base import FusedOps
+from model_runtime.fused.fp8_rows import QuantizedRows
 from model_runtime.fused.skinny_matmul import MAX_ROWS, skinny_matmul
+from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 SILU_BLOCK = 1024
+SILU_FP8_BLOCK = 2048  # columns per step of the one-program-per-row FP8 form (14336 wide rows: 7 steps)
+# e4m3's largest finite value and the smallest per-token scale, as constexprs the kernels can read
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_FP8_MIN_SCALE: tl.constexpr = tl.constexpr(FP8_MIN_SCALE)
 
 
 @triton.jit
@@ -27,6 +33,7 @@ def _rms_norm_kernel(
     res_ptr,
     w_ptr,
     out_ptr,
+    scale_ptr,
     stride_x,
     stride_r,
     stride_o,
@@ -34,6 +41,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -45,9 +53,23 @@ def _rms_norm_kernel(
         tl.store(res_ptr + row * stride_r + cols, total, mask=mask)
         x = total.to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / size
-    normed = (x * tl.rsqrt(mean_sq + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * tl.rsqrt(mean_sq + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)  # the activation dtype
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # the row rounded to the activation dtype (w's), then quantized per token (fused/fp8_rows.py)
+        y = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+        _store_fp8_row(y, out_ptr + row * stride_o, scale_ptr + row, cols, mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_fp8_row(y, codes_ptr, scale_ptr, cols, mask):
+    """A whole row y (float32) as e4m3 codes under its own scale: max|y| / 448 (at least _FP8_MIN_SCALE), IEEE
+    division and round-to-nearest-even, as quantize_rows_torch computes it."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), _FP8_MAX), _FP8_MIN_SCALE)
+    tl.store(scale_ptr, scale)
+    codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(codes_ptr + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -106,6 +128,37 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, size, BLOCK: tl.constex
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, size, BLOCK: tl.constexpr):
+    """One program per row, two passes over it: the row's largest |silu(gate) * up| (rounded as silu_mul
+    rounds it), then the codes under that scale (the second read mostly from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, size, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        y = _silu_mul_block(x_row, cols, size, x_ptr.dtype.element_ty)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _FP8_MAX), _FP8_MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, size, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        y = _silu_mul_block(x_row, cols, size, x_ptr.dtype.element_ty)
+        codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
+        tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=cols < size)
+
+
+@triton.jit
+def _silu_mul_block(x_row, cols, size, act_ty: tl.constexpr):
+    """silu(gate) * up for columns `cols` of one row, rounded to the activation dtype as _silu_mul_kernel
+    rounds it, returned in float32 (0 past the row's end)."""
+    mask = cols < size
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + size + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32)
+    return (act * up).to(act_ty).to(tl.float32)
+
+
 def _norm_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
@@ -118,6 +171,22 @@ def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
         )
     if weight.dtype != x.dtype:
         raise ValueError(f"TritonOps.{name}: weight dtype {weight.dtype} != activation dtype {x.dtype}")
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(
+            f"TritonOps.add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
+            f"x {tuple(x.shape)} {x.dtype} with dense rows"
+        )
+
+
+def _fp8_rows(x: torch.Tensor) -> QuantizedRows:
+    """Empty codes [T, K] and scales [T, 1] for x [T, K]."""
+    return QuantizedRows(
+        torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+        torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device),
+    )
 
 
 class TritonOps(FusedOps):
@@ -144,29 +213,51 @@ class TritonOps(FusedOps):
             return out
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
-            x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block),
+            x, x, weight, out, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=False, BLOCK=block, FP8=False, num_warps=_norm_warps(block),
         )  # fmt: skip
         return out
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
+        _check_rows("rms_norm_fp8", x, weight)
+        rows = _fp8_rows(x)
+        if x.shape[0]:
+            block = triton.next_power_of_2(x.shape[1])
+            _rms_norm_kernel[(x.shape[0],)](
+                x, x, weight, rows.codes, rows.scales, x.stride(0), x.stride(0), rows.codes.stride(0),
+                x.shape[1], eps, HAS_RESIDUAL=False, BLOCK=block, FP8=True, num_warps=_norm_warps(block),
+            )  # fmt: skip
+        return rows
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_rows("add_rms_norm", x, weight)
-        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
-            raise ValueError(
-                f"TritonOps.add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
-                f"x {tuple(x.shape)} {x.dtype} with dense rows"
-            )
+        _check_residual(x, residual)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if x.shape[0] == 0:
             return out, residual
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
-            x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block),
+            x, residual, weight, out, out, x.stride(0), residual.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=True, BLOCK=block, FP8=False, num_warps=_norm_warps(block),
         )  # fmt: skip
         return out, residual
+
+    def add_rms_norm_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        _check_rows("add_rms_norm_fp8", x, weight)
+        _check_residual(x, residual)
+        rows = _fp8_rows(x)
+        if x.shape[0]:
+            block = triton.next_power_of_2(x.shape[1])
+            _rms_norm_kernel[(x.shape[0],)](
+                x, residual, weight, rows.codes, rows.scales, x.stride(0), residual.stride(0),
+                rows.codes.stride(0), x.shape[1], eps,
+                HAS_RESIDUAL=True, BLOCK=block, FP8=True, num_warps=_norm_warps(block),
+            )  # fmt: skip
+        return rows, residual
 
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -204,3 +295,20 @@ class TritonOps(FusedOps):
         grid = (t, triton.cdiv(size, SILU_BLOCK))
         _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=SILU_BLOCK)
         return out
+
+    def silu_mul_fp8(self, gate_up: torch.Tensor) -> QuantizedRows:
+        if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+            raise ValueError(
+                f"TritonOps.silu_mul_fp8: gate_up must be [T, 2I], dense rows; got {tuple(gate_up.shape)}"
+            )
+        t, size = gate_up.shape[0], gate_up.shape[1] // 2
+        rows = QuantizedRows(
+            torch.empty((t, size), dtype=FP8_DTYPE, device=gate_up.device),
+            torch.empty(t, 1, dtype=torch.float32, device=gate_up.device),
+        )
+        if t:
+            _silu_mul_fp8_kernel[(t,)](
+                gate_up, rows.codes, rows.scales, gate_up.stride(0), rows.codes.stride(0), size,
+                BLOCK=SILU_FP8_BLOCK, num_warps=8,
+            )  # fmt: skip
+        return rows

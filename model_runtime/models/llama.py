@@ -27,6 +27,7 @@ from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import ModelConfig, RopeScaling
 from model_runtime.fused import torch_ops
 from model_runtime.fused.base import FusedOps
+from model_runtime.fused.fp8_rows import QuantizedRows
 
 
 class Projection(nn.Module):
@@ -49,6 +50,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # The projection after this norm takes FP8 rows: the norm writes them (quantization.fp8.fuse_fp8_inputs).
+        self.fp8_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch_ops.rms_norm(x, self.weight, self.eps)
@@ -119,8 +122,8 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = hidden.shape[0]
         qkv = self.qkv(hidden)
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rope(
             self.ops,
@@ -143,8 +146,11 @@ class MLP(nn.Module):
         self.gate_up = Projection(config.hidden_size, 2 * config.intermediate_size, False, ops)
         self.down = Projection(config.intermediate_size, config.hidden_size, False, ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.ops.silu_mul(self.gate_up(x)))
+        self.fp8_rows = False  # down takes FP8 rows: silu_mul writes them (quantization.fp8.fuse_fp8_inputs)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        return self.down(self.ops.silu_mul_fp8(gate_up) if self.fp8_rows else self.ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -167,15 +173,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in, (this layer's MLP output, the residual stream before it) out; the stream
         after the layer is their sum, which the next norm computes."""
-        norm = self.input_norm
-        if residual is None:
-            residual, normed = hidden, self.ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            normed, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        normed, residual = norm_rows(self.ops, self.input_norm, hidden, residual)
         hidden = self.attn(normed, positions, rope, kv_cache, meta)
-        norm = self.post_attn_norm
-        normed, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        normed, residual = norm_rows(self.ops, self.post_attn_norm, hidden, residual)
         return self.mlp(normed), residual
+
+
+def norm_rows(
+    ops: FusedOps, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """(RMSNorm(hidden + residual), hidden + residual); with no residual (layer 0) (RMSNorm(hidden), hidden). The
+    normed rows come as FP8 QuantizedRows when the projection they feed takes them (norm.fp8_rows)."""
+    if residual is None:
+        normed = (ops.rms_norm_fp8 if norm.fp8_rows else ops.rms_norm)(hidden, norm.weight, norm.eps)
+        return normed, hidden
+    return (ops.add_rms_norm_fp8 if norm.fp8_rows else ops.add_rms_norm)(
+        hidden, residual, norm.weight, norm.eps
+    )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_runtime.fused.fp8_rows import QuantizedRows, quantize_rows_torch
 from model_runtime.models.llama import LlamaForCausalLM, Projection
 from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, is_projection_weight
 
@@ -109,13 +110,6 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (codes [T, K] e4m3, scales [T, 1] float32): each token's row max onto 448, in torch ops (the
-    reference for model_runtime.quantization.act_quant's one-kernel version, which the GPU path uses)."""
-    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
-
-
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -130,10 +124,24 @@ def scaled_mm_linear(
     quantized per token by `quantize`. No host sync: the scales stay on the device."""
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    x_q, x_scale = quantize(x)
+    codes, scales = quantize(x)
+    return scaled_mm_rows(codes, scales, weight, weight_scale, bias, x.dtype)
+
+
+def scaled_mm_rows(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Activations already quantized per token (codes [T, K] e4m3, scales [T, 1]) @ the FP8 weight -> [T, N]."""
+    if codes.shape[0] == 0:
+        return torch.empty(0, weight.shape[0], dtype=out_dtype, device=codes.device)
     # mat2 must be column-major: weight [N, K] row-major, transposed, is.
     out = torch._scaled_mm(
-        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.unsqueeze(0), out_dtype=x.dtype
+        codes, weight.t(), scale_a=scales, scale_b=weight_scale.unsqueeze(0), out_dtype=out_dtype
     )
     return out if bias is None else out + bias
 
@@ -171,8 +179,18 @@ class FP8Linear(nn.Module):
             from model_runtime.quantization.act_quant import quantize_rows
 
             self._quantize = quantize_rows
+        # Whether this projection takes its input as QuantizedRows, which the kernel before it then writes
+        # (use_fp8_projections tells the norms and the MLP; fused/fp8_rows.py): the row-wise scaled_mm path.
+        self.takes_fp8_rows = self.scaled_mm and not grouped
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return scaled_mm_rows(
+                x.codes, x.scales, self.weight, self.weight_scale, self.bias, torch.bfloat16
+            )
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._group_matmul is not None:
             codes, scales = self._quantize(x)
             return self._group_matmul(codes, scales, self.weight, self.weight_scale, self.bias, x.dtype)
@@ -215,6 +233,18 @@ def use_fp8_projections(
                     with torch.device("meta"):
                         fp8 = FP8Linear(in_features, out_features, child.bias is not None, scaled_mm, grouped)
                     block.add_module(name, fp8)
+        fuse_fp8_inputs(layer)
+
+
+def fuse_fp8_inputs(layer: nn.Module, on: bool = True) -> None:
+    """Let the kernels that feed a layer's FP8 projections quantize their output for them (fused/fp8_rows.py):
+    the input norm for qkv, the post-attention norm for gate_up, SiLU-and-multiply for down, wherever that
+    projection takes QuantizedRows. `on=False` turns it back off (the tests compare both ways)."""
+    attn, mlp = layer.get_submodule("attn"), layer.get_submodule("mlp")
+    for owner, projection in ((layer.get_submodule("input_norm"), attn.get_submodule("qkv")),
+                              (layer.get_submodule("post_attn_norm"), mlp.get_submodule("gate_up")),
+                              (mlp, mlp.get_submodule("down"))):  # fmt: skip
+        setattr(owner, "fp8_rows", on and getattr(projection, "takes_fp8_rows", False))  # noqa: B010
 
 
 def quantize_projection_weights(weights: dict[str, torch.Tensor], grouped: bool = False) -> None:

@@ -19,7 +19,8 @@ from model_runtime.quantization.fp8 import (
     scaled_mm_supported,
 )
 from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX
-from tests.gpu.graphs_vs_eager import graphs_and_eager_tokens
+from tests.gpu.graphs_vs_eager import engine_tokens, graphs_and_eager_tokens
+from tests.model.tiny_models import write_tiny_hf
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,9 +83,57 @@ def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cud
     def check(engine: Engine) -> None:
         fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
         assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE for m in fp8)
+        layers = engine.runner.model.layers  # the norms and silu_mul write the projections' FP8 rows
+        assert all(layer.input_norm.fp8_rows and layer.post_attn_norm.fp8_rows for layer in layers)
+        assert all(layer.mlp.fp8_rows for layer in layers)
 
     graphs, eager = graphs_and_eager_tokens(tmp_path, CacheConfig(num_blocks=512), "fp8", check)
     assert graphs == eager
+
+
+def test_the_fused_fp8_inputs_give_the_tokens_of_quantizing_in_each_projection(tmp_path) -> None:
+    """The norms and silu_mul quantize for the FP8 projections (fused/fp8_rows.py): byte-equal codes, so the
+    same logits and the same greedy tokens as each projection quantizing its own input."""
+    from model_runtime.quantization.fp8 import fuse_fp8_inputs
+
+    def unfuse(engine: Engine) -> None:
+        for layer in engine.runner.model.layers:
+            fuse_fp8_inputs(layer, on=False)
+        assert not any(
+            layer.input_norm.fp8_rows or layer.mlp.fp8_rows for layer in engine.runner.model.layers
+        )
+
+    path = str(write_tiny_hf(tmp_path, "llama"))
+    cache = CacheConfig(num_blocks=512)
+    fused = engine_tokens(path, cache, "fp8", True, lambda engine: None)
+    assert fused == engine_tokens(path, cache, "fp8", True, unfuse)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_the_fused_norm_and_silu_kernels_write_the_codes_torch_would(rows: int) -> None:
+    """On the GPU in bfloat16, byte for byte: the fused kernels' codes and scales against quantize_rows_torch
+    of the unfused kernels' output (the CPU test can only compare kernel to kernel: the interpreter rounds some
+    e4m3 casts differently)."""
+    from model_runtime.fused.triton_ops import TritonOps
+
+    ops, gen = TritonOps(), torch.Generator(device="cuda").manual_seed(rows)
+    scale = torch.logspace(-2, 2, rows, device="cuda")[:, None]
+    x = (torch.randn(rows, 4096, device="cuda", generator=gen) * scale).bfloat16()
+    residual = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(4096, device="cuda", generator=gen) * 0.1 + 1).bfloat16()
+    gate_up = (torch.randn(rows, 2 * 14336, device="cuda", generator=gen) * scale * 4).bfloat16()
+    ref_norm, ref_sum = ops.add_rms_norm(x, residual.clone(), w, 1e-5)
+    fused_residual = residual.clone()
+    cases = {
+        "rms_norm": (ops.rms_norm_fp8(x, w, 1e-5), ops.rms_norm(x, w, 1e-5)),
+        "add_rms_norm": (ops.add_rms_norm_fp8(x, fused_residual, w, 1e-5)[0], ref_norm),
+        "silu_mul": (ops.silu_mul_fp8(gate_up), ops.silu_mul(gate_up)),
+    }
+    for name, (rows_out, unfused) in cases.items():
+        codes, scales = quantize_rows_torch(unfused)
+        assert torch.equal(rows_out.codes.view(torch.uint8), codes.view(torch.uint8)), name
+        assert torch.equal(rows_out.scales, scales), name
+    assert torch.equal(fused_residual, ref_sum)
 
 
 # --- quantization: fp8_group (a scale per 64 input channels on both sides; model_runtime.quantization.group_gemm)

@@ -100,6 +100,55 @@ def _case_silu_mul() -> tuple[bool, str]:
     return _close("silu_mul", TritonOps().silu_mul(gate_up), torch_ops.silu_mul(gate_up))
 
 
+def _same_rows(name: str, rows, ref: torch.Tensor) -> tuple[bool, str]:
+    """QuantizedRows equal to quantizing `ref` (the unfused kernel's output): codes byte-equal to the activation
+    quantization kernel's (quantization.act_quant, the path the fusion replaces), scales equal to the torch
+    reference's. Codes are compared kernel to kernel because the interpreter rounds some e4m3 casts differently
+    from torch (test_triton_interpret.py); tests/gpu compares them with torch's on the GPU."""
+    from model_runtime.fused.fp8_rows import quantize_rows_torch
+    from model_runtime.quantization.act_quant import quantize_rows
+
+    codes, _ = quantize_rows(ref)
+    _, scales = quantize_rows_torch(ref)
+    same_codes = torch.equal(rows.codes.view(torch.uint8), codes.view(torch.uint8))
+    same_scales = torch.equal(rows.scales, scales)
+    differing = int((rows.codes.view(torch.uint8) != codes.view(torch.uint8)).sum())
+    peak = int(rows.codes.float().abs().max())  # every row's largest value maps onto 448
+    ok = same_codes and same_scales and peak == 448 and bool(ref.abs().max() > 0)
+    return (
+        ok,
+        f"{name}: codes equal={same_codes} ({differing} differ), scales equal={same_scales}, peak {peak}",
+    )
+
+
+def _case_norms_fp8() -> tuple[bool, str]:
+    """rms_norm_fp8 / add_rms_norm_fp8: the codes and scales of quantizing the unfused kernels' output, byte for
+    byte; the residual sum written as add_rms_norm writes it. Rows of very different magnitudes."""
+    from model_runtime.fused.triton_ops import TritonOps
+
+    ops, gen = TritonOps(), torch.Generator().manual_seed(11)
+    x = torch.randn(6, 72, generator=gen) * torch.logspace(-3, 3, 6)[:, None]
+    res, w = torch.randn(6, 72, generator=gen), torch.randn(72, generator=gen)
+    plain_res, fused_res = res.clone(), res.clone()
+    ref_norm, ref_sum = ops.add_rms_norm(x, plain_res, w, 1e-6)
+    rows, total = ops.add_rms_norm_fp8(x, fused_res, w, 1e-6)
+    same_sum = torch.equal(total, ref_sum) and torch.equal(fused_res, ref_sum)
+    return _all(
+        _same_rows("rms_norm_fp8", ops.rms_norm_fp8(x, w, 1e-5), ops.rms_norm(x, w, 1e-5)),
+        _same_rows("add_rms_norm_fp8", rows, ref_norm),
+        (same_sum, f"residual sum equal={same_sum}"),
+    )
+
+
+def _case_silu_mul_fp8() -> tuple[bool, str]:
+    """silu_mul_fp8 over rows longer than one block (a partial last block): byte-equal to quantizing silu_mul."""
+    from model_runtime.fused.triton_ops import SILU_FP8_BLOCK, TritonOps
+
+    ops, gen = TritonOps(), torch.Generator().manual_seed(12)
+    gate_up = torch.randn(3, 2 * (SILU_FP8_BLOCK + 45), generator=gen) * torch.tensor([[0.01], [1.0], [50.0]])
+    return _same_rows("silu_mul_fp8", ops.silu_mul_fp8(gate_up), ops.silu_mul(gate_up))
+
+
 def _case_small_m_linear() -> tuple[bool, str]:
     """The weight-streaming matmul for <= 16 rows (with a bias, odd sizes); more rows fall back to torch."""
     from model_runtime.fused.triton_ops import TritonOps
@@ -158,6 +207,8 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "add_rms_norm_in_place": _case_add_rms_norm,
     "rotary_strided_gqa": _case_rotary_strided_gqa,
     "silu_mul_partial_block": _case_silu_mul,
+    "norms_fp8_rows": _case_norms_fp8,
+    "silu_mul_fp8_rows": _case_silu_mul_fp8,
     "small_m_linear": _case_small_m_linear,
     "model_logits_and_kv": _case_model_logits_and_kv,
 }
