@@ -66,7 +66,7 @@ def _rms_norm_kernel(
 def _store_fp8_row(y, codes_ptr, scale_ptr, cols, mask):
     """A whole row y (float32) as e4m3 codes under its own scale: max|y| / 448 (at least _FP8_MIN_SCALE), IEEE
     division and round-to-nearest-even, as quantize_rows_torch computes it."""
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), _FP8_MAX), _FP8_MIN_SCALE)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
     tl.store(scale_ptr, scale)
     codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
     tl.store(codes_ptr + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
@@ -139,7 +139,7 @@ def _silu_mul_fp8_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, size, 
         cols = c0 + tl.arange(0, BLOCK)
         y = _silu_mul_block(x_row, cols, size, x_ptr.dtype.element_ty)
         amax = tl.maximum(amax, tl.abs(y))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _FP8_MAX), _FP8_MIN_SCALE)
+    scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for c0 in range(0, size, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)

@@ -131,8 +131,14 @@ def test_the_fused_norm_and_silu_kernels_write_the_codes_torch_would(rows: int) 
     }
     for name, (rows_out, unfused) in cases.items():
         codes, scales = quantize_rows_torch(unfused)
-        assert torch.equal(rows_out.codes.view(torch.uint8), codes.view(torch.uint8)), name
-        assert torch.equal(rows_out.scales, scales), name
+        differ = rows_out.codes.view(torch.uint8) != codes.view(torch.uint8)
+        where = differ.nonzero()[:3].tolist()
+        detail = f"{name}: {int(differ.sum())} codes differ, e.g. at {where}: " + ", ".join(
+            f"{unfused[r, c].item()} -> {rows_out.codes[r, c].float().item()} vs {codes[r, c].float().item()}"
+            for r, c in where
+        )
+        assert not differ.any(), detail
+        assert torch.equal(rows_out.scales, scales), f"{name}: scales {rows_out.scales[:3]} vs {scales[:3]}"
     assert torch.equal(fused_residual, ref_sum)
 
 
