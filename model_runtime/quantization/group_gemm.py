@@ -14,8 +14,10 @@ tl.dot accumulated in float32 and multiplied by the group's scales before it is 
 are summed at full precision before any scaling, as DeepSeek-V3's blockwise FP8 GEMM promotes partial sums).
 Shapes are static and nothing syncs with the host: a decode CUDA graph captures both kernels.
 
-Status: the arithmetic is tested under Triton's CPU interpreter against torch (tests/unit/test_fp8_group.py);
-its speed on an H100 has not been measured yet (bench/offline_throughput.py --variants fp8-group).
+Status: the arithmetic is tested under Triton's CPU interpreter against torch (tests/unit/test_fp8_group.py) and
+on an H200 (tests/gpu/test_fp8_weights_gpu.py). Speed on an H200: 2.4-4x slower than the bf16 matmul it replaces
+(bench/fp8_matmul.py, bench/group_gemm_tiles.py): each group's partial product is scaled and added in registers,
+so the loop waits on every dot. fp8_group is the quality option (docs/performance.md), not a fast one.
 """
 
 from __future__ import annotations
@@ -95,14 +97,17 @@ def _group_mm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for m rows: small tiles for decode batches (the weight streams once per
-    16-64 tokens), 128 x 128 for prefill."""
+def _tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for m rows: small tiles for decode batches (the weight streams
+    once per 16-64 tokens), 64 x 128 with 4 stages above. On an H200 that was the fastest of five tilings at
+    300, 2048 and 8192 tokens for gate_up and down, 1.2-1.45x the 128 x 128 / 8 warps / 3 stages it replaced,
+    and a weight stored [K, N] did not help (bench/group_gemm_tiles.py,
+    bench/results/fp8/group_gemm_tiles_run15.json)."""
     if m <= 16:
-        return 16, 64, 4
+        return 16, 64, 4, 3
     if m <= 64:
-        return 64, 64, 4
-    return 128, 128, 8
+        return 64, 64, 4, 3
+    return 64, 128, 4, 4
 
 
 def group_matmul(
@@ -126,12 +131,12 @@ def group_matmul(
     out = torch.empty(tokens, n, dtype=out_dtype, device=x_codes.device)
     if tokens == 0:
         return out
-    block_m, block_n, warps = _tiles(tokens)
+    block_m, block_n, warps, stages = _tiles(tokens)
     grid = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
     _group_mm_kernel[grid](
         x_codes, x_scales, weight, weight_scale, bias if bias is not None else out, out, tokens, n, k,
         x_codes.stride(0), x_scales.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP,
-        num_warps=warps, num_stages=3,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
