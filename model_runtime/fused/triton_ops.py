@@ -21,7 +21,6 @@ from model_runtime.fused.skinny_matmul import MAX_ROWS, skinny_matmul
 from model_runtime.weights.canonical import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 SILU_BLOCK = 1024
-SILU_FP8_BLOCK = 2048  # columns per step of the one-program-per-row FP8 form (14336 wide rows: 7 steps)
 # e4m3's largest finite value and the smallest per-token scale, as constexprs the kernels can read
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
 _FP8_MIN_SCALE: tl.constexpr = tl.constexpr(FP8_MIN_SCALE)
@@ -130,33 +129,16 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, size, BLOCK: tl.constex
 
 @triton.jit
 def _silu_mul_fp8_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, size, BLOCK: tl.constexpr):
-    """One program per row, two passes over it: the row's largest |silu(gate) * up| (rounded as silu_mul
-    rounds it), then the codes under that scale (the second read mostly from L2)."""
+    """One program per row, the whole row in registers (BLOCK >= size): silu(gate) * up rounded as
+    _silu_mul_kernel rounds it, its largest magnitude, then the codes; one read of gate and up, one write."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, size, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        y = _silu_mul_block(x_row, cols, size, x_ptr.dtype.element_ty)
-        amax = tl.maximum(amax, tl.abs(y))
-    scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
-    tl.store(scale_ptr + row, scale)
-    for c0 in range(0, size, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        y = _silu_mul_block(x_row, cols, size, x_ptr.dtype.element_ty)
-        codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
-        tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=cols < size)
-
-
-@triton.jit
-def _silu_mul_block(x_row, cols, size, act_ty: tl.constexpr):
-    """silu(gate) * up for columns `cols` of one row, rounded to the activation dtype as _silu_mul_kernel
-    rounds it, returned in float32 (0 past the row's end)."""
+    cols = tl.arange(0, BLOCK)
     mask = cols < size
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + size + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32)
-    return (act * up).to(act_ty).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    _store_fp8_row(y, codes_ptr + row * stride_c, scale_ptr + row, cols, mask)
 
 
 def _norm_warps(block: int) -> int:
@@ -307,8 +289,9 @@ class TritonOps(FusedOps):
             torch.empty(t, 1, dtype=torch.float32, device=gate_up.device),
         )
         if t:
+            block = triton.next_power_of_2(size)  # 14336 -> 16384: 32 values of gate and of up per thread
             _silu_mul_fp8_kernel[(t,)](
                 gate_up, rows.codes, rows.scales, gate_up.stride(0), rows.codes.stride(0), size,
-                BLOCK=SILU_FP8_BLOCK, num_warps=8,
+                BLOCK=block, num_warps=min(16, max(4, block // 1024)),
             )  # fmt: skip
         return rows
