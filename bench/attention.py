@@ -196,23 +196,21 @@ def bench_one(
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     if scales is not None:  # and each token's scales, one per KV head
         kv_bytes += 2 * batch * context * KV_HEADS * scales.element_size()
-    roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
     dense = None
     if not args.no_sdpa and scales is None:  # SDPA reads 16-bit K/V only
         dense = dense_sdpa_us(q, k_cache, v_cache, tables, context, args)
+    return timed_row(batch, context, segments, kv_bytes, us, bw_gbps, dense, err, kv_dtype)
+
+
+def timed_row(
+    batch: int, context: int, segments: int, kv_bytes: int, us: float, bw_gbps: float,
+    dense: float | None, err: float, kv_dtype: str,
+) -> Row:  # fmt: skip
+    """A Row from a timing: the roofline is the KV bytes at the measured copy bandwidth."""
+    roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
     return Row(
-        batch,
-        context,
-        segments,
-        kv_bytes,
-        us,
-        roof_us,
-        roof_us / us,
-        kv_bytes / us / 1e3,
-        dense,
-        err,
-        kv_dtype,
-    )
+        batch, context, segments, kv_bytes, us, roof_us, roof_us / us, kv_bytes / us / 1e3, dense, err, kv_dtype
+    )  # fmt: skip
 
 
 def bench_raw_codes(batch: int, context: int, bw_gbps: float, args, gen: torch.Generator) -> Row:
@@ -228,20 +226,7 @@ def bench_raw_codes(batch: int, context: int, bw_gbps: float, args, gen: torch.G
     segments = backend.segments_for(batch, KV_HEADS, q.device)
     us = time_graph(lambda: backend.decode(q, k16, v16, tables, seq_lens, SCALE), args.inner, args.reps)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM  # one byte a code; no scales read
-    roof_us = kv_bytes / (bw_gbps * 1e9) * 1e6
-    return Row(
-        batch,
-        context,
-        segments,
-        kv_bytes,
-        us,
-        roof_us,
-        roof_us / us,
-        kv_bytes / us / 1e3,
-        None,
-        0.0,
-        "fp8raw",
-    )
+    return timed_row(batch, context, segments, kv_bytes, us, bw_gbps, None, 0.0, "fp8raw")
 
 
 def print_table(rows: list[Row], bw_gbps: float, gpu: str) -> None:

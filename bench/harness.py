@@ -381,52 +381,52 @@ class StepSplit:
 class StepProbe:
     """Times engine steps and classifies each from the engine's own StepRecord (engine.last_step): a step that
     ran any prompt chunk or preemption recompute counts as prefill. Use probe.step() in place of engine.step().
-    On a GPU it wraps the engine's runner.execute, sampler and scheduler.advance (instance attributes, undone by
-    close()) to split a decode step's wall time (StepSplit)."""
+    It wraps the engine's runner.execute, sampler and scheduler.advance (instance attributes, undone by close())
+    to split a decode step's wall time (StepSplit): on a GPU the forward-to-sampler span is timed by CUDA
+    events, on a CPU (where the work runs as it is called) by the clock."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.split = engine, StepSplit()
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._marks: dict[str, float] = {}
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         if engine.runner.device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._wrap()
+        self._sampler = engine.sampler
+        self._wrap()
+        self._wrapped = True
 
     def _wrap(self) -> None:
-        engine, marks = self.engine, self._marks
-        assert self._events is not None
-        start, end = self._events
+        engine, marks, events = self.engine, self._marks, self._events
         execute, sampler, advance = engine.runner.execute, engine.sampler, engine.scheduler.advance
 
         def timed_execute(*args, **kwargs):
             marks["launch"] = time.perf_counter()
-            start.record()
+            if events is not None:
+                events[0].record()
             return execute(*args, **kwargs)
 
         def timed_sampler(*args, **kwargs):
             result = sampler(*args, **kwargs)
-            end.record()
+            if events is not None:
+                events[1].record()
+            marks["sampled"] = time.perf_counter()
             return result
 
         def timed_advance(*args, **kwargs):
             marks["tokens"] = time.perf_counter()  # the engine advances right after the tokens reach the host
             return advance(*args, **kwargs)
 
-        self._set(timed_execute, timed_sampler, timed_advance)
-        self._originals = (execute, sampler, advance)
-
-    def _set(self, execute: Callable, sampler: Callable, advance: Callable) -> None:
         # setattr: instance attributes over the methods, which mypy would refuse as assignments
-        setattr(self.engine.runner, "execute", execute)  # noqa: B010
-        setattr(self.engine, "sampler", sampler)  # noqa: B010
-        setattr(self.engine.scheduler, "advance", advance)  # noqa: B010
+        setattr(engine.runner, "execute", timed_execute)  # noqa: B010
+        setattr(engine, "sampler", timed_sampler)  # noqa: B010
+        setattr(engine.scheduler, "advance", timed_advance)  # noqa: B010
 
     def step(self) -> list[StepOutput]:
         self._marks.clear()
         t0 = time.perf_counter()
         outputs = self.engine.step()  # ends in the sampler's .tolist(): the step's GPU work is done
         t1 = time.perf_counter()
-        seconds, s, record = t1 - t0, self.split, self.engine.last_step
+        seconds, s, record, marks = t1 - t0, self.split, self.engine.last_step, self._marks
         if record is None:  # nothing was runnable
             return outputs
         s.peak_running = max(s.peak_running, record.batch_size)
@@ -435,18 +435,22 @@ class StepProbe:
             s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
         else:
             s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
-            if self._events is not None and "launch" in self._marks and "tokens" in self._marks:
-                start, end = self._events
-                s.decode_gpu_s += start.elapsed_time(end) / 1e3
-                s.decode_schedule_s += self._marks["launch"] - t0
-                s.decode_post_s += t1 - self._marks["tokens"]
+            if {"launch", "sampled", "tokens"} <= marks.keys():
+                if self._events is not None:
+                    s.decode_gpu_s += self._events[0].elapsed_time(self._events[1]) / 1e3
+                else:
+                    s.decode_gpu_s += marks["sampled"] - marks["launch"]
+                s.decode_schedule_s += marks["launch"] - t0
+                s.decode_post_s += t1 - marks["tokens"]
         return outputs
 
     def close(self) -> None:
-        """Give the engine back its own methods."""
-        if self._events is not None:
-            self._set(*self._originals)
-            self._events = None
+        """Give the engine back its own methods and sampler."""
+        if self._wrapped:
+            vars(self.engine.runner).pop("execute")  # the class's methods show through again
+            vars(self.engine.scheduler).pop("advance")
+            setattr(self.engine, "sampler", self._sampler)  # noqa: B010
+            self._wrapped = False
 
 
 def smoke_model_dir() -> str:

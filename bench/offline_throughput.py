@@ -158,7 +158,12 @@ def warm_up(engine: Engine, shape: Shape) -> None:
 
 
 def drive(
-    engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, deadline: gpu.Deadline, profile: bool
+    engine: Engine,
+    shape: Shape,
+    prompts: list[list[int]],
+    limit: int,
+    deadline: gpu.Deadline,
+    profile: bool = False,
 ):
     """Runs the prompts, at most `limit` in the engine at once: (tokens per request, StepSplit, complete, the
     decode profile). `profile`: once every prompt is in and 10 decode steps ran, the kernels of 5 more decode

@@ -24,6 +24,7 @@ from bench.harness import (
 )
 from bench.ttft import ttft_floor
 from model_runtime.config import ModelConfig, SchedulerConfig
+from model_runtime.sampler import Sampler
 from model_runtime.weights import load_model_config, resolve_model
 from tests.model.tiny_models import write_tiny_hf
 
@@ -207,13 +208,19 @@ def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model)
     )
     shape = offline_throughput.Shape(8, 4)
     prompts = random_prompts(5, 8, engine.model_config.vocab_size, seed=0)
-    counts, split, complete = offline_throughput.drive(engine, shape, prompts, 2, Deadline(60))
+    counts, split, complete, profile = offline_throughput.drive(engine, shape, prompts, 2, Deadline(60))
+    assert profile is None  # not asked for
     assert complete and counts == [4] * 5
     assert split.peak_running == 2  # the engine allows 8; the driver keeps 2 in it
     assert split.prefill_steps >= 3 and split.decode_steps >= 3  # 3 admission waves, each decodes 3 steps
     assert "schedule" not in vars(engine.scheduler)  # the probe took its wrapper away
+    assert "advance" not in vars(engine.scheduler) and "execute" not in vars(engine.runner)
+    assert isinstance(engine.sampler, Sampler)  # and gave the sampler back
+    # The decode steps' wall time split: the forward and sampler, and the host work before and after them.
+    assert 0 < split.decode_gpu_s < split.decode_s and split.decode_schedule_s > 0 and split.decode_post_s > 0
+    assert split.decode_gpu_s + split.decode_schedule_s + split.decode_post_s <= split.decode_s
     late = Deadline(budget_s=1e-6, grace_s=0.0)
-    counts, _, complete = offline_throughput.drive(engine, shape, prompts, 2, late)
+    counts, _, complete, _ = offline_throughput.drive(engine, shape, prompts, 2, late)
     assert not complete and sum(counts) < 20 and not engine.has_unfinished()  # stopped after a step, aborted
 
 
