@@ -99,6 +99,8 @@ def test_a_request_lands_once_every_rank_has_its_heads_and_only_after_the_step(p
     result = decode.results.get(timeout=20)
     assert sent.ok and sent.num_bytes == sum(lay.bytes_per_block for lay in decode.layouts) * len(src)
     assert result.ok and result.first_token == FIRST and result.lease.block_ids == lease.block_ids
+    # The decode worker counts every rank's bytes, as the prefill side does: the request's whole KV.
+    assert result.num_bytes == sent.num_bytes and decode.receiver.stats().bytes_ok == sent.num_bytes
     for rank, cache in enumerate(decode.caches):
         heads = kv_head_range(HEADS, 2, rank)
         want = model[:, :, src][:, :, :, :, heads.start : heads.stop]

@@ -8,7 +8,7 @@ import secrets
 import ssl
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,6 +78,8 @@ class ShardedReceiver:
         self._lock = threading.Lock()
         self._joins: dict[str, _Join] = {}
         self._by_blocks: dict[tuple[int, ...], _Join] = {}
+        # Bytes the other ranks landed for requests that landed whole: rank 0's receiver counts only its own.
+        self._other_bytes = 0
         self._ranks = hub.wait_ready()
         self._own = KVReceiver(
             layout, cache, _HeldByJoins(allocator, self._owned), config, on_result=self._own_result, tls=tls
@@ -176,7 +178,11 @@ class ShardedReceiver:
         self._own.record_phase(name, seconds)
 
     def stats(self) -> TransferStats:
-        return self._own.stats()
+        """Rank 0's receiver's stats, with the bytes every rank landed for the requests that landed (the
+        worker's bytes, as a one-rank worker would count them)."""
+        own = self._own.stats()
+        with self._lock:
+            return replace(own, bytes_ok=own.bytes_ok + self._other_bytes)
 
     def poll(self) -> list[TransferResult]:
         return self._own.poll()
@@ -241,7 +247,10 @@ class ShardedReceiver:
             self._forget_locked(join)
         own = join.own
         if join.failure is None:
-            self._on_result(own)
+            others = sum(outcome.num_bytes for outcome in join.others.values())
+            with self._lock:
+                self._other_bytes += others
+            self._on_result(replace(own, num_bytes=own.num_bytes + others))
             return
         self._real.free(join.block_ids)
         reason, message = join.failure
