@@ -225,10 +225,25 @@ def _free(port: int) -> bool:
     return True
 
 
-def smoke_config(config: dict) -> dict:
+SMOLLM2_KV_HEADS = 3  # the embedded model's
+
+
+def smoke_config(config: dict, work: Path) -> dict:
     """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches (the
-    prefix cache and the ranks per worker stay as the deployment set them; SmolLM2's 9 heads take 3)."""
-    out = dict(config, model="smollm2-135m-instruct", transfer={"kinds": ["tcp"]})
+    prefix cache and the ranks per worker stay as the deployment set them). SmolLM2's 3 KV heads split 3 ways
+    but not 2, 4 or 8: such a deployment gets a tiny random Llama with 8 KV heads instead, written under
+    `work`."""
+    model = "smollm2-135m-instruct"
+    if any(SMOLLM2_KV_HEADS % _ranks(config[pool]) for pool in POOLS if pool in config):
+        from tests.model.tiny_models import write_tiny_hf
+
+        model = str(
+            write_tiny_hf(
+                work, "llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=8,
+                max_position_embeddings=4096,
+            )
+        )  # fmt: skip
+    out = dict(config, model=model, transfer={"kinds": ["tcp"]})
     for pool in (p for p in POOLS if p in out):
         prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
         engine = {
@@ -256,7 +271,7 @@ class Server:
             config["model"] = model
         self.gpus = config_gpus(config)
         if smoke:
-            config = smoke_config(config)
+            config = smoke_config(config, self.work)
         self.routers = int(config["router"].get("processes", 1))
         self.port = free_port(self.routers)
         self.file_sd = self.work / "targets.json"

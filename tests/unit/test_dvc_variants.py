@@ -4,6 +4,10 @@ with and without the cache and the autoscaled capacity with the best fixed split
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from bench.dvc_deployments import config_gpus, deployment_config, pair_delta, smoke_config
@@ -22,7 +26,8 @@ def test_nocache_turns_the_prefix_cache_off_in_every_pool_and_keeps_it_on_cpu() 
         config = deployment_config(name)
         assert all(p["engine"]["cache"]["enable_prefix_caching"] is False for p in _pools(config))
         assert all(
-            p["engine"]["cache"]["enable_prefix_caching"] is False for p in _pools(smoke_config(config))
+            p["engine"]["cache"]["enable_prefix_caching"] is False
+            for p in _pools(smoke_config(config, Path(tempfile.mkdtemp())))
         )
         parse_config(config)  # a valid deploy config (raises otherwise)
     plain = deployment_config("colocated")
@@ -61,7 +66,9 @@ def test_both_lets_the_router_pick_cuda_ipc_or_nccl_per_pair_and_changes_nothing
         k: v for k, v in plain.items() if k != "transfer"
     }
     assert parse_config(config).transfer.kinds == ("cuda_ipc", "nccl")
-    assert smoke_config(config)["transfer"] == {"kinds": ["tcp"]}  # CPU workers hold tcp only
+    assert smoke_config(config, Path(tempfile.mkdtemp()))["transfer"] == {
+        "kinds": ["tcp"]
+    }  # CPU workers hold tcp only
 
 
 def test_each_point_counts_its_own_pairs_and_the_summary_lists_them_by_transport() -> None:
@@ -128,10 +135,20 @@ def test_tp_sizes_colocated_workers_and_counts_their_gpus_and_ptp_dtp_are_refuse
     assert config["colocated"]["engine"]["parallel"] == {"tensor_parallel_size": 2}
     assert config_gpus(config) == 4 and config_gpus(deployment_config("colocated-2")) == 2
     parse_config(config)
-    smoke = smoke_config(deployment_config("colocated-1-tp3"))  # SmolLM2's 9 heads split in 3 on the CPU
+    smoke = smoke_config(deployment_config("colocated-1-tp3"), Path(tempfile.mkdtemp()))
+    assert smoke["model"] == "smollm2-135m-instruct"  # its 3 KV heads split in 3 on the CPU
     assert smoke["colocated"]["engine"]["parallel"] == {"tensor_parallel_size": 3}
     assert smoke["colocated"]["num_gpus"] == 0
     parse_config(smoke)
+
+
+def test_a_smoke_run_of_workers_spanning_2_4_or_8_devices_gets_a_model_whose_kv_heads_split(tmp_path) -> None:
+    for name in ("disagg-1p1d-dtp2", "disagg-1p1d-ptp4", "colocated-1-tp8"):
+        smoke = smoke_config(deployment_config(name), tmp_path / name)
+        config = json.loads((Path(smoke["model"]) / "config.json").read_text())
+        assert config["num_key_value_heads"] == 8 and config["num_attention_heads"] == 8
+        assert all(p["num_gpus"] == 0 for p in _pools(smoke))
+        parse_config(smoke)
     scaled = deployment_config("colocated-2-tp4-autoscale")
     assert (
         scaled["colocated"]["engine"]["parallel"]["tensor_parallel_size"] == 4
