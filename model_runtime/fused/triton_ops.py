@@ -54,7 +54,7 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(x * x, axis=0) / size
     normed = (x * tl.rsqrt(mean_sq + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)  # the activation dtype
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if FP8:  # the row rounded to the activation dtype (w's), then quantized per token (fused/fp8_rows.py)
+    if FP8:  # the row rounded to the activation dtype, then quantized per token (fused/fp8_rows.py)
         y = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
         _store_fp8_row(y, out_ptr + row * stride_o, scale_ptr + row, cols, mask)
     else:
@@ -63,8 +63,9 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _store_fp8_row(y, codes_ptr, scale_ptr, cols, mask):
-    """A whole row y (float32) as e4m3 codes under its own scale: max|y| / 448 (at least _FP8_MIN_SCALE), IEEE
-    division and round-to-nearest-even, as quantize_rows_torch computes it."""
+    """A whole row y (float32) as e4m3 codes under its own scale: max|y| / 448 (at least _FP8_MIN_SCALE), then
+    y / scale by IEEE division, rounded to nearest even. act_quant's arithmetic, which gives torch's bytes on a
+    GPU (torch divides by the scalar 448 as a multiplication by its reciprocal, as this `/` compiles)."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
     tl.store(scale_ptr, scale)
     codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)

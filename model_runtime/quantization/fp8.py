@@ -17,7 +17,8 @@ Two matmuls, chosen once per module when the model is built, never per step:
   e4m3 on the fly with a scale of its own (per token: max |x| of the row / 448; one Triton kernel,
   model_runtime.quantization.act_quant), then torch._scaled_mm with the row-wise scales of both sides, bfloat16
   out. Shapes are static and nothing syncs with the host, so a decode CUDA graph captures it
-  (tests/gpu/test_fp8_weights_gpu.py).
+  (tests/gpu/test_fp8_weights_gpu.py). qkv, gate_up and down take their input already quantized
+  (QuantizedRows) from the norm or SiLU-and-multiply kernel before them (fuse_fp8_inputs); o_proj quantizes its own.
 - emulation (CPU, other GPUs, other dtypes): the weight dequantized to the activation dtype (q * scale in
   float32, rounded once) and a plain matmul: the weights used are exactly the stored FP8 ones; activations are
   not quantized, unless `emulate_scaled_mm` asks for scaled_mm's numerics (each token's activations rounded to
