@@ -255,7 +255,9 @@ def tandem_shapes(engine: Engine, setup: Setup, work: list[tuple[Shape, int]]) -
 def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
     """One variant: its engine on every shape, then the engine freed (the next variant or transformers loads)."""
     a, v, longest = setup.args, setup.variant, max(s.input_len + s.output_len for s, _ in work)
-    limits = SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, max_model_len=longest + 16)
+    limits = SchedulerConfig(
+        a.max_num_seqs, a.max_num_batched_tokens, max_model_len=longest + 16, async_scheduling=v.ahead
+    )
     setup.run.doc["variants"][v.name] = {
         "quantization": v.quantization, "cache_dtype": v.cache_dtype, "model_cost": dataclasses.asdict(setup.cost)
     }  # fmt: skip
@@ -419,7 +421,12 @@ def print_table(doc: dict) -> None:
 
 def print_decode_split(rows: list[dict]) -> None:
     """Where a decode step's wall time went (GPU runs only): the GPU's share and the host work it waited for."""
-    timed = [r for r in rows if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"]]
+    # Not for steps scheduled ahead: their host work runs while the GPU computes, which the probe cannot split.
+    timed = [
+        r
+        for r in rows
+        if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"] and not VARIANTS[r["variant"]].ahead
+    ]
     if not timed:
         return
     print("decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for")
@@ -441,7 +448,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--admit-all", action="store_true", help="add all prompts at once (scheduler may preempt)")
     p.add_argument("--hf-batches", help="descending static batches to try (default 256,128,64,32,16,8)")
     p.add_argument(
-        "--variants", default="bf16", help="Tandem engines: bf16,fp8-weights,fp8-kv,fp8 (default bf16)"
+        "--variants",
+        default="bf16",
+        help="Tandem engines: bf16,fp8-weights,fp8-kv,fp8,fp8-group,bf16-ahead,fp8-ahead (default bf16)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run only Tandem")
     p.add_argument("--skip-tandem", action="store_true", help="run only transformers (mind --out)")

@@ -33,6 +33,7 @@ class Variant:
     name: str
     quantization: str  # device.quantization
     cache_dtype: str | None  # cache.dtype; None: the model dtype
+    ahead: bool = False  # scheduler.async_scheduling: the next step launched before this one's tokens return
 
     @property
     def baseline(self) -> bool:
@@ -53,7 +54,8 @@ class Variant:
         weights = {"fp8": "fp8 projections", "fp8_group": "fp8 projections, a scale per 64 channels"}.get(
             self.quantization, model_dtype
         )
-        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}"
+        steps = ", steps scheduled ahead" if self.ahead else ""
+        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}{steps}"
 
 
 VARIANTS = {
@@ -64,6 +66,8 @@ VARIANTS = {
         Variant("fp8-kv", "none", "fp8_e4m3"),
         Variant("fp8", "fp8", "fp8_e4m3"),
         Variant("fp8-group", "fp8_group", "fp8_e4m3"),  # the quality goal's configuration (1% perplexity)
+        Variant("bf16-ahead", "none", None, ahead=True),
+        Variant("fp8-ahead", "fp8", "fp8_e4m3", ahead=True),
     )
 }
 BF16 = VARIANTS["bf16"]

@@ -171,9 +171,18 @@ class SchedulerConfig:
     # A waiting batch-class prompt older than this is admitted in arrival order with the interactive ones
     # (model_runtime.waiting): interactive traffic delays batch by at most about this, never forever.
     batch_max_wait_s: float = 30.0
+    # Schedule and launch step N+1 before step N's tokens reach the host, so the host work of a step (its
+    # scheduling, its outputs) runs while the GPU computes (model_runtime.step_ahead). Colocated and offline
+    # engines only: prefill workers, decode workers and tensor-parallel engines refuse it.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _require(
+            isinstance(self.async_scheduling, bool),
+            "scheduler.async_scheduling",
+            f"must be true or false, got {self.async_scheduling!r}",
+        )
         _require(
             isinstance(self.batch_max_wait_s, (int, float))
             and not isinstance(self.batch_max_wait_s, bool)

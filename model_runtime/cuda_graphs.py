@@ -39,6 +39,7 @@ import torch
 from model_runtime.attention.base import AttentionMetadata
 from model_runtime.config import ModelConfig
 from model_runtime.kv_layout import NULL_BLOCK
+from model_runtime.step_ahead import TokenFeed
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class DecodeGraphs:
         st = self.static
         st.hidden[:size] = self.model(st.input_ids(size), st.positions(size), self.kv_cache, st.meta(size))
 
-    def run(self, rows: DecodeRows) -> torch.Tensor:
+    def run(self, rows: DecodeRows, feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the bucket for `rows`; returns the live rows' final hidden states [n, hidden_size].
 
         The result is a view of the static output buffer: the next run overwrites it, so use it (logits)
@@ -277,6 +278,8 @@ class DecodeGraphs:
         if size is None or size not in self._graphs:
             raise ValueError(f"DecodeGraphs.run: no graph for {n} sequences (captured: {self.sizes})")
         self.static.stage(pad_decode_rows(rows, size))
+        if feed is not None:  # ids still on the device (step-ahead), over the staged placeholders
+            feed.apply(self.static.input_ids(size))
         self._graphs[size].replay()
         self.num_replays += 1
         return self.static.hidden[:n]

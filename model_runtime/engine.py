@@ -27,12 +27,13 @@ from model_runtime.detokenizer import IncrementalDetokenizer
 from model_runtime.layer_stream import LayerListener, LayerStreams
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.parallel.group import TPGroup
-from model_runtime.request import Priority, Request, RequestStatus, SamplingParams
+from model_runtime.request import Priority, Request, RequestStatus, SamplingParams, SchedulerOutput
 from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.runner_setup import build_runner
 from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
+from model_runtime.step_ahead import InFlight, SampledIds
 from model_runtime.step_record import FirstToken, StepRecord
 from model_runtime.tokenizer import Tokenizer
 from model_runtime.weights import load_model_config, resolve_model
@@ -95,6 +96,16 @@ class Engine:
         self._layer_streams = LayerStreams(self.pool, mc.num_layers, self.runner.kv_cache.device)
         self.requests_total = 0  # requests accepted (add_request / add_prefilled) since start
         self.last_step: StepRecord | None = None  # the last step(), None when it found nothing runnable
+        # scheduler.async_scheduling: the step launched and not yet waited for (model_runtime.step_ahead)
+        self._ahead = config.scheduler.async_scheduling
+        if self._ahead and (prefill_only or self.tensor_parallel is not None):
+            raise ValueError(
+                "scheduler.async_scheduling: colocated and offline engines only; a prefill worker ships its "
+                "blocks after one token and tensor-parallel ranks replay the lead's host inputs"
+            )
+        self._flight: InFlight | None = None
+        self._sampled_ids = SampledIds(config.scheduler.max_num_seqs, self.runner.kv_cache.device)
+        self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             mc.name,
@@ -169,6 +180,12 @@ class Engine:
         already ends the request (its blocks are freed), else None: later tokens come from step().
         `output_offset`: the output index prefill sampled `first_token` at (see Request.output_offset);
         `priority`: its class among the requests waiting for a sequence slot."""
+        if (
+            self._ahead
+        ):  # the KV receiver writes landed blocks from its own streams (model_runtime.step_ahead)
+            raise InvalidRequest(
+                "add_prefilled: a decode worker's engine runs without scheduler.async_scheduling"
+            )
         self.validate(prompt_token_ids, sampling)
         _check_offset(output_offset)
         request = Request(
@@ -215,7 +232,7 @@ class Engine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._flight is not None
 
     def release_blocks(self, block_ids: tuple[int, ...] | list[int]) -> None:
         """prefill_only: give back the blocks of a request whose KV has been shipped (or abandoned)."""
@@ -228,6 +245,8 @@ class Engine:
         return self.last_step is not None
 
     def step(self) -> list[StepOutput]:
+        if self._ahead:
+            return self._step_ahead()
         started = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -249,6 +268,62 @@ class Engine:
         self.last_step = replace(planned, duration_s=time.perf_counter() - started, first_tokens=firsts)
         return results
 
+    def _step_ahead(self) -> list[StepOutput]:
+        """One step's outputs, with the next step launched before this one's tokens are waited for."""
+        started = time.perf_counter()
+        flight, self._flight = self._flight, None
+        if flight is None:
+            flight = self._launch(self.scheduler.schedule(), None)
+            if flight is None:
+                self.last_step = None
+                return []
+        self.scheduler.advance(flight.out)
+        hold = []
+        for chunk in flight.sampled:
+            request = chunk.request
+            if request.is_finished:  # aborted while it ran
+                continue
+            self.scheduler.append_pending(request)
+            if request.num_tokens >= self.scheduler.token_cap(request):
+                hold.append(request.request_id)  # its pending token is its last: it finishes by length
+        flight.ahead = True
+        self._flight = self._launch(self.scheduler.schedule(frozenset(hold)), flight)
+        if self._flight is not None:
+            self.steps_ahead += 1
+        tokens, logprobs = flight.tokens()
+        results = []
+        for chunk, token, lp in zip(flight.sampled, tokens, logprobs):
+            if chunk.request.is_finished:  # aborted while it ran
+                continue
+            results.append(self._emit(chunk.request, token, lp, pending=True))
+        firsts = first_tokens(c.request for c in flight.sampled) if flight.planned.num_prefill else ()
+        self.last_step = replace(
+            flight.planned, duration_s=time.perf_counter() - started, first_tokens=firsts
+        )
+        return results
+
+    def _launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight | None:
+        """Queue `out`'s forward and sampler on the device and the sampled ids' copy to the host; `previous`:
+        the step whose pending tokens `out` reads on the device."""
+        if out.is_empty:
+            return None
+        planned = StepRecord.planned(out)
+        feed = previous.feed_for(out) if previous is not None else None
+        logits = self.runner.execute(out, feed=feed)
+        sampled = [c for c in out.chunks if c.sample]
+        if not sampled:
+            return InFlight(out, sampled, None, None, None, planned)
+        requests = [c.request for c in sampled]
+        tensors = SamplingTensors.from_params(
+            [r.sampling for r in requests],
+            [r.output_offset + r.num_output_tokens for r in requests],
+            self.model_config.vocab_size,
+            logits.device,
+        )
+        result = self.sampler(logits, tensors)
+        host_ids, copied = self._sampled_ids.start(result.sampled_token_ids)
+        return InFlight(out, sampled, result, host_ids, copied, planned)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
         if not requests:
             return [], []
@@ -263,8 +338,14 @@ class Engine:
         lps = result.logprobs_lists() if result.logprobs is not None else [None] * len(tokens)
         return tokens, lps
 
-    def _emit(self, request: Request, token: int, logprob: TokenLogprobs | None) -> StepOutput:
-        self.scheduler.append_token(request, token)
+    def _emit(
+        self, request: Request, token: int, logprob: TokenLogprobs | None, pending: bool = False
+    ) -> StepOutput:
+        """`pending`: the token takes the place append_pending held for it (step-ahead)."""
+        if pending:
+            self.scheduler.resolve(request, token)
+        else:
+            self.scheduler.append_token(request, token)
         if logprob is not None:
             request.output_logprobs.append(logprob)
         tracker = self._trackers[request.request_id]

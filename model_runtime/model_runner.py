@@ -34,6 +34,7 @@ from model_runtime.parallel.context import TensorParallel
 from model_runtime.prefill_graphs import PiecewiseForward, PrefillGraphs
 from model_runtime.quantization.apply import quantize_model
 from model_runtime.request import SchedulerOutput
+from model_runtime.step_ahead import TokenFeed
 
 log = logging.getLogger(__name__)
 
@@ -296,22 +297,28 @@ class ModelRunner:
         out: SchedulerOutput,
         use_graphs: bool = True,
         layer_hook: Callable[[int], None] | None = None,
+        feed: TokenFeed | None = None,
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling chunks, vocab] in chunk order.
 
         `use_graphs=False` forces the eager path (tests and benchmarks compare the two). `layer_hook(n)` runs
-        after the n-th layer's kernels were queued (a step with prompt chunks is eager, so it always runs)."""
+        after the n-th layer's kernels were queued (a step with prompt chunks is eager, so it always runs).
+        `feed`: input ids that are still on the device (step-ahead; model_runtime.step_ahead)."""
         batch = build_host_batch(out, self.layout.block_size, self.block_tables)
         if self.tensor_parallel is not None:  # the other ranks run this same batch, in lockstep
+            if feed is not None:
+                raise ValueError("ModelRunner.execute: step-ahead input ids cannot reach the other ranks")
             self.tensor_parallel.publish(batch)
         self.model.layer_hook = layer_hook
         try:
-            return self.execute_batch(batch, use_graphs)
+            return self.execute_batch(batch, use_graphs, feed)
         finally:
             self.model.layer_hook = None
 
     @torch.inference_mode()
-    def execute_batch(self, batch: HostBatch, use_graphs: bool = True) -> torch.Tensor:
+    def execute_batch(
+        self, batch: HostBatch, use_graphs: bool = True, feed: TokenFeed | None = None
+    ) -> torch.Tensor:
         """Run a step already built on the host (`execute`'s, or the lead's on another tensor-parallel rank)."""
         if self.graphs is not None and batch.num_seqs > self.max_num_seqs:
             raise ValueError(
@@ -324,11 +331,13 @@ class ModelRunner:
             and batch.decode_only
             and self.graphs.can_run(batch.num_seqs)
         ):
-            hidden = self.graphs.run(batch.decode_rows())
+            hidden = self.graphs.run(batch.decode_rows(), feed)
             if not batch.samples_every_row:
                 hidden = hidden[self._to_device(batch.logits_indices)]
             return self._logits(hidden)
         inputs = self._upload(batch)
+        if feed is not None:
+            feed.apply(inputs.input_ids)
         pieces = self.prefill_graphs
         if use_graphs and pieces is not None and pieces.can_run(batch.num_tokens):
             hidden = pieces.run(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)

@@ -163,6 +163,10 @@ class Request:
         return self.status.value if self.status.finished else None
 
 
+# A request's output token whose value a step in flight is still sampling (Scheduler.append_pending/resolve).
+PENDING_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at `request.num_computed_tokens`, run this step.

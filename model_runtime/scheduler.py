@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from model_runtime.block_pool import BlockPool, extend_block_hashes
 from model_runtime.config import SchedulerConfig
-from model_runtime.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
+from model_runtime.request import PENDING_TOKEN, Request, RequestStatus, ScheduledChunk, SchedulerOutput
 from model_runtime.request_rules import ints_within, pool_overflow, prompt_leaves_no_room, token_cap
 from model_runtime.waiting import WaitingQueue
 
@@ -197,15 +197,40 @@ class Scheduler:
             raise ValueError(f"append_token: token_id must be a non-negative integer, got {token_id!r}")
         request.output_token_ids.append(token_id)
 
+    def append_pending(self, request: Request) -> None:
+        """Step-ahead (Engine with scheduler.async_scheduling): hold the place of the token that the step in
+        flight samples for `request`, so the next step can be scheduled before its value reaches the host.
+        The next step reads the value on the device; `resolve` writes it here once it arrives, before any
+        later schedule() or advance() reads the request's tokens."""
+        self._check_owned(request, "append_pending")
+        if request.num_computed_tokens != request.num_tokens or request.num_tokens >= self.token_cap(request):
+            raise ValueError(
+                f"append_pending: request {request.request_id!r} has uncomputed tokens or no room for another"
+            )
+        request.output_token_ids.append(PENDING_TOKEN)
+
+    def resolve(self, request: Request, token_id: int) -> None:
+        """The sampled token in place of `request`'s pending one (append_pending). The request may have been
+        preempted meanwhile (its outputs are kept); it must not have finished."""
+        self._check_owned(request, "resolve")
+        outputs = request.output_token_ids
+        if not outputs or outputs[-1] != PENDING_TOKEN:
+            raise ValueError(f"resolve: request {request.request_id!r} has no pending token")
+        if not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"resolve: token_id must be a non-negative integer, got {token_id!r}")
+        outputs[-1] = token_id
+
     # --- one step --------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next step's chunks. `hold`: ids of running requests to leave out of this step (step-ahead: those
+        whose pending token is their last)."""
         if self._pending is not None:
             raise RuntimeError("schedule: the previous step's output was not passed to advance()")
         self._commit_deferred()
         self._promote_ready()
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
-        budget = self._schedule_running(chunks, preempted, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(chunks, preempted, self.config.max_num_batched_tokens, hold)
         if not preempted:  # blocks are short: admitting more would only preempt again
             self._admit_waiting(chunks, budget)
         output = SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted))
@@ -243,10 +268,15 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
 
-    def _schedule_running(self, chunks: list[ScheduledChunk], preempted: list[Request], budget: int) -> int:
+    def _schedule_running(
+        self, chunks: list[ScheduledChunk], preempted: list[Request], budget: int, hold: frozenset[str]
+    ) -> int:
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
+            if hold and request.request_id in hold:
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 raise RuntimeError(

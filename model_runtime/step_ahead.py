@@ -1,0 +1,103 @@
+"""Step-ahead scheduling (scheduler.async_scheduling): the next step is scheduled and launched while the current
+one still runs on the GPU, so the host work around a step stops leaving the GPU idle.
+
+    Engine.step() with a step N in flight:
+        advance(N); a pending token for each request N samples; schedule N+1 (requests whose pending token is
+        their last are held out); launch N+1, its pending input ids fed on the device from N's sampled ids
+        wait for N's tokens (a copy to pinned memory, started at launch); resolve them; stop rules; N's outputs
+
+A request that N's token finishes (a stop token) has one wasted row in N+1, whose token is dropped. Its blocks
+go back to the pool at once: only the compute stream writes KV in the engines that run this (colocated and
+offline; a decode worker's KV receiver writes from other streams, so decode workers, prefill workers and
+tensor-parallel ranks, which replay the lead's host inputs, keep the synchronous step). The pending token
+never enters a prefix-cache hash (hashes cover computed tokens only, and it is resolved before N+1 is
+advanced). Seeded sampling draws the same noise: the output index counts the pending token. Unseeded random
+rows may draw differently from a synchronous engine, since N+1 may carry rows that N finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_runtime.request import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
+from model_runtime.sampler import SamplerOutput, TokenLogprobs
+from model_runtime.step_record import StepRecord
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Input ids the host does not have yet: input_ids[rows] = values (both on the step's device)."""
+
+    rows: torch.Tensor  # int64: rows of the next step's input ids
+    values: torch.Tensor  # int64: the previous step's sampled ids for those rows
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        input_ids.index_copy_(0, self.rows, self.values)
+
+
+class SampledIds:
+    """Pinned host buffers for the sampled ids, two so that a step's copy never overwrites the ids of the step
+    before it, which the host may still be reading."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._buffers = [torch.zeros(max(1, max_rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._next = 0
+        self._cuda = pin
+
+    def start(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the copy of `sampled` to the host; (its host view, an event that marks it done)."""
+        if not self._cuda:
+            return sampled, None
+        buffer = self._buffers[self._next][: sampled.shape[0]]
+        self._next ^= 1
+        buffer.copy_(sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buffer, done
+
+
+@dataclass
+class InFlight:
+    """A launched step: what it ran, its sampler's output (device tensors) and the host copy of the ids."""
+
+    out: SchedulerOutput
+    sampled: list[ScheduledChunk]  # the chunks that sample, in the sampler's row order
+    result: SamplerOutput | None  # None when no chunk samples
+    host_ids: torch.Tensor | None
+    copied: torch.cuda.Event | None
+    planned: StepRecord
+    ahead: bool = False  # its requests got pending tokens and the next step was scheduled before its tokens
+
+    def tokens(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Wait for the sampled ids and return them with the logprobs (rows in `sampled` order)."""
+        if self.result is None or self.host_ids is None:
+            return [], []
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_ids.tolist(), self.result.logprobs_lists()
+
+    def feed_for(self, out: SchedulerOutput) -> TokenFeed | None:
+        """The rows of `out`'s input ids that are this step's pending tokens, and their values on the device."""
+        if self.result is None:
+            return None
+        index = {chunk.request.request_id: i for i, chunk in enumerate(self.sampled)}
+        rows, sources, row = [], [], 0
+        for chunk in out.chunks:
+            request = chunk.request
+            source = index.get(request.request_id)
+            if (
+                source is not None
+                and request.output_token_ids
+                and request.output_token_ids[-1] == PENDING_TOKEN
+            ):
+                rows.append(row + chunk.num_tokens - 1)  # the chunk's last token is the pending one
+                sources.append(source)
+            row += chunk.num_tokens
+        if not rows:
+            return None
+        ids = self.result.sampled_token_ids
+        pairs = torch.tensor([rows, sources], dtype=torch.int64).to(ids.device, non_blocking=True)
+        return TokenFeed(pairs[0], ids.index_select(0, pairs[1]))

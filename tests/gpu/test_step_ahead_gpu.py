@@ -1,0 +1,53 @@
+"""Step-ahead scheduling on the GPU (scheduler.async_scheduling): the decode steps replay CUDA graphs with their
+pending input ids fed on the device, the sampled ids come back through pinned buffers, and the tokens are the
+synchronous engine's, in bf16 and with FP8 weights and cache. The CPU test (tests/model/test_step_ahead.py)
+covers the scheduling cases; this covers what only a GPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.engine import Engine
+from model_runtime.request import SamplingParams
+from tests.model.tiny_models import write_tiny_hf
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+def _tokens(path: str, ahead: bool, quantization: str) -> tuple[dict[str, list[int]], Engine]:
+    fp8 = quantization == "fp8"
+    engine = Engine(
+        EngineConfig(
+            model=path,
+            cache=CacheConfig(num_blocks=512, dtype="fp8_e4m3" if fp8 else None),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_model_len=512, async_scheduling=ahead),
+            device=DeviceConfig(device="cuda", dtype="bfloat16", quantization=quantization),
+        ),
+        emit_text=False,
+    )
+    prompts = [[(7 * i + j) % 90 + 5 for i in range(11 + 5 * j)] for j in range(12)]
+    out: dict[str, list[int]] = {f"r{j}": [] for j in range(len(prompts))}
+    for j, prompt in enumerate(prompts):
+        engine.add_request(
+            f"r{j}", prompt, SamplingParams(temperature=0, max_tokens=8 + 3 * j, ignore_eos=True)
+        )
+    while engine.has_unfinished():
+        for step in engine.step():
+            out[step.request_id] += step.token_ids
+    return out, engine
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_steps_scheduled_ahead_replay_graphs_and_give_the_synchronous_tokens(tmp_path, quantization) -> None:
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 projections need sm_90+")
+    path = str(write_tiny_hf(tmp_path, "llama"))
+    sync, _ = _tokens(path, False, quantization)
+    ahead, engine = _tokens(path, True, quantization)
+    assert ahead == sync
+    assert (
+        engine.steps_ahead > 10 and engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+    )
+    assert engine.pool.num_free == engine.pool.usable

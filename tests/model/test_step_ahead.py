@@ -1,0 +1,147 @@
+"""Step-ahead scheduling (scheduler.async_scheduling, model_runtime.step_ahead) on a tiny random Llama on the CPU:
+an engine that schedules and launches step N+1 before step N's tokens reach the host gives the outputs of the
+synchronous engine, token for token, through stop tokens, length limits, chunked prompts, preemption, the prefix
+cache, seeded sampling with logprobs and aborts; it returns every block; and the places that cannot run it
+refuse it by name. (On a CPU nothing overlaps: this checks correctness. The speed is measured on a GPU by
+bench/offline_throughput.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.config import ConfigError, parse_config
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.engine import Engine
+from model_runtime.request import SamplingParams
+from model_runtime.request_rules import InvalidRequest
+from tests.model.tiny_models import write_tiny_hf
+
+PROMPTS = [[(7 * i + 3 * j) % 90 + 5 for i in range(5 + 9 * j)] for j in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_hf(tmp_path_factory.mktemp("step-ahead"), "llama"))
+
+
+def _engine(path: str, ahead: bool, num_blocks: int = 256, prefix: bool = False, budget: int = 64) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=path,
+            cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=prefix),
+            scheduler=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128, async_scheduling=ahead
+            ),
+            device=DeviceConfig(device="cpu", dtype="float32", enforce_eager=True),
+        ),
+        emit_text=False,
+    )
+
+
+def _run(
+    engine: Engine, params: list[SamplingParams], abort_at: dict[int, str] | None = None, prompts=PROMPTS
+) -> dict:
+    """Every request's tokens, finish reason, logprobs and cached prompt tokens; `abort_at`: step -> request."""
+    out: dict[str, dict] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+        out[f"r{i}"] = {"tokens": [], "finish": None, "logprobs": [], "cached": None}
+    step = 0
+    engine.preemptions = 0  # type: ignore[attr-defined]
+    while engine.has_unfinished():
+        if abort_at and step in abort_at:
+            engine.abort(abort_at[step])
+            out[abort_at[step]]["finish"] = "aborted"
+        outputs = engine.step()
+        engine.preemptions += engine.last_step.num_preempted if engine.last_step else 0  # type: ignore[attr-defined]
+        for o in outputs:
+            row = out[o.request_id]
+            row["tokens"] += o.token_ids
+            row["finish"] = o.finish_reason or row["finish"]
+            row["logprobs"] += o.logprobs or []
+            row["cached"] = o.num_cached_tokens
+        step += 1
+        assert step < 2000
+    return out
+
+
+def _both(path: str, params: list[SamplingParams], **kw) -> tuple[dict, dict, Engine]:
+    abort_at, prompts = kw.pop("abort_at", None), kw.pop("prompts", PROMPTS)
+    sync = _run(_engine(path, False, **kw), params, abort_at, prompts)
+    ahead_engine = _engine(path, True, **kw)
+    ahead = _run(ahead_engine, params, abort_at, prompts)
+    return sync, ahead, ahead_engine
+
+
+def _all_blocks_back(engine: Engine) -> bool:
+    return engine.pool.num_free == engine.pool.usable
+
+
+def test_stop_tokens_and_length_limits_give_the_synchronous_outputs(tiny):
+    free_run = _run(_engine(tiny, False), [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 6)
+    # Each request stops at a token it would sample early on, so stops land mid-batch in different steps.
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=5 + 3 * i, ignore_eos=True,
+            stop_token_ids=(free_run[f"r{i}"]["tokens"][1 + i % 4],) if i % 3 else (),
+        )
+        for i in range(6)
+    ]  # fmt: skip
+    sync, ahead, engine = _both(tiny, params)
+    assert ahead == sync
+    assert {row["finish"] for row in sync.values()} == {"stop", "length"}
+    assert engine.steps_ahead > 5  # the next step really was launched before the tokens came back
+    assert _all_blocks_back(engine) and not engine.has_unfinished()
+
+
+def test_chunked_prompts_and_preemption_give_the_synchronous_outputs(tiny):
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 6
+    sync, ahead, engine = _both(tiny, params, num_blocks=40, budget=16)  # 16-token chunks; blocks run out
+    assert ahead == sync
+    assert engine.preemptions > 0 and engine.steps_ahead > 0  # type: ignore[attr-defined]
+    assert engine.scheduler.num_running == 0 and _all_blocks_back(engine)
+
+
+def test_seeded_sampling_with_logprobs_and_the_prefix_cache_give_the_synchronous_outputs(tiny):
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=9, ignore_eos=True, logprobs=2)
+        for i in range(6)
+    ]
+    shared = PROMPTS[5][:24]  # six blocks of 4 tokens that every prompt starts with
+    prompts = [shared + p[: 3 + i] for i, p in enumerate(PROMPTS)]
+    sync, ahead, engine = _both(tiny, params, prefix=True, prompts=prompts, budget=32)
+    assert ahead == sync
+    assert any(row["cached"] for row in sync.values())  # later prompts share the earlier ones' prefix
+    assert all(len(row["logprobs"]) == 9 for row in sync.values())
+    assert _all_blocks_back(engine)
+
+
+def test_an_abort_while_a_step_runs_ahead_gives_the_synchronous_outputs_and_returns_the_blocks(tiny):
+    params = [SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)] * 6
+    sync, ahead, engine = _both(tiny, params, abort_at={4: "r2", 9: "r5"})
+    assert ahead == sync
+    assert sync["r2"]["finish"] == "aborted" and len(sync["r2"]["tokens"]) < 15
+    assert _all_blocks_back(engine) and not engine.has_unfinished()
+
+
+def test_the_engines_that_cannot_run_ahead_refuse_it_by_name(tiny):
+    with pytest.raises(ValueError, match=r"scheduler\.async_scheduling: colocated and offline engines only"):
+        Engine(
+            EngineConfig(
+                model=tiny,
+                cache=CacheConfig(block_size=4, num_blocks=64),
+                scheduler=SchedulerConfig(max_num_seqs=4, async_scheduling=True),
+                device=DeviceConfig(device="cpu", dtype="float32"),
+            ),
+            prefill_only=True,
+        )
+    with pytest.raises(InvalidRequest, match="add_prefilled: a decode worker's engine runs without"):
+        _engine(tiny, True).add_prefilled("r", [5, 6, 7], SamplingParams(max_tokens=2), (1,), 9)
+    with pytest.raises(ValueError, match=r"scheduler\.async_scheduling: must be true or false"):
+        SchedulerConfig(async_scheduling="yes")  # type: ignore[arg-type]
+    engine = {"scheduler": {"async_scheduling": True}}
+    with pytest.raises(
+        ConfigError, match=r"decode\.engine\.scheduler\.async_scheduling: for colocated workers"
+    ):
+        parse_config({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": engine}})
+    parse_config({"colocated": {"replicas": 1, "engine": engine}})  # accepted there
