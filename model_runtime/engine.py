@@ -312,7 +312,7 @@ class Engine:
         logits = self.runner.execute(out, feed=feed)
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
-            return InFlight(out, sampled, None, None, None, planned)
+            return InFlight(out, sampled, None, None, planned)
         requests = [c.request for c in sampled]
         tensors = SamplingTensors.from_params(
             [r.sampling for r in requests],
@@ -321,8 +321,7 @@ class Engine:
             logits.device,
         )
         result = self.sampler(logits, tensors)
-        host_ids, copied = self._sampled_ids.start(result.sampled_token_ids)
-        return InFlight(out, sampled, result, host_ids, copied, planned)
+        return InFlight(out, sampled, result, self._sampled_ids.start(result), planned)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
         if not requests:

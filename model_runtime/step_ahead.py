@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from model_runtime.request import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
-from model_runtime.sampler import SamplerOutput, TokenLogprobs
+from model_runtime.sampler import LogprobsTensors, SamplerOutput, TokenLogprobs
 from model_runtime.step_record import StepRecord
 
 
@@ -38,8 +38,10 @@ class TokenFeed:
 
 
 class SampledIds:
-    """Pinned host buffers for the sampled ids, two so that a step's copy never overwrites the ids of the step
-    before it, which the host may still be reading."""
+    """Host copies of a step's sampled ids (and logprobs, when asked), started at launch and waited for later.
+    The ids go to two pinned buffers in turn, so that a step's copy never overwrites the ids of the step before
+    it, which the host may still be reading. Nothing here waits on the stream: a `.tolist()` of a device tensor
+    would wait for the step launched after it too."""
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -47,37 +49,57 @@ class SampledIds:
         self._next = 0
         self._cuda = pin
 
-    def start(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start the copy of `sampled` to the host; (its host view, an event that marks it done)."""
+    def start(self, result: SamplerOutput) -> HostCopy:
+        sampled = result.sampled_token_ids
         if not self._cuda:
-            return sampled, None
-        buffer = self._buffers[self._next][: sampled.shape[0]]
+            return HostCopy(sampled, result.logprobs, None)
+        ids = self._buffers[self._next][: sampled.shape[0]]
         self._next ^= 1
-        buffer.copy_(sampled, non_blocking=True)
+        ids.copy_(sampled, non_blocking=True)
+        logprobs = None
+        if result.logprobs is not None:  # small: [B] and [B, N]; pinned by torch's caching host allocator
+            lp = result.logprobs
+            logprobs = LogprobsTensors(*(_pinned_copy(t) for t in (lp.chosen, lp.top_ids, lp.top_logprobs)))
         done = torch.cuda.Event()
         done.record()
-        return buffer, done
+        return HostCopy(ids, logprobs, done)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    ids: torch.Tensor  # [B] int64 on the host
+    logprobs: LogprobsTensors | None  # on the host
+    done: torch.cuda.Event | None  # recorded after the copies (None on a CPU: nothing to wait for)
+
+    def wait(self, num_logprobs: tuple[int | None, ...]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self.done is not None:
+            self.done.synchronize()
+        host = SamplerOutput(self.ids, self.logprobs, num_logprobs)
+        return self.ids.tolist(), host.logprobs_lists()
 
 
 @dataclass
 class InFlight:
-    """A launched step: what it ran, its sampler's output (device tensors) and the host copy of the ids."""
+    """A launched step: what it ran, its sampler's output (device tensors) and the host copy of its results."""
 
     out: SchedulerOutput
     sampled: list[ScheduledChunk]  # the chunks that sample, in the sampler's row order
     result: SamplerOutput | None  # None when no chunk samples
-    host_ids: torch.Tensor | None
-    copied: torch.cuda.Event | None
+    host: HostCopy | None
     planned: StepRecord
     ahead: bool = False  # its requests got pending tokens and the next step was scheduled before its tokens
 
     def tokens(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Wait for the sampled ids and return them with the logprobs (rows in `sampled` order)."""
-        if self.result is None or self.host_ids is None:
+        if self.result is None or self.host is None:
             return [], []
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host_ids.tolist(), self.result.logprobs_lists()
+        return self.host.wait(self.result.num_logprobs)
 
     def feed_for(self, out: SchedulerOutput) -> TokenFeed | None:
         """The rows of `out`'s input ids that are this step's pending tokens, and their values on the device."""
