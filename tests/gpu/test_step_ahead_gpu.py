@@ -1,6 +1,6 @@
 """Step-ahead scheduling on the GPU (scheduler.async_scheduling): the decode steps replay CUDA graphs with their
-pending input ids fed on the device, the sampled ids come back through pinned buffers, and the tokens are the
-synchronous engine's, in bf16 and with FP8 weights and cache. The CPU test (tests/model/test_step_ahead.py)
+pending input ids fed on the device, the sampled ids and logprobs come back through pinned buffers, and the
+tokens and logprobs are the synchronous engine's, in bf16 and with FP8 weights and cache. The CPU test (tests/model/test_step_ahead.py)
 covers the scheduling cases; this covers what only a GPU runs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.model.tiny_models import write_tiny_hf
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def _tokens(path: str, ahead: bool, quantization: str) -> tuple[dict[str, list[int]], Engine]:
+def _tokens(path: str, ahead: bool, quantization: str) -> tuple[dict[str, list], Engine]:
     fp8 = quantization == "fp8"
     engine = Engine(
         EngineConfig(
@@ -28,14 +28,14 @@ def _tokens(path: str, ahead: bool, quantization: str) -> tuple[dict[str, list[i
         emit_text=False,
     )
     prompts = [[(7 * i + j) % 90 + 5 for i in range(11 + 5 * j)] for j in range(12)]
-    out: dict[str, list[int]] = {f"r{j}": [] for j in range(len(prompts))}
+    out: dict[str, list] = {f"r{j}": [] for j in range(len(prompts))}
     for j, prompt in enumerate(prompts):
-        engine.add_request(
-            f"r{j}", prompt, SamplingParams(temperature=0, max_tokens=8 + 3 * j, ignore_eos=True)
-        )
+        logprobs = 2 if j % 3 == 0 else None  # their copies to the host run beside the next step too
+        params = SamplingParams(temperature=0, max_tokens=8 + 3 * j, ignore_eos=True, logprobs=logprobs)
+        engine.add_request(f"r{j}", prompt, params)
     while engine.has_unfinished():
         for step in engine.step():
-            out[step.request_id] += step.token_ids
+            out[step.request_id] += list(zip(step.token_ids, step.logprobs or [None] * len(step.token_ids)))
     return out, engine
 
 
