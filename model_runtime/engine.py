@@ -30,7 +30,7 @@ from model_runtime.parallel.group import TPGroup
 from model_runtime.request import Priority, Request, RequestStatus, SamplingParams, SchedulerOutput
 from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.runner_setup import build_runner
-from model_runtime.sampler import Sampler, SamplingTensors, TokenLogprobs
+from model_runtime.sampler import Sampler, SamplerOutput, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
 from model_runtime.step_ahead import InFlight, SampledIds
@@ -313,26 +313,23 @@ class Engine:
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
             return InFlight(out, sampled, None, None, planned)
-        requests = [c.request for c in sampled]
+        result = self._run_sampler(logits, [c.request for c in sampled])
+        return InFlight(out, sampled, result, self._sampled_ids.start(result), planned)
+
+    def _run_sampler(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits."""
         tensors = SamplingTensors.from_params(
             [r.sampling for r in requests],
             [r.output_offset + r.num_output_tokens for r in requests],
             self.model_config.vocab_size,
             logits.device,
         )
-        result = self.sampler(logits, tensors)
-        return InFlight(out, sampled, result, self._sampled_ids.start(result), planned)
+        return self.sampler(logits, tensors)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
         if not requests:
             return [], []
-        tensors = SamplingTensors.from_params(
-            [r.sampling for r in requests],
-            [r.output_offset + r.num_output_tokens for r in requests],
-            self.model_config.vocab_size,
-            logits.device,
-        )
-        result = self.sampler(logits, tensors)
+        result = self._run_sampler(logits, requests)
         tokens = result.sampled_token_ids.tolist()
         lps = result.logprobs_lists() if result.logprobs is not None else [None] * len(tokens)
         return tokens, lps
