@@ -7,6 +7,8 @@ bench/offline_throughput.py.)"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from deploy.config import ConfigError, parse_config
@@ -145,3 +147,41 @@ def test_the_engines_that_cannot_run_ahead_refuse_it_by_name(tiny):
     ):
         parse_config({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": engine}})
     parse_config({"colocated": {"replicas": 1, "engine": engine}})  # accepted there
+
+
+def test_behind_the_engine_loop_the_workers_path_gives_the_synchronous_outputs(tiny):
+    """What a colocated worker runs: the EngineLoop thread steps the engine while requests arrive through
+    call(); each subscriber gets its request's tokens and a finish, and the loop's step records add up."""
+    import queue
+
+    from model_runtime.engine_loop import EngineLoop
+
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(6)]
+    results = []
+    for ahead in (False, True):
+        loop, records = EngineLoop(_engine(tiny, ahead)), []
+        loop.add_step_listener(records.append)
+        loop.start()
+        outputs: queue.Queue = queue.Queue()
+        try:
+            for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+                loop.subscribe(f"r{i}", outputs.put)
+                loop.call(lambda e, i=i, prompt=prompt, p=p: e.add_request(f"r{i}", prompt, p))
+            tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(6)}
+            finished = 0
+            while finished < 6:
+                out = outputs.get(timeout=30)
+                tokens[out.request_id] += out.token_ids
+                finished += out.finish_reason is not None
+            # A step launched ahead for rows that finished meanwhile runs once more before the engine is idle.
+            deadline = time.monotonic() + 10
+            while not loop.call(lambda e: e.pool.num_free == e.pool.usable and not e.has_unfinished()):
+                assert time.monotonic() < deadline, (
+                    "the engine kept blocks or work after every request finished"
+                )
+                time.sleep(0.01)
+        finally:
+            loop.stop()
+        assert sum(r.num_decode + r.num_prefill for r in records) >= sum(p.max_tokens for p in params)
+        results.append(tokens)
+    assert results[1] == results[0]
