@@ -56,6 +56,9 @@ SPILL_TOKENS = 8192
 # step (steps of up to 1024 tokens replay the piecewise prefill graphs, so small chunks cost little).
 SPILL_SMALL_CHUNKS = "-spill512"
 SPILL_CHUNK_TOKENS = 512
+# A colocated name + AHEAD: its workers schedule each step before the last one's tokens return
+# (engine.scheduler.async_scheduling; model_runtime.step_ahead).
+AHEAD = "-ahead"
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
 ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
@@ -93,8 +96,8 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, IPC, BOTH, NO_STREAM,
-    ONE_LANE, SPILL, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, IPC, BOTH,
+    NO_STREAM, ONE_LANE, SPILL, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
     ValueError naming the deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
     _check_handoff(name, config)
@@ -130,6 +133,13 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
     if name.endswith(AUTOSCALE):
         return autoscaled(_named_config(name.removesuffix(AUTOSCALE), slo), *slo)
+    if name.endswith(AHEAD):
+        config = _named_config(name.removesuffix(AHEAD), slo)
+        if "colocated" not in config:
+            raise ValueError(f"{name}: {AHEAD} is for colocated deployments (workers refuse it elsewhere)")
+        engine = config["colocated"].setdefault("engine", {})
+        engine["scheduler"] = dict(engine.get("scheduler", {}), async_scheduling=True)
+        return config
     if name.endswith(NO_CACHE):
         config = _named_config(name.removesuffix(NO_CACHE), slo)
         for pool in (p for p in POOLS if p in config):
@@ -153,7 +163,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} (colocated), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())
@@ -230,7 +240,7 @@ SMOLLM2_KV_HEADS = 3  # the embedded model's
 
 def smoke_config(config: dict, work: Path) -> dict:
     """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches (the
-    prefix cache and the ranks per worker stay as the deployment set them). SmolLM2's 3 KV heads split 3 ways
+    prefix cache, step-ahead scheduling and the ranks per worker stay as the deployment set them). SmolLM2's 3 KV heads split 3 ways
     but not 2, 4 or 8: such a deployment gets a tiny random Llama with 8 KV heads instead, written under
     `work`."""
     model = "smollm2-135m-instruct"
@@ -246,11 +256,15 @@ def smoke_config(config: dict, work: Path) -> dict:
     out = dict(config, model=model, transfer={"kinds": ["tcp"]})
     for pool in (p for p in POOLS if p in out):
         prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
+        ahead = out[pool].get("engine", {}).get("scheduler", {}).get("async_scheduling", False)
         engine = {
             "device": {"device": "cpu", "dtype": "float32"},
             "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix},
-            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048},
-        }
+            "scheduler": {
+                "max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048,
+                "async_scheduling": ahead,
+            },
+        }  # fmt: skip
         if _ranks(out[pool]) > 1:
             engine["parallel"] = {"tensor_parallel_size": _ranks(out[pool])}
         out[pool] = dict(out[pool], num_gpus=0, engine=engine)

@@ -227,3 +227,15 @@ def test_router_processes_variant_sets_router_processes_and_composes_with_others
     assert parse_config(config).router.processes == 3
     with pytest.raises(ValueError, match="-rN"):
         deployment_config("colocated-4-r9")
+
+
+def test_ahead_turns_step_ahead_scheduling_on_for_colocated_workers_only() -> None:
+    config = deployment_config("colocated-4-ahead")
+    assert config["colocated"]["replicas"] == 4
+    assert config["colocated"]["engine"]["scheduler"]["async_scheduling"] is True
+    assert parse_config(config).colocated is not None
+    assert smoke_config(config, Path(tempfile.mkdtemp()))["colocated"]["engine"]["scheduler"][
+        "async_scheduling"
+    ]
+    with pytest.raises(ValueError, match="disagg-1p1d-ahead: -ahead is for colocated deployments"):
+        deployment_config("disagg-1p1d-ahead")
