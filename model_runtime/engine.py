@@ -286,7 +286,6 @@ class Engine:
             self.scheduler.append_pending(request)
             if request.num_tokens >= self.scheduler.token_cap(request):
                 hold.append(request.request_id)  # its pending token is its last: it finishes by length
-        flight.ahead = True
         self._flight = self._launch(self.scheduler.schedule(frozenset(hold)), flight)
         if self._flight is not None:
             self.steps_ahead += 1

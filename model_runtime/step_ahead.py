@@ -93,7 +93,6 @@ class InFlight:
     result: SamplerOutput | None  # None when no chunk samples
     host: HostCopy | None
     planned: StepRecord
-    ahead: bool = False  # its requests got pending tokens and the next step was scheduled before its tokens
 
     def tokens(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Wait for the sampled ids and return them with the logprobs (rows in `sampled` order)."""
@@ -121,5 +120,7 @@ class InFlight:
         if not rows:
             return None
         ids = self.result.sampled_token_ids
-        pairs = torch.tensor([rows, sources], dtype=torch.int64).to(ids.device, non_blocking=True)
+        # Pinned: a copy from pageable memory to the device would first wait for the stream, i.e. for this step.
+        host = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=ids.is_cuda)
+        pairs = host.to(ids.device, non_blocking=True)
         return TokenFeed(pairs[0], ids.index_select(0, pairs[1]))
