@@ -26,7 +26,9 @@ def tiny(tmp_path_factory) -> str:
     return str(write_tiny_hf(tmp_path_factory.mktemp("step-ahead"), "llama"))
 
 
-def _engine(path: str, ahead: bool, num_blocks: int = 256, prefix: bool = False, budget: int = 64) -> Engine:
+def _engine(
+    path: str, ahead: bool, num_blocks: int = 256, prefix: bool = False, budget: int = 64, text: bool = False
+) -> Engine:
     return Engine(
         EngineConfig(
             model=path,
@@ -36,7 +38,7 @@ def _engine(path: str, ahead: bool, num_blocks: int = 256, prefix: bool = False,
             ),
             device=DeviceConfig(device="cpu", dtype="float32", enforce_eager=True),
         ),
-        emit_text=False,
+        emit_text=text,
     )
 
 
@@ -47,7 +49,7 @@ def _run(
     out: dict[str, dict] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
-        out[f"r{i}"] = {"tokens": [], "finish": None, "logprobs": [], "cached": None}
+        out[f"r{i}"] = {"tokens": [], "finish": None, "logprobs": [], "cached": None, "text": ""}
     step = 0
     engine.preemptions = 0  # type: ignore[attr-defined]
     while engine.has_unfinished():
@@ -62,6 +64,7 @@ def _run(
             row["finish"] = o.finish_reason or row["finish"]
             row["logprobs"] += o.logprobs or []
             row["cached"] = o.num_cached_tokens
+            row["text"] += o.text
         step += 1
         assert step < 2000
     return out
@@ -94,6 +97,24 @@ def test_stop_tokens_and_length_limits_give_the_synchronous_outputs(tiny):
     assert {row["finish"] for row in sync.values()} == {"stop", "length"}
     assert engine.steps_ahead > 5  # the next step really was launched before the tokens came back
     assert _all_blocks_back(engine) and not engine.has_unfinished()
+
+
+def test_text_stop_strings_eos_and_one_token_requests_give_the_synchronous_outputs(tiny):
+    """With text on (the offline engine's OutputTracker): stop strings found in the detokenized text, the
+    model's own end-of-sequence token, and requests whose first token is their last (max_tokens 1: held out of
+    the step launched ahead of their prompt's)."""
+    free_run = _run(
+        _engine(tiny, False, text=True), [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 6
+    )
+    params = []
+    for i in range(6):
+        text = free_run[f"r{i}"]["text"]
+        stop = (text[len(text) // 2 : len(text) // 2 + 2],) if i % 2 and len(text) > 4 else ()
+        params.append(SamplingParams(temperature=0, max_tokens=1 if i == 4 else 12, stop=stop))
+    sync, ahead, engine = _both(tiny, params, text=True)
+    assert ahead == sync
+    assert "stop" in {row["finish"] for row in sync.values()} and len(sync["r4"]["tokens"]) == 1
+    assert _all_blocks_back(engine)
 
 
 def test_chunked_prompts_and_preemption_give_the_synchronous_outputs(tiny):
