@@ -40,7 +40,6 @@ import dataclasses
 import gc
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,26 +49,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as gpu
+from bench.offline_drive import PROGRESS_EVERY_S, Shape, concurrency, drive, warm_up
+from bench.offline_report import print_table
 from bench.offline_variants import (
     BF16,
     FP8_GOAL_TOK_S,
     SPEEDUP_GOAL,
-    VARIANTS,
     Variant,
     parse_variants,
     versus_bf16,
 )
-from bench.step_profile import print_profile, profile_step
+from bench.step_probe import StepSplit
 from model_runtime.config import ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
-from model_runtime.request import SamplingParams
 from model_runtime.weights import load_model_config, resolve_model
 
 # TensorRT-LLM, FP8, one H100 (published), and the issue's goal: >= 60 % of it in bf16 on an H100.
 REFERENCE_TOK_S = {"128/128": 28312.0, "1000/1000": 15220.0, "2048/128": 3450.0}
 GOAL_TOK_S = {"128/128": 17000.0, "1000/1000": 9100.0, "2048/128": 2100.0}
 PUBLISHED_HF_H100 = {"128/128": (3557.0, 256), "1000/1000": (921.0, 64), "2048/128": (379.0, 32)}
-PROGRESS_EVERY_S = 10.0
 # --shapes, --num-prompts and --hf-batches when not given
 GPU_DEFAULTS = ("128/128,1000/1000,2048/128", "1000,500,500", "256,128,64,32,16,8")
 SMOKE_DEFAULTS = ("16/8,24/4", "6,4", "8,4,2")
@@ -85,16 +83,6 @@ REFERENCE = {
     "speedup_goal": SPEEDUP_GOAL,
     "transformers_h100_published": {k: {"tok_s": v, "batch": b} for k, (v, b) in PUBLISHED_HF_H100.items()},
 }
-
-
-@dataclass(frozen=True)
-class Shape:
-    input_len: int
-    output_len: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.input_len}/{self.output_len}"
 
 
 def parse_shapes(shapes: str, counts: str) -> list[tuple[Shape, int]]:
@@ -131,82 +119,13 @@ class TandemRow:
     output_tokens: int
     wall_s: float
     output_tok_s: float
-    steps: gpu.StepSplit
+    steps: StepSplit
     ceiling: gpu.ThroughputFloor
     fraction_of_ceiling: float
     reference_tok_s: float | None
     goal_tok_s: float | None  # the bf16 goal: bf16 rows only
     fraction_of_goal: float | None
     decode_profile: dict | None = None  # --profile-decode: kernels of a few decode steps at the full batch
-
-
-def concurrency(engine: Engine, shape: Shape, num_prompts: int) -> int:
-    per_seq = engine.layout.blocks_for_tokens(shape.input_len + shape.output_len)
-    fits = engine.layout.usable_blocks // per_seq
-    if fits < 1:
-        raise gpu.BenchError(f"{shape.key}: a sequence needs {per_seq} KV blocks, the cache has fewer")
-    return min(num_prompts, engine.config.scheduler.max_num_seqs, fits)
-
-
-def warm_up(engine: Engine, shape: Shape) -> None:
-    """Compiles the kernels for this prompt length before the clock starts."""
-    sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    for i, prompt in enumerate(gpu.random_prompts(2, shape.input_len, engine.model_config.vocab_size, 7)):
-        engine.add_request(f"warm-{i}", prompt, sampling)
-    while engine.has_unfinished():
-        engine.step()
-
-
-def drive(
-    engine: Engine,
-    shape: Shape,
-    prompts: list[list[int]],
-    limit: int,
-    deadline: gpu.Deadline,
-    profile: bool = False,
-):
-    """Runs the prompts, at most `limit` in the engine at once: (tokens per request, StepSplit, complete, the
-    decode profile). `profile`: once every prompt is in and 10 decode steps ran, the kernels of 5 more decode
-    steps (torch profiler, after 3 unprofiled ones)."""
-    sampling = SamplingParams(temperature=0, max_tokens=shape.output_len, ignore_eos=True)
-    pending, counts = deque(enumerate(prompts)), [0] * len(prompts)
-    in_flight, finished, next_log = 0, 0, time.monotonic() + PROGRESS_EVERY_S
-    probe, decode_profile = gpu.StepProbe(engine), None
-    outputs: list = []
-
-    def collect() -> None:
-        outputs.extend(probe.step())
-
-    try:
-        while pending or in_flight:
-            while pending and in_flight < limit:
-                i, prompt = pending.popleft()
-                engine.add_request(f"r-{i}", prompt, sampling)
-                in_flight += 1
-            ready = not pending and engine.scheduler.num_waiting == 0 and probe.split.decode_steps >= 10
-            if profile and decode_profile is None and ready and in_flight > 0:
-                found = profile_step(collect, reps=5)
-                decode_profile = dataclasses.asdict(found) | {"batch": engine.scheduler.num_running}
-                print_profile(f"{shape.key} decode at batch {engine.scheduler.num_running}", found)
-            else:
-                collect()
-            for out in outputs:
-                counts[int(out.request_id[2:])] += len(out.token_ids)
-                if out.finish_reason is not None:
-                    in_flight, finished = in_flight - 1, finished + 1
-            outputs.clear()
-            if time.monotonic() >= next_log:
-                next_log += PROGRESS_EVERY_S
-                gpu.log(f"tandem {shape.key}: {finished}/{len(prompts)} requests done, {sum(counts)} tokens")
-            if deadline.must_stop():
-                gpu.log(f"tandem {shape.key}: out of time, aborting {in_flight + len(pending)} requests")
-                break
-    finally:
-        probe.close()
-    complete = not pending and in_flight == 0
-    for i in range(0 if complete else len(prompts)):
-        engine.abort(f"r-{i}")
-    return counts, probe.split, complete, decode_profile
 
 
 def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setup) -> TandemRow:
@@ -389,54 +308,6 @@ def run_transformers(setup: Setup, work: list[tuple[Shape, int]]) -> None:
 
 
 # --- main ----------------------------------------------------------------------------------------------
-def print_table(doc: dict) -> None:
-    """One block of rows per variant; %goal: the 60% goal on bf16 rows, the FP8 goal on fp8 rows."""
-    hf, dtype = {r["shape"]: r for r in doc["transformers"]}, doc["settings"]["dtype"]
-    print(f"\noffline throughput on {doc['gpu']} ({dtype}), output tokens/s")
-    heads = ("tandem", "ceiling", "%ceil", "%goal", "x bf16", "trt-llm", "hf", "hf bs")
-    print(f"{'shape':>10} " + " ".join(f"{h:>7}" for h in heads) + " done")
-    for name in doc["variants"] or [None]:  # None: --skip-tandem, transformers only
-        rows = {r["shape"]: r for r in doc["tandem"] if r["variant"] == name}
-        print(VARIANTS[name].describe(dtype) if name else "transformers only")
-        for shape in dict.fromkeys([*rows, *hf]):
-            t, h = rows.get(shape, {}), hf.get(shape, {})
-            goal = t.get("fraction_of_goal") or t.get("fraction_of_fp8_goal")
-            cells = (
-                f"{t.get('output_tok_s', 0):.0f}", f"{t.get('ceiling', {}).get('tokens_per_s', 0):.0f}",
-                f"{t.get('fraction_of_ceiling', 0):.0%}", f"{goal:.0%}" if goal else "-",
-                f"{t['speedup_vs_bf16']:.2f}x" if t.get("speedup_vs_bf16") else "-",
-                f"{REFERENCE_TOK_S.get(shape, 0):.0f}", f"{h.get('output_tok_s', 0):.0f}", f"{h.get('batch', 0)}",
-            )  # fmt: skip
-            print(f"{shape:>10} " + " ".join(f"{c:>7}" for c in cells) + f" {t.get('complete', '-')}")
-    print(
-        "ceiling: prefill FLOPs at the measured matmul rate + decode steps at max(FLOPs, weight + KV bytes),"
-    )
-    print("  the bytes in the variant's format (FP8 weights and KV: one byte an element)")
-    print(f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); fp8 75% of it and {SPEEDUP_GOAL}x bf16")
-    print_decode_split(doc["tandem"])
-    for key in ("skipped", "errors"):
-        if doc[key]:
-            print(f"{key}: {doc[key]}")
-
-
-def print_decode_split(rows: list[dict]) -> None:
-    """Where a decode step's wall time went (GPU runs only): the GPU's share and the host work it waited for."""
-    # Not for steps scheduled ahead: their host work runs while the GPU computes, which the probe cannot split.
-    timed = [
-        r
-        for r in rows
-        if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"] and not VARIANTS[r["variant"]].ahead
-    ]
-    if not timed:
-        return
-    print("decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for")
-    print(f"{'variant':>10} {'shape':>10} {'batch':>6} {'wall':>7} {'gpu':>7} {'schedule':>9} {'post':>7}")
-    for r in timed:
-        s, n = r["steps"], r["steps"]["decode_steps"]
-        cells = [1e3 * s[k] / n for k in ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s")]
-        print(f"{r['variant']:>10} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>7.2f}" for c in cells))
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="default dummy:llama-3-8b (smoke: a tiny HF model)")

@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as gpu
+from bench.step_probe import StepProbe
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
@@ -88,7 +89,7 @@ def ttft_once(
     """(seconds to the first token, engine steps it took, seconds inside those steps); with `cached` > 0 the
     engine must report at least that many prompt tokens (rounded down to whole blocks) as served by its cache."""
     sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    probe = gpu.StepProbe(engine)
+    probe = StepProbe(engine)
     try:
         gpu.synchronize(str(engine.device))
         t0 = time.perf_counter()

@@ -1,0 +1,54 @@
+"""The table bench/offline_throughput.py prints last, from its JSON document: a block of rows per variant against
+its ceiling, its goal, bf16 and the references, then where a decode step's wall time went."""
+
+from __future__ import annotations
+
+from bench.offline_variants import SPEEDUP_GOAL, VARIANTS
+
+
+def print_table(doc: dict) -> None:
+    """One block of rows per variant; %goal: the 60% goal on bf16 rows, the FP8 goal on fp8 rows."""
+    hf, dtype = {r["shape"]: r for r in doc["transformers"]}, doc["settings"]["dtype"]
+    print(f"\noffline throughput on {doc['gpu']} ({dtype}), output tokens/s")
+    heads = ("tandem", "ceiling", "%ceil", "%goal", "x bf16", "trt-llm", "hf", "hf bs")
+    print(f"{'shape':>10} " + " ".join(f"{h:>7}" for h in heads) + " done")
+    for name in doc["variants"] or [None]:  # None: --skip-tandem, transformers only
+        rows = {r["shape"]: r for r in doc["tandem"] if r["variant"] == name}
+        print(VARIANTS[name].describe(dtype) if name else "transformers only")
+        for shape in dict.fromkeys([*rows, *hf]):
+            t, h = rows.get(shape, {}), hf.get(shape, {})
+            goal = t.get("fraction_of_goal") or t.get("fraction_of_fp8_goal")
+            cells = (
+                f"{t.get('output_tok_s', 0):.0f}", f"{t.get('ceiling', {}).get('tokens_per_s', 0):.0f}",
+                f"{t.get('fraction_of_ceiling', 0):.0%}", f"{goal:.0%}" if goal else "-",
+                f"{t['speedup_vs_bf16']:.2f}x" if t.get("speedup_vs_bf16") else "-",
+                f"{doc['reference']['tok_s'].get(shape, 0):.0f}", f"{h.get('output_tok_s', 0):.0f}", f"{h.get('batch', 0)}",
+            )  # fmt: skip
+            print(f"{shape:>10} " + " ".join(f"{c:>7}" for c in cells) + f" {t.get('complete', '-')}")
+    print(
+        "ceiling: prefill FLOPs at the measured matmul rate + decode steps at max(FLOPs, weight + KV bytes),"
+    )
+    print("  the bytes in the variant's format (FP8 weights and KV: one byte an element)")
+    print(f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); fp8 75% of it and {SPEEDUP_GOAL}x bf16")
+    print_decode_split(doc["tandem"])
+    for key in ("skipped", "errors"):
+        if doc[key]:
+            print(f"{key}: {doc[key]}")
+
+
+def print_decode_split(rows: list[dict]) -> None:
+    """Where a decode step's wall time went (GPU runs only): the GPU's share and the host work it waited for."""
+    # Not for steps scheduled ahead: their host work runs while the GPU computes, which the probe cannot split.
+    timed = [
+        r
+        for r in rows
+        if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"] and not VARIANTS[r["variant"]].ahead
+    ]
+    if not timed:
+        return
+    print("decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for")
+    print(f"{'variant':>10} {'shape':>10} {'batch':>6} {'wall':>7} {'gpu':>7} {'schedule':>9} {'post':>7}")
+    for r in timed:
+        s, n = r["steps"], r["steps"]["decode_steps"]
+        cells = [1e3 * s[k] / n for k in ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s")]
+        print(f"{r['variant']:>10} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>7.2f}" for c in cells))
