@@ -24,7 +24,7 @@ from kv_transfer.stats import TransferStats
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 from tandem_api.tandem.v1 import rank_agent_pb2 as pb
-from worker_host.rank_agents.link import AgentHub, held_by_all
+from worker_host.rank_agents.link import AgentHub, held_by_all, lost_outcome, outcome_failure
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +217,7 @@ class ShardedReceiver:
             join.others[rank] = outcome
             failed = not outcome.ok and join.failure is None
             if failed:
-                reason = FailureReason(outcome.failure) if outcome.failure else FailureReason.INTERNAL
-                join.failure = (reason, f"rank {rank}: {outcome.message}")
+                join.failure = outcome_failure(rank, outcome)
         if failed:
             self._own.abort(outcome.request_id, f"rank {rank}'s lease failed")
             self._cancel_others(outcome.request_id, f"rank {rank}'s lease failed")
@@ -228,9 +227,7 @@ class ShardedReceiver:
         with self._lock:
             pending = list(self._joins.values())
         for join in pending:
-            self._other_outcome(
-                rank, pb.AgentOutcome(request_id=join.request_id, ok=False, message="rank lost")
-            )
+            self._other_outcome(rank, lost_outcome(join.request_id))
 
     def _cancel_others(self, request_id: str, message: str) -> None:
         cancel = pb.AgentMessage(cancel=pb.AgentCancel(request_id=request_id, message=message))

@@ -91,6 +91,18 @@ def outcome_message(
     return pb.AgentMessage(outcome=outcome)
 
 
+def outcome_failure(rank: int, outcome: pb.AgentOutcome) -> tuple[FailureReason, str]:
+    """A failed rank's outcome as rank 0 reports it: its reason (INTERNAL when it gave none), and its message
+    prefixed with the rank."""
+    reason = FailureReason(outcome.failure) if outcome.failure else FailureReason.INTERNAL
+    return reason, f"rank {rank}: {outcome.message}"
+
+
+def lost_outcome(request_id: str) -> pb.AgentOutcome:
+    """What rank 0 records for each request a rank still owed when its link went away."""
+    return pb.AgentOutcome(request_id=request_id, ok=False, message="rank lost")
+
+
 # --- rank 0 ---------------------------------------------------------------------------------------------
 class AgentHub:
     """Rank 0's end: listens before the other ranks start (they connect whenever their agent is up)."""

@@ -29,7 +29,7 @@ from kv_transfer.stats import StatsRecorder, TransferStats
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
 from tandem_api.tandem.v1 import rank_agent_pb2 as pb
-from worker_host.rank_agents.link import AgentHub, held_by_all
+from worker_host.rank_agents.link import AgentHub, held_by_all, lost_outcome, outcome_failure
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,7 @@ class ShardedSender:
             handle.waiting.discard(rank)
             handle.num_bytes += outcome.num_bytes
             if not outcome.ok and handle.failure is None:
-                reason = FailureReason(outcome.failure) if outcome.failure else FailureReason.INTERNAL
-                handle.failure = (reason, f"rank {rank}: {outcome.message}")
+                handle.failure = outcome_failure(rank, outcome)
         if not outcome.ok:
             handle.abort(f"rank {rank}'s sends failed")
         self._settle(handle)
@@ -187,9 +186,7 @@ class ShardedSender:
         with self._lock:
             pending = list(self._sends.values())
         for handle in pending:
-            self._other_outcome(
-                rank, pb.AgentOutcome(request_id=handle.request_id, ok=False, message="rank lost")
-            )
+            self._other_outcome(rank, lost_outcome(handle.request_id))
 
     def _settle(self, handle: ShardedSendHandle) -> None:
         """Once every rank's sends ended: release the blocks, then resolve the handle."""
