@@ -5,6 +5,7 @@ deploy/configs/bench-disagg.yaml and deploy/configs/bench-colocated.yaml (same e
     python bench/disagg_vs_colocated.py --deployments disagg --workloads prefill-heavy     # one sweep
     python bench/disagg_vs_colocated.py                                  # everything (long: see --budget-s)
     python bench/disagg_vs_colocated.py --summarize-only                  # tables + plots from saved results
+    python bench/disagg_vs_colocated.py --summarize-only --out RUN4 --include RUN2   # two runs' files, one summary
     python bench/disagg_vs_colocated.py --smoke --out /tmp/dvc            # the whole driver on CPU, in minutes
     python bench/disagg_vs_colocated.py --deployments colocated,colocated-4 --workloads prefill-heavy  # 2 vs 4 GPUs
 
@@ -329,11 +330,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="for tandem serve to become ready")
     p.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and plots")
+    p.add_argument(
+        "--include",
+        type=Path,
+        action="append",
+        default=[],
+        help="with --summarize-only: also read the results files in this directory (repeatable), e.g. a "
+        "2-GPU run beside a 4-GPU one; the summary and plots go to --out",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU dry run of the whole driver (needs --out)")
     p.add_argument("--out", type=Path, help="results and logs here instead of bench/results")
     args = p.parse_args(argv)
     if args.smoke and args.out is None:
         p.error("--smoke: give --out DIR (smoke numbers never go to bench/results)")
+    if args.include and not args.summarize_only:
+        p.error("--include: only with --summarize-only (a sweep writes its own results to --out)")
+    missing = [str(d) for d in args.include if not d.is_dir()]
+    if missing:
+        p.error(f"--include: no such directory {missing[0]}")
     # Smoke: short points and CPU-sized targets, so that a sweep goes past its first point.
     smoke, gpu = (
         (4.0, 10.0, 4, SLO(ttft=5.0, tpot=0.5), 1, 2.0, 6.0),
@@ -382,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm_up(server, input_len=64 if args.smoke else 1024)
                 for name in args.workloads.split(","):
                     sweep(server, deployment, name, args, deadline)
-    summarize(args.slo, OUT_DIR)
+    summarize(args.slo, OUT_DIR, tuple(args.include))
     return 0
 
 
