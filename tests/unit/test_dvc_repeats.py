@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.disagg_vs_colocated import SETTLE_SEED_BLOCK, WARM_UP_SEED_BLOCK, parse_args, point_seed
+from bench.disagg_vs_colocated import (
+    SETTLE_SEED_BLOCK,
+    WARM_UP_SEED_BLOCK,
+    parse_args,
+    point_seconds,
+    point_seed,
+)
 from bench.dvc_deployments import kv_delta
 from bench.dvc_summary import rate_points, repeat_spread, share_points
 from tandem_cli.bench.sweep import capacity
@@ -95,3 +101,13 @@ def test_a_points_handoff_means_survive_a_worker_that_left_or_joined_during_it()
     restarted = {**after, "d1": {"decode.admit.sum": 0.1, "decode.admit.count": 1.0}}  # went down: left out
     assert kv_delta(before, restarted)["phases_mean_s"] == {"decode.admit": pytest.approx(0.1)}
     assert kv_delta(None, after) is None and kv_delta({}, {}) is None
+
+
+def test_a_closed_loop_run_lasts_batch_duration_and_the_rate_points_keep_duration() -> None:
+    args = parse_args(["--duration", "8", "--batch-duration", "60", "--min-requests", "20"])
+    assert point_seconds(0.0, args) == 60.0  # the batch case
+    assert point_seconds(16.0, args) == 8.0
+    assert point_seconds(1.0, args) == 20.0  # stretched to --min-requests
+    assert point_seconds(0.0, parse_args(["--duration", "8"])) == 8.0  # default: --duration
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-duration", "0"])

@@ -239,3 +239,24 @@ def test_ahead_turns_step_ahead_scheduling_on_for_colocated_workers_only() -> No
     ]
     with pytest.raises(ValueError, match="disagg-1p1d-ahead: -ahead is for colocated deployments"):
         deployment_config("disagg-1p1d-ahead")
+
+
+def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_range() -> None:
+    config, plain = deployment_config("disagg-2p2d-pb4096"), deployment_config("disagg-2p2d")
+    assert config["prefill"]["engine"]["scheduler"]["max_num_batched_tokens"] == 4096
+    assert plain["prefill"]["engine"]["scheduler"]["max_num_batched_tokens"] == 8192  # the config as written
+    assert config["decode"] == plain["decode"] and config["prefill"]["replicas"] == 2
+    others = {
+        k: v for k, v in config["prefill"]["engine"]["scheduler"].items() if k != "max_num_batched_tokens"
+    }
+    assert others == {
+        k: v for k, v in plain["prefill"]["engine"]["scheduler"].items() if k != "max_num_batched_tokens"
+    }
+    parse_config(config)
+    colocated = deployment_config("colocated-4-pb1024-r2")
+    assert colocated["colocated"]["engine"]["scheduler"]["max_num_batched_tokens"] == 1024
+    assert colocated["colocated"]["replicas"] == 4 and colocated["router"]["processes"] == 2
+    with pytest.raises(
+        ValueError, match="disagg-1p1d-pb100: -pbN takes a step budget of 256-16384 tokens, got 100"
+    ):
+        deployment_config("disagg-1p1d-pb100")
