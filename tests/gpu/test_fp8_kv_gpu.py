@@ -47,18 +47,21 @@ def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
 
 @pytest.mark.parametrize("segments", [1, 8])
 @pytest.mark.parametrize("v_magnitude", [1.0, 1e-3])
-def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float) -> None:
+@pytest.mark.parametrize("qk_dot", [False, True], ids=["fp16-dots", "e4m3-qk"])
+def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, qk_dot: bool) -> None:
     """Against the reference reading the same codes; values of 1e-3 (scales near 2e-6) check that the scaled
-    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT)."""
-    from model_runtime.attention.triton_decode import DecodeWorkspace, decode_attention
+    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT). "e4m3-qk": the score dot on
+    the codes themselves (DecodeTuning.fp8_qk_dot)."""
+    from model_runtime.attention.triton_decode import DecodeTuning, DecodeWorkspace, decode_attention
 
     seq_lens = [3000, 0, 17, 1200]
     q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 4, 8, 4, 128, 16, torch.bfloat16)
     kc, vc, scales = fp8_pages(kc, vc * v_magnitude)
     out = torch.full_like(q, float("nan"))
     decode_attention(
-        q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments, kv_scale=scales
-    )
+        q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments,
+        DecodeTuning(fp8_qk_dot=qk_dot), kv_scale=scales,
+    )  # fmt: skip
     safe = make_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
     ref = paged_attention_ref(q.float(), kc, vc, safe, 0.088, scales)
     live = torch.tensor([s > 0 for s in seq_lens], device="cuda")
