@@ -329,11 +329,12 @@ def build_engine(
     prefix_caching: bool = False,
     quantization: str = "none",
     cache_dtype: str | None = None,
+    fp8_qk_dot: bool = False,
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
     work); the cache size comes from the engine's memory planner. Token ids out, no text (emit_text=False), as the
     prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
-    are device.quantization and cache.dtype (None: the model dtype)."""
+    are device.quantization and cache.dtype (None: the model dtype), `fp8_qk_dot` device.fp8_qk_dot."""
     graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
     log(
         f"building engine: {model}, {where.device} {where.dtype}, weights {quantization}, KV {kv}, graphs {graphs}"
@@ -346,8 +347,9 @@ def build_engine(
         gpu_memory_utilization=memory_fraction,
     )
     device = DeviceConfig(
-        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization
-    )
+        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization,
+        fp8_qk_dot=fp8_qk_dot,
+    )  # fmt: skip
     config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device)
     engine = Engine(config, emit_text=False)
     if (engine.runner.graphs is None) != where.eager:

@@ -178,11 +178,12 @@ def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
         a.max_num_seqs, a.max_num_batched_tokens, max_model_len=longest + 16, async_scheduling=v.ahead
     )
     setup.run.doc["variants"][v.name] = {
-        "quantization": v.quantization, "cache_dtype": v.cache_dtype, "model_cost": dataclasses.asdict(setup.cost)
+        "quantization": v.quantization, "cache_dtype": v.cache_dtype, "fp8_qk_dot": v.qk_dot,
+        "model_cost": dataclasses.asdict(setup.cost),
     }  # fmt: skip
     build = partial(
         gpu.build_engine, model, setup.where, limits, a.gpu_memory_utilization,
-        quantization=v.quantization, cache_dtype=v.cache_dtype,
+        quantization=v.quantization, cache_dtype=v.cache_dtype, fp8_qk_dot=v.qk_dot,
     )  # fmt: skip
     engine = setup.run.job(f"{v.job_prefix} engine", build)
     if engine is not None:
@@ -321,7 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default="bf16",
-        help="Tandem engines: bf16,fp8-weights,fp8-kv,fp8,fp8-group,bf16-ahead,fp8-ahead (default bf16)",
+        help="Tandem engines: bf16,fp8-weights,fp8-kv,fp8,fp8-group,bf16-ahead,fp8-ahead,fp8-qk (default bf16)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run only Tandem")
     p.add_argument("--skip-tandem", action="store_true", help="run only transformers (mind --out)")

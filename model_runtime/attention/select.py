@@ -18,9 +18,10 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def make_attention_backend(name: str, device: str) -> AttentionBackend:
+def make_attention_backend(name: str, device: str, fp8_qk_dot: bool = False) -> AttentionBackend:
     """ "auto": Triton on CUDA when triton is installed, else the torch reference.
-    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise."""
+    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise. `fp8_qk_dot`:
+    DeviceConfig.fp8_qk_dot, for the Triton decode kernel."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(BACKEND_NAMES)}")
     on_cuda = device.startswith("cuda")
@@ -38,5 +39,6 @@ def make_attention_backend(name: str, device: str) -> AttentionBackend:
             "(set TRITON_INTERPRET=1 to run its kernels on the CPU for testing)"
         )
     from model_runtime.attention.triton_backend import TritonAttention
+    from model_runtime.attention.triton_decode import DecodeTuning
 
-    return TritonAttention()
+    return TritonAttention(tuning=DecodeTuning(fp8_qk_dot=fp8_qk_dot))

@@ -198,6 +198,11 @@ def test_versus_bf16_goals_and_an_unknown_variant():
     assert offline_variants.versus_bf16(kv, "128/128", 12000.0, cut).speedup_vs_bf16 is None
     names = [v.name for v in offline_variants.parse_variants("fp8, fp8-weights,bf16,fp8")]
     assert names == ["bf16", "fp8-weights", "fp8"]
+    qk = offline_variants.VARIANTS["fp8-qk"]  # fp8 with the decode kernel's score dot on the codes
+    assert (qk.quantization, qk.cache_dtype, qk.qk_dot, fp8.qk_dot) == ("fp8", "fp8_e4m3", True, False)
+    assert qk.cost(load_model_config(resolve_model("dummy:llama-3-8b")), 2) == fp8.cost(
+        load_model_config(resolve_model("dummy:llama-3-8b")), 2
+    )  # same bytes: only the kernel's arithmetic differs
     with pytest.raises(SystemExit, match=r"--variants: unknown 'fp4'.*bf16, fp8-weights, fp8-kv, fp8"):
         offline_throughput.main(["--smoke", "--variants", "bf16,fp4"])
 

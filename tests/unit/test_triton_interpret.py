@@ -253,7 +253,7 @@ def _decode_case(
 
 
 def _backend_case(
-    seq_lens: list[int], query_lens: list[int], fp8: bool = False
+    seq_lens: list[int], query_lens: list[int], fp8: bool = False, qk_fp8: bool = False
 ) -> Callable[[], tuple[bool, str]]:
     """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs. With an
     FP8 cache the Triton prefill of a fresh prompt attends to its own unquantized rows where the torch
@@ -269,18 +269,23 @@ def _backend_case(
             kc, vc, scales = _fp8_caches(kc, vc)
             k, v = _on_grid(k), _on_grid(v)
             ref_scales = scales.clone()
-        backend = make_attention_backend("triton", "cpu")
+        backend = make_attention_backend("triton", "cpu", fp8_qk_dot=qk_fp8)  # DeviceConfig.fp8_qk_dot
         ref_kc, ref_vc = kc.clone(), vc.clone()
         ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, ref_scales)
         out = backend.forward(q, k, v, kc, vc, meta, 0.25, scales)
         live = [s > 0 for s, n in zip(seq_lens, query_lens) for _ in range(n)]
-        ok, detail = _compare(out, torch.nan_to_num(ref), live, TOL_FP8_DECODE if fp8 else TOL)
+        tol = TOL_FP8_QK if qk_fp8 else TOL_FP8_DECODE if fp8 else TOL
+        ok, detail = _compare(out, torch.nan_to_num(ref), live, tol)
         caches = (
             torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8))
             and torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))
             and (scales is None or torch.equal(scales, ref_scales))
         )
-        return ok and caches, f"{detail} caches_equal={caches} backend={backend.name}"
+        qk = backend.tuning.fp8_qk_dot
+        return (
+            ok and caches and qk == qk_fp8,
+            f"{detail} caches_equal={caches} backend={backend.name} qk_dot={qk}",
+        )
 
     return run
 
@@ -344,6 +349,7 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     ),
     "backend_fp8_decode_only": _backend_case([9, 0, 21], [1, 1, 1], fp8=True),
     "backend_fp8_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2], fp8=True),
+    "backend_fp8_qk_dot_from_the_device_config": _backend_case([9, 0, 21], [1, 1, 1], fp8=True, qk_fp8=True),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
 }
 
