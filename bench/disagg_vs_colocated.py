@@ -83,6 +83,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.dvc_budget import Budget  # noqa: E402
 from bench.dvc_cpu import CpuMeter, cpu_line  # noqa: E402
 from bench.dvc_deployments import Server, deployment_config, kv_delta, pair_delta  # noqa: E402
 from bench.dvc_points import bench_point, handoff_line, point_record  # noqa: E402
@@ -131,7 +132,7 @@ def gpu_name() -> str:
     return ", ".join(names) or "unknown"
 
 
-def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, deadline: float) -> None:
+def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, budget: Budget) -> None:
     """Warm up on the workload, then run each rate --repeats times; a rate counts by the worse of its runs. With
     --refine STEP, then rates STEP apart between the highest rate met and the first one missed. A closed-loop
     workload (batch) runs --repeats times at its concurrency instead."""
@@ -139,7 +140,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
     rates = args.rates.get(name) or args.rates.get("*") or workload.rates
     label = f"{deployment}/{name}"
     closed = workload.concurrency > 0
-    warm_rates = [] if closed else warm_up_sweep(server, label, workload, rates, args, deadline)
+    warm_rates = [] if closed else warm_up_sweep(server, label, workload, rates, args, budget)
     path = OUT_DIR / f"{deployment}_{name}.json"
     result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": server.gpus,
               "card": gpu_name(), "commit": git_commit(), "slo": asdict(args.slo), "target_share": TARGET_SHARE,
@@ -149,11 +150,12 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
     def run_rate(rate: float) -> float | None:
         """The rate's runs, recorded; the worse share, or None when the budget stopped it."""
         shares = []
-        settle = {} if closed else settle_at(server, label, workload, rate, args, deadline)
+        settle = {} if closed else settle_at(server, label, workload, rate, args, budget)
         for repeat in range(args.repeats):
-            if time.monotonic() + point_seconds(rate, args) + args.drain + 30 > deadline:
+            if not budget.fits(point_seconds(rate, args)):
                 print(f"[{label}] --budget-s reached before rate {rate}; stopping", file=sys.stderr)
                 return None
+            timer = budget.timed()
             server.wait_quiet()
             before, pairs_before = server.kv_transfer_totals(), server.pair_totals()
             seed = point_seed(args.seed, rate, repeat)
@@ -171,6 +173,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             point["pairs"] = pair_delta(pairs_before, server.pair_totals())
             result["points"].append({**point, "repeat": repeat, "pools": server.pools(), **settle})
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
+            budget.record_point(point_seconds(rate, args), timer.elapsed())
             shares.append(report.goodput.share if report.goodput else 0.0)
             if closed:
                 print(f"[{label}] closed loop, {workload.concurrency} in flight, run {repeat + 1}/{args.repeats}: "
@@ -218,7 +221,7 @@ def refine_rates(met: float, missed: float, step: float) -> tuple[float, ...]:
 
 
 def settle_at(
-    server: Server, label: str, workload: Workload, rate: float, args: argparse.Namespace, deadline: float
+    server: Server, label: str, workload: Workload, rate: float, args: argparse.Namespace, budget: Budget
 ) -> dict:
     """On an autoscaled deployment, before a rate's recorded runs: --settle-s seconds of the same load, not
     recorded, for the autoscaler to resize the pools, then up to --settle-s more for a move it started to
@@ -226,7 +229,7 @@ def settle_at(
     not their lag behind the sweep's step (which the shift test measures). Returns the point's record of it."""
     if not server.autoscaled or args.settle_s <= 0:
         return {}
-    if time.monotonic() + 2 * args.settle_s + point_seconds(rate, args) + args.drain + 30 > deadline:
+    if not budget.fits(2 * args.settle_s + point_seconds(rate, args)):
         return {}  # the point itself will stop on the budget
     before = server.pools()
     seed = point_seed(args.seed, rate, SETTLE_SEED_BLOCK)
@@ -243,18 +246,20 @@ def settle_at(
 
 def warm_up_sweep(
     server: Server, label: str, workload: Workload, rates: tuple[float, ...], args: argparse.Namespace,
-    deadline: float,
+    budget: Budget,
 ) -> list[float]:  # fmt: skip
     """A few seconds at each of the sweep's lowest rates, on the workload's own lengths, not recorded: a cold
     first point measured 8 req/s at 68% of requests within the SLOs where the same point warm measured 99% (issue
     20). Returns the rates it ran."""
     ran: list[float] = []
     for rate in sorted(set(rates))[:WARM_UP_RATES] if args.warm_up_s > 0 else []:
-        if time.monotonic() + args.warm_up_s + args.drain + 30 > deadline:
+        if not budget.fits(args.warm_up_s):
             break
+        timer = budget.timed()
         server.wait_quiet()
         seed = point_seed(args.seed, rate, WARM_UP_SEED_BLOCK)
         report = bench_point(server, workload, rate, args.warm_up_s, seed, args)
+        budget.record_point(args.warm_up_s, timer.elapsed())
         print(f"[{label}] warm-up at {rate:g}/s: {report.counts.succeeded}/{report.counts.sent} succeeded "
               "(not recorded)", file=sys.stderr)  # fmt: skip
         ran.append(rate)
@@ -401,13 +406,19 @@ def main(argv: list[str] | None = None) -> int:
         OUT_DIR, LOG_DIR = args.out, args.out / "logs"
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if not args.summarize_only:
-        deadline = time.monotonic() + args.budget_s
+        budget = Budget(time.monotonic() + args.budget_s, args.drain)
+        first_arrivals = min(args.duration, args.warm_up_s or args.duration)
         for deployment in args.deployments.split(","):
+            if not budget.fits_deployment(first_arrivals):
+                print(f"[{deployment}] --budget-s reached before its start; not started", file=sys.stderr)
+                continue
             slo = (args.slo.ttft or 1.0, args.slo.tpot or 0.05)
+            timer = budget.timed()
             with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke, slo, args.model) as server:
                 warm_up(server, input_len=64 if args.smoke else 1024)
+                budget.record_start(timer.elapsed())
                 for name in args.workloads.split(","):
-                    sweep(server, deployment, name, args, deadline)
+                    sweep(server, deployment, name, args, budget)
     summarize(args.slo, OUT_DIR, tuple(args.include))
     return 0
 
