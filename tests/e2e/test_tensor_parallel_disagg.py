@@ -59,7 +59,7 @@ def test_prefill_and_decode_of_different_sizes_serve_one_device_tokens(
         try:
             found = workers(serve.address)
             assert found["prefill-0"].devices == prefill_tp and found["decode-0"].devices == decode_tp
-            assert len(rank_processes()) == 1  # the one other rank, of whichever worker spans two
+            assert len(rank_processes(serve)) == 1  # the one other rank, of whichever worker spans two
             check_greedy(serve.address, offline)
             assert_all_idle(serve.address)
             if decode_tp == 2:
@@ -79,7 +79,7 @@ def check_greedy(address: str, offline: LLM) -> None:
 
 
 def kill_a_decode_rank_mid_request(serve: ServeProcess, offline: LLM) -> None:
-    (rank,) = rank_processes()
+    (rank,) = rank_processes(serve)
     before = workers(serve.address)["decode-0"]
     prompt = "Tell me about foxes"
     request = Background(serve.address, prompt, max_tokens=LONG, temperature=0, ignore_eos=True)
@@ -102,7 +102,7 @@ def kill_a_decode_rank_mid_request(serve: ServeProcess, offline: LLM) -> None:
 
 
 def kill_a_prefill_rank(serve: ServeProcess, offline: LLM) -> None:
-    (rank,) = rank_processes()
+    (rank,) = rank_processes(serve)
     before = workers(serve.address)["prefill-0"]
     os.kill(rank.pid, signal.SIGKILL)
     wait_until(

@@ -68,13 +68,21 @@ def cluster(tmp_path: Path, model_dir: Path) -> Iterator[ServeProcess]:
             print("".join(serve.lines[-80:]))  # shown with a failing test
 
 
-def rank_processes() -> list[psutil.Process]:
-    """The other ranks' processes (Ray titles an actor's process `ray::RankProcess...`)."""
+def rank_processes(serve: ServeProcess) -> list[psutil.Process]:
+    """The other ranks' processes of this `tandem serve` (Ray titles an actor's process `ray::RankProcess...`),
+    found in its session: `make test` runs two groups of tests side by side, and a rank of the other group's
+    cluster must not count here (it did: 2 == 1 with both tensor-parallel tests running at once)."""
+    assert serve.proc is not None
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if cmdline and cmdline[0].startswith("ray::RankProcess"):
-            found.append(proc)
+        if not cmdline or not cmdline[0].startswith("ray::RankProcess"):
+            continue
+        try:
+            if os.getsid(proc.pid) == serve.proc.pid:
+                found.append(proc)
+        except OSError:  # it ended meanwhile
+            continue
     return found
 
 
@@ -110,7 +118,7 @@ def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
     assert any("RAY_ADDRESS=127.0.0.1:9 is ignored" in line for line in cluster.lines)
     assert listening_off_loopback(cluster) == []
     check_greedy(cluster.address, offline)
-    ranks = wait_until(rank_processes, 10, "rank 1's process")
+    ranks = wait_until(lambda: rank_processes(cluster), 10, "rank 1's process")
     assert len(ranks) == 1, ranks
     before = workers(cluster.address)["colocated-0"]
     assert before.devices == 2  # what `tandem status` shows in its DEVICES column
@@ -135,9 +143,9 @@ def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
     wait_until(lambda: workers(cluster.address)["colocated-0"].state.name == "READY", 60, "the new worker")
     print(f"replaced {time.monotonic() - killed:.1f} s after rank 1 died, now on {replaced.address}")
     assert any("worker colocated-0 restarting (1)" in line for line in cluster.lines)
-    new_ranks = wait_until(rank_processes, 10, "the new rank 1")
+    new_ranks = wait_until(lambda: rank_processes(cluster), 10, "the new rank 1")
     assert [p.pid for p in new_ranks] != [ranks[0].pid] and len(new_ranks) == 1, new_ranks
     check_greedy(cluster.address, offline)
     assert_all_idle(cluster.address)
     assert cluster.stop() == 0
-    wait_until(lambda: not rank_processes(), 20, "rank 1 to end with its worker")
+    wait_until(lambda: not rank_processes(cluster), 20, "rank 1 to end with its worker")
