@@ -7,20 +7,13 @@ from __future__ import annotations
 import pytest
 
 from bench.dvc_budget import FIRST_START_S, FIRST_TAIL_S, TAIL_MARGIN, TAIL_PAD_S, Budget
+from tests.fake_clock import ManualClock
 
 pytestmark = pytest.mark.unit
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_whole_drain_is_reserved_until_a_point_has_run_then_its_tail() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     budget = Budget(deadline=clock.now + 60, drain_s=20, clock=clock)
     assert budget.reserve_s() == 20 + FIRST_TAIL_S
     assert budget.fits(8) and not budget.fits(11)  # 8 + 50 <= 60 < 11 + 50
@@ -36,7 +29,7 @@ def test_the_whole_drain_is_reserved_until_a_point_has_run_then_its_tail() -> No
 
 
 def test_a_deployment_starts_only_when_its_start_up_and_a_first_point_fit() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     budget = Budget(deadline=clock.now + FIRST_START_S + 2 + 50, drain_s=20, clock=clock)
     assert budget.fits_deployment(2)  # 60 s start-up (none timed yet) + 2 s + 50 s reserve
     assert not budget.fits_deployment(3)

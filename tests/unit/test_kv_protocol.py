@@ -17,6 +17,7 @@ from kv_transfer.send_handle import SendHandle
 from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
 from tandem_api.tandem.v1 import kv_pb2
+from tests.fake_clock import ManualClock
 from tests.kv_failures import reason_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -42,16 +43,8 @@ class FreeList:
             self.free_ids.extend(ids)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_table(num_blocks: int = 16):
-    alloc, clock, failed = FreeList(num_blocks), Clock(), []
+    alloc, clock, failed = FreeList(num_blocks), ManualClock(), []
     table = LeaseTable(
         LAYOUT, alloc, lambda lease, failure, _: failed.append((lease, failure.reason)), clock=clock
     )

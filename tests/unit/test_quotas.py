@@ -10,16 +10,9 @@ import pytest
 
 from router.auth import ApiKey, KeyLimits, QuotaExceeded, Quotas, TokenBucket
 from router.auth.keys import digest
+from tests.fake_clock import ManualClock
 
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(name: str = "a", **limits: object) -> ApiKey:
@@ -38,7 +31,7 @@ def test_a_bucket_refills_at_its_rate_up_to_its_depth() -> None:
 
 
 def test_requests_per_second_refuses_with_the_delay_until_the_next_one_passes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     quotas = Quotas(clock)
     k = key(requests_per_s=2, requests_burst=2)
     grants = [quotas.acquire(k), quotas.acquire(k)]
@@ -55,7 +48,7 @@ def test_requests_per_second_refuses_with_the_delay_until_the_next_one_passes() 
 
 
 def test_other_keys_have_their_own_buckets() -> None:
-    quotas = Quotas(Clock())
+    quotas = Quotas(ManualClock())
     slow, other = key("slow", requests_per_s=1), key("other", requests_per_s=1)
     quotas.acquire(slow)
     with pytest.raises(QuotaExceeded):
@@ -64,7 +57,7 @@ def test_other_keys_have_their_own_buckets() -> None:
 
 
 def test_tokens_are_charged_after_the_fact_and_the_debt_delays_the_next_request() -> None:
-    clock = Clock()
+    clock = ManualClock()
     quotas = Quotas(clock)
     k = key(tokens_per_s=100, tokens_burst=100)
     grant = quotas.acquire(k)
@@ -79,7 +72,7 @@ def test_tokens_are_charged_after_the_fact_and_the_debt_delays_the_next_request(
 
 
 def test_output_counting_ignores_the_prompt() -> None:
-    quotas = Quotas(Clock())
+    quotas = Quotas(ManualClock())
     k = key(tokens_per_s=10, tokens_counted="output")
     grant = quotas.acquire(k)
     grant.charge_prompt(1000)
@@ -90,7 +83,7 @@ def test_output_counting_ignores_the_prompt() -> None:
 
 
 def test_the_concurrency_cap_counts_open_requests_and_release_is_idempotent() -> None:
-    quotas = Quotas(Clock())
+    quotas = Quotas(ManualClock())
     k = key(max_concurrent=2)
     first, _second = quotas.acquire(k), quotas.acquire(k)
     with pytest.raises(QuotaExceeded) as info:
@@ -104,14 +97,14 @@ def test_the_concurrency_cap_counts_open_requests_and_release_is_idempotent() ->
 
 
 def test_a_key_with_no_limits_is_never_refused() -> None:
-    quotas = Quotas(Clock())
+    quotas = Quotas(ManualClock())
     k = key()
     for _ in range(1000):
         quotas.acquire(k)
 
 
 def test_new_limits_from_a_reload_keep_what_the_key_used() -> None:
-    clock = Clock()
+    clock = ManualClock()
     quotas = Quotas(clock)
     k = key(requests_per_s=1, requests_burst=5, max_concurrent=3)
     open_grants = [quotas.acquire(k) for _ in range(3)]

@@ -19,17 +19,10 @@ from router.pool import WorkerPool
 from router.recent_latency import BOUNDS, MAX_WINDOW_S, LatencyCounts, RecentLatency, bucket_quantile
 from router.servicers import AdminService
 from tandem_api.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tests.fake_clock import ManualClock
 from tests.loopback import free_port
 
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def exact_p90(values: list[float]) -> float:
@@ -51,7 +44,7 @@ def test_the_bucketed_p90_is_within_five_percent_of_the_exact_one() -> None:
 
 
 def test_only_the_requests_that_ended_in_the_window_count() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     recent = RecentLatency(clock)
     for _ in range(10):
         recent.record(5.0, 0.5)  # an old burst of slow requests

@@ -13,6 +13,7 @@ from model_runtime.config import ConfigError, SchedulerConfig
 from model_runtime.request import Priority, Request, RequestStatus, SamplingParams, SchedulerOutput
 from model_runtime.scheduler import Scheduler
 from tandem_api.tandem.v1 import worker_pb2
+from tests.fake_clock import ManualClock
 from worker_host.convert import priority_from_proto
 
 pytestmark = pytest.mark.unit
@@ -21,15 +22,7 @@ BS = 4
 INT, BAT = Priority.INTERACTIVE, Priority.BATCH
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(clock: Clock, seqs: int = 1, budget: int = 64, max_wait_s: float = 30.0) -> Scheduler:
+def make(clock: ManualClock, seqs: int = 1, budget: int = 64, max_wait_s: float = 30.0) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, batch_max_wait_s=max_wait_s)
     return Scheduler(cfg, BlockPool(64, BS, True), BS, 256, clock=clock)
 
@@ -63,7 +56,7 @@ def admission_order(s: Scheduler, steps: int = 40) -> list[str]:
 
 
 def test_waiting_interactive_prompts_go_before_earlier_batch_ones_fifo_within_each_class() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock)  # one sequence slot: admission order is the whole story
     for i, (rid, priority) in enumerate(
         [("b1", BAT), ("i1", INT), ("b2", BAT), ("i2", INT), ("i3", INT), ("b3", BAT)]
@@ -75,7 +68,7 @@ def test_waiting_interactive_prompts_go_before_earlier_batch_ones_fifo_within_ea
 
 
 def test_without_classes_admission_stays_first_come_first_served() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock)
     for i, rid in enumerate(["a", "b", "c", "d"]):
         s.add(req(rid, INT, arrival=clock.now + i))
@@ -83,7 +76,7 @@ def test_without_classes_admission_stays_first_come_first_served() -> None:
 
 
 def test_a_running_batch_request_is_not_preempted_for_an_arriving_interactive_one() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock, seqs=1)
     s.add(batch := req("b", BAT, clock.now, max_tokens=4))
     assert [c.request.request_id for c in step(s).chunks] == ["b"]
@@ -97,7 +90,7 @@ def test_a_running_batch_request_is_not_preempted_for_an_arriving_interactive_on
 
 
 def test_interactive_prompts_fill_a_step_first_and_batch_takes_the_budget_left() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock, seqs=8, budget=12)
     s.add(req("b1", BAT, clock.now, prompt=8))
     s.add(req("i1", INT, clock.now + 1, prompt=8))
@@ -107,7 +100,7 @@ def test_interactive_prompts_fill_a_step_first_and_batch_takes_the_budget_left()
 
 
 def test_a_batch_prompt_older_than_the_age_bound_takes_its_turn_by_arrival() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock, max_wait_s=10.0)
     s.add(req("i0", INT, clock.now - 1))  # arrived before b1: still goes first
     s.add(req("b1", BAT, clock.now))
@@ -129,7 +122,7 @@ def test_a_batch_prompt_older_than_the_age_bound_takes_its_turn_by_arrival() -> 
 
 
 def test_batch_max_wait_zero_is_plain_arrival_order() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock, max_wait_s=0.0)
     for i, (rid, priority) in enumerate([("b1", BAT), ("i1", INT), ("b2", BAT), ("i2", INT)]):
         s.add(req(rid, priority, arrival=clock.now + i))
@@ -138,7 +131,7 @@ def test_batch_max_wait_zero_is_plain_arrival_order() -> None:
 
 
 def test_landed_kv_waiting_for_a_decode_slot_goes_interactive_first() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock, seqs=1)
     s.add(holder := req("h", INT, clock.now, max_tokens=3))
     step(s)  # h holds the only slot
@@ -156,7 +149,7 @@ def test_landed_kv_waiting_for_a_decode_slot_goes_interactive_first() -> None:
 
 
 def test_an_aborted_waiting_request_leaves_its_class_queue() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make(clock)
     s.add(req("b1", BAT, clock.now))
     s.add(req("i1", INT, clock.now))
