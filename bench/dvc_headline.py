@@ -9,6 +9,7 @@ such bounds are bounds too, and the tables say so rather than print them as meas
 
 from __future__ import annotations
 
+from bench.dvc_cpu import SATURATED_CORES
 from tandem_cli.bench.sweep import equal_load
 
 MODES = ("disagg", "colocated")
@@ -34,17 +35,29 @@ def bound(cap: float | None, rates: list[float]) -> str | None:
     return "at least" if cap >= max(rates) else None
 
 
-def best_of(out: dict, deps: list[str], key: str, rates: dict[str, list[float]], gpus: int) -> dict | None:
+def saturated_at_first_miss(points: list[dict], cap: float) -> bool:
+    """Whether the first rate above the capacity ran with the `tandem serve` process (router) or a bench client
+    at SATURATED_CORES or more (dvc_cpu): then the miss may be that process's, not the GPUs'."""
+    above = [p for p in points if p["settings"]["rate"] > cap]
+    if not above:
+        return False
+    first = min(above, key=lambda p: p["settings"]["rate"])
+    return any(v >= SATURATED_CORES for k, v in first.get("cpu", {}).items() if k.endswith("_cores"))
+
+
+def best_of(out: dict, deps: list[str], key: str, points: dict[str, list[dict]], gpus: int) -> dict | None:
     """The deployment with the highest capacity under `key`; "value" is what ratios use: the capacity, or for
     one that missed even its lowest rate, that rate as an upper bound."""
     known = [d for d in deps if out[d].get(key) is not None]
     if not known:
         return None
     dep = max(known, key=lambda d: (out[d][key], -len(d)))  # ties: the plainer name
-    cap, lowest = out[dep][key], min(rates[dep])
+    rates = [p["settings"]["rate"] for p in points[dep]]
+    cap, lowest = out[dep][key], min(rates)
     value = cap or lowest
     return {"deployment": dep, "capacity_rps": cap, "value": value, "per_gpu": value / gpus,
-            "bound": bound(cap, rates[dep]), "lowest_rate": lowest}  # fmt: skip
+            "bound": bound(cap, rates), "lowest_rate": lowest,
+            "cpu_saturated_at_first_miss": saturated_at_first_miss(points[dep], cap)}  # fmt: skip
 
 
 SIDE = {None: 0, "at least": 1, "below": -1}  # where the true capacity lies from "value"
@@ -76,12 +89,11 @@ def headline(out: dict, points: dict[str, list[dict]]) -> dict:
         mode = mode_of(dep)
         if mode and isinstance(cap, dict) and "capacity_rps" in cap:
             by_gpus.setdefault(cap["gpus"], {}).setdefault(mode, []).append(dep)
-    rates = {d: [p["settings"]["rate"] for p in ps] for d, ps in points.items()}
     result = {}
     for gpus, modes in sorted(by_gpus.items()):
         entry: dict = {}
         for slo, key in SLO_KEYS.items():
-            best = {m: best_of(out, deps, key, rates, gpus) for m, deps in modes.items()}
+            best = {m: best_of(out, deps, key, points, gpus) for m, deps in modes.items()}
             best = {m: b for m, b in best.items() if b}
             entry[slo] = {"best": best, "disagg_over_colocated": compare(best, "disagg", "colocated")}
         entry["equal_load"] = itl_at_equal_load(entry["slo"]["best"], points)
@@ -163,7 +175,8 @@ def _cap(b: dict | None) -> str:
     if b["bound"] == "below":
         return f"< {b['lowest_rate']:g} ({b['deployment']})"
     mark = ">= " if b["bound"] == "at least" else ""
-    return f"{mark}{b['per_gpu']:.2f} ({b['deployment']}, {b['capacity_rps']:g} req/s)"
+    cpu = ", router or client saturated at the next rate" if b.get("cpu_saturated_at_first_miss") else ""
+    return f"{mark}{b['per_gpu']:.2f} ({b['deployment']}, {b['capacity_rps']:g} req/s{cpu})"
 
 
 def _ratio(r: dict | None) -> str:

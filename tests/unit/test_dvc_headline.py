@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.disagg_vs_colocated import parse_args
-from bench.dvc_headline import doubling, headline, judge
+from bench.dvc_headline import doubling, headline, headline_table, judge
 from bench.dvc_summary import capacity_table, goal_checks, load_runs, summarize, summarize_workload
 from tandem_cli.bench import SLO
 
@@ -166,3 +166,22 @@ def test_include_is_for_summaries_only_and_must_exist(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--summarize-only", "--include", str(tmp_path / "missing")])
     assert parse_args(["--summarize-only", "--include", str(tmp_path)]).include == [tmp_path]
+
+
+def test_a_capacity_whose_first_miss_ran_with_a_saturated_router_is_flagged(tmp_path: Path) -> None:
+    """colocated-4's decode-heavy miss at 48 req/s ran with the serve process at 1.34 cores: that capacity may be
+    the router's, and the table says so."""
+    router_bound = _point(48, 0.54, 0.5)
+    router_bound["cpu"] = {"serve_process_cores": 1.34, "bench_client_cores": 0.8}
+    gpu_bound = _point(48, 0.42, 0.4)
+    gpu_bound["cpu"] = {"serve_process_cores": 0.6}
+    runs = {
+        "colocated-4": _run(4, _point(16, 1.0, 1.0), _point(32, 1.0, 1.0), router_bound),
+        "disagg-1p3d": _run(4, _point(16, 1.0, 1.0), _point(32, 1.0, 0.5), gpu_bound),
+    }
+    four = _summarize(runs, tmp_path)["headline"]["4"]
+    assert four["slo"]["best"]["colocated"]["cpu_saturated_at_first_miss"] is True
+    assert four["slo"]["best"]["disagg"]["cpu_saturated_at_first_miss"] is False
+    table = headline_table([{"workload": "decode-heavy", "headline": {"4": four}}])
+    assert "8.00 (colocated-4, 32 req/s, router or client saturated at the next rate)" in table
+    assert "8.00 (disagg-1p3d, 32 req/s) |" in table
