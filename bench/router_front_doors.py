@@ -44,12 +44,18 @@ def serve_fake_workers(conn: Connection, step_s: float) -> None:
     asyncio.run(main())
 
 
-async def serve_router(endpoints: list[bytes], grpc_port: int, http_port: int) -> None:
+async def serve_router(endpoints: list[bytes], grpc_port: int, http_port: int, stream_interval: int) -> None:
     from router.config import RouterConfig
     from router.server import RouterServer
     from tandem_api.tandem.v1 import worker_pb2
 
-    config = RouterConfig(port=grpc_port, http_port=http_port, max_inflight=4096, max_queue=4096)
+    config = RouterConfig(
+        port=grpc_port,
+        http_port=http_port,
+        max_inflight=4096,
+        max_queue=4096,
+        stream_interval=stream_interval,
+    )
     router = RouterServer(config)
     await router.start()
     router.set_workers([worker_pb2.WorkerEndpoint.FromString(e) for e in endpoints])
@@ -66,11 +72,14 @@ def main() -> None:
     )
     parser.add_argument("--grpc-port", type=int, default=50071)
     parser.add_argument("--http-port", type=int, default=8071)
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="router.stream_interval: tokens per client message"
+    )
     args = parser.parse_args()
     parent, child = mp.Pipe()
     mp.Process(target=serve_fake_workers, args=(child, args.step_s), daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_router(parent.recv(), args.grpc_port, args.http_port))
+        asyncio.run(serve_router(parent.recv(), args.grpc_port, args.http_port, args.stream_interval))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from deploy.tls import TLSSettings, parse_tls
 from kv_transfer import TransferConfig
 from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
 from model_runtime.roles import WorkerRole
+from router.config import MAX_STREAM_INTERVAL
 
 MODES = ("disaggregated", "colocated")
 MAX_ROUTER_PROCESSES = 64
@@ -85,6 +86,9 @@ class RouterSettings:
     # Spill: any prompt is prefilled on its decode worker while every prefill worker has at least this many prompt
     # tokens queued and the decode worker's own queue stays within it; 0 turns it off (LocalPrefill).
     local_prefill_spill_tokens: int = 0
+    # Output tokens gathered per message to a client (the first token and the last ones go at once); 1: every
+    # step's tokens as they come. Larger values cut the router's CPU per token (router.config.RouterConfig).
+    stream_interval: int = 1
     auth: AuthSettings = field(default_factory=AuthSettings)
     # `tandem serve` / the Ray job: how many router processes relay requests (one relays on the order of 10k
     # tokens/s). The first runs in the serving process on the ports above; process i (1, 2, ...) is a standalone
@@ -126,6 +130,16 @@ class RouterSettings:
         if self.local_prefill_spill_tokens < 0:
             raise ConfigError(
                 f"router.local_prefill_spill_tokens: must be >= 0 (0: off), got {self.local_prefill_spill_tokens}"
+            )
+        interval = self.stream_interval
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int)
+            or not 1 <= interval <= MAX_STREAM_INTERVAL
+        ):
+            raise ConfigError(
+                f"router.stream_interval: must be an integer in [1, {MAX_STREAM_INTERVAL}] (output tokens per "
+                f"client message), got {self.stream_interval!r}"
             )
         if self.local_prefill_max_tokens < 0 or self.local_prefill_max_queued_tokens < 1:
             raise ConfigError(

@@ -33,6 +33,7 @@ def router_config(config: DeployConfig) -> RouterConfig:
         local_prefill_max_tokens=r.local_prefill_max_tokens,
         local_prefill_max_queued_tokens=r.local_prefill_max_queued_tokens,
         local_prefill_spill_tokens=r.local_prefill_spill_tokens,
+        stream_interval=r.stream_interval,
         lease_ttl_s=config.transfer.lease_ttl_s,
         transfer_kinds=config.transfer.kinds,
         api_keys_file=r.auth.api_keys_file or None,  # "": no keys

@@ -301,7 +301,7 @@ class Dispatcher:
         try:
             merger.add(decode)
             merger.fail_when(decode, handle.dead, handle.dead_reason)
-            relay = Relay(attempt.out, attempt.write, decode)
+            relay = Relay(attempt.out, attempt.write, decode, stream_interval=self._config.stream_interval)
             await relay.run(merger)
             await relay.await_streams_end(merger)
             await attempt.write(attempt.out.final())
@@ -339,7 +339,9 @@ class Dispatcher:
             merger.add(decode)
             merger.fail_when(prefill, prefill_handle.dead, prefill_handle.dead_reason)
             merger.fail_when(decode, decode_handle.dead, decode_handle.dead_reason)
-            relay = Relay(attempt.out, attempt.write, decode, prefill, prefill_charge)
+            relay = Relay(
+                attempt.out, attempt.write, decode, prefill, prefill_charge, self._config.stream_interval
+            )
             await relay.run(merger)
             await relay.await_streams_end(merger)
             await attempt.write(attempt.out.final())

@@ -43,8 +43,13 @@ class Relay:
         decode: WorkerStream,
         prefill: WorkerStream | None = None,
         prefill_charge: Charge | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.out = out
+        # RouterConfig.stream_interval: decode tokens are gathered until this many are pending (_on_tokens)
+        self._stream_interval = stream_interval
+        self._pending: list[Any] = []  # TokenBatches not yet written to the client
+        self._pending_tokens = 0
         self._write = write
         self._decode = decode
         # prefill None: colocated, the decode worker's first batch starts with the first token.
@@ -147,7 +152,18 @@ class Relay:
         return batches
 
     async def _on_tokens(self, batches: list[Any]) -> None:
-        """One Delta for TokenBatches of consecutive steps."""
+        """One Delta for TokenBatches of consecutive steps, once stream_interval tokens are pending (at once
+        for the request's first token)."""
+        self._pending.extend(batches)
+        self._pending_tokens += sum(len(b.token_ids) for b in batches)
+        if self._pending_tokens >= self._stream_interval or not self.out.token_ids:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Write the pending TokenBatches as one Delta (nothing when none are pending)."""
+        batches, self._pending, self._pending_tokens = self._pending, [], 0
+        if not batches:
+            return
         if self._prefill is None:  # this worker computed the prompt: its engine's prefix-cache hit
             self.out.cached_prompt_tokens = batches[0].num_cached_tokens
         if len(batches) == 1:
@@ -163,6 +179,9 @@ class Relay:
             await self._on_tokens([message.tokens])
             return
         done = message.finished
+        await self._flush()  # the tokens before the end, whatever their number
+        if self.out.finished:
+            return  # the router's own rules ended it within those tokens
         if kind != "finished" or done.finish_reason not in _FINISH_REASONS:
             problem = f"finish reason {done.finish_reason}" if kind == "finished" else f"event {kind!r}"
             raise self._decode.error(grpc.StatusCode.INTERNAL, f"sent an unexpected {problem}")

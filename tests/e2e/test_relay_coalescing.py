@@ -54,7 +54,11 @@ def decode_events(tokens: list[int], per_batch: int, finish: int) -> list[worker
 
 
 def relay(
-    model: ServedModel, events: list[worker_pb2.DecodeEvent], gap_s: float | None, ignore_eos: bool = True
+    model: ServedModel,
+    events: list[worker_pb2.DecodeEvent],
+    gap_s: float | None,
+    ignore_eos: bool = True,
+    stream_interval: int = 1,
 ) -> tuple[list[generate_pb2.GenerateResponse], ResponseBuilder]:
     """Relay a colocated decode stream to the end; returns every response written and the builder."""
     sampling = SamplingParams(temperature=0, max_tokens=200, ignore_eos=ignore_eos)
@@ -72,7 +76,7 @@ def relay(
         if gap_s is None:
             await asyncio.sleep(0.01)  # the reader queues every message before the relay starts
         try:
-            await Relay(out, write, stream).run(merger)
+            await Relay(out, write, stream, stream_interval=stream_interval).run(merger)
         finally:
             merger.close()
 
@@ -114,5 +118,36 @@ def test_a_stop_inside_a_coalesced_run_sends_nothing_after_it(served_model: Serv
     events = decode_events(tokens, 1, generate_pb2.FINISH_REASON_STOP)
     piled, out = relay(served_model, events, gap_s=None, ignore_eos=False)
     sent = [t for d in deltas(piled) for t in d.token_ids]
+    assert sent == [*words, EOS] and out.token_ids == sent
+    assert out.finished and out.finish_reason == generate_pb2.FINISH_REASON_STOP
+
+
+def test_a_stream_interval_gathers_tokens_but_sends_the_first_and_the_last_at_once(
+    served_model: ServedModel,
+) -> None:
+    """RouterConfig.stream_interval 4, one token a step arriving as the steps run: the first token leaves alone
+    (time to first token unchanged), then Deltas of 4, then the 2 left over with the finish, and the tokens,
+    text and logprobs are those of a relay writing every step."""
+    tokens = served_model.tokenizer.encode(
+        " The quick brown fox jumps over the lazy dog again and again.", False
+    )[:11]
+    assert len(tokens) == 11
+    events = decode_events(tokens, 1, generate_pb2.FINISH_REASON_LENGTH)
+    gathered, out = relay(served_model, events, gap_s=0.005, stream_interval=4)
+    every, out_every = relay(served_model, events, gap_s=0.005)
+    assert [len(d.token_ids) for d in deltas(gathered)] == [1, 4, 4, 2]
+    assert len(deltas(every)) == 11
+    assert [t for d in deltas(gathered) for t in d.token_ids] == tokens == out.token_ids
+    assert [lp.token_id for d in deltas(gathered) for lp in d.logprobs] == tokens
+    assert "".join(d.text for d in deltas(gathered)) == "".join(d.text for d in deltas(every))
+    assert out.finished and out.finish_reason == out_every.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_stop_inside_gathered_tokens_sends_nothing_after_it(served_model: ServedModel) -> None:
+    words = served_model.tokenizer.encode(" one two three", False)
+    tokens = [*words, EOS, *words]
+    events = decode_events(tokens, 1, generate_pb2.FINISH_REASON_STOP)
+    gathered, out = relay(served_model, events, gap_s=0.005, ignore_eos=False, stream_interval=3)
+    sent = [t for d in deltas(gathered) for t in d.token_ids]
     assert sent == [*words, EOS] and out.token_ids == sent
     assert out.finished and out.finish_reason == generate_pb2.FINISH_REASON_STOP

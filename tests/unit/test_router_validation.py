@@ -287,3 +287,17 @@ def test_the_spill_threshold_reaches_the_routers_placer_and_a_negative_one_is_re
     assert placer_for(c).local_prefill.spill_queued_tokens == 8192
     with pytest.raises(ConfigError, match=r"^router\.local_prefill_spill_tokens: must be >= 0"):
         parse_config({"router": {"local_prefill_spill_tokens": -1}})
+
+
+def test_the_stream_interval_reaches_the_router_and_a_bad_one_names_the_key() -> None:
+    from deploy.config import parse_config
+    from deploy.router_inputs import router_config
+    from model_runtime.config import ConfigError
+
+    assert router_config(parse_config({})).stream_interval == 1  # every step's tokens as they come
+    assert router_config(parse_config({"router": {"stream_interval": 8}})).stream_interval == 8
+    for bad in (0, 257, "4", True):
+        with pytest.raises(ConfigError, match=r"^router\.stream_interval: must be an integer in \[1, 256\]"):
+            parse_config({"router": {"stream_interval": bad}})
+    with pytest.raises(RouterConfigError, match=r"stream_interval: must be an integer in \[1, 256\]"):
+        RouterConfig(model="m", stream_interval=0)
