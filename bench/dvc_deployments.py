@@ -63,6 +63,9 @@ SPILL_CHUNK_TOKENS = 512
 # interactive SLO is lost on TTFT).
 PREFILL_BUDGET = re.compile(r"(?P<base>.+)-pb(?P<tokens>[0-9]+)")
 PREFILL_BUDGET_RANGE = (256, 16384)
+# Any name + "-siN": the router gathers N decode tokens per client message (router.stream_interval), for points
+# where the `tandem serve` process (router) ran saturated.
+STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
 # A colocated name + AHEAD: its workers schedule each step before the last one's tokens return
 # (engine.scheduler.async_scheduling; model_runtime.step_ahead).
 AHEAD = "-ahead"
@@ -116,7 +119,7 @@ def _prefill_budget(name: str, config: dict, tokens: int) -> dict:
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, IPC, BOTH,
-    NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
+    NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises
     ValueError naming the deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
     _check_handoff(name, config)
@@ -139,6 +142,10 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
     if name.endswith(ONE_LANE):
         config = _named_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
+    interval = STREAM_INTERVAL.fullmatch(name)
+    if interval is not None:
+        config = _named_config(interval["base"], slo)
+        return dict(config, router=dict(config.get("router", {}), stream_interval=int(interval["tokens"])))
     budget = PREFILL_BUDGET.fullmatch(name)
     if budget is not None:
         return _prefill_budget(name, _named_config(budget["base"], slo), int(budget["tokens"]))
@@ -185,7 +192,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} (colocated), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} (colocated), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

@@ -13,6 +13,7 @@ import pytest
 from bench.dvc_deployments import config_gpus, deployment_config, pair_delta, smoke_config
 from bench.dvc_summary import autoscaler_comparison, pair_transports, prefix_comparison
 from deploy.config import parse_config
+from model_runtime.config import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -260,3 +261,11 @@ def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_
         ValueError, match="disagg-1p1d-pb100: -pbN takes a step budget of 256-16384 tokens, got 100"
     ):
         deployment_config("disagg-1p1d-pb100")
+
+
+def test_si_sets_the_routers_stream_interval_and_a_bad_one_is_refused_by_the_config() -> None:
+    config = deployment_config("colocated-4-si4-r2")
+    assert config["router"]["stream_interval"] == 4 and config["router"]["processes"] == 2
+    assert parse_config(config).router.stream_interval == 4
+    with pytest.raises(ConfigError, match=r"router\.stream_interval: must be an integer in \[1, 256\]"):
+        parse_config(deployment_config("colocated-4-si0"))
