@@ -15,7 +15,7 @@ of them, one GPU a worker: colocated-N (N replicas), disagg-PpDd (P prefill + D 
 workers hold cuda_ipc and nccl and the router picks each pair's transport (issue 21; every point records its
 disaggregated attempts by pair transport and nodes, "pairs"); with "-autoscale" it is the starting point of the
 SLO autoscaler, which aims at --slo's TTFT and TPOT as p90 targets within the deployment's own GPUs
-(bench/dvc_deployments.py); the pools it had are recorded with every point, and the summary compares its
+(bench/dvc_names.py); the pools it had are recorded with every point, and the summary compares its
 capacity with the best fixed split on as many GPUs (issue 14: >= 90%), e.g. --deployments
 disagg-1p3d,disagg-2p2d,disagg-3p1d,disagg-2p2d-autoscale; with "-pbN" its prefill workers (or colocated
 replicas) take N tokens a step; with "-siN" its router writes N tokens per client message. The summary compares
@@ -86,7 +86,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.dvc_budget import Budget  # noqa: E402
 from bench.dvc_cpu import CpuMeter, cpu_line  # noqa: E402
-from bench.dvc_deployments import Server, deployment_config, kv_delta, pair_delta  # noqa: E402
+from bench.dvc_deployments import Server, kv_delta, pair_delta  # noqa: E402
+from bench.dvc_names import deployment_config  # noqa: E402
 from bench.dvc_points import bench_point, handoff_line, point_record  # noqa: E402
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402

@@ -27,7 +27,7 @@ CLOSED_LOOP = ("batch",)  # one closed-loop run per deployment: output tokens/s,
 # instant (the sweep itself runs at --slo, the relaxed set by default).
 INTERACTIVE = SLO(ttft=0.5, tpot=0.025)
 BATCH_GOAL_TOKENS_S = 24_000.0  # issue 20: output tokens/s of the batch case on 4 GPUs
-NO_CACHE = "-nocache"  # bench/dvc_deployments.py: the same deployment with its prefix cache off
+NO_CACHE = "-nocache"  # bench/dvc_names.py: the same deployment with its prefix cache off
 AUTOSCALE = "-autoscale"  # ... and the same deployment as the starting point of the SLO autoscaler
 AUTOSCALE_GOAL = 0.90  # issue 14: >= 90% of the best fixed split's goodput on each workload
 PREFIX_TTFT_GOAL = 3.0  # issue 14: with a shared 2k-token system prompt, TTFT p50 >= 3x lower with the cache

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.dvc_deployments import config_gpus, deployment_config, pair_delta, smoke_config
+from bench.dvc_deployments import pair_delta, smoke_config
+from bench.dvc_names import config_gpus, deployment_config
 from bench.dvc_summary import autoscaler_comparison, pair_transports, prefix_comparison
 from deploy.config import parse_config
 from model_runtime.config import ConfigError
