@@ -14,7 +14,9 @@ from tandem_cli.bench.sweep import equal_load
 
 MODES = ("disagg", "colocated")
 ABLATION_SUFFIXES = ("-nocache",)  # the same deployment with a feature off: not a candidate for best
-SLO_KEYS = {"slo": "capacity_rps", "interactive": "capacity_rps_interactive"}
+# each SLO set's capacity and its bound in a deployment's summary (dvc_summary.summarize_workload)
+SLO_KEYS = {"slo": ("capacity_rps", "capacity_bound"),
+            "interactive": ("capacity_rps_interactive", "capacity_bound_interactive")}  # fmt: skip
 INTERACTIVE_GOALS = {"prefill-heavy": 2.0, "mixed": 2.0, "decode-heavy": 1.0}  # disagg / colocated per GPU
 ITL_GOAL = 2.0  # p99 ITL at equal load: colocated / disaggregated
 DOUBLING_GOAL = 1.8  # each mode's best on 2N GPUs over its best on N
@@ -45,18 +47,21 @@ def saturated_at_first_miss(points: list[dict], cap: float) -> bool:
     return any(v >= SATURATED_CORES for k, v in first.get("cpu", {}).items() if k.endswith("_cores"))
 
 
-def best_of(out: dict, deps: list[str], key: str, points: dict[str, list[dict]], gpus: int) -> dict | None:
-    """The deployment with the highest capacity under `key`; "value" is what ratios use: the capacity, or for
-    one that missed even its lowest rate, that rate as an upper bound."""
+def best_of(
+    out: dict, deps: list[str], keys: tuple[str, str], points: dict[str, list[dict]], gpus: int
+) -> dict | None:
+    """The deployment with the highest capacity under keys[0] (its bound under keys[1], from the summary);
+    "value" is what ratios use: the capacity, or for one that missed even its lowest rate, that rate as an upper
+    bound."""
+    key, bound_key = keys
     known = [d for d in deps if out[d].get(key) is not None]
     if not known:
         return None
     dep = max(known, key=lambda d: (out[d][key], -len(d)))  # ties: the plainer name
-    rates = [p["settings"]["rate"] for p in points[dep]]
-    cap, lowest = out[dep][key], min(rates)
+    cap, lowest = out[dep][key], min(p["settings"]["rate"] for p in points[dep])
     value = cap or lowest
     return {"deployment": dep, "capacity_rps": cap, "value": value, "per_gpu": value / gpus,
-            "bound": bound(cap, rates), "lowest_rate": lowest,
+            "bound": out[dep][bound_key], "lowest_rate": lowest,
             "cpu_saturated_at_first_miss": saturated_at_first_miss(points[dep], cap)}  # fmt: skip
 
 
@@ -92,8 +97,8 @@ def headline(out: dict, points: dict[str, list[dict]]) -> dict:
     result = {}
     for gpus, modes in sorted(by_gpus.items()):
         entry: dict = {}
-        for slo, key in SLO_KEYS.items():
-            best = {m: best_of(out, deps, key, points, gpus) for m, deps in modes.items()}
+        for slo, keys in SLO_KEYS.items():
+            best = {m: best_of(out, deps, keys, points, gpus) for m, deps in modes.items()}
             best = {m: b for m, b in best.items() if b}
             entry[slo] = {"best": best, "disagg_over_colocated": compare(best, "disagg", "colocated")}
         entry["equal_load"] = itl_at_equal_load(entry["slo"]["best"], points)

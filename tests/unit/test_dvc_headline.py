@@ -113,8 +113,9 @@ def test_a_goal_judged_on_a_bound_says_unknown_when_the_bound_points_away_from_i
 
 
 def test_no_comparison_without_both_modes_on_as_many_gpus() -> None:
-    out = {"colocated-4": {"gpus": 4, "capacity_rps": 8.0, "capacity_rps_interactive": 4.0},
-           "disagg": {"gpus": 2, "capacity_rps": 4.0, "capacity_rps_interactive": 2.0}}  # fmt: skip
+    pinned = {"capacity_bound": None, "capacity_bound_interactive": None}  # each capacity pinned by a miss
+    out = {"colocated-4": {"gpus": 4, "capacity_rps": 8.0, "capacity_rps_interactive": 4.0, **pinned},
+           "disagg": {"gpus": 2, "capacity_rps": 4.0, "capacity_rps_interactive": 2.0, **pinned}}  # fmt: skip
     points = {"colocated-4": [_point(4, 1.0, 1.0), _point(8, 1.0, 1.0), _point(12, 0.1, 0.0)],
               "disagg": [_point(2, 1.0, 1.0), _point(4, 1.0, 1.0), _point(6, 0.1, 0.0)]}  # fmt: skip
     head = headline(out, points)
