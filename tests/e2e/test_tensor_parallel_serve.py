@@ -68,36 +68,34 @@ def cluster(tmp_path: Path, model_dir: Path) -> Iterator[ServeProcess]:
             print("".join(serve.lines[-80:]))  # shown with a failing test
 
 
+def in_session(pid: int, serve: ServeProcess) -> bool:
+    """Whether process `pid` belongs to this `tandem serve`'s session (it starts one; Ray and the workers inherit
+    it); False for a process that has ended."""
+    assert serve.proc is not None
+    try:
+        return os.getsid(pid) == serve.proc.pid
+    except OSError:
+        return False
+
+
 def rank_processes(serve: ServeProcess) -> list[psutil.Process]:
     """The other ranks' processes of this `tandem serve` (Ray titles an actor's process `ray::RankProcess...`),
     found in its session: `make test` runs two groups of tests side by side, and a rank of the other group's
     cluster must not count here (it did: 2 == 1 with both tensor-parallel tests running at once)."""
-    assert serve.proc is not None
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if not cmdline or not cmdline[0].startswith("ray::RankProcess"):
-            continue
-        try:
-            if os.getsid(proc.pid) == serve.proc.pid:
-                found.append(proc)
-        except OSError:  # it ended meanwhile
-            continue
+        if cmdline and cmdline[0].startswith("ray::RankProcess") and in_session(proc.pid, serve):
+            found.append(proc)
     return found
 
 
 def listening_off_loopback(serve: ServeProcess) -> list[str]:
     """Sockets that the serve process and every process of its session (Ray's, the workers', the ranks') listen
     on, other than loopback ones: a local cluster keeps all of its traffic on 127.0.0.1."""
-    assert serve.proc is not None
     found = []
     for conn in psutil.net_connections("inet"):
-        if conn.status != psutil.CONN_LISTEN or conn.pid is None:
-            continue
-        try:
-            if os.getsid(conn.pid) != serve.proc.pid:
-                continue
-        except OSError:
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None or not in_session(conn.pid, serve):
             continue
         host = conn.laddr.ip.removeprefix("::ffff:")
         if not (host.startswith("127.") or host == "::1"):
