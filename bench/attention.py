@@ -33,9 +33,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_runtime.attention.base import AttentionMetadata
+from model_runtime.attention.decode_plan import DecodeTuning
 from model_runtime.attention.torch_ref import paged_attention_ref
 from model_runtime.attention.triton_backend import TritonAttention
-from model_runtime.attention.triton_decode import DecodeTuning
 from model_runtime.kv_quant import fp8_pages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

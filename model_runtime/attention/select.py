@@ -38,7 +38,7 @@ def make_attention_backend(name: str, device: str, fp8_qk_dot: bool = False) -> 
             f"attention_backend: 'triton' runs on CUDA devices, got device {device!r} "
             "(set TRITON_INTERPRET=1 to run its kernels on the CPU for testing)"
         )
+    from model_runtime.attention.decode_plan import DecodeTuning
     from model_runtime.attention.triton_backend import TritonAttention
-    from model_runtime.attention.triton_decode import DecodeTuning
 
     return TritonAttention(tuning=DecodeTuning(fp8_qk_dot=fp8_qk_dot))

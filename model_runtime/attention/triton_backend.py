@@ -17,14 +17,14 @@ from __future__ import annotations
 import torch
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
-from model_runtime.attention.packed_prefill import PackedPrefill, context_kv
-from model_runtime.attention.triton_decode import (
+from model_runtime.attention.decode_plan import (
     MAX_SEGMENTS,
     DecodeTuning,
     DecodeWorkspace,
     choose_num_segments,
-    decode_attention,
 )
+from model_runtime.attention.packed_prefill import PackedPrefill, context_kv
+from model_runtime.attention.triton_decode import decode_attention
 from model_runtime.attention.triton_store import store_kv_triton
 
 # Programs per SM the decode grid aims for when it picks a segment count (see choose_num_segments).

@@ -145,7 +145,8 @@ def test_decode_shapes_bf16(block_size: int, group: int, head_dim: int) -> None:
     seq_lens = decode_seq_lens(7, 1000, seed=block_size + group, pad_every=4)
     q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 7, 4, group, head_dim, block_size, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    from model_runtime.attention.triton_decode import DecodeWorkspace, decode_attention
+    from model_runtime.attention.decode_plan import DecodeWorkspace
+    from model_runtime.attention.triton_decode import decode_attention
 
     decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, head_dim**-0.5, out, DecodeWorkspace(), 8)
     check_decode_rows(out, q, kc, vc, meta, head_dim**-0.5, TOL[torch.bfloat16])

@@ -52,7 +52,8 @@ def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, qk_d
     """Against the reference reading the same codes; values of 1e-3 (scales near 2e-6) check that the scaled
     probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT). "e4m3-qk": the score dot on
     the codes themselves (DecodeTuning.fp8_qk_dot)."""
-    from model_runtime.attention.triton_decode import DecodeTuning, DecodeWorkspace, decode_attention
+    from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
+    from model_runtime.attention.triton_decode import decode_attention
 
     seq_lens = [3000, 0, 17, 1200]
     q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 4, 8, 4, 128, 16, torch.bfloat16)

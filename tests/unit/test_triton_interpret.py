@@ -219,8 +219,9 @@ def _decode_case(
     qk_fp8: bool = False,
 ) -> Callable[[], tuple[bool, str]]:
     def run() -> tuple[bool, str]:
+        from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
         from model_runtime.attention.torch_ref import paged_attention_ref
-        from model_runtime.attention.triton_decode import DecodeTuning, DecodeWorkspace, decode_attention
+        from model_runtime.attention.triton_decode import decode_attention
 
         q, _, _, kc, vc, meta = _paged_case(
             seed, seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size
