@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import DeployConfig, RouterSettings, parse_config
+from deploy.config import DeployConfig, parse_config
 from deploy.metrics import MetricsHTTPServer, ServeMetrics, TargetGroup, target_groups, write_file_sd
+from deploy.router_settings import RouterSettings
 from deploy.slots import Member
 from kv_transfer import FailureReason
 from model_runtime.config import ConfigError, EngineConfig

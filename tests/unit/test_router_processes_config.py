@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.config import RouterSettings, parse_config
+from deploy.config import parse_config
+from deploy.router_settings import RouterSettings
 from model_runtime.config import ConfigError
 from tandem_cli.bench.transports import servers
 
