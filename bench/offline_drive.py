@@ -52,10 +52,11 @@ def drive(
     limit: int,
     deadline: gpu.Deadline,
     profile: bool = False,
+    name: str | None = None,
 ):
     """Runs the prompts, at most `limit` in the engine at once: (tokens per request, StepSplit, complete, the
     decode profile). `profile`: once every prompt is in and 10 decode steps ran, the kernels of 5 more decode
-    steps (torch profiler, after 3 unprofiled ones)."""
+    steps (torch profiler, after 3 unprofiled ones). `name`: the progress lines' label (default "tandem SHAPE")."""
     sampling = SamplingParams(temperature=0, max_tokens=shape.output_len, ignore_eos=True)
     pending, counts = deque(enumerate(prompts)), [0] * len(prompts)
     in_flight, finished, next_log = 0, 0, time.monotonic() + PROGRESS_EVERY_S
@@ -85,7 +86,9 @@ def drive(
             outputs.clear()
             if time.monotonic() >= next_log:
                 next_log += PROGRESS_EVERY_S
-                gpu.log(f"tandem {shape.key}: {finished}/{len(prompts)} requests done, {sum(counts)} tokens")
+                gpu.log(
+                    f"{name or 'tandem ' + shape.key}: {finished}/{len(prompts)} requests done, {sum(counts)} tokens"
+                )
             if deadline.must_stop():
                 gpu.log(f"tandem {shape.key}: out of time, aborting {in_flight + len(pending)} requests")
                 break

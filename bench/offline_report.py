@@ -29,7 +29,9 @@ def print_table(doc: dict) -> None:
         "ceiling: prefill FLOPs at the measured matmul rate + decode steps at max(FLOPs, weight + KV bytes),"
     )
     print("  the bytes in the variant's format (FP8 weights and KV: one byte an element)")
-    print(f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); fp8 75% of it and {SPEEDUP_GOAL}x bf16")
+    print(
+        f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); FP8 weights + KV 75% of it and {SPEEDUP_GOAL}x bf16"
+    )
     print_decode_split(doc["tandem"])
     for key in ("skipped", "errors"):
         if doc[key]:

@@ -9,12 +9,13 @@ GPU, one command (with the gguf wheel of ../shared/gpu/make-kit.sh on PYTHONPATH
     python3 bench/offline_throughput.py --smoke   # the CPU check: tiny model and shapes, seconds
     python3 bench/offline_throughput.py --variants bf16,fp8 --skip-hf   # issue 19's FP8 goals, one command
 
---variants (a comma list of bf16, fp8-weights, fp8-kv, fp8; default bf16): the engines Tandem runs, each its
+--variants (a comma list of bench/offline_variants.VARIANTS; default bf16): the engines Tandem runs, each its
 own engine (the previous one freed first) on every shape, bf16 first; rows carry "variant". fp8-weights sets
-device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both. Each variant's ceiling counts the bytes it reads
-(FP8 projections and FP8 K/V at one byte an element; the table in bench/offline_variants.py); its FLOP side is
-the measured bf16 matmul rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of
-the shape); fp8 rows add the issue's goals: fp8_goal_tok_s (75% of TensorRT-LLM FP8), fraction_of_fp8_goal and
+device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both; -qk adds the score dot on the e4m3 codes
+and -ahead the steps scheduled ahead. Each variant's ceiling counts the bytes it reads (FP8 projections and FP8
+K/V at one byte an element; the table in bench/offline_variants.py); its FLOP side is the measured bf16 matmul
+rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of the shape); rows with
+FP8 weights and KV add the issue's goals: fp8_goal_tok_s (75% of TensorRT-LLM FP8), fraction_of_fp8_goal and
 speedup_goal (1.6x bf16). The JSON's "variants" holds each one's model_cost and engine; each variant's engine
 and each of its shapes is a job, so a spent --budget-s starts none of the rest.
 
@@ -55,6 +56,7 @@ from bench.offline_variants import (
     BF16,
     FP8_GOAL_TOK_S,
     SPEEDUP_GOAL,
+    VARIANTS,
     Variant,
     parse_variants,
     versus_bf16,
@@ -137,7 +139,7 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
     gpu.synchronize(setup.where.device)
     t0 = time.perf_counter()
     counts, split, complete, profile = drive(
-        engine, shape, prompts, limit, setup.run.deadline, setup.args.profile_decode
+        engine, shape, prompts, limit, setup.run.deadline, setup.args.profile_decode, name
     )
     wall = time.perf_counter() - t0
     wrong = [(i, c) for i, c in enumerate(counts) if c != shape.output_len]
@@ -322,7 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default="bf16",
-        help="Tandem engines: bf16,fp8-weights,fp8-kv,fp8,fp8-group,bf16-ahead,fp8-ahead,fp8-qk (default bf16)",
+        help=f"Tandem engines, a comma list of {','.join(VARIANTS)} (default bf16)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run only Tandem")
     p.add_argument("--skip-tandem", action="store_true", help="run only transformers (mind --out)")

@@ -7,6 +7,7 @@ ceiling counts, and how its rows compare with the bf16 rows of the same run (iss
     fp8-kv        none                 fp8_e4m3      K and V 1 byte an element
     fp8           fp8                  fp8_e4m3      both
     fp8-qk        fp8                  fp8_e4m3      both; the decode kernel's score dot on the codes (fp8_qk_dot)
+    *-ahead       as without           as without    the same; steps scheduled ahead (scheduler.async_scheduling)
 
 "bf16" is the model dtype: bfloat16 on a GPU, float32 in the CPU smoke. Embeddings, norms and lm_head stay in
 the model dtype in every variant. The ceiling's FLOP side is the measured model-dtype matmul rate for all of
@@ -42,6 +43,10 @@ class Variant:
         return self.name == "bf16"
 
     @property
+    def full_fp8(self) -> bool:  # FP8 weights and FP8 KV: issue 19's goals apply
+        return self.quantization in ("fp8", "fp8_group") and self.cache_dtype == "fp8_e4m3"
+
+    @property
     def job_prefix(
         self,
     ) -> str:  # job names: "tandem 128/128" for bf16 (as before variants), else "tandem fp8 ..."
@@ -72,6 +77,7 @@ VARIANTS = {
         Variant("bf16-ahead", "none", None, ahead=True),
         Variant("fp8-ahead", "fp8", "fp8_e4m3", ahead=True),
         Variant("fp8-qk", "fp8", "fp8_e4m3", qk_dot=True),
+        Variant("fp8-qk-ahead", "fp8", "fp8_e4m3", ahead=True, qk_dot=True),
     )
 }
 BF16 = VARIANTS["bf16"]
@@ -94,9 +100,9 @@ class VersusBf16:
     """What a row adds beside its own numbers (every key None on bf16 rows)."""
 
     speedup_vs_bf16: float | None = None  # tok/s / the complete bf16 row's of the same shape in this run
-    fp8_goal_tok_s: float | None = None  # variant fp8 only: 75% of TensorRT-LLM FP8
+    fp8_goal_tok_s: float | None = None  # variants with FP8 weights and KV only: 75% of TensorRT-LLM FP8
     fraction_of_fp8_goal: float | None = None
-    speedup_goal: float | None = None  # variant fp8 only: SPEEDUP_GOAL
+    speedup_goal: float | None = None  # the same variants: SPEEDUP_GOAL
 
 
 def versus_bf16(variant: Variant, shape: str, tok_s: float, rows: list[dict[str, Any]]) -> VersusBf16:
@@ -106,7 +112,7 @@ def versus_bf16(variant: Variant, shape: str, tok_s: float, rows: list[dict[str,
         return VersusBf16()
     base = [r for r in rows if r["variant"] == BF16.name and r["shape"] == shape and r["complete"]]
     speedup = tok_s / base[0]["output_tok_s"] if base else None
-    if variant.name not in ("fp8", "fp8-group"):
+    if not variant.full_fp8:
         return VersusBf16(speedup)
     goal = FP8_GOAL_TOK_S.get(shape)
     return VersusBf16(speedup, goal, tok_s / goal if goal else None, SPEEDUP_GOAL)

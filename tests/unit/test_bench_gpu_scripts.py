@@ -203,6 +203,9 @@ def test_versus_bf16_goals_and_an_unknown_variant():
     assert qk.cost(load_model_config(resolve_model("dummy:llama-3-8b")), 2) == fp8.cost(
         load_model_config(resolve_model("dummy:llama-3-8b")), 2
     )  # same bytes: only the kernel's arithmetic differs
+    both = offline_variants.VARIANTS["fp8-qk-ahead"]  # FP8 weights and KV: the goals apply
+    assert (both.qk_dot, both.ahead) == (True, True)
+    assert offline_variants.versus_bf16(both, "128/128", 16960.0, rows).fp8_goal_tok_s == 21200.0
     with pytest.raises(SystemExit, match=r"--variants: unknown 'fp4'.*bf16, fp8-weights, fp8-kv, fp8"):
         offline_throughput.main(["--smoke", "--variants", "bf16,fp4"])
 
