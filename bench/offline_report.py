@@ -39,18 +39,19 @@ def print_table(doc: dict) -> None:
 
 
 def print_decode_split(rows: list[dict]) -> None:
-    """Where a decode step's wall time went (GPU runs only): the GPU's share and the host work it waited for."""
-    # Not for steps scheduled ahead: their host work runs while the GPU computes, which the probe cannot split.
-    timed = [
-        r
-        for r in rows
-        if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"] and not VARIANTS[r["variant"]].ahead
-    ]
+    """Where a decode step's wall time went (GPU runs only): the GPU's share and the host work it waited for.
+    Steps scheduled ahead run their host work while the GPU computes, so their rows show wall and GPU only."""
+    timed = [r for r in rows if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"]]
     if not timed:
         return
     print("decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for")
-    print(f"{'variant':>10} {'shape':>10} {'batch':>6} {'wall':>7} {'gpu':>7} {'schedule':>9} {'post':>7}")
+    print(f"{'variant':>12} {'shape':>10} {'batch':>6} {'wall':>7} {'gpu':>7} {'schedule':>9} {'post':>7}")
     for r in timed:
         s, n = r["steps"], r["steps"]["decode_steps"]
-        cells = [1e3 * s[k] / n for k in ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s")]
-        print(f"{r['variant']:>10} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>7.2f}" for c in cells))
+        cells = [
+            f"{1e3 * s[k] / n:.2f}"
+            for k in ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s")
+        ]
+        if VARIANTS[r["variant"]].ahead:
+            cells[2:] = ["-", "-"]  # overlapped with the GPU: not split
+        print(f"{r['variant']:>12} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>7}" for c in cells))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from model_runtime.engine import Engine, StepOutput
+from model_runtime.step_record import StepRecord
 
 
 @dataclass
@@ -36,32 +37,43 @@ class StepProbe:
     ran any prompt chunk or preemption recompute counts as prefill. Use probe.step() in place of engine.step().
     It wraps the engine's runner.execute, sampler and scheduler.advance (instance attributes, undone by close())
     to split a decode step's wall time (StepSplit): on a GPU the forward-to-sampler span is timed by CUDA
-    events, on a CPU (where the work runs as it is called) by the clock."""
+    events, on a CPU (where the work runs as it is called) by the clock.
+
+    With steps scheduled ahead (scheduler.async_scheduling) a step() returns the tokens of the step launched
+    by the step() before it, while the GPU still runs the one it has just launched: each launch's events are
+    read once they have completed (at a later step(), or in close()), and are classified by the launch's own
+    schedule. The host work of such a step overlaps the GPU's, so it is not split (schedule and post stay 0):
+    wall against GPU per step says what the overlap left of it."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.split = engine, StepSplit()
+        self.ahead = engine.config.scheduler.async_scheduling
         self._marks: dict[str, float] = {}
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        if engine.runner.device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._cuda = engine.runner.device.type == "cuda"
+        self._launched: list[tuple[bool, torch.cuda.Event]] = []  # (decode-only, start) not yet sampled
+        self._timed: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []  # sampled, not yet read
         self._sampler = engine.sampler
         self._wrap()
         self._wrapped = True
 
     def _wrap(self) -> None:
-        engine, marks, events = self.engine, self._marks, self._events
+        engine, marks = self.engine, self._marks
         execute, sampler, advance = engine.runner.execute, engine.sampler, engine.scheduler.advance
 
-        def timed_execute(*args, **kwargs):
+        def timed_execute(out, *args, **kwargs):
+            if self._cuda:
+                decode, start = StepRecord.planned(out).num_prefill == 0, torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._launched = [(decode, start)]
             marks["launch"] = time.perf_counter()
-            if events is not None:
-                events[0].record()
-            return execute(*args, **kwargs)
+            return execute(out, *args, **kwargs)
 
         def timed_sampler(*args, **kwargs):
             result = sampler(*args, **kwargs)
-            if events is not None:
-                events[1].record()
+            if self._launched:
+                (decode, start), end = self._launched.pop(), torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._timed.append((decode, start, end))
             marks["sampled"] = time.perf_counter()
             return result
 
@@ -74,12 +86,27 @@ class StepProbe:
         setattr(engine, "sampler", timed_sampler)  # noqa: B010
         setattr(engine.scheduler, "advance", timed_advance)  # noqa: B010
 
+    def _read_events(self, wait: bool) -> None:
+        """Adds the GPU time of every timed launch that has completed (all of them if `wait`)."""
+        left = []
+        for decode, start, end in self._timed:
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                left.append((decode, start, end))
+                continue
+            if decode:
+                self.split.decode_gpu_s += start.elapsed_time(end) / 1e3
+        self._timed = left
+
     def step(self) -> list[StepOutput]:
         self._marks.clear()
+        self._launched.clear()  # a launch without a sampler (no chunk samples) is not timed
         t0 = time.perf_counter()
-        outputs = self.engine.step()  # ends in the sampler's .tolist(): the step's GPU work is done
+        outputs = self.engine.step()  # synchronous: ends in the sampler's .tolist(), the step's GPU work done
         t1 = time.perf_counter()
         seconds, s, record, marks = t1 - t0, self.split, self.engine.last_step, self._marks
+        self._read_events(wait=False)
         if record is None:  # nothing was runnable
             return outputs
         s.peak_running = max(s.peak_running, record.batch_size)
@@ -88,17 +115,16 @@ class StepProbe:
             s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
         else:
             s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
-            if {"launch", "sampled", "tokens"} <= marks.keys():
-                if self._events is not None:
-                    s.decode_gpu_s += self._events[0].elapsed_time(self._events[1]) / 1e3
-                else:
+            if not self.ahead and {"launch", "sampled", "tokens"} <= marks.keys():
+                if not self._cuda:
                     s.decode_gpu_s += marks["sampled"] - marks["launch"]
                 s.decode_schedule_s += marks["launch"] - t0
                 s.decode_post_s += t1 - marks["tokens"]
         return outputs
 
     def close(self) -> None:
-        """Give the engine back its own methods and sampler."""
+        """Read the launches still timing, and give the engine back its own methods and sampler."""
+        self._read_events(wait=True)
         if self._wrapped:
             vars(self.engine.runner).pop("execute")  # the class's methods show through again
             vars(self.engine.scheduler).pop("advance")

@@ -232,6 +232,22 @@ def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model)
     assert not complete and sum(counts) < 20 and not engine.has_unfinished()  # stopped after a step, aborted
 
 
+def test_drive_with_steps_scheduled_ahead_counts_every_token_and_does_not_split_the_overlapped_host_work(
+    tiny_model,
+):
+    scheduler = SchedulerConfig(8, 64, max_model_len=64, async_scheduling=True)
+    engine = build_engine(tiny_model, RunDevice.for_mode(smoke=True), scheduler, 0.9)
+    prompts = random_prompts(5, 8, engine.model_config.vocab_size, seed=0)
+    counts, split, complete, _ = offline_throughput.drive(
+        engine, offline_throughput.Shape(8, 4), prompts, 2, Deadline(60)
+    )
+    assert complete and counts == [4] * 5 and engine.steps_ahead > 0
+    assert split.decode_steps >= 3 and split.decode_s > 0
+    # Its host work ran while the step before it computed: nothing to split, and no wrapper left behind.
+    assert split.decode_schedule_s == split.decode_post_s == 0.0
+    assert "execute" not in vars(engine.runner) and isinstance(engine.sampler, Sampler)
+
+
 def test_offline_throughput_records_a_failed_job_and_still_runs_the_rest(tiny_model, tmp_path):
     out = tmp_path / "offline.json"
     argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--shapes", "16/4", "--num-prompts", "2"]
