@@ -77,14 +77,14 @@ def smoke_config(config: dict, work: Path) -> dict:
     out = dict(config, model=model, transfer={"kinds": ["tcp"]})
     for pool in (p for p in POOLS if p in out):
         prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
-        ahead = out[pool].get("engine", {}).get("scheduler", {}).get("async_scheduling", False)
+        said = out[pool].get("engine", {}).get("scheduler", {})
+        ahead = {
+            k: said[k] for k in ("async_scheduling",) if k in said
+        }  # absent: the deploy config's default
         engine = {
             "device": {"device": "cpu", "dtype": "float32"},
             "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix},
-            "scheduler": {
-                "max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048,
-                "async_scheduling": ahead,
-            },
+            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048, **ahead},
         }  # fmt: skip
         if pool_ranks(out[pool]) > 1:
             engine["parallel"] = {"tensor_parallel_size": pool_ranks(out[pool])}

@@ -53,8 +53,11 @@ PREFILL_BUDGET_RANGE = (256, 16384)
 # where the `tandem serve` process (router) ran saturated.
 STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
 # A colocated name + AHEAD: its workers schedule each step before the last one's tokens return
-# (engine.scheduler.async_scheduling; model_runtime.step_ahead).
+# (engine.scheduler.async_scheduling; model_runtime.step_ahead), which colocated workers on one GPU do by
+# default since the deploy config turned it on for them; + SYNC: they wait for each step's tokens first (the
+# engine before that default, for A/B runs).
 AHEAD = "-ahead"
+SYNC = "-sync"
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
 ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
@@ -143,13 +146,16 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
     if name.endswith(AUTOSCALE):
         return autoscaled(_named_config(name.removesuffix(AUTOSCALE), slo), *slo)
-    if name.endswith(AHEAD):
-        config = _named_config(name.removesuffix(AHEAD), slo)
-        if "colocated" not in config:
-            raise ValueError(f"{name}: {AHEAD} is for colocated deployments (workers refuse it elsewhere)")
-        engine = config["colocated"].setdefault("engine", {})
-        engine["scheduler"] = dict(engine.get("scheduler", {}), async_scheduling=True)
-        return config
+    for suffix, ahead in ((AHEAD, True), (SYNC, False)):
+        if name.endswith(suffix):
+            config = _named_config(name.removesuffix(suffix), slo)
+            if "colocated" not in config:
+                raise ValueError(
+                    f"{name}: {suffix} is for colocated deployments (workers refuse it elsewhere)"
+                )
+            engine = config["colocated"].setdefault("engine", {})
+            engine["scheduler"] = dict(engine.get("scheduler", {}), async_scheduling=ahead)
+            return config
     if name.endswith(NO_CACHE):
         config = _named_config(name.removesuffix(NO_CACHE), slo)
         for pool in (p for p in POOLS if p in config):

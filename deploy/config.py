@@ -19,7 +19,7 @@ tls:      {router: {cert, key, client_ca, require_client_cert}, cluster: {ca, ce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,8 @@ def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSetti
     if "model" in engine_data:
         raise ConfigError(f"{where}.engine.model: set the model once, at the top level")
     engine = EngineConfig.from_dict({**engine_data, "model": model}, f"{where}.engine")
+    if where == "colocated" and _ahead_by_default(engine_data, engine):
+        engine = replace(engine, scheduler=replace(engine.scheduler, async_scheduling=True))
     return PoolSettings(
         replicas=data.get("replicas", default_replicas),
         num_gpus=data.get("num_gpus", 0.0),
@@ -272,6 +274,15 @@ def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSetti
         metrics_port=data.get("metrics_port", 0),
         metrics_port_count=data.get("metrics_port_count", 1),
     )
+
+
+def _ahead_by_default(engine_data: dict, engine: EngineConfig) -> bool:
+    """Colocated workers on one device schedule each step ahead (scheduler.async_scheduling) unless the config
+    says otherwise: on one H200 it served 1.06-1.16x the output tokens offline and cut the TPOT p50 of
+    decode-heavy traffic by 19-50% in the service (docs/performance.md, "Step-ahead scheduling")."""
+    scheduler = engine_data.get("scheduler")
+    said = isinstance(scheduler, dict) and "async_scheduling" in scheduler
+    return not said and engine.parallel.tensor_parallel_size == 1
 
 
 def load_config(path: str | Path | None) -> DeployConfig:

@@ -170,6 +170,24 @@ def test_the_engines_that_cannot_run_ahead_refuse_it_by_name(tiny):
     parse_config({"colocated": {"replicas": 1, "engine": engine}})  # accepted there
 
 
+def test_colocated_workers_on_one_device_run_ahead_unless_the_config_says_otherwise():
+    def ahead(config: dict) -> dict[str, bool]:
+        parsed = parse_config(config)
+        pools = {"prefill": parsed.prefill, "decode": parsed.decode, "colocated": parsed.colocated}
+        return {role: pool.engine.scheduler.async_scheduling for role, pool in pools.items()}
+
+    assert ahead({"mode": "colocated", "colocated": {"replicas": 1}})["colocated"] is True
+    assert ahead({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}) == {
+        "prefill": False, "decode": False, "colocated": True
+    }  # fmt: skip
+    off = {"scheduler": {"async_scheduling": False, "max_num_seqs": 8}}
+    assert ahead({"mode": "colocated", "colocated": {"replicas": 1, "engine": off}})["colocated"] is False
+    spanning = {"parallel": {"tensor_parallel_size": 2}}  # tensor-parallel ranks replay the lead's inputs
+    assert (
+        ahead({"mode": "colocated", "colocated": {"replicas": 1, "engine": spanning}})["colocated"] is False
+    )
+
+
 def test_behind_the_engine_loop_the_workers_path_gives_the_synchronous_outputs(tiny):
     """What a colocated worker runs: the EngineLoop thread steps the engine while requests arrive through
     call(); each subscriber gets its request's tokens and a finish, and the loop's step records add up."""

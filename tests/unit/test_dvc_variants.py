@@ -231,7 +231,7 @@ def test_router_processes_variant_sets_router_processes_and_composes_with_others
         deployment_config("colocated-4-r9")
 
 
-def test_ahead_turns_step_ahead_scheduling_on_for_colocated_workers_only() -> None:
+def test_ahead_and_sync_set_step_ahead_scheduling_for_colocated_workers_only() -> None:
     config = deployment_config("colocated-4-ahead")
     assert config["colocated"]["replicas"] == 4
     assert config["colocated"]["engine"]["scheduler"]["async_scheduling"] is True
@@ -241,6 +241,14 @@ def test_ahead_turns_step_ahead_scheduling_on_for_colocated_workers_only() -> No
     ]
     with pytest.raises(ValueError, match="disagg-1p1d-ahead: -ahead is for colocated deployments"):
         deployment_config("disagg-1p1d-ahead")
+    # Colocated workers on one GPU schedule ahead by default; -sync is the engine without it, for A/B runs.
+    assert parse_config(deployment_config("colocated-4")).colocated.engine.scheduler.async_scheduling
+    sync = deployment_config("colocated-4-sync")
+    assert not parse_config(sync).colocated.engine.scheduler.async_scheduling
+    smoke = smoke_config(sync, Path(tempfile.mkdtemp()))
+    assert not parse_config(smoke).colocated.engine.scheduler.async_scheduling
+    with pytest.raises(ValueError, match="disagg-1p1d-sync: -sync is for colocated deployments"):
+        deployment_config("disagg-1p1d-sync")
 
 
 def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_range() -> None:
