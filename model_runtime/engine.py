@@ -107,13 +107,14 @@ class Engine:
         self._sampled_ids = SampledIds(config.scheduler.max_num_seqs, self.runner.kv_cache.device)
         self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, steps %s",
             mc.name,
             self.device,
             dtype_name,
             num_blocks,
             config.cache.block_size,
             self.max_model_len,
+            "scheduled ahead" if self._ahead else "synchronous",
         )
 
     # --- requests --------------------------------------------------------------------------------------
