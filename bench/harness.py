@@ -330,9 +330,10 @@ def build_engine(
     quantization: str = "none",
     cache_dtype: str | None = None,
     fp8_qk_dot: bool = False,
+    num_blocks: int | None = None,
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
-    work); the cache size comes from the engine's memory planner. Token ids out, no text (emit_text=False), as the
+    work); the cache size comes from the engine's memory planner unless `num_blocks` sets it. Token ids out, no text (emit_text=False), as the
     prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
     are device.quantization and cache.dtype (None: the model dtype), `fp8_qk_dot` device.fp8_qk_dot."""
     graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
@@ -345,6 +346,7 @@ def build_engine(
         dtype=cache_dtype,
         enable_prefix_caching=prefix_caching,
         gpu_memory_utilization=memory_fraction,
+        num_blocks=num_blocks,
     )
     device = DeviceConfig(
         device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization,

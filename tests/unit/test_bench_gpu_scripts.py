@@ -354,3 +354,17 @@ def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
             0 < spans["lead_built"] <= spans["lead_published"] <= spans["lead_queued"] <= spans["lead_done"]
         )
     assert not list(tmp_path.glob("*.steps.json")), "the ranks' step records are removed once merged"
+
+
+def test_host_step_splits_each_decode_step_into_the_models_time_and_the_hosts(tmp_path):
+    from bench import host_step
+
+    out = tmp_path / "host.json"
+    host_step.main(["--batches", "4,8", "--steps", "6", "--repeats", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["ahead"]) for r in rows] == [(4, False), (4, True), (8, False), (8, True)]
+    for r in rows:
+        assert r["steps"] == 6 and r["model_ms"] > 0 and r["host_ms"] > 0
+        assert r["wall_ms"] == pytest.approx(r["model_ms"] + r["host_ms"])
+    with pytest.raises(SystemExit):
+        host_step.main(["--modes", "later"])
