@@ -56,6 +56,7 @@ class EngineGauges:
     waiting: int
     requests_total: int
     cached_prompt_tokens: int
+    steps_ahead: int
 
     @staticmethod
     def read(engine: Engine) -> EngineGauges:
@@ -66,6 +67,7 @@ class EngineGauges:
             waiting=engine.scheduler.num_waiting,
             requests_total=engine.requests_total,
             cached_prompt_tokens=engine.scheduler.cached_tokens_total,
+            steps_ahead=engine.steps_ahead,
         )
 
 
@@ -146,6 +148,12 @@ class WorkerCollector(Collector):
             "tandem_prefix_cache_hit_tokens_total",
             "Prompt tokens taken from the prefix cache instead of computed",
             g.cached_prompt_tokens,
+        )
+        yield self._counter(
+            "tandem_engine_steps_ahead_total",
+            "Engine steps scheduled and launched while the step before them ran (scheduler.async_scheduling; "
+            "stays 0 on a worker that waits for each step's tokens)",
+            g.steps_ahead,
         )
         if self._transfer_stats is not None:
             yield from self._transfer(self._transfer_stats())

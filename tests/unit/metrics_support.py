@@ -116,11 +116,12 @@ def tiny_model(directory: Path) -> Path:
 
 
 @contextmanager
-def running_worker(tmp_path: Path, role: str) -> Iterator[RunningWorker]:
+def running_worker(tmp_path: Path, role: str, ahead: bool = False) -> Iterator[RunningWorker]:
+    """`ahead`: the engine schedules each step ahead (scheduler.async_scheduling; colocated only)."""
     config = EngineConfig(
         model=str(tiny_model(tmp_path)),
         cache=CacheConfig(block_size=4, num_blocks=64),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=ahead),
         device=DeviceConfig(device="cpu"),
     )
     loop = EngineLoop(Engine(config))

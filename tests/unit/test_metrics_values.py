@@ -160,6 +160,18 @@ def test_worker_steps_prefill_tokens_and_batches_are_recorded(tmp_path: Path) ->
         assert not any(n.startswith("tandem_kv_transfer") for n in names)  # colocated: no transfer side
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "ahead"])
+def test_a_worker_counts_the_steps_it_scheduled_ahead(tmp_path: Path, ahead: bool) -> None:
+    with running_worker(tmp_path, "colocated", ahead=ahead) as w:
+        outputs = w.generate([5, 6, 7, 8, 9], max_tokens=4)
+        assert [len(o.token_ids) for o in outputs] == [1, 1, 1, 1]
+        counted = value(w.metrics.registry, "tandem_engine_steps_ahead_total")
+        assert counted == w.loop.call(lambda e: e.steps_ahead)
+        # Ahead, each of the 3 decode steps is launched while the step before it runs (nothing is launched
+        # behind the last, whose pending token is the request's last). Synchronous: none.
+        assert counted == (3 if ahead else 0)
+
+
 def test_worker_kv_gauges_follow_the_block_pool(tmp_path: Path) -> None:
     with running_worker(tmp_path, "decode") as w:
         r = w.metrics.registry
