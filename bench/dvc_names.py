@@ -55,7 +55,8 @@ STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
 # A colocated name + AHEAD: its workers schedule each step before the last one's tokens return
 # (engine.scheduler.async_scheduling; model_runtime.step_ahead), which colocated workers on one GPU do by
 # default since the deploy config turned it on for them; + SYNC: they wait for each step's tokens first (the
-# engine before that default, for A/B runs).
+# engine before that default, for A/B runs). A disaggregated name + AHEAD or SYNC: the same for its decode
+# workers (off by default there; their freed blocks are fenced from the KV receiver while a step may run).
 AHEAD = "-ahead"
 SYNC = "-sync"
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
@@ -149,11 +150,10 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
     for suffix, ahead in ((AHEAD, True), (SYNC, False)):
         if name.endswith(suffix):
             config = _named_config(name.removesuffix(suffix), slo)
-            if "colocated" not in config:
-                raise ValueError(
-                    f"{name}: {suffix} is for colocated deployments (workers refuse it elsewhere)"
-                )
-            engine = config["colocated"].setdefault("engine", {})
+            pool = next((p for p in ("colocated", "decode") if p in config), None)
+            if pool is None:
+                raise ValueError(f"{name}: {suffix} is for deployments with colocated or decode workers")
+            engine = config[pool].setdefault("engine", {})
             engine["scheduler"] = dict(engine.get("scheduler", {}), async_scheduling=ahead)
             return config
     if name.endswith(NO_CACHE):

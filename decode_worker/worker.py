@@ -42,7 +42,9 @@ class DecodeWorker(WorkerLifecycle):
     def start(self) -> str:
         """Load the model, open the KV receiver and the gRPC port; returns host:port once ready."""
         spec = self.spec
-        engine = Engine(spec.engine, emit_text=False, on_progress=self._progress, tp_group=self.tp_group)
+        engine = Engine(
+            spec.engine, emit_text=False, on_progress=self._progress, tp_group=self.tp_group, kv_receiver=True
+        )
         self.loop = EngineLoop(engine)
         self.loop.start()
         self._progress("opening the KV receiver and the gRPC port")

@@ -79,11 +79,11 @@ class PoolSettings:
                 f"{where}.engine.parallel.tensor_parallel_size: a {where} worker hands its KV over between "
                 f"workers of {', '.join(map(str, HANDOFF_TP_SIZES))} devices, got {tp}"
             )
-        if self.engine.scheduler.async_scheduling and (where != "colocated" or tp > 1):
+        if self.engine.scheduler.async_scheduling and (where == "prefill" or tp > 1):
             raise ConfigError(
-                f"{where}.engine.scheduler.async_scheduling: for colocated workers on one device only (a "
-                "prefill worker ships its blocks after one token, a decode worker's KV receiver writes blocks "
-                "from its own streams, and tensor-parallel ranks replay the lead's host inputs)"
+                f"{where}.engine.scheduler.async_scheduling: for colocated and decode workers on one device "
+                "only (a prefill worker ships its blocks after one token, and tensor-parallel ranks replay the "
+                "lead's host inputs)"
             )
         self._validate_metrics_ports(where)
 

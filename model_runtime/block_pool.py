@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import struct
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
 from model_runtime.kv_layout import NULL_BLOCK
@@ -85,6 +85,13 @@ class BlockPool:
             OrderedDict()
         )  # least recently registered/matched first
         self.cache_version = 0  # bumped whenever a hash is registered or evicted
+        # Fencing (step-ahead engines whose KV is also written outside their compute stream: decode workers).
+        # While `fence` is set, a block whose last reference drops is held back, tagged with it, instead of
+        # going to the free list: the step in flight may still read or write it, and another writer (the KV
+        # receiver) must not get it before that step is done. release_fenced(tag) frees those up to a tag.
+        self.fence: int | None = None
+        self._fenced: deque[tuple[int, int]] = deque()  # (tag, block id), tags in order
+        self._fenced_tag: dict[int, int] = {}  # block id -> the tag of its live entry in _fenced
 
     # --- accounting ------------------------------------------------------------------------------------
     @property
@@ -98,6 +105,11 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.usable - len(self._free)
+
+    @property
+    def num_fenced(self) -> int:
+        """Blocks without a reference held back until the step in flight that may touch them is done."""
+        return len(self._fenced_tag)
 
     @property
     def num_cached(self) -> int:
@@ -155,6 +167,21 @@ class BlockPool:
         for block_id in reversed(block_ids):
             self._refs[block_id] -= 1
             if self._refs[block_id] == 0:
+                if self.fence is None:
+                    self._release(block_id)
+                else:
+                    self._fenced.append((self.fence, block_id))
+                    self._fenced_tag[block_id] = self.fence
+
+    def release_fenced(self, upto: int | None = None) -> None:
+        """Free the fenced blocks whose tag is at most `upto` (None: all of them), in the order they were held
+        back. An entry whose block the prefix cache revived meanwhile (match_hashes) is stale and skipped: the
+        block is in use, or fenced again under a later tag."""
+        fenced = self._fenced
+        while fenced and (upto is None or fenced[0][0] <= upto):
+            tag, block_id = fenced.popleft()
+            if self._fenced_tag.get(block_id) == tag:
+                del self._fenced_tag[block_id]
                 self._release(block_id)
 
     def retain(self, block_ids: Sequence[int]) -> None:
@@ -216,8 +243,11 @@ class BlockPool:
             block_id = self._block_of_hash.get(block_hash)
             if block_id is None:
                 break
-            if self._refs[block_id] == 0:
-                del self._free[block_id]  # revived before it was reused
+            if self._refs[block_id] == 0:  # revived before it was reused
+                if block_id in self._fenced_tag:
+                    del self._fenced_tag[block_id]  # its full, computed KV is never rewritten
+                else:
+                    del self._free[block_id]
             self._refs[block_id] += 1
             self._block_of_hash.move_to_end(block_hash)  # recently used: reported first
             ids.append(block_id)

@@ -65,12 +65,16 @@ class Engine:
         emit_text: bool = True,
         on_progress: Callable[[str], None] | None = None,
         tp_group: TPGroup | None = None,
+        kv_receiver: bool = False,
     ) -> None:
         """`emit_text=False`: no detokenization and no stop strings on the engine thread (StepOutput.text is "");
         the token stop rules still apply. `on_progress(line)` follows the start-up: weights loaded, KV cache
         sized, CUDA graphs captured. `tp_group`: with parallel.tensor_parallel_size N > 1, the N ranks, of
         which this engine is the lead (rank 0: it schedules and samples; the others run
-        model_runtime.parallel.follower.run_follower). Call `close()` when done to release them."""
+        model_runtime.parallel.follower.run_follower). Call `close()` when done to release them.
+        `kv_receiver`: the pool's blocks are also written outside the engine's compute stream (a decode
+        worker's KV receiver); with scheduler.async_scheduling the blocks freed while a step may still run are
+        fenced until it is done (model_runtime.step_ahead)."""
         self.config = config
         self.prefill_only = prefill_only
         self.emit_text = emit_text
@@ -104,6 +108,9 @@ class Engine:
                 "blocks after one token and tensor-parallel ranks replay the lead's host inputs"
             )
         self._flight: InFlight | None = None
+        self._fence_frees = self._ahead and kv_receiver
+        self._launches = 0  # steps launched ahead-style; InFlight.seq
+        self._waited = 0  # the last launch whose device work is known done (its tokens were waited for)
         self._sampled_ids = SampledIds(config.scheduler.max_num_seqs, self.runner.kv_cache.device)
         self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
         log.info(
@@ -181,11 +188,10 @@ class Engine:
         already ends the request (its blocks are freed), else None: later tokens come from step().
         `output_offset`: the output index prefill sampled `first_token` at (see Request.output_offset);
         `priority`: its class among the requests waiting for a sequence slot."""
-        if (
-            self._ahead
-        ):  # the KV receiver writes landed blocks from its own streams (model_runtime.step_ahead)
+        if self._ahead and not self._fence_frees:  # the receiver's writes need the fence (step_ahead)
             raise InvalidRequest(
-                "add_prefilled: a decode worker's engine runs without scheduler.async_scheduling"
+                "add_prefilled: with scheduler.async_scheduling, a decode worker's engine must be built with "
+                "kv_receiver=True"
             )
         self.validate(prompt_token_ids, sampling)
         _check_offset(output_offset)
@@ -291,11 +297,15 @@ class Engine:
         if self._flight is not None:
             self.steps_ahead += 1
         tokens, logprobs = flight.tokens()
+        if self._fence_frees:
+            self._fence_passed(flight)
         results = []
         for chunk, token, lp in zip(flight.sampled, tokens, logprobs):
             if chunk.request.is_finished:  # aborted while it ran
                 continue
             results.append(self._emit(chunk.request, token, lp, pending=True))
+        if self._fence_frees and self._flight is None:
+            self._drop_fence()
         firsts = first_tokens(c.request for c in flight.sampled) if flight.planned.num_prefill else ()
         self.last_step = replace(
             flight.planned, duration_s=time.perf_counter() - started, first_tokens=firsts
@@ -307,14 +317,33 @@ class Engine:
         the step whose pending tokens `out` reads on the device."""
         if out.is_empty:
             return None
+        self._launches += 1
+        if self._fence_frees:  # from here on, a freed block may still be in this step's hands
+            self.pool.fence = self._launches
         planned = StepRecord.planned(out)
         feed = previous.feed_for(out) if previous is not None else None
         logits = self.runner.execute(out, feed=feed)
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
-            return InFlight(out, sampled, None, None, planned)
+            return InFlight(out, sampled, None, None, planned, self._launches)
         result = self._run_sampler(logits, [c.request for c in sampled])
-        return InFlight(out, sampled, result, self._sampled_ids.start(result), planned)
+        return InFlight(out, sampled, result, self._sampled_ids.start(result), planned, self._launches)
+
+    def _fence_passed(self, flight: InFlight) -> None:
+        """`flight`'s tokens are on the host: it and every step launched before it are done on the device (one
+        stream), so the blocks freed while they could run are free now. A step that sampled nothing was not
+        waited for (on a GPU); its blocks wait for a later step's tokens, or _drop_fence."""
+        if flight.result is not None or self.device.type != "cuda":
+            self._waited = flight.seq
+            self.pool.release_fenced(flight.seq)
+
+    def _drop_fence(self) -> None:
+        """Nothing is in flight: free every fenced block (after the device, if a step was not waited for)."""
+        if self._waited < self._launches and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._waited = self._launches
+        self.pool.fence = None
+        self.pool.release_fenced()
 
     def _run_sampler(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits."""

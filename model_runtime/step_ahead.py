@@ -6,10 +6,12 @@ one still runs on the GPU, so the host work around a step stops leaving the GPU 
         their last are held out); launch N+1, its pending input ids fed on the device from N's sampled ids
         wait for N's tokens (a copy to pinned memory, started at launch); resolve them; stop rules; N's outputs
 
-A request that N's token finishes (a stop token) has one wasted row in N+1, whose token is dropped. Its blocks
-go back to the pool at once: only the compute stream writes KV in the engines that run this (colocated and
-offline; a decode worker's KV receiver writes from other streams, so decode workers, prefill workers and
-tensor-parallel ranks, which replay the lead's host inputs, keep the synchronous step). The pending token
+A request that N's token finishes (a stop token) has one wasted row in N+1, whose token is dropped. In colocated
+and offline engines its blocks go back to the pool at once: only the compute stream writes KV there, so the next
+owner's writes come after N+1's. A decode worker's KV receiver writes landed blocks from its own streams, so
+its engine (Engine(kv_receiver=True)) fences them instead (BlockPool.fence): a block freed while step N+1 may
+run stays out of the free list until N+1's tokens have been waited for. Prefill workers (they hand their blocks
+off after one token) and tensor-parallel ranks (they replay the lead's host inputs) keep the synchronous step. The pending token
 never enters a prefix-cache hash (hashes cover computed tokens only, and it is resolved before N+1 is
 advanced). Seeded sampling draws the same noise: the output index counts the pending token. Unseeded random
 rows may draw differently from a synchronous engine, since N+1 may carry rows that N finished.
@@ -93,6 +95,7 @@ class InFlight:
     result: SamplerOutput | None  # None when no chunk samples
     host: HostCopy | None
     planned: StepRecord
+    seq: int = 0  # the engine's launch count at its launch: the tag of the blocks freed while it may run
 
     def tokens(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Wait for the sampled ids and return them with the logprobs (rows in `sampled` order)."""

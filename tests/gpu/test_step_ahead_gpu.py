@@ -51,3 +51,42 @@ def test_steps_scheduled_ahead_replay_graphs_and_give_the_synchronous_tokens(tmp
         engine.steps_ahead > 10 and engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
     )
     assert engine.pool.num_free == engine.pool.usable
+
+
+def _decode_tokens(path: str, ahead: bool) -> tuple[dict[str, list[int]], Engine]:
+    """A decode worker's engine (kv_receiver=True): prompts admitted as landed KV (fresh, zeroed blocks for
+    both engines) with add_prefilled; requests end at different steps, so blocks are freed, and fenced when
+    ahead, while later steps run."""
+    engine = Engine(
+        EngineConfig(
+            model=path,
+            cache=CacheConfig(num_blocks=512),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_model_len=512, async_scheduling=ahead),
+            device=DeviceConfig(device="cuda", dtype="bfloat16"),
+        ),
+        emit_text=False,
+        kv_receiver=True,
+    )
+    out: dict[str, list[int]] = {}
+    for j in range(12):
+        prompt = [(5 * i + j) % 90 + 5 for i in range(9 + 4 * j)]
+        blocks = engine.pool.allocate(-(-len(prompt) // engine.config.cache.block_size))
+        params = SamplingParams(temperature=0, max_tokens=6 + 3 * j, ignore_eos=True)
+        engine.add_prefilled(f"r{j}", prompt, params, tuple(blocks), 11 + j)
+        out[f"r{j}"] = [11 + j]
+    while engine.has_unfinished():
+        for step in engine.step():
+            out[step.request_id] += step.token_ids
+    return out, engine
+
+
+def test_a_decode_workers_engine_runs_ahead_on_graphs_and_gives_back_every_fenced_block(tmp_path) -> None:
+    path = str(write_tiny_hf(tmp_path, "llama"))
+    sync, _ = _decode_tokens(path, False)
+    ahead, engine = _decode_tokens(path, True)
+    assert ahead == sync
+    assert (
+        engine.steps_ahead > 10 and engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+    )
+    assert engine.pool.fence is None and engine.pool.num_fenced == 0
+    assert engine.pool.num_free == engine.pool.usable

@@ -27,7 +27,13 @@ def tiny(tmp_path_factory) -> str:
 
 
 def _engine(
-    path: str, ahead: bool, num_blocks: int = 256, prefix: bool = False, budget: int = 64, text: bool = False
+    path: str,
+    ahead: bool,
+    num_blocks: int = 256,
+    prefix: bool = False,
+    budget: int = 64,
+    text: bool = False,
+    kv_receiver: bool = False,
 ) -> Engine:
     return Engine(
         EngineConfig(
@@ -39,6 +45,7 @@ def _engine(
             device=DeviceConfig(device="cpu", dtype="float32", enforce_eager=True),
         ),
         emit_text=text,
+        kv_receiver=kv_receiver,
     )
 
 
@@ -158,16 +165,21 @@ def test_the_engines_that_cannot_run_ahead_refuse_it_by_name(tiny):
             ),
             prefill_only=True,
         )
-    with pytest.raises(InvalidRequest, match="add_prefilled: a decode worker's engine runs without"):
+    with pytest.raises(InvalidRequest, match=r"add_prefilled: .* must be built with kv_receiver=True"):
         _engine(tiny, True).add_prefilled("r", [5, 6, 7], SamplingParams(max_tokens=2), (1,), 9)
     with pytest.raises(ValueError, match=r"scheduler\.async_scheduling: must be true or false"):
         SchedulerConfig(async_scheduling="yes")  # type: ignore[arg-type]
     engine = {"scheduler": {"async_scheduling": True}}
     with pytest.raises(
-        ConfigError, match=r"decode\.engine\.scheduler\.async_scheduling: for colocated workers"
+        ConfigError, match=r"prefill\.engine\.scheduler\.async_scheduling: for colocated and decode workers"
     ):
-        parse_config({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": engine}})
+        parse_config({"prefill": {"replicas": 1, "engine": engine}, "decode": {"replicas": 1}})
+    spanning = {**engine, "parallel": {"tensor_parallel_size": 2}}
+    with pytest.raises(ConfigError, match=r"decode\.engine\.scheduler\.async_scheduling: .* on one device"):
+        parse_config({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": spanning}})
     parse_config({"colocated": {"replicas": 1, "engine": engine}})  # accepted there
+    decode = parse_config({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": engine}}).decode
+    assert decode.engine.scheduler.async_scheduling  # and on a decode worker (off unless set)
 
 
 def test_colocated_workers_on_one_device_run_ahead_unless_the_config_says_otherwise():
@@ -224,3 +236,50 @@ def test_behind_the_engine_loop_the_workers_path_gives_the_synchronous_outputs(t
         assert sum(r.num_decode + r.num_prefill for r in records) >= sum(p.max_tokens for p in params)
         results.append(tokens)
     assert results[1] == results[0]
+
+
+def _decode_run(engine: Engine, firsts: list[int], params: list[SamplingParams], watch: str | None = None):
+    """A decode worker's path: each prompt's KV "lands" (blocks from the pool, filled by a prefill-only engine's
+    computation being skipped: the same zeroed blocks for both engines) and is admitted with add_prefilled.
+    Returns every request's tokens, and when `watch` is given, what the pool looked like when it finished: its
+    blocks, the pool's free list and fenced count, and whether a step was then still in flight."""
+    out, seen = {f"r{i}": [firsts[i]] for i in range(len(firsts))}, {}
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        blocks = engine.pool.allocate(-(-len(prompt) // 4))
+        engine.add_prefilled(f"r{i}", prompt, p, tuple(blocks), firsts[i])
+    while engine.has_unfinished():
+        blocks = {}
+        if watch is not None and watch not in seen:
+            blocks = {r.request_id: list(r.block_ids) for r in engine.scheduler.running}
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+            if o.request_id == watch and o.finish_reason is not None:
+                free = set(engine.pool.free_block_ids())
+                seen[watch] = (blocks[watch], free, engine.pool.num_fenced, engine.has_unfinished())
+    return out, seen.get(watch)
+
+
+def test_a_decode_workers_engine_runs_ahead_with_its_freed_blocks_fenced_until_the_step_in_flight_is_done(
+    tiny,
+):
+    """Decode workers: the KV receiver writes landed blocks from its own streams, so a block freed while the step
+    launched ahead may still use it (the wasted row of a request that just stopped writes its KV there) must not
+    reach the free list, where the receiver would take it, before that step is done."""
+    firsts = [11, 12, 13, 14, 15, 16]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(6)]
+    sync, _ = _decode_run(_engine(tiny, False), firsts, params)
+    engine = _engine(tiny, True, kv_receiver=True)
+    ahead, seen = _decode_run(engine, firsts, params, watch="r0")
+    assert ahead == sync  # token for token
+    assert [len(t) for t in ahead.values()] == [3 + 4 * i for i in range(6)]
+    assert engine.steps_ahead > 0
+    # r0 finished while the other five went on: its blocks were fenced, not free, while a step was in flight.
+    blocks, free, fenced, in_flight = seen
+    assert in_flight and fenced >= len(blocks) and not free & set(blocks)
+    # Drained: nothing in flight, nothing fenced, every block back.
+    assert engine.pool.fence is None and engine.pool.num_fenced == 0
+    assert engine.pool.num_free == engine.pool.usable
+    # Without the flag, a step-ahead engine refuses prefilled requests (above); a colocated engine frees at once.
+    colocated = _engine(tiny, True)
+    _run(colocated, params[:2])
+    assert colocated.pool.fence is None and colocated.pool.num_fenced == 0

@@ -196,3 +196,40 @@ def test_cached_hashes_report_the_hottest_blocks_first_and_the_version_tracks_ch
     pool.free(ids_a + ids_b)
     pool.allocate(pool.num_free)  # reuses (evicts) every cached block
     assert pool.cached_hashes(10) == [] and pool.cache_version > version
+
+
+def test_a_fence_holds_freed_blocks_back_until_their_step_is_released():
+    pool = BlockPool(num_blocks=8, block_size=2)
+    a, b = pool.allocate(2), pool.allocate(2)
+    pool.fence = 1
+    pool.free(a)  # freed while step 1 may run
+    pool.fence = 2
+    pool.free(b)  # freed while step 2 may run
+    assert pool.num_fenced == 4 and pool.num_free == 3 and pool.num_used == 4  # held back: not allocatable
+    assert not set(a + b) & set(pool.free_block_ids())
+    pool.release_fenced(1)  # step 1 is done: its blocks are free, step 2's still held
+    assert set(a) <= set(pool.free_block_ids()) and pool.num_fenced == 2
+    pool.fence = None
+    pool.release_fenced()  # nothing in flight: all of them
+    assert pool.num_fenced == 0 and pool.num_free == pool.usable
+    c = pool.allocate(1)
+    pool.free(c)  # no fence: straight to the free list
+    assert pool.num_fenced == 0 and pool.num_free == pool.usable
+
+
+def test_a_fenced_cached_block_can_be_revived_and_its_stale_entry_is_skipped():
+    pool = BlockPool(num_blocks=8, block_size=2)
+    tokens = [1, 2, 3, 4]
+    blocks = pool.allocate(2)
+    pool.commit_full_blocks(blocks, tokens, 4)
+    pool.fence = 5
+    pool.free(blocks)
+    assert pool.num_fenced == 2
+    assert pool.match_prefix(tokens) == blocks  # revived from the fence: full, computed KV
+    assert pool.num_fenced == 0 and all(pool.ref_count(b) == 1 for b in blocks)
+    pool.fence = 7
+    pool.free(blocks)  # fenced again, under a later tag
+    pool.release_fenced(5)  # the first entries are stale: nothing is freed early
+    assert pool.num_fenced == 2 and not set(blocks) & set(pool.free_block_ids())
+    pool.release_fenced(7)
+    assert pool.num_fenced == 0 and set(blocks) <= set(pool.free_block_ids())

@@ -231,7 +231,7 @@ def test_router_processes_variant_sets_router_processes_and_composes_with_others
         deployment_config("colocated-4-r9")
 
 
-def test_ahead_and_sync_set_step_ahead_scheduling_for_colocated_workers_only() -> None:
+def test_ahead_and_sync_set_step_ahead_scheduling_for_colocated_or_decode_workers() -> None:
     config = deployment_config("colocated-4-ahead")
     assert config["colocated"]["replicas"] == 4
     assert config["colocated"]["engine"]["scheduler"]["async_scheduling"] is True
@@ -239,16 +239,22 @@ def test_ahead_and_sync_set_step_ahead_scheduling_for_colocated_workers_only() -
     assert smoke_config(config, Path(tempfile.mkdtemp()))["colocated"]["engine"]["scheduler"][
         "async_scheduling"
     ]
-    with pytest.raises(ValueError, match="disagg-1p1d-ahead: -ahead is for colocated deployments"):
-        deployment_config("disagg-1p1d-ahead")
+    # Disaggregated: the decode workers only (prefill workers refuse it).
+    disagg = deployment_config("disagg-1p1d-ahead")
+    assert disagg["decode"]["engine"]["scheduler"]["async_scheduling"] is True
+    assert "async_scheduling" not in disagg["prefill"].get("engine", {}).get("scheduler", {})
+    parsed = parse_config(smoke_config(disagg, Path(tempfile.mkdtemp())))
+    assert (
+        parsed.decode.engine.scheduler.async_scheduling
+        and not parsed.prefill.engine.scheduler.async_scheduling
+    )
+    assert not parse_config(deployment_config("disagg-1p1d")).decode.engine.scheduler.async_scheduling
     # Colocated workers on one GPU schedule ahead by default; -sync is the engine without it, for A/B runs.
     assert parse_config(deployment_config("colocated-4")).colocated.engine.scheduler.async_scheduling
     sync = deployment_config("colocated-4-sync")
     assert not parse_config(sync).colocated.engine.scheduler.async_scheduling
     smoke = smoke_config(sync, Path(tempfile.mkdtemp()))
     assert not parse_config(smoke).colocated.engine.scheduler.async_scheduling
-    with pytest.raises(ValueError, match="disagg-1p1d-sync: -sync is for colocated deployments"):
-        deployment_config("disagg-1p1d-sync")
 
 
 def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_range() -> None:
