@@ -111,6 +111,7 @@ class Engine:
         self._fence_frees = self._ahead and kv_receiver
         self._launches = 0  # steps launched ahead-style; InFlight.seq
         self._waited = 0  # the last launch whose device work is known done (its tokens were waited for)
+        self._on_cuda = torch.device(self.device).type == "cuda"
         self._sampled_ids = SampledIds(config.scheduler.max_num_seqs, self.runner.kv_cache.device)
         self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
         log.info(
@@ -333,13 +334,13 @@ class Engine:
         """`flight`'s tokens are on the host: it and every step launched before it are done on the device (one
         stream), so the blocks freed while they could run are free now. A step that sampled nothing was not
         waited for (on a GPU); its blocks wait for a later step's tokens, or _drop_fence."""
-        if flight.result is not None or self.device.type != "cuda":
+        if flight.result is not None or not self._on_cuda:
             self._waited = flight.seq
             self.pool.release_fenced(flight.seq)
 
     def _drop_fence(self) -> None:
         """Nothing is in flight: free every fenced block (after the device, if a step was not waited for)."""
-        if self._waited < self._launches and self.device.type == "cuda":
+        if self._waited < self._launches and self._on_cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self._waited = self._launches
         self.pool.fence = None
