@@ -41,7 +41,9 @@ from model_runtime.weights import load_model_config, resolve_model
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+# Not frozen: one is built per sequence per step (512 a step at a large batch), and a frozen dataclass's
+# __init__ (object.__setattr__ per field) costs about four times a plain one with slots. Nothing mutates it.
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     token_ids: list[int]

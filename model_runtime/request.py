@@ -167,7 +167,7 @@ class Request:
 PENDING_TOKEN = -1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per sequence per step (see engine.StepOutput); nothing mutates it
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at `request.num_computed_tokens`, run this step.
 
