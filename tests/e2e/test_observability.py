@@ -271,7 +271,10 @@ def test_alert_rules_load_and_evaluate_cleanly(service) -> None:
 
 @needs_prometheus
 def test_every_dashboard_query_answers(service) -> None:
-    _, prometheus, _ = service
+    serve, prometheus, _ = service
+    asyncio.run(
+        _generate(serve.address)
+    )  # its own traffic: KV handoff phases and rates exist without other tests
     dashboard = json.loads(DASHBOARD.read_text())
     targets = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(targets) > 20
