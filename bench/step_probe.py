@@ -4,12 +4,12 @@ into the GPU's part and the host work the GPU waits for (bench/offline_throughpu
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from model_runtime.engine import Engine, StepOutput
-from model_runtime.step_record import StepRecord
 
 
 @dataclass
@@ -32,6 +32,15 @@ class StepSplit:
     preempted: int = 0
 
 
+@dataclass
+class _Launch:
+    """A runner.execute's CUDA events: end None while (or when) no sampler ran after it (such a launch is not
+    timed)."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event | None = None
+
+
 class StepProbe:
     """Times engine steps and classifies each from the engine's own StepRecord (engine.last_step): a step that
     ran any prompt chunk or preemption recompute counts as prefill. Use probe.step() in place of engine.step().
@@ -40,18 +49,19 @@ class StepProbe:
     events, on a CPU (where the work runs as it is called) by the clock.
 
     With steps scheduled ahead (scheduler.async_scheduling) a step() returns the tokens of the step launched
-    by the step() before it, while the GPU still runs the one it has just launched: each launch's events are
-    read once they have completed (at a later step(), or in close()), and are classified by the launch's own
-    schedule. The host work of such a step overlaps the GPU's, so it is not split (schedule and post stay 0):
-    wall against GPU per step says what the overlap left of it."""
+    by the step() before it, while the GPU still runs the one it has just launched. Either way each step() that
+    ran something returns the record of the oldest launch not yet returned, so launches are queued in order and
+    each is classified by the record it comes back with (no second pass over the step's chunks); its events are
+    read once they have completed (at a later step(), or in close()). The host work of a step ahead overlaps the
+    GPU's, so it is not split (schedule and post stay 0): wall against GPU per step says what the overlap left."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.split = engine, StepSplit()
         self.ahead = engine.config.scheduler.async_scheduling
         self._marks: dict[str, float] = {}
         self._cuda = engine.runner.device.type == "cuda"
-        self._launched: list[tuple[bool, torch.cuda.Event]] = []  # (decode-only, start) not yet sampled
-        self._timed: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []  # sampled, not yet read
+        self._launches: deque[_Launch] = deque()  # GPU: per runner.execute, oldest first, until its record
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # decode steps, not yet read
         self._sampler = engine.sampler
         self._wrap()
         self._wrapped = True
@@ -60,20 +70,20 @@ class StepProbe:
         engine, marks = self.engine, self._marks
         execute, sampler, advance = engine.runner.execute, engine.sampler, engine.scheduler.advance
 
-        def timed_execute(out, *args, **kwargs):
+        def timed_execute(*args, **kwargs):
             if self._cuda:
-                decode, start = StepRecord.planned(out).num_prefill == 0, torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
                 start.record()
-                self._launched = [(decode, start)]
+                self._launches.append(_Launch(start))
             marks["launch"] = time.perf_counter()
-            return execute(out, *args, **kwargs)
+            return execute(*args, **kwargs)
 
         def timed_sampler(*args, **kwargs):
             result = sampler(*args, **kwargs)
-            if self._launched:
-                (decode, start), end = self._launched.pop(), torch.cuda.Event(enable_timing=True)
+            if self._launches:  # the sampler of the latest launch
+                end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                self._timed.append((decode, start, end))
+                self._launches[-1].end = end
             marks["sampled"] = time.perf_counter()
             return result
 
@@ -89,26 +99,28 @@ class StepProbe:
     def _read_events(self, wait: bool) -> None:
         """Adds the GPU time of every timed launch that has completed (all of them if `wait`)."""
         left = []
-        for decode, start, end in self._timed:
+        for start, end in self._timed:
             if wait:
                 end.synchronize()
             elif not end.query():
-                left.append((decode, start, end))
+                left.append((start, end))
                 continue
-            if decode:
-                self.split.decode_gpu_s += start.elapsed_time(end) / 1e3
+            self.split.decode_gpu_s += start.elapsed_time(end) / 1e3
         self._timed = left
 
     def step(self) -> list[StepOutput]:
         self._marks.clear()
-        self._launched.clear()  # a launch without a sampler (no chunk samples) is not timed
         t0 = time.perf_counter()
         outputs = self.engine.step()  # synchronous: ends in the sampler's .tolist(), the step's GPU work done
         t1 = time.perf_counter()
         seconds, s, record, marks = t1 - t0, self.split, self.engine.last_step, self._marks
-        self._read_events(wait=False)
         if record is None:  # nothing was runnable
             return outputs
+        if self._launches:  # the launch whose record this is
+            launch = self._launches.popleft()
+            if launch.end is not None and not record.num_prefill:
+                self._timed.append((launch.start, launch.end))
+        self._read_events(wait=False)
         s.peak_running = max(s.peak_running, record.batch_size)
         s.preempted += record.num_preempted
         if record.num_prefill:

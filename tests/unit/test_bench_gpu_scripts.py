@@ -8,11 +8,12 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from bench import offline_throughput, offline_variants, ttft
+from bench import offline_throughput, offline_variants, step_probe, ttft
 from bench.harness import (
     Deadline,
     DeviceRates,
@@ -24,6 +25,7 @@ from bench.harness import (
 )
 from bench.ttft import ttft_floor
 from model_runtime.config import ModelConfig, SchedulerConfig
+from model_runtime.request import SamplingParams
 from model_runtime.sampler import Sampler
 from model_runtime.weights import load_model_config, resolve_model
 from tests.model.tiny_models import write_tiny_hf
@@ -246,6 +248,60 @@ def test_drive_with_steps_scheduled_ahead_counts_every_token_and_does_not_split_
     # Its host work ran while the step before it computed: nothing to split, and no wrapper left behind.
     assert split.decode_schedule_s == split.decode_post_s == 0.0
     assert "execute" not in vars(engine.runner) and isinstance(engine.sampler, Sampler)
+
+
+class _ClockEvent:
+    """torch.cuda.Event's timing calls on the CPU's clock: what the step probe's GPU path reads."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _ClockEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "ahead"])
+def test_the_probe_times_each_launch_as_the_step_its_record_came_back_with(tiny_model, monkeypatch, ahead):
+    """The GPU path, with events on the CPU's clock: every launch is queued and classified by the record of the
+    step() that returns it (ahead, one step() later); only decode steps add GPU time, and none is left over."""
+    monkeypatch.setattr(step_probe.torch.cuda, "Event", _ClockEvent)
+    scheduler = SchedulerConfig(8, 64, max_model_len=64, async_scheduling=ahead)
+    engine = build_engine(tiny_model, RunDevice.for_mode(smoke=True), scheduler, 0.9)
+    for i, prompt in enumerate(random_prompts(4, 8, engine.model_config.vocab_size, seed=0)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    forward = engine.runner.model.forward
+
+    def slow_prompts(input_ids, *args, **kwargs):  # the prompt step's launch lasts 0.2 s, a decode's far less
+        if input_ids.numel() > 4:
+            time.sleep(0.2)
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", slow_prompts)
+    probe = step_probe.StepProbe(engine)
+    probe._cuda = True  # the GPU path, on the CPU
+    steps = []  # (the step's kind, whether it added GPU time): events complete at once here
+    while engine.has_unfinished():
+        before = probe.split.decode_gpu_s
+        probe.step()
+        kind = "prefill" if engine.last_step.num_prefill else "decode"
+        steps.append((kind, probe.split.decode_gpu_s > before))
+    probe.close()
+    assert steps == [("prefill", False)] + [("decode", True)] * 4  # one prompt step, then 4 decode steps
+    # Each decode step's own launch, not the prompt's: a pairing off by one would count the 0.2 s.
+    assert probe.split.decode_steps == 4 and 0 < probe.split.decode_gpu_s < 0.15
+    # Synchronous, a step's launch runs within its own step(); ahead (on the CPU, which runs a launch as it is
+    # made) a decode step's launch ran inside the step() before it, so only the synchronous sums compare.
+    assert ahead or probe.split.decode_gpu_s < probe.split.decode_s
+    assert not probe._launches  # every launch came back with its record
 
 
 def test_offline_throughput_records_a_failed_job_and_still_runs_the_rest(tiny_model, tmp_path):
