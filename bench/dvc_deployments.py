@@ -78,9 +78,8 @@ def smoke_config(config: dict, work: Path) -> dict:
     for pool in (p for p in POOLS if p in out):
         prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
         said = out[pool].get("engine", {}).get("scheduler", {})
-        ahead = {
-            k: said[k] for k in ("async_scheduling",) if k in said
-        }  # absent: the deploy config's default
+        # step-ahead as the deployment set it; absent, the deploy config's default for the pool
+        ahead = {"async_scheduling": said["async_scheduling"]} if "async_scheduling" in said else {}
         engine = {
             "device": {"device": "cpu", "dtype": "float32"},
             "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix},
