@@ -18,16 +18,24 @@ Disaggregated:
     above its min and its load fits in one worker fewer ("moved"); otherwise the miss is reported as blocked
     (at_max, at_budget) and its streak restarts
   - with no pending miss, a pool whose signal was comfortable scale_down_patience evaluations in a row shrinks by
-    one, if its load fits in one worker fewer
+    one, if its load (and, for decode, its TPOT) fits in one worker fewer
 Colocated: replicas grow after scale_up_patience evaluations in a row with either signal missing, and shrink after
   scale_down_patience evaluations with both comfortable, if their load fits in one replica fewer.
 
+A decode pool (and a colocated one) gives up a worker only if its TPOT p90 spread over one worker fewer,
+p90 x n / (n - 1), is still comfortable. A decode step's time grows with its batch and with the prompts landing
+on it, so the TPOT of a comfortable pool says little about one worker fewer: on 4x H200 (docs/performance.md)
+the same prefill-heavy load gave two decode workers a TPOT p90 of 8.9 ms and one 18.2 ms at 20 req/s, 17 and
+45 ms at 24; a pool that went 2 -> 1 on a p90 of 9-17 ms missed at 63-76 ms within a minute.
+
 A shrink it regrets is not repeated at that load: when a pool that gave up a worker (shrank or moved one) misses
-and grows back within REGRET_WINDOWS windows after the quiet time, the request rate of the window in which it gave
+and grows back within REGRET_WINDOWS windows after the quiet time (counted from when every pool had settled
+again: a draining worker can take longer than those windows), the request rate of the window in which it gave
 the worker up is remembered for that pool and size; for shrink_memory_s it does not shrink to that size again
-unless the rate has fallen below RATE_MARGIN of the remembered one. (On 4x H200 a decode pool went 2 -> 1 on a
-TPOT p90 of 12-15 ms and missed at 57-84 ms 14-16 s later, three times in two minutes: one decode worker's TPOT
-grows much faster than its batch, and no load reading predicted it.)
+unless the rate has fallen below RATE_MARGIN of the remembered one. The memory holds back shrinks for comfort
+only: a pool whose partner misses at the budget may still give it a worker ("moved") when its own load and TPOT
+allow, since the load that needs the worker may be a different mix at the same request rate (on 4x H200,
+prefill-heavy traffic at 24 req/s wanted 3 prefill + 1 decode workers, mixed traffic at 24 req/s 2 + 2).
 
 "Its load fits in one worker fewer" (deploy.autoscaler.load): the pool's load over the window (prefill: busy
 share; decode and colocated: KV occupancy) spread over one worker fewer stays <= scale_down_utilization. Latency
@@ -44,7 +52,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deploy.autoscaler.load import PoolLoad
 from deploy.autoscaler.settings import AutoscalerSettings
@@ -108,6 +116,7 @@ class AutoscalePolicy:
         self._loads: Mapping[WorkerRole, PoolLoad] = {}
         self._now = 0.0
         self._rate = 0.0  # requests/s of the window being evaluated
+        self._window = WindowStats(settings.window_s, 0, None, 0, None)
         self._gave: dict[WorkerRole, _Gave] = {}  # each pool's last shrink or move away
         self._floors: dict[tuple[WorkerRole, int], _Gave] = {}  # (pool, size) that missed: at what rate
 
@@ -123,9 +132,12 @@ class AutoscalePolicy:
         s = self.settings
         self._loads = loads or {}
         self._now, self._rate = now, window.requests / window.window_s if window.window_s > 0 else 0.0
+        self._window = window
         if not all(p.ready == p.target and not p.starting and not p.draining for p in pools.values()):
             self._streaks.clear()
             self._quiet_until = max(self._quiet_until, now + s.window_s)
+            # A shrink's regret horizon starts once the pools have settled, not when it was asked for.
+            self._gave = {role: replace(g, at=now) for role, g in self._gave.items()}
             return Decision(hold="settling")
         if now < self._quiet_until:
             return Decision(hold="cooldown")
@@ -230,7 +242,11 @@ class AutoscalePolicy:
     ) -> WorkerRole | None:
         """The other pool, when it can give a worker: its own signal does not miss, and it is above its min."""
         for signal, other in SIGNAL_ROLE.items():
-            if other is not role and grades[signal] is not Grade.MISS and self._can_give(other, sizes[other]):
+            if (
+                other is not role
+                and grades[signal] is not Grade.MISS
+                and self._can_give(other, sizes[other], moving=True)
+            ):
                 return other
         return None
 
@@ -242,12 +258,14 @@ class AutoscalePolicy:
                 why = (
                     f"its {signal} misses too"
                     if grades[signal] is Grade.MISS
-                    else self._refusal(other, sizes[other])
+                    else self._refusal(other, sizes[other], moving=True)
                 )
                 reasons.append(f"{other.value} cannot give: {why}")
         return "; ".join(reasons)
 
     def _shrink(self, sizes: dict[WorkerRole, int]) -> list[Change]:
+        if self._streaks["any_miss"]:  # a miss still building its streak: keep the workers for it
+            return []
         changes = []
         for signal, role in SIGNAL_ROLE.items():
             if self._streaks[f"{signal}_comfortable"] >= self.settings.scale_down_patience:
@@ -256,19 +274,24 @@ class AutoscalePolicy:
                     changes.append(Change(role, Direction.DOWN, f"{signal}_inside", n, n - 1))
         return changes
 
-    def _can_give(self, role: WorkerRole, n: int) -> bool:
-        """The pool of n workers is above its min and its load fits in n - 1 (see the module docstring)."""
-        return self._refusal(role, n) is None
+    def _can_give(self, role: WorkerRole, n: int, moving: bool = False) -> bool:
+        """The pool of n workers is above its min and its load and TPOT fit in n - 1 (see the module
+        docstring); `moving`: to the other pool, which misses (a regretted shrink does not hold that back)."""
+        return self._refusal(role, n, moving) is None
 
-    def _refusal(self, role: WorkerRole, n: int) -> str | None:
+    def _refusal(self, role: WorkerRole, n: int, moving: bool = False) -> str | None:
         """Why the pool of n workers may not give one up (the log's words), or None when it may."""
         if n <= self._min(role):
             return f"at its min {n}"
         floor = self.regretted(role, n - 1)
-        if floor is not None and self._rate >= RATE_MARGIN * floor:
+        if not moving and floor is not None and self._rate >= RATE_MARGIN * floor:
             return (
                 f"{n - 1} workers missed at {floor:.1f} req/s within shrink_memory_s (now {self._rate:.1f})"
             )
+        tpot = self._projected_tpot(role, n)
+        if tpot is not None and tpot > self.settings.scale_down_margin * self.settings.tpot_s:
+            limit = self.settings.scale_down_margin * self.settings.tpot_s
+            return f"its tpot p90 would be about {tpot:.3f}s on {n - 1} (comfortable: <= {limit:.3f}s)"
         load = self._loads.get(role)
         projected = load.projected(n - 1) if load is not None else None
         if projected is None:
@@ -277,6 +300,14 @@ class AutoscalePolicy:
         if projected > limit:
             return f"its load would be {projected:.2f} on {n - 1} (scale_down_utilization {limit:g})"
         return None
+
+    def _projected_tpot(self, role: WorkerRole, n: int) -> float | None:
+        """The window's TPOT p90 spread over one worker fewer, for the pools that run decode steps (None for
+        prefill, or without enough TPOT samples)."""
+        w = self._window
+        if role is WorkerRole.PREFILL or w.tpot_p90_s is None or w.tpot_requests < self.settings.min_requests:
+            return None
+        return w.tpot_p90_s * n / (n - 1)
 
     def _min(self, role: WorkerRole) -> int:
         return self.settings.bounds(role).min
