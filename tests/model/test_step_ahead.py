@@ -182,7 +182,7 @@ def test_the_engines_that_cannot_run_ahead_refuse_it_by_name(tiny):
     assert decode.engine.scheduler.async_scheduling  # and on a decode worker (off unless set)
 
 
-def test_colocated_workers_on_one_device_run_ahead_unless_the_config_says_otherwise():
+def test_colocated_and_decode_workers_on_one_device_run_ahead_unless_the_config_says_otherwise():
     def ahead(config: dict) -> dict[str, bool]:
         parsed = parse_config(config)
         pools = {"prefill": parsed.prefill, "decode": parsed.decode, "colocated": parsed.colocated}
@@ -190,13 +190,17 @@ def test_colocated_workers_on_one_device_run_ahead_unless_the_config_says_otherw
 
     assert ahead({"mode": "colocated", "colocated": {"replicas": 1}})["colocated"] is True
     assert ahead({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}) == {
-        "prefill": False, "decode": False, "colocated": True
+        "prefill": False, "decode": True, "colocated": True
     }  # fmt: skip
     off = {"scheduler": {"async_scheduling": False, "max_num_seqs": 8}}
     assert ahead({"mode": "colocated", "colocated": {"replicas": 1, "engine": off}})["colocated"] is False
+    assert ahead({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": off}})["decode"] is False
     spanning = {"parallel": {"tensor_parallel_size": 2}}  # tensor-parallel ranks replay the lead's inputs
     assert (
         ahead({"mode": "colocated", "colocated": {"replicas": 1, "engine": spanning}})["colocated"] is False
+    )
+    assert (
+        ahead({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "engine": spanning}})["decode"] is False
     )
 
 

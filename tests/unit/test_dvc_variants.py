@@ -248,13 +248,17 @@ def test_ahead_and_sync_set_step_ahead_scheduling_for_colocated_or_decode_worker
         parsed.decode.engine.scheduler.async_scheduling
         and not parsed.prefill.engine.scheduler.async_scheduling
     )
-    assert not parse_config(deployment_config("disagg-1p1d")).decode.engine.scheduler.async_scheduling
-    # Colocated workers on one GPU schedule ahead by default; -sync is the engine without it, for A/B runs.
+    # Colocated and decode workers on one GPU schedule ahead by default; -sync is the engine without it, for A/B
+    # runs (on a disaggregated name: the decode workers').
+    plain = parse_config(deployment_config("disagg-1p1d"))
+    assert plain.decode.engine.scheduler.async_scheduling
+    assert not plain.prefill.engine.scheduler.async_scheduling
     assert parse_config(deployment_config("colocated-4")).colocated.engine.scheduler.async_scheduling
     sync = deployment_config("colocated-4-sync")
     assert not parse_config(sync).colocated.engine.scheduler.async_scheduling
     smoke = smoke_config(sync, Path(tempfile.mkdtemp()))
     assert not parse_config(smoke).colocated.engine.scheduler.async_scheduling
+    assert not parse_config(deployment_config("disagg-3p1d-sync")).decode.engine.scheduler.async_scheduling
 
 
 def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_range() -> None:
