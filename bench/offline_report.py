@@ -44,14 +44,20 @@ def print_decode_split(rows: list[dict]) -> None:
     timed = [r for r in rows if r["steps"].get("decode_gpu_s") and r["steps"]["decode_steps"]]
     if not timed:
         return
-    print("decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for")
-    print(f"{'variant':>12} {'shape':>10} {'batch':>6} {'wall':>7} {'gpu':>7} {'schedule':>9} {'post':>7}")
+    print(
+        "decode steps, ms per step: wall = GPU (first launch to sampler) + host the GPU waited for; idle = the "
+        "GPU's wait before each launch; wall p50 / p90 / max of single steps"
+    )
+    head = ("wall", "gpu", "schedule", "post", "idle", "p50", "p90", "max")
+    print(f"{'variant':>12} {'shape':>10} {'batch':>6} " + " ".join(f"{h:>8}" for h in head))
     for r in timed:
         s, n = r["steps"], r["steps"]["decode_steps"]
-        cells = [
-            f"{1e3 * s[k] / n:.2f}"
-            for k in ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s")
+        per_step = ("decode_s", "decode_gpu_s", "decode_schedule_s", "decode_post_s", "decode_gpu_idle_s")
+        cells = [f"{1e3 * s.get(k, 0.0) / n:.2f}" for k in per_step]
+        cells += [
+            f"{1e3 * s.get(k, 0.0):.2f}"
+            for k in ("decode_wall_p50_s", "decode_wall_p90_s", "decode_wall_max_s")
         ]
         if VARIANTS[r["variant"]].ahead:
-            cells[2:] = ["-", "-"]  # overlapped with the GPU: not split
-        print(f"{r['variant']:>12} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>7}" for c in cells))
+            cells[2:4] = ["-", "-"]  # overlapped with the GPU: not split
+        print(f"{r['variant']:>12} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>8}" for c in cells))

@@ -19,7 +19,11 @@ class StepSplit:
     the wall time went: `decode_gpu_s` from the forward's first launch to the sampler's last kernel (CUDA events),
     `decode_schedule_s` the host work before the forward is launched (scheduling, host inputs), and
     `decode_post_s` the host work after the sampled tokens reached the host (stop rules, outputs). The GPU idles
-    during those two: they are what overlapping the host with the GPU would hide."""
+    during those two: they are what overlapping the host with the GPU would hide. `decode_gpu_idle_s` (GPU only)
+    adds up the GPU's idle time right before each decode launch (from the previous launch's sampler to this
+    launch's start), which is what the host cost a step with its steps scheduled ahead; the `decode_wall_*`
+    fields are the median, 90th percentile and longest decode step (filled by StepProbe.close), which tell an
+    even cost per step from a few long ones."""
 
     prefill_steps: int = 0
     prefill_s: float = 0.0
@@ -28,6 +32,10 @@ class StepSplit:
     decode_gpu_s: float = 0.0
     decode_schedule_s: float = 0.0
     decode_post_s: float = 0.0
+    decode_gpu_idle_s: float = 0.0
+    decode_wall_p50_s: float = 0.0
+    decode_wall_p90_s: float = 0.0
+    decode_wall_max_s: float = 0.0
     peak_running: int = 0
     preempted: int = 0
 
@@ -61,7 +69,10 @@ class StepProbe:
         self._marks: dict[str, float] = {}
         self._cuda = engine.runner.device.type == "cuda"
         self._launches: deque[_Launch] = deque()  # GPU: per runner.execute, oldest first, until its record
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # decode steps, not yet read
+        # GPU: every launch that came back with its record, in order, not yet read: (start, end or None, decode)
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event | None, bool]] = []
+        self._previous_end: torch.cuda.Event | None = None  # the sampler of the last launch read
+        self._decode_walls: list[float] = []
         self._sampler = engine.sampler
         self._wrap()
         self._wrapped = True
@@ -97,16 +108,22 @@ class StepProbe:
         setattr(engine.scheduler, "advance", timed_advance)  # noqa: B010
 
     def _read_events(self, wait: bool) -> None:
-        """Adds the GPU time of every timed launch that has completed (all of them if `wait`)."""
-        left = []
-        for start, end in self._timed:
-            if wait:
-                end.synchronize()
-            elif not end.query():
-                left.append((start, end))
-                continue
-            self.split.decode_gpu_s += start.elapsed_time(end) / 1e3
-        self._timed = left
+        """Adds the GPU time (and the idle time before it) of every decode launch that has completed, in launch
+        order, up to the first one still running (all of them if `wait`)."""
+        done = 0
+        for start, end, decode in self._timed:
+            if end is not None:
+                if wait:
+                    end.synchronize()
+                elif not end.query():
+                    break
+            if decode and end is not None:
+                self.split.decode_gpu_s += start.elapsed_time(end) / 1e3
+                if self._previous_end is not None:
+                    self.split.decode_gpu_idle_s += max(0.0, self._previous_end.elapsed_time(start) / 1e3)
+            self._previous_end = end
+            done += 1
+        del self._timed[:done]
 
     def step(self) -> list[StepOutput]:
         self._marks.clear()
@@ -118,8 +135,7 @@ class StepProbe:
             return outputs
         if self._launches:  # the launch whose record this is
             launch = self._launches.popleft()
-            if launch.end is not None and not record.num_prefill:
-                self._timed.append((launch.start, launch.end))
+            self._timed.append((launch.start, launch.end, not record.num_prefill))
         self._read_events(wait=False)
         s.peak_running = max(s.peak_running, record.batch_size)
         s.preempted += record.num_preempted
@@ -127,6 +143,7 @@ class StepProbe:
             s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
         else:
             s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
+            self._decode_walls.append(seconds)
             if not self.ahead and {"launch", "sampled", "tokens"} <= marks.keys():
                 if not self._cuda:
                     s.decode_gpu_s += marks["sampled"] - marks["launch"]
@@ -135,8 +152,14 @@ class StepProbe:
         return outputs
 
     def close(self) -> None:
-        """Read the launches still timing, and give the engine back its own methods and sampler."""
+        """Read the launches still timing, sum up the decode steps' wall times, and give the engine back its own
+        methods and sampler."""
         self._read_events(wait=True)
+        if self._decode_walls:
+            walls = sorted(self._decode_walls)
+            self.split.decode_wall_p50_s = walls[(len(walls) - 1) // 2]
+            self.split.decode_wall_p90_s = walls[min(len(walls) - 1, int(0.9 * len(walls)))]
+            self.split.decode_wall_max_s = walls[-1]
         if self._wrapped:
             vars(self.engine.runner).pop("execute")  # the class's methods show through again
             vars(self.engine.scheduler).pop("advance")

@@ -301,7 +301,13 @@ def test_the_probe_times_each_launch_as_the_step_its_record_came_back_with(tiny_
     # Synchronous, a step's launch runs within its own step(); ahead (on the CPU, which runs a launch as it is
     # made) a decode step's launch ran inside the step() before it, so only the synchronous sums compare.
     assert ahead or probe.split.decode_gpu_s < probe.split.decode_s
-    assert not probe._launches  # every launch came back with its record
+    assert not probe._launches and not probe._timed  # every launch came back with its record and was read
+    # The idle time before each decode launch: from the last launch's sampler to this launch's start. Synchronous,
+    # that is the host's work between the steps (outputs, schedule, inputs); it never holds a launch itself.
+    split = probe.split
+    assert 0 <= split.decode_gpu_idle_s < split.decode_s + split.prefill_s - split.decode_gpu_s
+    assert ahead or split.decode_gpu_idle_s > 0
+    assert 0 < split.decode_wall_p50_s <= split.decode_wall_p90_s <= split.decode_wall_max_s <= split.decode_s
 
 
 def test_offline_throughput_records_a_failed_job_and_still_runs_the_rest(tiny_model, tmp_path):
