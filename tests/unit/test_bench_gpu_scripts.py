@@ -430,3 +430,34 @@ def test_host_step_splits_each_decode_step_into_the_models_time_and_the_hosts(tm
         assert r["wall_ms"] == pytest.approx(r["model_ms"] + r["host_ms"])
     with pytest.raises(SystemExit):
         host_step.main(["--modes", "later"])
+
+
+def test_long_steps_times_each_step_and_puts_a_collection_in_the_step_it_ran_in(tiny_model, tmp_path):
+    """bench/diag/long_steps.py's attribution: a full collection forced inside the third step shows in that
+    step's row alone (its generation 2), and every step of the load has a row."""
+    import gc
+
+    from bench.diag import long_steps
+
+    engine = build_engine(
+        tiny_model, RunDevice.for_mode(smoke=True), SchedulerConfig(8, 64, max_model_len=64), 0.9
+    )
+    step, calls = engine.step, []
+
+    def collecting_step():
+        calls.append(None)
+        if len(calls) == 3:
+            gc.collect(2)
+        return step()
+
+    engine.step = collecting_step  # type: ignore[method-assign]
+    shape = offline_throughput.Shape(8, 4)
+    rows = long_steps.run(engine, shape, random_prompts(3, 8, engine.model_config.vocab_size, 0), 3, False)
+    assert [r.index for r in rows] == list(range(len(calls)))  # every step ran something here
+    assert rows[0].kind == "prefill" and [r.kind for r in rows[1:]] == ["decode"] * 3
+    assert 2 in rows[2].gc_generations and rows[2].gc_ms > 0
+    assert all(2 not in r.gc_generations for i, r in enumerate(rows) if i != 2)
+    assert all(r.wall_ms > 0 and r.batch == 3 for r in rows)
+    out = long_steps.main(["--smoke", "--top", "2", "--out", str(tmp_path / "steps.json")])
+    doc = json.loads(out.read_text())
+    assert doc["decode_median_ms"] > 0 and {s["kind"] for s in doc["steps"]} == {"prefill", "decode"}
