@@ -103,7 +103,8 @@ def run(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, cuda
     """offline_drive.drive's load (at most `limit` requests in the engine, topped up as they finish), each step
     timed alone."""
     sampling = SamplingParams(temperature=0, max_tokens=shape.output_len, ignore_eos=True)
-    pending, in_flight, rows = deque(enumerate(prompts)), 0, []
+    pending, in_flight = deque(enumerate(prompts)), 0
+    rows: list[StepRow] = []
     with GcClock() as clock:
         while pending or in_flight:
             while pending and in_flight < limit:
