@@ -91,6 +91,7 @@ class DecodeWorker(WorkerLifecycle):
         )
         self.metrics_address = self.metrics.start()
         log.info("decode worker %s (%s) serving on %s", spec.worker_id, spec.role.value, self.address)
+        self.started()
         return self.address
 
     def _drainable(self) -> DecodeService | None:

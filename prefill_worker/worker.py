@@ -107,6 +107,7 @@ class PrefillWorker(WorkerLifecycle):
         self.metrics = WorkerMetrics(spec, self.loop, self.sender.stats)
         self.metrics_address = self.metrics.start()
         log.info("prefill worker %s serving on %s", spec.worker_id, self.address)
+        self.started()
         return self.address
 
     def _drainable(self) -> PrefillService | None:

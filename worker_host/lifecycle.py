@@ -7,6 +7,7 @@ blocks return only once nothing can still write them) -> the engine loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -30,6 +31,16 @@ SWITCH_INTERVAL_S = 0.0005
 # An operator's (or a benchmark's) override, in seconds: the trade-off is the engine thread's eager steps, which
 # other threads interrupt once per interval when they want the GIL, against those threads' waits.
 SWITCH_INTERVAL_ENV = "TANDEM_GIL_SWITCH_INTERVAL_S"
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object alive into the collector's permanent generation (gc.freeze): what a
+    worker built at start-up (the model, its CUDA graphs, compiled kernels, the block pool) lives as long as the
+    worker, and a full collection used to walk all of it on the engine thread. On one H200 (docs/performance.md,
+    "Step-ahead scheduling", run 29) such collections stalled an offline engine's decode step for 137 and 162
+    ms, ten times the step. Objects made later (requests, outputs) are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def switch_interval() -> float:
@@ -67,6 +78,7 @@ class WorkerLifecycle:
         self.metrics: WorkerMetrics | None = None
         self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
         self.stage = "starting"  # where start() is: the controller shows it while the worker loads
+        self._frozen = False  # started(): the start-up's objects are out of the collector's way until stop()
 
     def _progress(self, stage: str) -> None:
         self.stage = stage
@@ -90,7 +102,15 @@ class WorkerLifecycle:
         service.draining.set()
         return wait_idle(self.loop, service.open_calls, self.spec.drain_timeout_s)
 
+    def started(self) -> None:
+        """The role's start() is done: freeze what it built (freeze_startup_objects)."""
+        freeze_startup_objects()
+        self._frozen = True
+
     def stop(self) -> None:
+        if self._frozen:  # what start-up built may be garbage from here on
+            gc.unfreeze()
+            self._frozen = False
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None

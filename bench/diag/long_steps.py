@@ -42,6 +42,7 @@ from bench.offline_variants import VARIANTS
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
+from worker_host.lifecycle import freeze_startup_objects
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class StepRow:
     gc_ms: float  # collections that ran inside the step
     gc_generations: tuple[int, ...]
     triton_compiled: int  # new entries in Triton's cache directory
+    kernels: tuple[str, ...]  # the kernels compiled into them
     alloc_retries: int  # the caching allocator freed its cache and retried a cudaMalloc
     device_allocs: int  # cudaMalloc calls
 
@@ -83,13 +85,28 @@ class GcClock:
         return sum(s for s, _ in inside) * 1e3, tuple(g for _, g in inside)
 
 
-def triton_cache_entries() -> int:
-    """Entries in Triton's on-disk kernel cache: one more for each kernel it compiles (0 without the directory)."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+def triton_cache() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+
+
+def triton_cache_entries() -> set[str]:
+    """Entries in Triton's on-disk kernel cache: one more for each kernel it compiles (none without the
+    directory)."""
     try:
-        return sum(1 for _ in os.scandir(root))
+        return {e.name for e in os.scandir(triton_cache())}
     except OSError:
-        return 0
+        return set()
+
+
+def kernel_names(entries: set[str]) -> list[str]:
+    """The kernels compiled into these cache entries (each holds <kernel>.json beside its binaries)."""
+    names = []
+    for entry in sorted(entries):
+        try:
+            names += [f.stem for f in (triton_cache() / entry).glob("*.json") if not f.name.startswith("__")]
+        except OSError:
+            continue
+    return names
 
 
 def allocator_counts(cuda: bool) -> tuple[int, int]:
@@ -121,11 +138,12 @@ def run(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, cuda
                 continue
             gc_ms, generations = clock.since(t0)
             retries_after, allocs_after = allocator_counts(cuda)
+            new = triton_cache_entries() - compiled
             rows.append(
                 StepRow(
                     len(rows), "prefill" if record.num_prefill else "decode", record.batch_size, wall * 1e3,
-                    gc_ms, generations, triton_cache_entries() - compiled, retries_after - retries,
-                    allocs_after - allocs,
+                    gc_ms, generations, len(new), tuple(kernel_names(new)) if new else (),
+                    retries_after - retries, allocs_after - allocs,
                 )
             )  # fmt: skip
     return rows
@@ -139,6 +157,11 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--top", type=int, default=10, help="how many of the longest steps to print")
+    p.add_argument(
+        "--freeze",
+        action="store_true",
+        help="after start-up, what a worker does (worker_host freeze_startup_objects)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, float32, no graphs")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/long_steps_<device>.json)")
     args = p.parse_args(argv)
@@ -154,6 +177,8 @@ def main(argv: list[str] | None = None) -> Path:
         model, where, limits, 0.9, quantization=variant.quantization, cache_dtype=variant.cache_dtype
     )
     warm_up(engine, shape)
+    if args.freeze:
+        freeze_startup_objects()
     prompts = gpu.random_prompts(n, shape.input_len, engine.model_config.vocab_size, seed=shape.input_len)
     limit = concurrency(engine, shape, n)
     gpu.synchronize(where.device)
@@ -165,11 +190,11 @@ def main(argv: list[str] | None = None) -> Path:
     median = statistics.median(decode) if decode else 0.0
     print(f"{args.variant} {shape.key}: {n} prompts, {limit} at once, {len(rows)} steps in {wall:.2f} s")
     print(f"{'step':>5} {'kind':>8} {'batch':>5} {'wall ms':>8} {'gc ms':>7} {'gc gens':>8} {'compiled':>8} "
-          f"{'retries':>7} {'cudaMalloc':>10}")  # fmt: skip
+          f"{'retries':>7} {'cudaMalloc':>10} kernels")  # fmt: skip
     for r in sorted(rows, key=lambda r: -r.wall_ms)[: args.top]:
         gens = ",".join(map(str, r.gc_generations)) or "-"
         print(f"{r.index:>5} {r.kind:>8} {r.batch:>5} {r.wall_ms:>8.2f} {r.gc_ms:>7.2f} {gens:>8} "
-              f"{r.triton_compiled:>8} {r.alloc_retries:>7} {r.device_allocs:>10}")  # fmt: skip
+              f"{r.triton_compiled:>8} {r.alloc_retries:>7} {r.device_allocs:>10} {' '.join(r.kernels)}")  # fmt: skip
     print(f"decode steps: {len(decode)}, median {median:.2f} ms, sum {sum(decode) / 1e3:.2f} s")
     out = Path(args.out or Path(__file__).resolve().parents[1] / "results" / f"long_steps_{gpu.device_name(where.device)}.json")  # fmt: skip
     doc = {
