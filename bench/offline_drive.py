@@ -13,6 +13,7 @@ from bench import harness as gpu
 from bench.step_probe import StepProbe
 from bench.step_profile import print_profile, profile_step
 from model_runtime.engine import Engine
+from model_runtime.heap import frozen_while_running
 from model_runtime.request import SamplingParams
 
 PROGRESS_EVERY_S = 10.0
@@ -66,34 +67,35 @@ def drive(
     def collect() -> None:
         outputs.extend(probe.step())
 
-    try:
-        while pending or in_flight:
-            while pending and in_flight < limit:
-                i, prompt = pending.popleft()
-                engine.add_request(f"r-{i}", prompt, sampling)
-                in_flight += 1
-            ready = not pending and engine.scheduler.num_waiting == 0 and probe.split.decode_steps >= 10
-            if profile and decode_profile is None and ready and in_flight > 0:
-                found = profile_step(collect, reps=5)
-                decode_profile = dataclasses.asdict(found) | {"batch": engine.scheduler.num_running}
-                print_profile(f"{shape.key} decode at batch {engine.scheduler.num_running}", found)
-            else:
-                collect()
-            for out in outputs:
-                counts[int(out.request_id[2:])] += len(out.token_ids)
-                if out.finish_reason is not None:
-                    in_flight, finished = in_flight - 1, finished + 1
-            outputs.clear()
-            if time.monotonic() >= next_log:
-                next_log += PROGRESS_EVERY_S
-                gpu.log(
-                    f"{name or 'tandem ' + shape.key}: {finished}/{len(prompts)} requests done, {sum(counts)} tokens"
-                )
-            if deadline.must_stop():
-                gpu.log(f"tandem {shape.key}: out of time, aborting {in_flight + len(pending)} requests")
-                break
-    finally:
-        probe.close()
+    with frozen_while_running():  # as LLM.generate runs: the engine's own objects out of full collections
+        try:
+            while pending or in_flight:
+                while pending and in_flight < limit:
+                    i, prompt = pending.popleft()
+                    engine.add_request(f"r-{i}", prompt, sampling)
+                    in_flight += 1
+                ready = not pending and engine.scheduler.num_waiting == 0 and probe.split.decode_steps >= 10
+                if profile and decode_profile is None and ready and in_flight > 0:
+                    found = profile_step(collect, reps=5)
+                    decode_profile = dataclasses.asdict(found) | {"batch": engine.scheduler.num_running}
+                    print_profile(f"{shape.key} decode at batch {engine.scheduler.num_running}", found)
+                else:
+                    collect()
+                for out in outputs:
+                    counts[int(out.request_id[2:])] += len(out.token_ids)
+                    if out.finish_reason is not None:
+                        in_flight, finished = in_flight - 1, finished + 1
+                outputs.clear()
+                if time.monotonic() >= next_log:
+                    next_log += PROGRESS_EVERY_S
+                    gpu.log(
+                        f"{name or 'tandem ' + shape.key}: {finished}/{len(prompts)} requests done, {sum(counts)} tokens"
+                    )
+                if deadline.must_stop():
+                    gpu.log(f"tandem {shape.key}: out of time, aborting {in_flight + len(pending)} requests")
+                    break
+        finally:
+            probe.close()
     complete = not pending and in_flight == 0
     for i in range(0 if complete else len(prompts)):
         engine.abort(f"r-{i}")

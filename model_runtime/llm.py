@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from model_runtime.config import EngineConfig
 from model_runtime.engine import Engine, InvalidRequest
+from model_runtime.heap import frozen_while_running
 from model_runtime.request import Completion, PromptInput, SamplingParams
 
 
@@ -67,15 +68,17 @@ class LLM:
             self.engine.add_request(rid, prompt_ids, sp)
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not progress, file=None)
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    tokens[out.request_id].extend(out.token_ids)
-                    texts[out.request_id].append(out.text)
-                    if out.logprobs:
-                        logprobs[out.request_id].extend(out.logprobs)
-                    if out.finish_reason is not None:
-                        reasons[out.request_id] = out.finish_reason
-                        bar.update(1)
+            # The engine's own long-lived objects stay out of full collections while it runs (model_runtime.heap).
+            with frozen_while_running():
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        tokens[out.request_id].extend(out.token_ids)
+                        texts[out.request_id].append(out.text)
+                        if out.logprobs:
+                            logprobs[out.request_id].extend(out.logprobs)
+                        if out.finish_reason is not None:
+                            reasons[out.request_id] = out.finish_reason
+                            bar.update(1)
         finally:
             bar.close()
             for rid in ids:

@@ -7,7 +7,6 @@ blocks return only once nothing can still write them) -> the engine loop.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ import threading
 from typing import Any, Protocol
 
 from model_runtime.engine_loop import EngineLoop
+from model_runtime.heap import freeze_startup_objects, thaw
 from worker_host.host import OpenCalls, wait_idle
 from worker_host.metrics import WorkerMetrics
 from worker_host.spec import WorkerSpec
@@ -31,16 +31,6 @@ SWITCH_INTERVAL_S = 0.0005
 # An operator's (or a benchmark's) override, in seconds: the trade-off is the engine thread's eager steps, which
 # other threads interrupt once per interval when they want the GIL, against those threads' waits.
 SWITCH_INTERVAL_ENV = "TANDEM_GIL_SWITCH_INTERVAL_S"
-
-
-def freeze_startup_objects() -> None:
-    """Collect once, then move every object alive into the collector's permanent generation (gc.freeze): what a
-    worker built at start-up (the model, its CUDA graphs, compiled kernels, the block pool) lives as long as the
-    worker, and a full collection used to walk all of it on the engine thread. On one H200 (docs/performance.md,
-    "Step-ahead scheduling", run 29) such collections stalled an offline engine's decode step for 137 and 162
-    ms, ten times the step. Objects made later (requests, outputs) are collected as before."""
-    gc.collect()
-    gc.freeze()
 
 
 def switch_interval() -> float:
@@ -103,13 +93,13 @@ class WorkerLifecycle:
         return wait_idle(self.loop, service.open_calls, self.spec.drain_timeout_s)
 
     def started(self) -> None:
-        """The role's start() is done: freeze what it built (freeze_startup_objects)."""
+        """The role's start() is done: freeze what it built (model_runtime.heap)."""
         freeze_startup_objects()
         self._frozen = True
 
     def stop(self) -> None:
         if self._frozen:  # what start-up built may be garbage from here on
-            gc.unfreeze()
+            thaw()
             self._frozen = False
         if self.metrics is not None:
             self.metrics.stop()

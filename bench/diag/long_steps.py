@@ -41,8 +41,8 @@ from bench.offline_throughput import parse_shapes
 from bench.offline_variants import VARIANTS
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
+from model_runtime.heap import freeze_startup_objects
 from model_runtime.request import SamplingParams
-from worker_host.lifecycle import freeze_startup_objects
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument(
         "--freeze",
         action="store_true",
-        help="after start-up, what a worker does (worker_host freeze_startup_objects)",
+        help="after start-up, what a worker does (model_runtime.heap.freeze_startup_objects)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, float32, no graphs")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/long_steps_<device>.json)")
