@@ -19,6 +19,7 @@ from dataclasses import replace
 from deploy.config import load_config
 from deploy.router_inputs import router_config
 from model_runtime.config import ConfigError
+from model_runtime.heap import freeze_startup_objects, thaw
 
 
 async def run(config_path: str | None, process_index: int = 0) -> int:
@@ -69,7 +70,9 @@ async def run(config_path: str | None, process_index: int = 0) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_objects()  # full collections then skip what start-up built (model_runtime.heap)
     await stop.wait()
+    thaw()
     await router.stop(config.controller.drain_timeout_s)
     if http is not None:
         http.close()

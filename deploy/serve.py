@@ -22,6 +22,7 @@ from deploy.config import DeployConfig, load_config
 from deploy.controller import Controller
 from deploy.slots import Member
 from model_runtime.config import ConfigError
+from model_runtime.heap import freeze_startup_objects, thaw
 
 if TYPE_CHECKING:
     from deploy.autoscaler.loop import Autoscaler
@@ -169,10 +170,12 @@ async def serve(config: DeployConfig, config_path: str | None = None) -> int:
             if router is not None:  # the workers are up; the router knows once its first polls answer
                 await _until_serving(router, _SERVING_WAIT_S)
             autoscaler = _start_autoscaler(config, controller, router, metrics, extra)
+            freeze_startup_objects()  # the router's relay loop, not a full collection's walk over start-up's
             print(f"Tandem is serving {config.model} on {address} (Ctrl-C to stop)", flush=True)
             if router is not None and router.http_address:
                 print(f"OpenAI-compatible API on {router.http_address}/v1", flush=True)
             await stop.wait()
+            thaw()
         _say("stopping: draining in-flight requests")
     except Exception as exc:
         log.exception("start-up failed")

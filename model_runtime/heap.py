@@ -8,8 +8,13 @@ engine's decode step for 137-163 ms, ten times the step, twice in a few seconds 
 objects frozen (gc.freeze: moved to a permanent generation the collector skips) the same collections took
 3.6-4.3 ms. Objects made afterwards (requests, outputs) are collected as before.
 
-    freeze_startup_objects()        a worker, once started: collect, then freeze; thaw() at stop
+    freeze_startup_objects()        a worker, a router, `tandem serve`, once started: collect, then freeze;
+                                    thaw() at stop
     with frozen_while_running():    an offline run: what exists before it is frozen for its length
+
+A router process holds fewer such objects but relays every stream on one event loop: on this repository's
+2-core CI box a full collection of a started router (64,000 tracked objects) took 56-78 ms, every stream
+waiting, and under 0.1 ms with its start-up frozen.
 """
 
 from __future__ import annotations
