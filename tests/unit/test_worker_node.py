@@ -33,6 +33,16 @@ def test_outside_ray_a_worker_names_its_host_and_a_cpu_cache_travels_over_tcp_on
     assert describe_node("", torch.zeros(1), ("nccl", "tcp")).kv_transports == ("nccl", "tcp")
 
 
+def _tiny_engine() -> EngineConfig:
+    """A worker's engine on the CPU with random weights (nothing to write or read)."""
+    return EngineConfig(
+        model="dummy:tiny-llama",
+        cache=CacheConfig(block_size=4, num_blocks=16),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
+        device=DeviceConfig(device="cpu"),
+    )
+
+
 @contextmanager
 def _started(worker: PrefillWorker | DecodeWorker) -> Iterator[str]:
     try:
@@ -47,12 +57,7 @@ def _status(address: str, stub_class) -> admin_pb2.WorkerInfo:
 
 
 def test_started_workers_report_their_node_and_transports_and_pair_over_tcp() -> None:
-    engine = EngineConfig(
-        model="dummy:tiny-llama",  # random weights: nothing to write or read
-        cache=CacheConfig(block_size=4, num_blocks=16),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
-        device=DeviceConfig(device="cpu"),
-    )
+    engine = _tiny_engine()
     prefill = PrefillWorker(
         WorkerSpec(worker_id="prefill-0", role="prefill", engine=engine, node_id="node-a")
     )
@@ -71,12 +76,7 @@ def test_started_workers_report_their_node_and_transports_and_pair_over_tcp() ->
 
 
 def test_a_decode_worker_refuses_a_transport_its_receiver_does_not_hold_before_reserving() -> None:
-    engine = EngineConfig(
-        model="dummy:tiny-llama",
-        cache=CacheConfig(block_size=4, num_blocks=16),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
-        device=DeviceConfig(device="cpu"),
-    )
+    engine = _tiny_engine()
     decode = DecodeWorker(WorkerSpec(worker_id="decode-0", role="decode", engine=engine))
 
     def decode_call(stub, rid: str, transport: int):
@@ -110,12 +110,7 @@ def test_a_started_worker_keeps_its_start_up_objects_out_of_the_collector_until_
     thread: 137-162 ms on an H200 host. Once started, those objects are frozen (gc.freeze); stop() thaws them."""
     import gc
 
-    engine = EngineConfig(
-        model="dummy:tiny-llama",
-        cache=CacheConfig(block_size=4, num_blocks=16),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
-        device=DeviceConfig(device="cpu"),
-    )
+    engine = _tiny_engine()
     worker = DecodeWorker(WorkerSpec(worker_id="colocated-0", role="colocated", engine=engine))
     assert gc.get_freeze_count() == 0
     with _started(worker):
