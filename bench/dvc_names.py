@@ -56,7 +56,8 @@ STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
 # (engine.scheduler.async_scheduling; model_runtime.step_ahead), which colocated workers on one GPU do by
 # default since the deploy config turned it on for them; + SYNC: they wait for each step's tokens first (the
 # engine before that default, for A/B runs). A disaggregated name + AHEAD or SYNC: the same for its decode
-# workers (off by default there; their freed blocks are fenced from the KV receiver while a step may run).
+# workers (ahead by default since 7ddf4ee; their freed blocks are fenced from the KV receiver while a step may
+# run), so "disagg-3p1d-sync" is the decode side as it was before that.
 AHEAD = "-ahead"
 SYNC = "-sync"
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
