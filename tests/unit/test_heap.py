@@ -16,6 +16,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_run_freezes_what_exists_and_thaws_it_after_unless_it_was_frozen_already() -> None:
+    thaw()  # whatever an earlier test of this process left frozen
     assert gc.get_freeze_count() == 0
     with frozen_while_running():
         assert gc.get_freeze_count() > 1000  # everything imported and built so far
@@ -47,6 +48,7 @@ def test_llm_generate_runs_its_steps_with_the_engine_frozen_and_thaws_it_after()
         return step()
 
     llm.engine.step = counting_step  # type: ignore[method-assign]
+    thaw()  # nothing frozen before the run, so the run's own freeze is what the steps see
     prompts = [PromptInput(token_ids=[1, 2, 3, 4, 5]), PromptInput(token_ids=[6, 7, 8])]
     done = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [len(c.token_ids) for c in done] == [4, 4]

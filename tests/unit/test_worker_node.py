@@ -112,6 +112,7 @@ def test_a_started_worker_keeps_its_start_up_objects_out_of_the_collector_until_
 
     engine = _tiny_engine()
     worker = DecodeWorker(WorkerSpec(worker_id="colocated-0", role="colocated", engine=engine))
+    gc.unfreeze()  # whatever an earlier test of this process left frozen
     assert gc.get_freeze_count() == 0
     with _started(worker):
         frozen = gc.get_freeze_count()
