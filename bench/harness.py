@@ -333,8 +333,8 @@ def build_engine(
     num_blocks: int | None = None,
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
-    work); the cache size comes from the engine's memory planner unless `num_blocks` sets it. Token ids out, no text (emit_text=False), as the
-    prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
+    work); the cache size comes from the engine's memory planner unless `num_blocks` sets it. Token ids out, no
+    text (emit_text=False), as the prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
     are device.quantization and cache.dtype (None: the model dtype), `fp8_qk_dot` device.fp8_qk_dot."""
     graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
     log(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import platform
 import pstats
 import sys
@@ -38,7 +37,15 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import BLOCK_SIZE, RunDevice, build_engine, device_name, random_prompts, smoke_model_dir
+from bench.harness import (
+    BLOCK_SIZE,
+    RunDevice,
+    build_engine,
+    device_name,
+    random_prompts,
+    smoke_model_dir,
+    write_json_atomic,
+)
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
@@ -171,8 +178,7 @@ def main(argv: list[str] | None = None) -> Path:
         "settings": vars(args),
         "rows": [asdict(r) for r in rows],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json_atomic(out, doc)
     print(f"wrote {out}")
     return out
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from model_runtime.engine import Engine, StepOutput
+from tandem_cli.bench.stats import summarize
 
 
 @dataclass
@@ -156,10 +157,10 @@ class StepProbe:
         methods and sampler."""
         self._read_events(wait=True)
         if self._decode_walls:
-            walls = sorted(self._decode_walls)
-            self.split.decode_wall_p50_s = walls[(len(walls) - 1) // 2]
-            self.split.decode_wall_p90_s = walls[min(len(walls) - 1, int(0.9 * len(walls)))]
-            self.split.decode_wall_max_s = walls[-1]
+            walls = summarize(self._decode_walls)
+            assert walls.p50 is not None and walls.p90 is not None and walls.max is not None  # values given
+            self.split.decode_wall_p50_s, self.split.decode_wall_p90_s = walls.p50, walls.p90
+            self.split.decode_wall_max_s = walls.max
         if self._wrapped:
             vars(self.engine.runner).pop("execute")  # the class's methods show through again
             vars(self.engine.scheduler).pop("advance")

@@ -11,9 +11,9 @@ and offline engines its blocks go back to the pool at once: only the compute str
 owner's writes come after N+1's. A decode worker's KV receiver writes landed blocks from its own streams, so
 its engine (Engine(kv_receiver=True)) fences them instead (BlockPool.fence): a block freed while step N+1 may
 run stays out of the free list until N+1's tokens have been waited for. Prefill workers (they hand their blocks
-off after one token) and tensor-parallel ranks (they replay the lead's host inputs) keep the synchronous step. The pending token
-never enters a prefix-cache hash (hashes cover computed tokens only, and it is resolved before N+1 is
-advanced). Seeded sampling draws the same noise: the output index counts the pending token. Unseeded random
+off after one token) and tensor-parallel ranks (they replay the lead's host inputs) keep the synchronous step.
+The pending token never enters a prefix-cache hash (hashes cover computed tokens only, and it is resolved before
+N+1 is advanced). Seeded sampling draws the same noise: the output index counts the pending token. Unseeded random
 rows may draw differently from a synchronous engine, since N+1 may carry rows that N finished.
 """
 

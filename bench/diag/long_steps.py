@@ -14,14 +14,14 @@ shape) and times every step on its own:
 Prints the `--top` longest steps with the step index, kind (prefill or decode, from the step's record), batch,
 wall time, the garbage collections that ran inside the step (ms and generations), the Triton kernels compiled
 (new entries in Triton's cache directory) and the caching allocator's retries and device allocations; then the
-median decode step. Writes every step's row to --out (default bench/results/long_steps_<device>.json).
+median decode step. Writes every step's row to --out (default bench/results/long_steps_<gpu>.json; --smoke: the
+temp dir).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -43,6 +43,7 @@ from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.heap import freeze_startup_objects
 from model_runtime.request import SamplingParams
+from tandem_cli.bench.report import git_commit
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,11 @@ def main(argv: list[str] | None = None) -> Path:
         help="after start-up, what a worker does (model_runtime.heap.freeze_startup_objects)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, float32, no graphs")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/long_steps_<device>.json)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default bench/results/long_steps_<gpu>.json; smoke: the temp dir)",
+    )
     args = p.parse_args(argv)
     where = gpu.RunDevice.for_mode(args.smoke)
     model = gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b"
@@ -196,19 +201,18 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{r.index:>5} {r.kind:>8} {r.batch:>5} {r.wall_ms:>8.2f} {r.gc_ms:>7.2f} {gens:>8} "
               f"{r.triton_compiled:>8} {r.alloc_retries:>7} {r.device_allocs:>10} {' '.join(r.kernels)}")  # fmt: skip
     print(f"decode steps: {len(decode)}, median {median:.2f} ms, sum {sum(decode) / 1e3:.2f} s")
-    out = Path(args.out or Path(__file__).resolve().parents[1] / "results" / f"long_steps_{gpu.device_name(where.device)}.json")  # fmt: skip
+    out = gpu.result_path(args.out, "long_steps", where.device, args.smoke)
     doc = {
         "benchmark": "long steps of an offline run and what ran inside them",
         "device": gpu.device_name(where.device),
         "torch": torch.__version__,
-        "commit": os.environ.get("TANDEM_COMMIT", ""),
+        "commit": git_commit(),
         "settings": vars(args),
         "wall_s": wall,
         "decode_median_ms": median,
         "steps": [asdict(r) for r in rows],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    gpu.write_json_atomic(out, doc)
     print(f"wrote {out}")
     return out
 
