@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any, Protocol
 
+from model_runtime import kernel_builds
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.heap import freeze_startup_objects, thaw
 from worker_host.host import OpenCalls, wait_idle
@@ -69,6 +70,7 @@ class WorkerLifecycle:
         self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
         self.stage = "starting"  # where start() is: the controller shows it while the worker loads
         self._frozen = False  # started(): the start-up's objects are out of the collector's way until stop()
+        kernel_builds.watch()  # Triton kernels built after started() are logged and counted
 
     def _progress(self, stage: str) -> None:
         self.stage = stage
@@ -93,8 +95,10 @@ class WorkerLifecycle:
         return wait_idle(self.loop, service.open_calls, self.spec.drain_timeout_s)
 
     def started(self) -> None:
-        """The role's start() is done: freeze what it built (model_runtime.heap)."""
+        """The role's start() is done: freeze what it built (model_runtime.heap); a Triton kernel built from
+        here on held up a step (model_runtime.kernel_builds)."""
         freeze_startup_objects()
+        kernel_builds.mark_started()
         self._frozen = True
 
     def stop(self) -> None:

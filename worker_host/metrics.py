@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kv_transfer import FailureReason, TransferStats
+from model_runtime import kernel_builds
 from model_runtime.engine import Engine
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.step_record import StepRecord
@@ -155,6 +156,16 @@ class WorkerCollector(Collector):
             "stays 0 on a worker that waits for each step's tokens)",
             g.steps_ahead,
         )
+        builds = kernel_builds.counts()
+        compiled = CounterMetricFamily(
+            "tandem_kernel_builds_total",
+            "Triton kernel variants compiled or loaded in this worker's process, during start-up or after it "
+            "(each one after start-up held up the engine step that launched it; the worker's log names it)",
+            labels=[*LABELS, "when"],
+        )
+        compiled.add_metric([*self._labels, "startup"], builds.startup)
+        compiled.add_metric([*self._labels, "after_start"], builds.after_start)
+        yield compiled
         if self._transfer_stats is not None:
             yield from self._transfer(self._transfer_stats())
 

@@ -73,8 +73,11 @@ def _e4m3_grid(x):
     return tl.where(y < 0.0, -tl.floor(0.5 - y), tl.floor(y + 0.5)) * step
 
 
+# The block table's row stride is its width: max_model_len's blocks in the CUDA graphs, the step's longest
+# sequence on the eager path, so it changes from step to step there. Specialized, it would build another variant
+# whenever the width turned a multiple of 16 (and back), in the middle of a run (model_runtime.kernel_builds).
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, scale_log2,

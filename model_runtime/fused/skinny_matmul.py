@@ -20,7 +20,9 @@ import triton.language as tl
 MAX_ROWS = 16
 
 
-@triton.jit
+# M (rows, 1-16) changes with the step's batch and sampled rows; only masks read it. Specialized, a single row
+# or sixteen would each be another variant to build in the middle of a run (model_runtime.kernel_builds).
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,
     w_ptr,

@@ -29,6 +29,8 @@ ALLOWED_LABELS = {"model", "protocol", "role", "worker", "status", "finish_reaso
 ALLOWED_LABELS |= {"key", "priority"}
 # A fixed set of steps a duration is split into (the KV handoff's, the first token's).
 ALLOWED_LABELS |= {"phase"}
+# When a kernel was built: during start-up or after it (model_runtime.kernel_builds).
+ALLOWED_LABELS |= {"when"}
 # Unbounded or per-request values must never be labels: one series per request would swamp Prometheus.
 FORBIDDEN_LABELS = {"request_id", "request", "id", "prompt", "text", "user", "client", "trace_id", "address"}
 NON_BASE_UNITS = re.compile(

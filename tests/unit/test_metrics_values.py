@@ -11,6 +11,7 @@ import stat
 import urllib.error
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -170,6 +171,39 @@ def test_a_worker_counts_the_steps_it_scheduled_ahead(tmp_path: Path, ahead: boo
         # Ahead, each of the 3 decode steps is launched while the step before it runs (nothing is launched
         # behind the last, whose pending token is the request's last). Synchronous: none.
         assert counted == (3 if ahead else 0)
+
+
+def test_a_worker_exports_the_triton_kernels_built_in_its_process(tmp_path: Path) -> None:
+    from triton import knobs
+
+    from model_runtime import kernel_builds
+
+    assert kernel_builds.watch()
+    with running_worker(tmp_path, "colocated") as w:
+
+        def exported() -> dict[str, float]:
+            return {when: value(w.metrics.registry, "tandem_kernel_builds_total", when=when) for when in WHEN}
+
+        before = exported()
+        fn = SimpleNamespace(
+            name="_some_kernel", module="m"
+        )  # what Triton passes its hooks (JitFunctionInfo)
+        call = {
+            "key": (),
+            "repr": "",
+            "fn": fn,
+            "compile": {},
+            "is_manual_warmup": False,
+            "already_compiled": False,
+        }
+        knobs.runtime.jit_cache_hook(**call)
+        knobs.runtime.jit_post_compile_hook(**call)
+        after, counted = exported(), kernel_builds.counts()
+        assert after == {"startup": counted.startup, "after_start": counted.after_start}
+        assert sum(after.values()) == sum(before.values()) + 1
+
+
+WHEN = ("startup", "after_start")
 
 
 def test_worker_kv_gauges_follow_the_block_pool(tmp_path: Path) -> None:
