@@ -19,14 +19,29 @@ Over NVLink the kernel pulls 347-372 GB/s between two H200s (bench/block_copy.py
 engines move for one contiguous buffer of the same size. A CUDA C version of it, launched through
 cuLaunchKernel, was measured against it and not kept: the same bandwidth, and the same host time per launch
 (17-27 us), bench/results/kv_handoff_h200x2/block_copy_run12_cuda_c_experiment_nvidia-h200.json.
+
+Launching without letting go of the interpreter lock: Triton's launcher releases Python's lock around
+cuLaunchKernel, and on a busy decode worker each release costs the transfer thread a wait behind the engine
+loop to get it back (kv_transfer.gpu_ops explains why that matters). With `ops` (RawOps) and `stream` given,
+copy_blocks launches each variant through Triton once, then launches the same compiled function itself through
+the driver, the lock held. Which compiled variant a launch needs is Triton's choice (its specialization of the
+arguments); `_variant_key` is a finer split of the same properties (each pointer's dtype and 16-byte alignment,
+each integer's being 1, a multiple of 16, or past 32 bits), so a key never maps to another specialization's
+function. A variant whose parameters cannot be laid out with certainty (scratch memory, clusters, a parameter
+list that does not match the PTX) stays on Triton's launcher.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 2048  # per inner step; 16 bytes per thread at 4 warps for 16-bit dtypes
 TILE_ELEMENTS = 8192  # a window's tile: rows x row elements per inner step
@@ -134,11 +149,17 @@ def _kernel() -> Any:
 
 
 _COMPILED: list[Any] = []
+# _variant_key -> the variant to launch through the driver (None: it stays on Triton's launcher)
+_RAW: dict[tuple, RawVariant | None] = {}
 
 
-def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
-    """Queue the copy on the current stream (a transfer thread enters its stream once per part). src and dst
-    have the same number of layers (dim 0)."""
+def copy_blocks(
+    src: Any, dst: Any, src_ids: Any, dst_ids: Any, ops: Any = None, stream: torch.cuda.Stream | None = None
+) -> None:
+    """Queue the copy on the current stream (a transfer thread enters its stream once per part), which must be
+    `stream` when given. src and dst have the same number of layers (dim 0). With `ops` that make raw calls
+    (gpu_ops.RawOps) and `stream`, a variant launched before is launched through the driver, the interpreter
+    lock held."""
     num = int(src_ids.shape[0])
     if num != int(dst_ids.shape[0]):
         raise ValueError(f"copy_blocks: {num} source ids but {dst_ids.shape[0]} destination ids")
@@ -156,11 +177,129 @@ def copy_blocks(src: Any, dst: Any, src_ids: Any, dst_ids: Any) -> None:
         rows, row_len = 1, rows * row_len
     step = min(CHUNK_ELEMENTS, _pow2(row_len))
     tile_rows = min(_pow2(rows), max(1, TILE_ELEMENTS // step))
-    grid = (layers * 2 * num,)
-    _COMPILED[0][grid](
-        src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], rows, row_len, src_rs,
-        dst_rs, STEP=step, ROWS=tile_rows,
+    grid = layers * 2 * num
+    args = (
+        src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], rows, row_len, src_rs, dst_rs,
     )  # fmt: skip
+    if ops is None or stream is None or not ops.raw:
+        _COMPILED[0][(grid,)](*args, STEP=step, ROWS=tile_rows)
+        return
+    device = getattr(stream, "device_index", None)
+    key = _variant_key(args, step, tile_rows, stream.device.index if device is None else device)
+    variant = _RAW.get(key, _UNSEEN)
+    if isinstance(variant, RawVariant):
+        ops.launch(
+            variant.function, grid, variant.threads, variant.shared, stream.cuda_stream, variant.params(args)
+        )
+        return
+    compiled = _COMPILED[0][(grid,)](*args, STEP=step, ROWS=tile_rows)
+    if variant is _UNSEEN:
+        _RAW[key] = RawVariant.of(compiled, args)
+
+
+_UNSEEN = object()
+
+
+def _variant_key(args: tuple, step: int, tile_rows: int, device: int) -> tuple:
+    """The launch's arguments as Triton may specialize them, or more finely (see the module docstring), on
+    one device (a compiled function belongs to the device it was loaded on)."""
+    key: list[Any] = [device, step, tile_rows]
+    for a in args:
+        if isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        else:
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+    return tuple(key)
+
+
+_PTX_PARAM = re.compile(r"\.param\s+\.([a-z]+)(\d+)")
+_C_TYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
+
+
+@dataclass(frozen=True)
+class RawVariant:
+    """One compiled variant of the copy kernel, launched through cuLaunchKernel: its CUfunction, launch shape
+    and parameter layout (which arguments it takes, as which C types, and the null scratch pointers Triton's
+    launcher appends)."""
+
+    function: int
+    threads: int
+    shared: int
+    passed: tuple[tuple[int, Any], ...]  # (argument index, ctypes type), in parameter order
+    nulls: int  # trailing pointer parameters (Triton's global and profile scratch), 0 when unused
+
+    @staticmethod
+    def of(compiled: Any, args: tuple) -> RawVariant | None:
+        """From the CompiledKernel a Triton launch returned, or None when its parameters cannot be laid out
+        with certainty (then Triton's launcher keeps the variant)."""
+        try:
+            return RawVariant._of(compiled, args)
+        except Exception as exc:  # an unexpected Triton: launching through it is always right
+            log.info("copy_blocks: variant stays on Triton's launcher (%s: %s)", type(exc).__name__, exc)
+            return None
+
+    @staticmethod
+    def _of(compiled: Any, args: tuple) -> RawVariant | None:
+        layout = param_layout(compiled, args)
+        if layout is None:
+            return None
+        function = int(compiled.function or 0)
+        if not function:
+            return None
+        meta = compiled.metadata
+        return RawVariant(function, 32 * int(meta.num_warps), int(meta.shared), *layout)
+
+    def params(self, args: tuple) -> Any:
+        """The kernelParams array for these arguments (same variant key as the ones it was built from)."""
+        values = [ctype(_value(args[i])) for i, ctype in self.passed]
+        values += [ctypes.c_uint64(0) for _ in range(self.nulls)]
+        array = (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
+        array._values = values  # type: ignore[attr-defined]  # kept alive with the array until the launch
+        return array
+
+
+def param_layout(compiled: Any, args: tuple) -> tuple[tuple[tuple[int, Any], ...], int] | None:
+    """(passed, nulls) of a CompiledKernel launched with `args`: the arguments its parameters take, in order,
+    with their C types, then how many null pointers follow; None when the compiled parameters (its PTX entry)
+    do not match that layout exactly, or the variant needs what only Triton's launcher provides."""
+    meta = compiled.metadata
+    unusual = [
+        name
+        for name in (
+            "global_scratch_size",
+            "profile_scratch_size",
+            "launch_cooperative_grid",
+            "launch_pdl",
+        )
+        if getattr(meta, name, 0)
+    ]
+    if getattr(meta, "num_ctas", 1) != 1:
+        unusual.append("num_ctas")
+    signature = list(compiled.src.signature.values())
+    if unusual or len(signature) < len(args):
+        log.info("copy_blocks: variant stays on Triton's launcher (%s)", unusual or "signature")
+        return None
+    passed: list[tuple[int, Any]] = []
+    for i, kind in enumerate(signature[: len(args)]):
+        if kind == "constexpr":
+            continue
+        ctype = ctypes.c_uint64 if kind.startswith("*") else _C_TYPES.get(kind)
+        if ctype is None:
+            return None
+        passed.append((i, ctype))
+    ptx = compiled.asm["ptx"]
+    entry = ptx[ptx.index(".entry") :]
+    declared = [(t, int(bits)) for t, bits in _PTX_PARAM.findall(entry[: entry.index(")")])]
+    nulls = len(declared) - len(passed)
+    widths = [ctypes.sizeof(ctype) * 8 for _, ctype in passed] + [64] * max(0, nulls)
+    if nulls < 0 or [bits for _, bits in declared] != widths:
+        log.info("copy_blocks: variant stays on Triton's launcher (PTX parameters %s)", declared)
+        return None
+    return tuple(passed), nulls
+
+
+def _value(arg: Any) -> int:
+    return arg if isinstance(arg, int) else int(arg.data_ptr())
 
 
 def warm(cache: torch.Tensor, staging: DevicePointer, ids: torch.Tensor, gather: bool) -> None:

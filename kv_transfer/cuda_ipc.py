@@ -254,7 +254,12 @@ class IpcReceiverTransport(ReceiverTransport):
                 l0, l1 = job.layer_begin, job.layer_end
                 with torch.cuda.stream(self._stream):
                     copy_blocks(
-                        mapping.source.layers(l0, l1), self._cache_ptr.layers(l0, l1), src_ids, dst_ids
+                        mapping.source.layers(l0, l1),
+                        self._cache_ptr.layers(l0, l1),
+                        src_ids,
+                        dst_ids,
+                        self._ops,
+                        self._stream,
                     )
             copied = self._timer()
             self._ops.record(copied, self._stream)

@@ -15,6 +15,8 @@ loop nothing measurable.
     a, b = ops.new_event(timed=True), ops.new_event(timed=True); ...; ops.elapsed_s(a, b)   # both completed
     ops.nccl(send, comm, ptr, nbytes, peer, stream)       # ncclSend (send=True) or ncclRecv of NCCL_UINT8
     ids = ops.ids(pool, block_ids)        # block ids on the device: a memmove and one async copy on pool.stream
+    ops.launch(function, grid, threads, shared, stream, params)   # a compiled kernel (RawOps only; see
+                                          # block_copy: Triton's own launcher lets go of the lock)
 
 Raw calls go through ctypes.PyDLL, which keeps the lock during the call (ctypes.CDLL would release it). The NCCL
 communicator stays CuPy's: the raw calls use its handle (`comm.comm`) in the same libnccl CuPy loaded.
@@ -86,6 +88,7 @@ class _Driver:
         self._wait = _fn(lib, "cuStreamWaitEvent", [p, p, u])
         self._elapsed = _fn(lib, "cuEventElapsedTime", [ctypes.POINTER(ctypes.c_float), p, p])
         self._htod = _fn(lib, "cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, p, s, p])
+        self._launch = _fn(lib, "cuLaunchKernel", [p, u, u, u, u, u, u, u, p, p, p])
         self._name = _fn(lib, "cuGetErrorName", [i, ctypes.POINTER(ctypes.c_char_p)])
 
     def check(self, code: int, what: str) -> None:
@@ -123,6 +126,13 @@ class _Driver:
 
     def htod(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.check(self._htod(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def launch(self, function: int, grid: int, threads: int, shared: int, stream: int, params: Any) -> None:
+        """A 1-D grid of `grid` blocks of `threads` threads; params: a ctypes array of pointers to each
+        kernel parameter's value."""
+        self.check(
+            self._launch(function, grid, 1, 1, threads, 1, 1, shared, stream, params, None), "cuLaunchKernel"
+        )
 
 
 class _Nccl:
@@ -234,6 +244,10 @@ class GpuOps:
     def _copy_ids(self, slot: IdsSlot, n: int, stream: torch.cuda.Stream) -> None:
         raise NotImplementedError
 
+    def launch(self, function: int, grid: int, threads: int, shared: int, stream: int, params: Any) -> None:
+        """A compiled kernel (a CUfunction handle) through cuLaunchKernel: RawOps only (`raw`)."""
+        raise NotImplementedError
+
 
 class TorchOps(GpuOps):
     def new_event(self, timed: bool = False) -> Any:
@@ -289,6 +303,9 @@ class RawOps(GpuOps):
 
     def _copy_ids(self, slot: IdsSlot, n: int, stream: torch.cuda.Stream) -> None:
         self._driver.htod(slot.device.data_ptr(), slot.host.data_ptr(), 8 * n, stream.cuda_stream)
+
+    def launch(self, function: int, grid: int, threads: int, shared: int, stream: int, params: Any) -> None:
+        self._driver.launch(function, grid, threads, shared, stream, params)
 
 
 def _handle(event: Any) -> int:

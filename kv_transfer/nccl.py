@@ -324,7 +324,7 @@ class _NcclSource(PartSource):
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, cache_ptr, self._ids, piece, layout
                     )
-                    copy_blocks(cache, staging, cache_ids, staging_ids)
+                    copy_blocks(cache, staging, cache_ids, staging_ids, ops, pair.first)
                     ops.record(pair.first_done[k], pair.first)
                     ops.wait(pair.second, pair.first_done[k])
                     ops.nccl(True, pair.comm, pair.ring[k].data_ptr(), nbytes, RECEIVER_RANK, pair.second)
@@ -405,7 +405,7 @@ class _NcclSink(PartSink):
                     cache, staging, cache_ids, staging_ids = pair.slice_views(
                         k, cache_ptr, self._ids, piece, layout
                     )
-                    copy_blocks(staging, cache, staging_ids, cache_ids)
+                    copy_blocks(staging, cache, staging_ids, cache_ids, ops, pair.second)
                     ops.record(pair.second_done[k], pair.second)
                     self._last = pair.second_done[k]
         except Exception as exc:

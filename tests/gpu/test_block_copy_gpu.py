@@ -94,3 +94,36 @@ def test_a_pull_from_the_peer_gpu_over_nvlink() -> None:
     finally:
         runtime.setDevice(before)
         torch.cuda.set_device(before)
+
+
+@pytest.mark.parametrize(
+    "dtype, block_shape", [(torch.bfloat16, (16, 8, 128)), (torch.float32, (4, 2, 16))], ids=["bf16", "fp32"]
+)
+def test_copies_after_the_first_launch_through_the_driver_move_the_same_blocks(dtype, block_shape) -> None:
+    """With raw calls and the stream given, the first copy of a variant goes through Triton's launcher and
+    the later ones through cuLaunchKernel (the lock held): each must land what torch indexing says."""
+    from kv_transfer import block_copy
+    from kv_transfer.gpu_ops import gpu_ops
+
+    ops = gpu_ops()
+    if not ops.raw:
+        pytest.skip("no raw CUDA driver calls in this process")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    src, _, _, _ = _caches(device, dtype, block_shape)
+    stream = transfer_stream(device)
+    rng = random.Random(11)
+    raw_before = sum(isinstance(v, block_copy.RawVariant) for v in block_copy._RAW.values())
+    for round_ in range(4):
+        dst = torch.zeros_like(src)
+        src_ids, dst_ids = rng.sample(range(1, 40), 9 + round_), rng.sample(range(1, 40), 9 + round_)
+        ids = lambda v: torch.tensor(v, device=device)  # noqa: E731
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream):
+            copy_blocks(src[round_ % 2 :], dst[round_ % 2 :], ids(src_ids), ids(dst_ids), ops, stream)
+        stream.synchronize()
+        expect = torch.zeros_like(src)
+        expect[round_ % 2 :, :, dst_ids] = src[round_ % 2 :, :, src_ids]
+        assert torch.equal(dst, expect), f"round {round_}"
+    raw_after = sum(isinstance(v, block_copy.RawVariant) for v in block_copy._RAW.values())
+    assert raw_after > raw_before, "no variant was launched through the driver"
