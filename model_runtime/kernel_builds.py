@@ -35,7 +35,8 @@ MAX_NAMES = 32  # the last builds named in counts().recent; the counts go on pas
 class KernelBuilds:
     startup: int  # builds before mark_started()
     after_start: int
-    recent: tuple[str, ...]  # the last MAX_NAMES builds, oldest first: "<kernel> (<ms> ms[, after start])"
+    # The last MAX_NAMES builds, oldest first: "<kernel> (<ms> ms[, after start]) <Triton's specialization>"
+    recent: tuple[str, ...]
 
 
 class _Watch:
@@ -61,7 +62,7 @@ class _Watch:
                 self.after_start += 1
             else:
                 self.startup += 1
-            self.names.append(f"{name} ({ms:.0f} ms{', after start' if started else ''})")
+            self.names.append(f"{name} ({ms:.0f} ms{', after start' if started else ''}) {detail}")
         if not started:
             return
         log.warning(

@@ -39,6 +39,7 @@ from bench import harness as gpu
 from bench.offline_drive import Shape, concurrency, warm_up
 from bench.offline_throughput import parse_shapes
 from bench.offline_variants import VARIANTS
+from model_runtime import kernel_builds
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.heap import freeze_startup_objects
@@ -150,6 +151,13 @@ def run(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, cuda
     return rows
 
 
+def built_since(before: kernel_builds.KernelBuilds) -> list[str]:
+    """The builds after `before` (the last kernel_builds.MAX_NAMES of them), each with its specialization."""
+    now = kernel_builds.counts()
+    new = now.startup + now.after_start - before.startup - before.after_start
+    return list(now.recent[len(now.recent) - min(new, len(now.recent)) :])
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", default="fp8-ahead", choices=sorted(VARIANTS), help="default fp8-ahead")
@@ -171,6 +179,7 @@ def main(argv: list[str] | None = None) -> Path:
     )
     args = p.parse_args(argv)
     where = gpu.RunDevice.for_mode(args.smoke)
+    kernel_builds.watch()  # names each kernel built during the run with Triton's specialization of it
     model = gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b"
     [(shape, n)] = parse_shapes(args.shape or ("16/8" if args.smoke else "128/128"), str(args.num_prompts or (6 if args.smoke else 1000)))  # fmt: skip
     variant = VARIANTS[args.variant]
@@ -187,10 +196,12 @@ def main(argv: list[str] | None = None) -> Path:
     prompts = gpu.random_prompts(n, shape.input_len, engine.model_config.vocab_size, seed=shape.input_len)
     limit = concurrency(engine, shape, n)
     gpu.synchronize(where.device)
+    before = kernel_builds.counts()
     t0 = time.perf_counter()
     rows = run(engine, shape, prompts, limit, where.device.startswith("cuda"))
     gpu.synchronize(where.device)
     wall = time.perf_counter() - t0
+    built = built_since(before)
     decode = [r.wall_ms for r in rows if r.kind == "decode"]
     median = statistics.median(decode) if decode else 0.0
     print(f"{args.variant} {shape.key}: {n} prompts, {limit} at once, {len(rows)} steps in {wall:.2f} s")
@@ -201,6 +212,9 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{r.index:>5} {r.kind:>8} {r.batch:>5} {r.wall_ms:>8.2f} {r.gc_ms:>7.2f} {gens:>8} "
               f"{r.triton_compiled:>8} {r.alloc_retries:>7} {r.device_allocs:>10} {' '.join(r.kernels)}")  # fmt: skip
     print(f"decode steps: {len(decode)}, median {median:.2f} ms, sum {sum(decode) / 1e3:.2f} s")
+    print(f"Triton kernels built during the run: {len(built)}")
+    for entry in built:
+        print(f"  {entry}")
     out = gpu.result_path(args.out, "long_steps", where.device, args.smoke)
     doc = {
         "benchmark": "long steps of an offline run and what ran inside them",
@@ -210,6 +224,7 @@ def main(argv: list[str] | None = None) -> Path:
         "settings": vars(args),
         "wall_s": wall,
         "decode_median_ms": median,
+        "kernels_built_during_run": built,
         "steps": [asdict(r) for r in rows],
     }
     gpu.write_json_atomic(out, doc)
