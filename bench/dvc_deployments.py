@@ -30,6 +30,8 @@ READY_LINE = "Tandem is serving"
 PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase_seconds_")
 # How late the workers' probe threads woke up (worker_host.gil_probe): "decode.gil_wait", "prefill.gil_wait".
 GIL_FAMILY = "tandem_worker_gil_wait_seconds_"
+# Steps held back for arrivals (scheduler.late_launch) and the time held: "decode.launch_wait" (mean per step).
+LAUNCH_WAIT = {"tandem_engine_launch_wait_seconds_total": "sum", "tandem_engine_launch_waits_total": "count"}
 # How late the router's event-loop probe woke up (router.loop_lag): "router.loop_lag".
 LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
@@ -203,8 +205,9 @@ class Server:
     def kv_transfer_totals(self) -> dict[str, dict[str, float]] | None:
         """Running sums from each worker's /metrics, by target ("host:port"): the prefill workers' transfer
         seconds, count and bytes, both sides' handoff phase sums and counts ("prefill.stream", "decode.admit",
-        ...), every worker's first-token phases ("colocated.first_token_waiting", ...) and the router's
-        event-loop lag ("router.loop_lag"); None when no worker is listed. Kept per worker so that a point's
+        ...), the steps held back for arrivals ("decode.launch_wait"), every worker's first-token phases
+        ("colocated.first_token_waiting", ...) and the router's event-loop lag ("router.loop_lag"); None when no
+        worker is listed. Kept per worker so that a point's
         difference survives a worker that left or joined in between (an autoscaler's move): see kv_delta."""
         if not self._targets(("prefill", "decode", "colocated")):
             return None
@@ -218,6 +221,8 @@ class Server:
                 key = f"router.loop_lag.{sample.name.rsplit('_', 1)[-1]}"
             elif component == "prefill" and sample.name in names:
                 key = names[sample.name]
+            elif sample.name in LAUNCH_WAIT:
+                key = f"{component}.launch_wait.{LAUNCH_WAIT[sample.name]}"
             elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
                 key = f"{component}.gil_wait.{sample.name.rsplit('_', 1)[-1]}"
             elif sample.name.startswith(PHASE_FAMILIES) and "phase" in sample.labels:

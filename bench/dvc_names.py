@@ -60,6 +60,9 @@ STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
 # run), so "disagg-3p1d-sync" is the decode side as it was before that.
 AHEAD = "-ahead"
 SYNC = "-sync"
+# A name whose colocated or decode workers schedule ahead + EARLY: each next step is scheduled as soon as the one
+# before it starts, the step-ahead engine before scheduler.late_launch (model_runtime.launch_clock), for A/B runs.
+EARLY = "-early"
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
 ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
@@ -103,7 +106,7 @@ def _prefill_budget(name: str, config: dict, tokens: int) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, IPC, BOTH,
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, IPC, BOTH,
     NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo` is the
     (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the deployment when the name is unknown or its KV
     could not move between its pools."""
@@ -148,6 +151,14 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
     if name.endswith(AUTOSCALE):
         return autoscaled(_named_config(name.removesuffix(AUTOSCALE), slo), *slo)
+    if name.endswith(EARLY):
+        config = _named_config(name.removesuffix(EARLY), slo)
+        pool = next((p for p in ("colocated", "decode") if p in config), None)
+        if pool is None:
+            raise ValueError(f"{name}: {EARLY} is for deployments with colocated or decode workers")
+        engine = config[pool].setdefault("engine", {})
+        engine["scheduler"] = dict(engine.get("scheduler", {}), late_launch=False)
+        return config
     for suffix, ahead in ((AHEAD, True), (SYNC, False)):
         if name.endswith(suffix):
             config = _named_config(name.removesuffix(suffix), slo)
@@ -180,7 +191,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} (colocated), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

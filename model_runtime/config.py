@@ -175,14 +175,16 @@ class SchedulerConfig:
     # scheduling, its outputs) runs while the GPU computes (model_runtime.step_ahead). Colocated and offline
     # engines only: prefill workers, decode workers and tensor-parallel engines refuse it.
     async_scheduling: bool = False
+    # With async_scheduling, in a worker's engine loop: schedule the next decode step shortly before the running
+    # one ends rather than as soon as it starts, so that requests arriving meanwhile join it, one step sooner
+    # (model_runtime.launch_clock). Offline runs never wait.
+    late_launch: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
-        _require(
-            isinstance(self.async_scheduling, bool),
-            "scheduler.async_scheduling",
-            f"must be true or false, got {self.async_scheduling!r}",
-        )
+        for name in ("async_scheduling", "late_launch"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"scheduler.{name}", f"must be true or false, got {value!r}")
         _require(
             isinstance(self.batch_max_wait_s, (int, float))
             and not isinstance(self.batch_max_wait_s, bool)

@@ -24,6 +24,7 @@ import torch
 from model_runtime.block_pool import BlockPool
 from model_runtime.config import EngineConfig
 from model_runtime.detokenizer import IncrementalDetokenizer
+from model_runtime.launch_clock import LaunchClock
 from model_runtime.layer_stream import LayerListener, LayerStreams
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.parallel.group import TPGroup
@@ -116,6 +117,10 @@ class Engine:
         self._on_cuda = torch.device(self.device).type == "cuda"
         self._sampled_ids = SampledIds(config.scheduler.max_num_seqs, self.runner.kv_cache.device)
         self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
+        # When a serving loop should schedule the next step (launch_at); None: at once, the step-ahead default
+        self._clock = (
+            LaunchClock() if self._ahead and self._on_cuda and config.scheduler.late_launch else None
+        )
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, steps %s",
             mc.name,
@@ -278,6 +283,13 @@ class Engine:
         self.last_step = replace(planned, duration_s=time.perf_counter() - started, first_tokens=firsts)
         return results
 
+    def launch_at(self) -> float | None:
+        """time.perf_counter() at which a serving loop should call step() to launch the next step just before
+        the one in flight ends (scheduler.late_launch, model_runtime.launch_clock); None: call it now."""
+        if self._clock is None or self._flight is None:
+            return None
+        return self._clock.launch_at()
+
     def _step_ahead(self) -> list[StepOutput]:
         """One step's outputs, with the next step launched before this one's tokens are waited for."""
         started = time.perf_counter()
@@ -297,9 +309,12 @@ class Engine:
             if request.num_tokens >= self.scheduler.token_cap(request):
                 hold.append(request.request_id)  # its pending token is its last: it finishes by length
         self._flight = self._launch(self.scheduler.schedule(frozenset(hold)), flight)
+        launched = time.perf_counter()
         if self._flight is not None:
             self.steps_ahead += 1
         tokens, logprobs = flight.tokens()
+        if self._clock is not None:
+            self._time_launch(launched - started, launched)
         if self._fence_frees:
             self._fence_passed(flight)
         results = []
@@ -314,6 +329,17 @@ class Engine:
             flight.planned, duration_s=time.perf_counter() - started, first_tokens=firsts
         )
         return results
+
+    def _time_launch(self, host_s: float, launched: float) -> None:
+        """The step waited for is done now; the one launched runs on the GPU from now (or from its launch, if
+        that came later: a bubble)."""
+        assert self._clock is not None
+        now = time.perf_counter()
+        self._clock.done(now)
+        if self._flight is not None:
+            self._clock.launched(host_s)
+            planned = self._flight.planned
+            self._clock.running(max(now, launched), planned.batch_size, planned.num_prefill == 0)
 
     def _launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight | None:
         """Queue `out`'s forward and sampler on the device and the sampled ids' copy to the host; `previous`:

@@ -106,6 +106,9 @@ class EngineLoop:
         self.steps = 0
         # The steps' own wall times (StepRecord.duration_s), added up by the loop thread.
         self.busy_seconds = 0.0
+        # scheduler.late_launch: how often and how long the loop held a step back to let arrivals join it
+        self.launch_waits = 0
+        self.launch_wait_seconds = 0.0
         self.failure: BaseException | None = None
         self._prefix_limit = prefix_report_limit
         self.prefix = PrefixSnapshot()
@@ -219,10 +222,29 @@ class EngineLoop:
             elif output.kv_block_ids:
                 self.engine.release_blocks(output.kv_block_ids)
 
+    def _await_launch(self) -> None:
+        """scheduler.late_launch: until the engine's launch_at (model_runtime.launch_clock), run queued calls as
+        they arrive, so a request added meanwhile joins the step launched next."""
+        at = self.engine.launch_at()
+        if at is None:
+            return
+        began = time.perf_counter()
+        while not self._stop.is_set():
+            left = at - time.perf_counter()
+            if left <= 0:
+                break
+            if self._wake.wait(left):
+                self._wake.clear()
+                with self._lock:
+                    self._run_calls()
+        self.launch_waits += 1
+        self.launch_wait_seconds += time.perf_counter() - began
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
+                self._await_launch()
                 with self._lock:
                     self._run_calls()
                     outputs = self.engine.step() if self.engine.has_unfinished() else None

@@ -156,6 +156,17 @@ class WorkerCollector(Collector):
             "stays 0 on a worker that waits for each step's tokens)",
             g.steps_ahead,
         )
+        yield self._counter(
+            "tandem_engine_launch_waits_total",
+            "Steps the engine loop held back until shortly before the running step's end, so that requests "
+            "arriving meanwhile joined them (scheduler.late_launch)",
+            self._loop.launch_waits,
+        )
+        yield self._counter(
+            "tandem_engine_launch_wait_seconds_total",
+            "Time the engine loop spent holding steps back (scheduler.late_launch), running calls meanwhile",
+            self._loop.launch_wait_seconds,
+        )
         builds = kernel_builds.counts()
         compiled = CounterMetricFamily(
             "tandem_kernel_builds_total",

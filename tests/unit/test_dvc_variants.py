@@ -261,6 +261,19 @@ def test_ahead_and_sync_set_step_ahead_scheduling_for_colocated_or_decode_worker
     assert not parse_config(deployment_config("disagg-3p1d-sync")).decode.engine.scheduler.async_scheduling
 
 
+def test_early_turns_the_late_launch_off_where_steps_are_scheduled_ahead() -> None:
+    plain, early = (
+        parse_config(deployment_config("disagg-1p1d")),
+        parse_config(deployment_config("disagg-1p1d-early")),
+    )
+    assert plain.decode.engine.scheduler.late_launch and not early.decode.engine.scheduler.late_launch
+    assert early.decode.engine.scheduler.async_scheduling  # still ahead: only the launch moves
+    colocated = parse_config(deployment_config("colocated-2-early")).colocated
+    assert not colocated.engine.scheduler.late_launch and colocated.replicas == 2
+    with pytest.raises(ValueError, match="-early"):
+        deployment_config("disagg-1p1d-early-nonsense")
+
+
 def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_range() -> None:
     config, plain = deployment_config("disagg-2p2d-pb4096"), deployment_config("disagg-2p2d")
     assert config["prefill"]["engine"]["scheduler"]["max_num_batched_tokens"] == 4096

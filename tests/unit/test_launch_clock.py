@@ -1,0 +1,110 @@
+"""model_runtime.launch_clock: when a step-ahead engine in a serving loop schedules its next step, and the
+EngineLoop's wait for that moment (calls from other threads, such as a decode worker's admissions and aborts,
+still run during it)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+
+import pytest
+
+from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from model_runtime.engine import Engine, StepOutput
+from model_runtime.engine_loop import EngineLoop
+from model_runtime.launch_clock import HOST_WEIGHT, MARGIN_S, LaunchClock
+from model_runtime.request import SamplingParams
+from tests.model.tiny_models import write_tiny_hf
+
+
+def _timed(clock: LaunchClock, batch: int, took_s: float, at: float = 0.0) -> None:
+    clock.running(at, batch, decode_only=True)
+    clock.done(at + took_s)
+
+
+def test_the_next_step_launches_the_host_s_lead_before_the_running_decode_step_s_expected_end() -> None:
+    clock = LaunchClock()
+    clock.launched(0.002)
+    _timed(clock, batch=6, took_s=0.010)
+    clock.running(100.0, batch=7, decode_only=True)  # same power-of-two bucket (8)
+    assert clock.launch_at() == pytest.approx(100.0 + 0.010 - (HOST_WEIGHT * 0.002 + MARGIN_S))
+
+
+def test_nothing_to_wait_for_without_a_timed_decode_step_of_that_size() -> None:
+    clock = LaunchClock()
+    clock.launched(0.001)
+    clock.running(5.0, batch=8, decode_only=True)
+    assert clock.launch_at() is None  # never timed
+    _timed(clock, batch=8, took_s=0.010)
+    clock.running(5.0, batch=40, decode_only=True)
+    assert clock.launch_at() is None  # another bucket
+    clock.running(5.0, batch=8, decode_only=False)
+    assert clock.launch_at() is None  # prompt chunks: its time depends on them
+    clock.done(5.5)
+    assert clock.launch_at() is None  # nothing in flight
+    clock.running(5.0, batch=8, decode_only=True)
+    assert clock.launch_at() is not None
+
+
+def test_a_faster_step_counts_at_once_and_a_slow_one_only_in_part() -> None:
+    clock = LaunchClock(margin_s=0.0)
+    _timed(clock, 16, 0.010)
+    _timed(clock, 16, 0.100)  # a stall (a collection): must not make the next waits ten times longer
+    clock.running(0.0, 16, True)
+    slow = clock.launch_at()
+    assert slow is not None and 0.010 < slow < 0.04
+    _timed(clock, 16, 0.008)
+    clock.running(0.0, 16, True)
+    assert clock.launch_at() == pytest.approx(0.008)
+
+
+def test_no_wait_when_the_host_needs_the_whole_step() -> None:
+    clock = LaunchClock()
+    clock.launched(0.004)
+    _timed(clock, 4, 0.006)
+    clock.running(1.0, 4, True)
+    assert clock.launch_at() is None
+
+
+class _SteadyClock(LaunchClock):
+    """Every decode step of this CPU engine is taken to run 0.4 s on a device: the loop then waits that long
+    before each launch (the CPU engine's own steps take milliseconds)."""
+
+    def done(self, now: float) -> None:
+        self._start, self._bucket = None, None
+
+
+def test_the_loop_runs_calls_while_it_holds_a_launch_back(tmp_path: Path) -> None:
+    engine = Engine(
+        EngineConfig(
+            model=str(write_tiny_hf(tmp_path)),
+            cache=CacheConfig(block_size=4, num_blocks=128),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=True),
+            device=DeviceConfig(device="cpu"),
+        )
+    )
+    assert engine._clock is None  # on a CPU the step runs at its launch: no clock
+    clock = _SteadyClock(margin_s=0.0)
+    clock._gpu_s = {1: 0.4}
+    engine._clock = clock
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    loop.start()
+    try:
+        outputs: queue.Queue[StepOutput] = queue.Queue()
+        loop.subscribe("r", outputs.put)
+        loop.call(lambda e: e.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)))
+        outputs.get(timeout=30)
+        outputs.get(timeout=30)  # decoding: each launch is held back about 0.4 s
+        latencies = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            loop.call(lambda e: e.has_unfinished())
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        got = [outputs.get(timeout=30) for _ in range(4)]
+    finally:
+        loop.stop()
+    assert got[-1].finish_reason == "length"
+    assert loop.launch_waits >= 3 and loop.launch_wait_seconds >= 3 * 0.3
+    assert max(latencies) < 0.2  # a call waits for the loop's next pass, not for the launch it holds back
