@@ -283,6 +283,13 @@ class Engine:
         self.last_step = replace(planned, duration_s=time.perf_counter() - started, first_tokens=firsts)
         return results
 
+    def set_late_launch(self, on: bool) -> bool:
+        """Turn scheduler.late_launch on or off between steps (a benchmark's A/B on one engine); True when the
+        engine can launch late at all (steps scheduled ahead, on a GPU). The clock starts without timings."""
+        able = self._ahead and self._on_cuda
+        self._clock = LaunchClock() if on and able else None
+        return able
+
     def launch_at(self) -> float | None:
         """time.perf_counter() at which a serving loop should call step() to launch the next step just before
         the one in flight ends (scheduler.late_launch, model_runtime.launch_clock); None: call it now."""

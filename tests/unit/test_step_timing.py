@@ -161,3 +161,20 @@ def test_long_steps_times_each_step_and_puts_a_collection_in_the_step_it_ran_in(
     out = long_steps.main(["--smoke", "--top", "2", "--out", str(tmp_path / "steps.json")])
     doc = json.loads(out.read_text())
     assert doc["decode_median_ms"] > 0 and {s["kind"] for s in doc["steps"]} == {"prefill", "decode"}
+
+
+def test_late_launch_times_every_request_of_each_phase_in_both_modes(tmp_path):
+    """bench/late_launch.py's driver: arrivals through an EngineLoop, each request's first token and token rate,
+    every output token counted (the run raises when one is missing). A CPU engine has no launch clock: nothing
+    is held back, in either mode."""
+    from bench import late_launch
+
+    out = late_launch.main(["--smoke", "--out", str(tmp_path / "late.json")])
+    doc = json.loads(out.read_text())
+    phases = doc["phases"]
+    assert [(p["mode"], p["kind"]) for p in phases] == [
+        (mode, kind) for mode in late_launch.MODES for kind in ("closed", "open")
+    ]
+    assert all(p["output_tokens"] == p["requests"] * 4 and p["tokens_per_s"] > 0 for p in phases)
+    assert all(0 < p["ttft_p50_ms"] <= p["ttft_p90_ms"] and p["tpot_p50_ms"] > 0 for p in phases)
+    assert doc["late_launch_possible"] is False and all(p["launch_waits"] == 0 for p in phases)
