@@ -59,6 +59,7 @@ class Phase:
     tpot_p90_ms: float
     launch_waits: int
     launch_wait_mean_ms: float
+    clock_misses: int  # launches the clock timed that found the GPU idle all the same
 
 
 class Recorder:
@@ -102,6 +103,7 @@ def run_phase(loop: EngineLoop, mode: str, kind: str, rate: float, count: int, a
               vocab: int, seed: int) -> Phase:  # fmt: skip
     loop.call(lambda e: e.set_late_launch(mode == "late"))
     waits0, waited0 = loop.launch_waits, loop.launch_wait_seconds
+    misses0 = loop.call(lambda e: e.launch_clock_stats()[1])
     rec = Recorder()
     sampling = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
     prompts = gpu.random_prompts(count, args.prompt, vocab, seed)
@@ -122,9 +124,10 @@ def run_phase(loop: EngineLoop, mode: str, kind: str, rate: float, count: int, a
         raise gpu.BenchError(f"{mode} {kind}: {tokens} tokens, expected {count * args.output}")
     waits = loop.launch_waits - waits0
     waited = loop.launch_wait_seconds - waited0
+    misses = loop.call(lambda e: e.launch_clock_stats()[1]) - misses0
     return Phase(
         mode, kind, rate, count, tokens, wall, tokens / wall, _ms(ttft, 0.5), _ms(ttft, 0.9), _ms(tpot, 0.5),
-        _ms(tpot, 0.9), waits, 1e3 * waited / waits if waits else 0.0,
+        _ms(tpot, 0.9), waits, 1e3 * waited / waits if waits else 0.0, misses,
     )  # fmt: skip
 
 
@@ -173,11 +176,11 @@ def main(argv: list[str] | None = None) -> Path:
         loop.stop()
     print(f"late launch possible here: {able}")
     print(f"{'mode':>5} {'kind':>6} {'rate':>5} {'reqs':>5} {'tok/s':>8} {'TTFT p50':>9} {'p90':>7} "
-          f"{'TPOT p50':>9} {'p90':>7} {'held':>6} {'mean ms':>8}")  # fmt: skip
+          f"{'TPOT p50':>9} {'p90':>7} {'held':>6} {'mean ms':>8} {'misses':>6}")  # fmt: skip
     for ph in phases:
         print(f"{ph.mode:>5} {ph.kind:>6} {ph.rate:>5.0f} {ph.requests:>5} {ph.tokens_per_s:>8.0f} "
               f"{ph.ttft_p50_ms:>9.2f} {ph.ttft_p90_ms:>7.2f} {ph.tpot_p50_ms:>9.2f} {ph.tpot_p90_ms:>7.2f} "
-              f"{ph.launch_waits:>6} {ph.launch_wait_mean_ms:>8.2f}")  # fmt: skip
+              f"{ph.launch_waits:>6} {ph.launch_wait_mean_ms:>8.2f} {ph.clock_misses:>6}")  # fmt: skip
     for kind, rate in [("closed", 0.0)] * bool(args.closed) + [("open", r) for r in rates]:
         rows = {
             m: [ph for ph in phases if ph.kind == kind and ph.rate == rate and ph.mode == m]

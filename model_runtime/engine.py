@@ -290,6 +290,11 @@ class Engine:
         self._clock = LaunchClock() if on and able else None
         return able
 
+    def launch_clock_stats(self) -> tuple[int, int]:
+        """(held, misses) of the launch clock: launches it timed for the serving loop, and those that found the
+        GPU idle all the same (0, 0 without a clock)."""
+        return (self._clock.held, self._clock.misses) if self._clock is not None else (0, 0)
+
     def launch_at(self) -> float | None:
         """time.perf_counter() at which a serving loop should call step() to launch the next step just before
         the one in flight ends (scheduler.late_launch, model_runtime.launch_clock); None: call it now."""
@@ -319,9 +324,10 @@ class Engine:
         launched = time.perf_counter()
         if self._flight is not None:
             self.steps_ahead += 1
+        idle = self._clock is not None and flight.finished_on_device()  # the next launch found the GPU idle
         tokens, logprobs = flight.tokens()
         if self._clock is not None:
-            self._time_launch(launched - started, launched)
+            self._time_launch(flight, launched - started, launched if idle else time.perf_counter(), idle)
         if self._fence_frees:
             self._fence_passed(flight)
         results = []
@@ -337,16 +343,16 @@ class Engine:
         )
         return results
 
-    def _time_launch(self, host_s: float, launched: float) -> None:
-        """The step waited for is done now; the one launched runs on the GPU from now (or from its launch, if
-        that came later: a bubble)."""
+    def _time_launch(self, done: InFlight, host_s: float, next_start: float, idle: bool) -> None:
+        """`done`'s tokens are on the host: its GPU time goes to the clock. The step launched after it began on
+        the GPU at `next_start`: when `done` ended (its tokens' arrival), or at its own launch if `done` had
+        already ended by then (`idle`: the GPU waited for the host)."""
         assert self._clock is not None
-        now = time.perf_counter()
-        self._clock.done(now)
+        self._clock.done(done.gpu_seconds())
         if self._flight is not None:
             self._clock.launched(host_s)
             planned = self._flight.planned
-            self._clock.running(max(now, launched), planned.batch_size, planned.num_prefill == 0)
+            self._clock.running(next_start, planned.batch_size, planned.num_prefill == 0, idle)
 
     def _launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight | None:
         """Queue `out`'s forward and sampler on the device and the sampled ids' copy to the host; `previous`:
@@ -358,12 +364,17 @@ class Engine:
             self.pool.fence = self._launches
         planned = StepRecord.planned(out)
         feed = previous.feed_for(out) if previous is not None else None
+        began = None
+        if self._clock is not None and self._on_cuda:  # the step's GPU time, for the launch clock
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         logits = self.runner.execute(out, feed=feed)
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
             return InFlight(out, sampled, None, None, planned, self._launches)
         result = self._run_sampler(logits, [c.request for c in sampled])
-        return InFlight(out, sampled, result, self._sampled_ids.start(result), planned, self._launches)
+        host = self._sampled_ids.start(result, timed=began is not None)
+        return InFlight(out, sampled, result, host, planned, self._launches, began)
 
     def _fence_passed(self, flight: InFlight) -> None:
         """`flight`'s tokens are on the host: it and every step launched before it are done on the device (one

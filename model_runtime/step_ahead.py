@@ -51,7 +51,8 @@ class SampledIds:
         self._next = 0
         self._cuda = pin
 
-    def start(self, result: SamplerOutput) -> HostCopy:
+    def start(self, result: SamplerOutput, timed: bool = False) -> HostCopy:
+        """timed: `done` can end an elapsed_time (a launch clock times the step with it)."""
         sampled = result.sampled_token_ids
         if not self._cuda:
             return HostCopy(sampled, result.logprobs, None)
@@ -62,7 +63,7 @@ class SampledIds:
         if result.logprobs is not None:  # small: [B] and [B, N]; pinned by torch's caching host allocator
             lp = result.logprobs
             logprobs = LogprobsTensors(*(_pinned_copy(t) for t in (lp.chosen, lp.top_ids, lp.top_logprobs)))
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=timed)
         done.record()
         return HostCopy(ids, logprobs, done)
 
@@ -96,6 +97,18 @@ class InFlight:
     host: HostCopy | None
     planned: StepRecord
     seq: int = 0  # the engine's launch count at its launch: the tag of the blocks freed while it may run
+    began: torch.cuda.Event | None = None  # timed, recorded before its forward (a launch clock's step time)
+
+    def gpu_seconds(self) -> float | None:
+        """The step's GPU time, from before its forward to its tokens' copy, once its tokens were waited for;
+        None when it was not timed."""
+        if self.began is None or self.host is None or self.host.done is None:
+            return None
+        return self.began.elapsed_time(self.host.done) / 1e3
+
+    def finished_on_device(self) -> bool:
+        """Its tokens' copy is done (no wait); True for a step with nothing to copy."""
+        return self.host is None or self.host.done is None or self.host.done.query()
 
     def tokens(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Wait for the sampled ids and return them with the logprobs (rows in `sampled` order)."""

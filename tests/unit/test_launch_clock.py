@@ -13,14 +13,14 @@ import pytest
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.engine import Engine, StepOutput
 from model_runtime.engine_loop import EngineLoop
-from model_runtime.launch_clock import HOST_WEIGHT, MARGIN_S, LaunchClock
+from model_runtime.launch_clock import HOST_WEIGHT, MARGIN_S, MISS_STEP_S, LaunchClock
 from model_runtime.request import SamplingParams
 from tests.model.tiny_models import write_tiny_hf
 
 
 def _timed(clock: LaunchClock, batch: int, took_s: float, at: float = 0.0) -> None:
     clock.running(at, batch, decode_only=True)
-    clock.done(at + took_s)
+    clock.done(took_s)
 
 
 def test_the_next_step_launches_the_host_s_lead_before_the_running_decode_step_s_expected_end() -> None:
@@ -41,7 +41,7 @@ def test_nothing_to_wait_for_without_a_timed_decode_step_of_that_size() -> None:
     assert clock.launch_at() is None  # another bucket
     clock.running(5.0, batch=8, decode_only=False)
     assert clock.launch_at() is None  # prompt chunks: its time depends on them
-    clock.done(5.5)
+    clock.done(0.5)
     assert clock.launch_at() is None  # nothing in flight
     clock.running(5.0, batch=8, decode_only=True)
     assert clock.launch_at() is not None
@@ -59,6 +59,40 @@ def test_a_faster_step_counts_at_once_and_a_slow_one_only_in_part() -> None:
     assert clock.launch_at() == pytest.approx(0.008)
 
 
+def test_an_untimed_step_teaches_nothing() -> None:
+    clock = LaunchClock()
+    clock.running(0.0, 8, True)
+    clock.done(None)  # no events (a step with nothing sampled)
+    clock.running(1.0, 8, True)
+    assert clock.launch_at() is None
+
+
+def test_a_held_launch_that_found_the_gpu_idle_widens_the_margin_and_on_time_ones_narrow_it() -> None:
+    clock = LaunchClock(margin_s=0.001)
+    _timed(clock, 8, 0.010)
+    clock.running(0.0, 8, True)
+    first = clock.launch_at()
+    assert first == pytest.approx(0.009)
+    clock.done(0.010)
+    clock.running(1.0, 8, True, idle=True)  # the launch it advised came too late
+    assert (clock.held, clock.misses) == (1, 1)
+    wider = clock.launch_at()
+    assert wider is not None and wider == pytest.approx(1.0 + first - MISS_STEP_S)
+    for i in range(200):  # on time from here: the learnt margin decays
+        clock.done(0.010)
+        clock.running(2.0 + i, 8, True, idle=False)
+        at = clock.launch_at()
+    assert at is not None and at - (2.0 + 199) == pytest.approx(first, abs=1e-5)
+    assert (clock.held, clock.misses) == (201, 1)
+    # A launch it did not advise (no estimate for that size) is neither held nor a miss.
+    fresh = LaunchClock()
+    for start in (0.0, 1.0):
+        fresh.running(start, 200, True, idle=True)
+        assert fresh.launch_at() is None
+        fresh.done(None)
+    assert (fresh.held, fresh.misses) == (0, 0)
+
+
 def test_no_wait_when_the_host_needs_the_whole_step() -> None:
     clock = LaunchClock()
     clock.launched(0.004)
@@ -71,7 +105,7 @@ class _SteadyClock(LaunchClock):
     """Every decode step of this CPU engine is taken to run 0.4 s on a device: the loop then waits that long
     before each launch (the CPU engine's own steps take milliseconds)."""
 
-    def done(self, now: float) -> None:
+    def done(self, gpu_s: float | None) -> None:
         self._start, self._bucket = None, None
 
 
