@@ -63,6 +63,12 @@ SYNC = "-sync"
 # A name whose colocated or decode workers schedule ahead + EARLY: each next step is scheduled as soon as the one
 # before it starts, the step-ahead engine before scheduler.late_launch (model_runtime.launch_clock), for A/B runs.
 EARLY = "-early"
+# Each suffix's setting of the colocated (or else the decode) workers' engine.scheduler.
+SCHEDULER_SUFFIXES = (
+    (AHEAD, "async_scheduling", True),
+    (SYNC, "async_scheduling", False),
+    (EARLY, "late_launch", False),
+)
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
 ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
@@ -151,22 +157,14 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return dict(config, transfer=dict(config.get("transfer", {}), layer_groups=0))
     if name.endswith(AUTOSCALE):
         return autoscaled(_named_config(name.removesuffix(AUTOSCALE), slo), *slo)
-    if name.endswith(EARLY):
-        config = _named_config(name.removesuffix(EARLY), slo)
-        pool = next((p for p in ("colocated", "decode") if p in config), None)
-        if pool is None:
-            raise ValueError(f"{name}: {EARLY} is for deployments with colocated or decode workers")
-        engine = config[pool].setdefault("engine", {})
-        engine["scheduler"] = dict(engine.get("scheduler", {}), late_launch=False)
-        return config
-    for suffix, ahead in ((AHEAD, True), (SYNC, False)):
+    for suffix, key, value in SCHEDULER_SUFFIXES:
         if name.endswith(suffix):
             config = _named_config(name.removesuffix(suffix), slo)
             pool = next((p for p in ("colocated", "decode") if p in config), None)
             if pool is None:
                 raise ValueError(f"{name}: {suffix} is for deployments with colocated or decode workers")
             engine = config[pool].setdefault("engine", {})
-            engine["scheduler"] = dict(engine.get("scheduler", {}), async_scheduling=ahead)
+            engine["scheduler"] = dict(engine.get("scheduler", {}), **{key: value})
             return config
     if name.endswith(NO_CACHE):
         config = _named_config(name.removesuffix(NO_CACHE), slo)
