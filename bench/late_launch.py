@@ -6,7 +6,8 @@ N+1 shortly before N's expected end, so a request that arrived while N ran joins
 sooner; what it must not change: the decode throughput (a launch held back too long leaves the GPU idle).
 
 One engine (Llama-3-8B shape, dummy weights, bf16, CUDA graphs, steps ahead) behind an EngineLoop, as in a
-worker, with the clock switched between phases (Engine.set_late_launch), in the order early, late, early, late:
+worker, with the clock switched between phases (Engine.set_late_launch), in the order early, late, early, late;
+each early/late pair draws the same prompts and arrival times (runs 33-34 drew new ones for every phase):
 
     closed   --closed sequences added at once, each --output tokens: decode tokens/s and the steps held back
     open     Poisson arrivals at each --rates for --duration s (each --prompt and --output tokens): TTFT and
@@ -114,7 +115,7 @@ def run_phase(loop: EngineLoop, mode: str, kind: str, rate: float, count: int, a
             due += rng.expovariate(rate)
             while (left := due - time.perf_counter()) > 0:
                 time.sleep(min(0.002, left))
-        submit(loop, rec, f"{mode}-{kind}-{seed}-{i}", prompt, sampling)
+        submit(loop, rec, f"{mode}-{kind}-{rate:g}-{seed}-{i}", prompt, sampling)
     for _ in range(count):
         if not rec.finished.acquire(timeout=args.timeout_s):
             raise gpu.BenchError(f"{mode} {kind}: a request did not finish within {args.timeout_s} s")
@@ -167,10 +168,12 @@ def main(argv: list[str] | None = None) -> Path:
         run_phase(loop, "early", "closed", 0.0, min(8, args.closed or 8), args, vocab, seed=1)  # warm-up
         for i, mode in enumerate(MODES):
             if args.closed:
-                phases.append(run_phase(loop, mode, "closed", 0.0, args.closed, args, vocab, seed=100 + i))
+                phases.append(
+                    run_phase(loop, mode, "closed", 0.0, args.closed, args, vocab, seed=100 + i // 2)
+                )
             for rate in rates:
                 count = max(1, round(rate * args.duration))
-                phases.append(run_phase(loop, mode, "open", rate, count, args, vocab, seed=200 + i))
+                phases.append(run_phase(loop, mode, "open", rate, count, args, vocab, seed=200 + i // 2))
             gpu.log(f"{mode} done ({i + 1}/{len(MODES)})")
     finally:
         loop.stop()

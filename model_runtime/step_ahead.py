@@ -6,6 +6,10 @@ one still runs on the GPU, so the host work around a step stops leaving the GPU 
         their last are held out); launch N+1, its pending input ids fed on the device from N's sampled ids
         wait for N's tokens (a copy to pinned memory, started at launch); resolve them; stop rules; N's outputs
 
+In a worker's EngineLoop, "schedule N+1" waits until shortly before N is expected to end, so that requests that
+arrived while N ran join N+1 (scheduler.late_launch, model_runtime.launch_clock); offline engines schedule it at
+once.
+
 A request that N's token finishes (a stop token) has one wasted row in N+1, whose token is dropped. In colocated
 and offline engines its blocks go back to the pool at once: only the compute stream writes KV there, so the next
 owner's writes come after N+1's. A decode worker's KV receiver writes landed blocks from its own streams, so
