@@ -88,7 +88,7 @@ from bench.dvc_budget import Budget  # noqa: E402
 from bench.dvc_cpu import CpuMeter, cpu_line  # noqa: E402
 from bench.dvc_deployments import Server, kv_delta, pair_delta  # noqa: E402
 from bench.dvc_names import deployment_config  # noqa: E402
-from bench.dvc_points import bench_point, handoff_line, point_record  # noqa: E402
+from bench.dvc_points import bench_point, drain_warning, handoff_line, point_record  # noqa: E402
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402
     SMOKE_WORKLOADS,
@@ -183,6 +183,9 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             else:
                 print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
                       f"met the SLOs{handoff_line(point)}{cpu_line(cores)}", file=sys.stderr)  # fmt: skip
+                cut = drain_warning(report, args.drain)
+                if cut:
+                    print(f"[{label}] rate {rate:g}/s: {cut}", file=sys.stderr)
         return min(shares)
 
     if closed:

@@ -1,5 +1,6 @@
 """bench/disagg_vs_colocated.py's points: one rate's run sent through `tandem bench` (bench_point), what the
-results file keeps of it (point_record), and its progress line's handoff part (handoff_line)."""
+results file keeps of it (point_record), its progress line's handoff part (handoff_line) and the warning when the
+drain cut requests short (drain_warning)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,18 @@ def handoff_line(point: dict) -> str:
     if kv["mean_s"] is None:
         return f"; phase means ms ({phases})"
     return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over} ({phases}){gap}"
+
+
+def drain_warning(report: BenchReport, drain_s: float) -> str:
+    """A warning line when requests were still running at the drain's end (cancelled: they count as SLO misses),
+    naming how long the slowest finished one took, so a run whose drain is shorter than its workload's outputs
+    need is not mistaken for an overloaded deployment; "" when none was cut."""
+    cancelled = report.counts.cancelled
+    if not cancelled:
+        return ""
+    finished = [r.e2e for r in report.requests if r.outcome == "succeeded" and r.e2e is not None]
+    slowest = f"; the slowest finished request took {max(finished):.1f} s" if finished else ""
+    return (
+        f"{cancelled} of {report.counts.sent} requests were still running {drain_s:g} s after the last one was sent "
+        f"and were cancelled (counted as SLO misses){slowest}: unless the deployment was overloaded, raise --drain"
+    )

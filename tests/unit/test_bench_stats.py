@@ -333,3 +333,31 @@ def test_plots_are_skipped_with_a_warning_without_matplotlib(tmp_path, monkeypat
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
         assert plot_goodput_vs_rate({"a": [(1.0, 1.0)]}, tmp_path / "g.png") is None
     assert not (tmp_path / "g.png").exists()
+
+
+def test_the_disagg_benchmark_warns_when_its_drain_cut_requests_short():
+    """bench/dvc_points.drain_warning: cancelled requests count as SLO misses; a run whose drain is shorter than
+    its outputs take must say so (run 32 read 36-87% cancellations as a capacity limit)."""
+    from bench.dvc_points import drain_warning
+
+    whole = build_report(
+        _settings(), "m", RunResult((_record(0, Outcome.SUCCEEDED), _record(1, Outcome.SUCCEEDED)), 2.0)
+    )
+    assert drain_warning(whole, 8.0) == ""
+    cut = build_report(
+        _settings(),
+        "m",
+        RunResult(
+            (
+                _record(0, Outcome.SUCCEEDED, tokens=5),
+                _record(1, Outcome.CANCELLED),
+                _record(2, Outcome.CANCELLED),
+            ),
+            2.0,
+        ),
+    )
+    line = drain_warning(cut, 8.0)
+    assert line.startswith("2 of 3 requests were still running 8 s after the last one was sent")
+    assert (
+        f"the slowest finished request took {cut.requests[0].e2e:.1f} s" in line and "raise --drain" in line
+    )
