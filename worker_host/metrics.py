@@ -58,6 +58,7 @@ class EngineGauges:
     requests_total: int
     cached_prompt_tokens: int
     steps_ahead: int
+    launch_misses: int  # launches the late-launch clock timed that found the GPU idle all the same
 
     @staticmethod
     def read(engine: Engine) -> EngineGauges:
@@ -69,6 +70,7 @@ class EngineGauges:
             requests_total=engine.requests_total,
             cached_prompt_tokens=engine.scheduler.cached_tokens_total,
             steps_ahead=engine.steps_ahead,
+            launch_misses=engine.launch_clock_stats()[1],
         )
 
 
@@ -166,6 +168,12 @@ class WorkerCollector(Collector):
             "tandem_engine_launch_wait_seconds_total",
             "Time the engine loop spent holding steps back (scheduler.late_launch), running calls meanwhile",
             self._loop.launch_wait_seconds,
+        )
+        yield self._counter(
+            "tandem_engine_launch_misses_total",
+            "Steps held back (scheduler.late_launch) whose launch still found the GPU idle: the clock's estimate "
+            "was too long, and the GPU waited for the host (each miss widens its margin a little)",
+            g.launch_misses,
         )
         builds = kernel_builds.counts()
         compiled = CounterMetricFamily(

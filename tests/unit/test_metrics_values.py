@@ -171,6 +171,7 @@ def test_a_worker_counts_the_steps_it_scheduled_ahead(tmp_path: Path, ahead: boo
         # On a CPU a step runs at its launch: nothing to hold back (scheduler.late_launch), and it says so.
         assert value(w.metrics.registry, "tandem_engine_launch_waits_total") == w.loop.launch_waits == 0
         assert value(w.metrics.registry, "tandem_engine_launch_wait_seconds_total") == 0
+        assert value(w.metrics.registry, "tandem_engine_launch_misses_total") == 0
         # Ahead, each of the 3 decode steps is launched while the step before it runs (nothing is launched
         # behind the last, whose pending token is the request's last). Synchronous: none.
         assert counted == (3 if ahead else 0)
