@@ -172,8 +172,8 @@ class SchedulerConfig:
     # (model_runtime.waiting): interactive traffic delays batch by at most about this, never forever.
     batch_max_wait_s: float = 30.0
     # Schedule and launch step N+1 before step N's tokens reach the host, so the host work of a step (its
-    # scheduling, its outputs) runs while the GPU computes (model_runtime.step_ahead). Colocated and offline
-    # engines only: prefill workers, decode workers and tensor-parallel engines refuse it.
+    # scheduling, its outputs) runs while the GPU computes (model_runtime.step_ahead). Colocated, decode and
+    # offline engines (a decode worker's with kv_receiver): prefill workers and tensor-parallel engines refuse it.
     async_scheduling: bool = False
     # With async_scheduling, in a worker's engine loop: schedule the next decode step shortly before the running
     # one ends rather than as soon as it starts, so that requests arriving meanwhile join it, one step sooner

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,18 +24,17 @@ import torch
 from model_runtime.block_pool import BlockPool
 from model_runtime.config import EngineConfig
 from model_runtime.detokenizer import IncrementalDetokenizer
-from model_runtime.launch_clock import LaunchClock
 from model_runtime.layer_stream import LayerListener, LayerStreams
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.parallel.group import TPGroup
-from model_runtime.request import Priority, Request, RequestStatus, SamplingParams, SchedulerOutput
+from model_runtime.request import Priority, Request, RequestStatus, SamplingParams
 from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.runner_setup import build_runner
 from model_runtime.sampler import Sampler, SamplerOutput, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
-from model_runtime.step_ahead import InFlight, SampledIds
-from model_runtime.step_record import FirstToken, StepRecord
+from model_runtime.step_ahead import AheadStepper
+from model_runtime.step_record import StepRecord, first_tokens
 from model_runtime.tokenizer import Tokenizer
 from model_runtime.weights import load_model_config, resolve_model
 
@@ -103,24 +102,24 @@ class Engine:
         self._layer_streams = LayerStreams(self.pool, mc.num_layers, self.runner.kv_cache.device)
         self.requests_total = 0  # requests accepted (add_request / add_prefilled) since start
         self.last_step: StepRecord | None = None  # the last step(), None when it found nothing runnable
-        # scheduler.async_scheduling: the step launched and not yet waited for (model_runtime.step_ahead)
-        self._ahead = config.scheduler.async_scheduling
-        if self._ahead and (prefill_only or self.tensor_parallel is not None):
-            raise ValueError(
-                "scheduler.async_scheduling: colocated and offline engines only; a prefill worker ships its "
-                "blocks after one token and tensor-parallel ranks replay the lead's host inputs"
+        # scheduler.async_scheduling: steps scheduled and launched ahead (model_runtime.step_ahead)
+        self._ahead: AheadStepper | None = None
+        if config.scheduler.async_scheduling:
+            if prefill_only or self.tensor_parallel is not None:
+                raise ValueError(
+                    "scheduler.async_scheduling: colocated and offline engines only; a prefill worker ships its "
+                    "blocks after one token and tensor-parallel ranks replay the lead's host inputs"
+                )
+            self._ahead = AheadStepper(
+                self.scheduler,
+                self.runner,
+                self.pool,
+                self._run_sampler,
+                lambda request, token, lp: self._emit(request, token, lp, pending=True),
+                config.scheduler.max_num_seqs,
+                fence_frees=kv_receiver,
+                late_launch=config.scheduler.late_launch,
             )
-        self._flight: InFlight | None = None
-        self._fence_frees = self._ahead and kv_receiver
-        self._launches = 0  # steps launched ahead-style; InFlight.seq
-        self._waited = 0  # the last launch whose device work is known done (its tokens were waited for)
-        self._on_cuda = torch.device(self.device).type == "cuda"
-        self._sampled_ids = SampledIds(config.scheduler.max_num_seqs, self.runner.kv_cache.device)
-        self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
-        # When a serving loop should schedule the next step (launch_at); None: at once, the step-ahead default
-        self._clock = (
-            LaunchClock() if self._ahead and self._on_cuda and config.scheduler.late_launch else None
-        )
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, steps %s",
             mc.name,
@@ -129,7 +128,7 @@ class Engine:
             num_blocks,
             config.cache.block_size,
             self.max_model_len,
-            "scheduled ahead" if self._ahead else "synchronous",
+            "scheduled ahead" if self._ahead is not None else "synchronous",
         )
 
     # --- requests --------------------------------------------------------------------------------------
@@ -196,7 +195,7 @@ class Engine:
         already ends the request (its blocks are freed), else None: later tokens come from step().
         `output_offset`: the output index prefill sampled `first_token` at (see Request.output_offset);
         `priority`: its class among the requests waiting for a sequence slot."""
-        if self._ahead and not self._fence_frees:  # the receiver's writes need the fence (step_ahead)
+        if self._ahead is not None and not self._ahead.fence_frees:  # the receiver's writes need the fence
             raise InvalidRequest(
                 "add_prefilled: with scheduler.async_scheduling, a decode worker's engine must be built with "
                 "kv_receiver=True"
@@ -247,7 +246,7 @@ class Engine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._flight is not None
+        return self.scheduler.has_unfinished() or (self._ahead is not None and self._ahead.flight is not None)
 
     def release_blocks(self, block_ids: tuple[int, ...] | list[int]) -> None:
         """prefill_only: give back the blocks of a request whose KV has been shipped (or abandoned)."""
@@ -259,9 +258,15 @@ class Engine:
         """False when the last step() found nothing runnable (callers may back off)."""
         return self.last_step is not None
 
+    @property
+    def steps_ahead(self) -> int:
+        """Steps scheduled and launched while the step before them ran (0 for a synchronous engine)."""
+        return self._ahead.steps_ahead if self._ahead is not None else 0
+
     def step(self) -> list[StepOutput]:
-        if self._ahead:
-            return self._step_ahead()
+        if self._ahead is not None:
+            results, self.last_step = self._ahead.step()
+            return results
         started = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -286,111 +291,18 @@ class Engine:
     def set_late_launch(self, on: bool) -> bool:
         """Turn scheduler.late_launch on or off between steps (a benchmark's A/B on one engine); True when the
         engine can launch late at all (steps scheduled ahead, on a GPU). The clock starts without timings."""
-        able = self._ahead and self._on_cuda
-        self._clock = LaunchClock() if on and able else None
-        return able
+        return self._ahead is not None and self._ahead.set_late_launch(on)
 
     def launch_clock_stats(self) -> tuple[int, int]:
         """(held, misses) of the launch clock: launches it timed for the serving loop, and those that found the
         GPU idle all the same (0, 0 without a clock)."""
-        return (self._clock.held, self._clock.misses) if self._clock is not None else (0, 0)
+        clock = self._ahead.clock if self._ahead is not None else None
+        return (clock.held, clock.misses) if clock is not None else (0, 0)
 
     def launch_at(self) -> float | None:
         """time.perf_counter() at which a serving loop should call step() to launch the next step just before
         the one in flight ends (scheduler.late_launch, model_runtime.launch_clock); None: call it now."""
-        if self._clock is None or self._flight is None:
-            return None
-        return self._clock.launch_at()
-
-    def _step_ahead(self) -> list[StepOutput]:
-        """One step's outputs, with the next step launched before this one's tokens are waited for."""
-        started = time.perf_counter()
-        flight, self._flight = self._flight, None
-        if flight is None:
-            flight = self._launch(self.scheduler.schedule(), None)
-            if flight is None:
-                self.last_step = None
-                return []
-        self.scheduler.advance(flight.out)
-        hold = []
-        for chunk in flight.sampled:
-            request = chunk.request
-            if request.is_finished:  # aborted while it ran
-                continue
-            self.scheduler.append_pending(request)
-            if request.num_tokens >= self.scheduler.token_cap(request):
-                hold.append(request.request_id)  # its pending token is its last: it finishes by length
-        self._flight = self._launch(self.scheduler.schedule(frozenset(hold)), flight)
-        launched = time.perf_counter()
-        if self._flight is not None:
-            self.steps_ahead += 1
-        idle = self._clock is not None and flight.finished_on_device()  # the next launch found the GPU idle
-        tokens, logprobs = flight.tokens()
-        if self._clock is not None:
-            self._time_launch(flight, launched - started, launched if idle else time.perf_counter(), idle)
-        if self._fence_frees:
-            self._fence_passed(flight)
-        results = []
-        for chunk, token, lp in zip(flight.sampled, tokens, logprobs):
-            if chunk.request.is_finished:  # aborted while it ran
-                continue
-            results.append(self._emit(chunk.request, token, lp, pending=True))
-        if self._fence_frees and self._flight is None:
-            self._drop_fence()
-        firsts = first_tokens(c.request for c in flight.sampled) if flight.planned.num_prefill else ()
-        self.last_step = replace(
-            flight.planned, duration_s=time.perf_counter() - started, first_tokens=firsts
-        )
-        return results
-
-    def _time_launch(self, done: InFlight, host_s: float, next_start: float, idle: bool) -> None:
-        """`done`'s tokens are on the host: its GPU time goes to the clock. The step launched after it began on
-        the GPU at `next_start`: when `done` ended (its tokens' arrival), or at its own launch if `done` had
-        already ended by then (`idle`: the GPU waited for the host)."""
-        assert self._clock is not None
-        self._clock.done(done.gpu_seconds())
-        if self._flight is not None:
-            self._clock.launched(host_s)
-            planned = self._flight.planned
-            self._clock.running(next_start, planned.batch_size, planned.num_prefill == 0, idle)
-
-    def _launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight | None:
-        """Queue `out`'s forward and sampler on the device and the sampled ids' copy to the host; `previous`:
-        the step whose pending tokens `out` reads on the device."""
-        if out.is_empty:
-            return None
-        self._launches += 1
-        if self._fence_frees:  # from here on, a freed block may still be in this step's hands
-            self.pool.fence = self._launches
-        planned = StepRecord.planned(out)
-        feed = previous.feed_for(out) if previous is not None else None
-        began = None
-        if self._clock is not None and self._on_cuda:  # the step's GPU time, for the launch clock
-            began = torch.cuda.Event(enable_timing=True)
-            began.record()
-        logits = self.runner.execute(out, feed=feed)
-        sampled = [c for c in out.chunks if c.sample]
-        if not sampled:
-            return InFlight(out, sampled, None, None, planned, self._launches)
-        result = self._run_sampler(logits, [c.request for c in sampled])
-        host = self._sampled_ids.start(result, timed=began is not None)
-        return InFlight(out, sampled, result, host, planned, self._launches, began)
-
-    def _fence_passed(self, flight: InFlight) -> None:
-        """`flight`'s tokens are on the host: it and every step launched before it are done on the device (one
-        stream), so the blocks freed while they could run are free now. A step that sampled nothing was not
-        waited for (on a GPU); its blocks wait for a later step's tokens, or _drop_fence."""
-        if flight.result is not None or not self._on_cuda:
-            self._waited = flight.seq
-            self.pool.release_fenced(flight.seq)
-
-    def _drop_fence(self) -> None:
-        """Nothing is in flight: free every fenced block (after the device, if a step was not waited for)."""
-        if self._waited < self._launches and self._on_cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        self._waited = self._launches
-        self.pool.fence = None
-        self.pool.release_fenced()
+        return self._ahead.launch_at() if self._ahead is not None else None
 
     def _run_sampler(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits."""
@@ -470,14 +382,3 @@ class Engine:
 def _check_offset(output_offset: int) -> None:
     if not isinstance(output_offset, int) or isinstance(output_offset, bool) or output_offset < 0:
         raise InvalidRequest(f"output_offset: must be an integer >= 0, got {output_offset!r}")
-
-
-def first_tokens(requests: Iterable[Request]) -> tuple[FirstToken, ...]:
-    """The phases of each request whose first output token was just sampled here (its prompt computed by this
-    engine: scheduled_time is set only when the scheduler admitted it from the waiting queue)."""
-    now = time.monotonic()
-    return tuple(
-        FirstToken(r.scheduled_time - r.arrival_time, now - r.scheduled_time, r.num_cached_tokens)
-        for r in requests
-        if r.scheduled_time is not None and r.num_output_tokens == 1
-    )

@@ -23,13 +23,23 @@ rows may draw differently from a synchronous engine, since N+1 may carry rows th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from model_runtime.request import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
+from model_runtime.launch_clock import LaunchClock
+from model_runtime.request import PENDING_TOKEN, Request, ScheduledChunk, SchedulerOutput
 from model_runtime.sampler import LogprobsTensors, SamplerOutput, TokenLogprobs
-from model_runtime.step_record import StepRecord
+from model_runtime.step_record import StepRecord, first_tokens
+
+if TYPE_CHECKING:
+    from model_runtime.block_pool import BlockPool
+    from model_runtime.engine import StepOutput
+    from model_runtime.model_runner import ModelRunner
+    from model_runtime.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -144,3 +154,134 @@ class InFlight:
         host = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=ids.is_cuda)
         pairs = host.to(ids.device, non_blocking=True)
         return TokenFeed(pairs[0], ids.index_select(0, pairs[1]))
+
+
+class AheadStepper:
+    """Engine.step() for an engine that schedules ahead (the module docstring): it owns the step in flight, the
+    launch count that tags fenced blocks, the host copies of sampled ids and the launch clock. The engine hands
+    it its scheduler, runner and pool, and how to sample rows and emit a request's token."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        pool: BlockPool,
+        sample: Callable[[torch.Tensor, list[Request]], SamplerOutput],
+        emit: Callable[[Request, int, TokenLogprobs | None], StepOutput],
+        max_num_seqs: int,
+        fence_frees: bool,
+        late_launch: bool,
+    ) -> None:
+        self._scheduler, self._runner, self._pool = scheduler, runner, pool
+        self._sample, self._emit = sample, emit
+        self.fence_frees = (
+            fence_frees  # a decode worker's engine: blocks freed while a step may run are fenced
+        )
+        self.flight: InFlight | None = None  # the step launched and not yet waited for
+        self._launches = 0  # steps launched; InFlight.seq
+        self._waited = 0  # the last launch whose device work is known done (its tokens were waited for)
+        device = runner.kv_cache.device
+        self._on_cuda = device.type == "cuda"
+        self._sampled_ids = SampledIds(max_num_seqs, device)
+        self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
+        # When a serving loop should schedule the next step (launch_at); None: at once
+        self.clock: LaunchClock | None = None
+        self.set_late_launch(late_launch)
+
+    def set_late_launch(self, on: bool) -> bool:
+        """Turn scheduler.late_launch on or off between steps; True when it can be on here (a GPU). The clock
+        starts without timings."""
+        self.clock = LaunchClock() if on and self._on_cuda else None
+        return self._on_cuda
+
+    def launch_at(self) -> float | None:
+        if self.clock is None or self.flight is None:
+            return None
+        return self.clock.launch_at()
+
+    def step(self) -> tuple[list[StepOutput], StepRecord | None]:
+        """One step's outputs and record (None when nothing ran), with the next step launched before this one's
+        tokens are waited for."""
+        started = time.perf_counter()
+        flight, self.flight = self.flight, None
+        if flight is None:
+            flight = self._launch(self._scheduler.schedule(), None)
+            if flight is None:
+                return [], None
+        self._scheduler.advance(flight.out)
+        hold = []
+        for chunk in flight.sampled:
+            request = chunk.request
+            if request.is_finished:  # aborted while it ran
+                continue
+            self._scheduler.append_pending(request)
+            if request.num_tokens >= self._scheduler.token_cap(request):
+                hold.append(request.request_id)  # its pending token is its last: it finishes by length
+        self.flight = self._launch(self._scheduler.schedule(frozenset(hold)), flight)
+        launched = time.perf_counter()
+        if self.flight is not None:
+            self.steps_ahead += 1
+        idle = self.clock is not None and flight.finished_on_device()  # the next launch found the GPU idle
+        tokens, logprobs = flight.tokens()
+        if self.clock is not None:
+            self._time_launch(flight, launched - started, launched if idle else time.perf_counter(), idle)
+        if self.fence_frees:
+            self._fence_passed(flight)
+        results = []
+        for chunk, token, lp in zip(flight.sampled, tokens, logprobs):
+            if chunk.request.is_finished:  # aborted while it ran
+                continue
+            results.append(self._emit(chunk.request, token, lp))
+        if self.fence_frees and self.flight is None:
+            self._drop_fence()
+        firsts = first_tokens(c.request for c in flight.sampled) if flight.planned.num_prefill else ()
+        return results, replace(flight.planned, duration_s=time.perf_counter() - started, first_tokens=firsts)
+
+    def _time_launch(self, done: InFlight, host_s: float, next_start: float, idle: bool) -> None:
+        """`done`'s tokens are on the host: its GPU time goes to the clock. The step launched after it began on
+        the GPU at `next_start`: when `done` ended (its tokens' arrival), or at its own launch if `done` had
+        already ended by then (`idle`: the GPU waited for the host)."""
+        assert self.clock is not None
+        self.clock.done(done.gpu_seconds())
+        if self.flight is not None:
+            self.clock.launched(host_s)
+            planned = self.flight.planned
+            self.clock.running(next_start, planned.batch_size, planned.num_prefill == 0, idle)
+
+    def _launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight | None:
+        """Queue `out`'s forward and sampler on the device and the sampled ids' copy to the host; `previous`:
+        the step whose pending tokens `out` reads on the device."""
+        if out.is_empty:
+            return None
+        self._launches += 1
+        if self.fence_frees:  # from here on, a freed block may still be in this step's hands
+            self._pool.fence = self._launches
+        planned = StepRecord.planned(out)
+        feed = previous.feed_for(out) if previous is not None else None
+        began = None
+        if self.clock is not None and self._on_cuda:  # the step's GPU time, for the launch clock
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
+        logits = self._runner.execute(out, feed=feed)
+        sampled = [c for c in out.chunks if c.sample]
+        if not sampled:
+            return InFlight(out, sampled, None, None, planned, self._launches)
+        result = self._sample(logits, [c.request for c in sampled])
+        host = self._sampled_ids.start(result, timed=began is not None)
+        return InFlight(out, sampled, result, host, planned, self._launches, began)
+
+    def _fence_passed(self, flight: InFlight) -> None:
+        """`flight`'s tokens are on the host: it and every step launched before it are done on the device (one
+        stream), so the blocks freed while they could run are free now. A step that sampled nothing was not
+        waited for (on a GPU); its blocks wait for a later step's tokens, or _drop_fence."""
+        if flight.result is not None or not self._on_cuda:
+            self._waited = flight.seq
+            self._pool.release_fenced(flight.seq)
+
+    def _drop_fence(self) -> None:
+        """Nothing is in flight: free every fenced block (after the device, if a step was not waited for)."""
+        if self._waited < self._launches and self._on_cuda:
+            torch.cuda.current_stream(self._runner.kv_cache.device).synchronize()
+        self._waited = self._launches
+        self._pool.fence = None
+        self._pool.release_fenced()

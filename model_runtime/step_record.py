@@ -6,9 +6,11 @@ its step listeners on the loop thread, before the step's outputs reach their sub
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from model_runtime.request import SchedulerOutput
+from model_runtime.request import Request, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,14 @@ class StepRecord:
             num_decode=decodes,
             num_preempted=len(out.preempted),
         )
+
+
+def first_tokens(requests: Iterable[Request]) -> tuple[FirstToken, ...]:
+    """The phases of each request whose first output token was just sampled here (its prompt computed by this
+    engine: scheduled_time is set only when the scheduler admitted it from the waiting queue)."""
+    now = time.monotonic()
+    return tuple(
+        FirstToken(r.scheduled_time - r.arrival_time, now - r.scheduled_time, r.num_cached_tokens)
+        for r in requests
+        if r.scheduled_time is not None and r.num_output_tokens == 1
+    )

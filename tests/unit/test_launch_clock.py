@@ -118,10 +118,12 @@ def test_the_loop_runs_calls_while_it_holds_a_launch_back(tmp_path: Path) -> Non
             device=DeviceConfig(device="cpu"),
         )
     )
-    assert engine._clock is None  # on a CPU the step runs at its launch: no clock
+    assert (
+        engine._ahead is not None and engine._ahead.clock is None
+    )  # on a CPU a step runs at its launch: no clock
     clock = _SteadyClock(margin_s=0.0)
     clock._gpu_s = {1: 0.4}
-    engine._clock = clock
+    engine._ahead.clock = clock
     loop = EngineLoop(engine, idle_wait_s=0.01)
     loop.start()
     try:
