@@ -12,17 +12,16 @@ shape) and times every step on its own:
     python3 bench/diag/long_steps.py --smoke                          # the CPU check: tiny model, seconds
 
 Prints the `--top` longest steps with the step index, kind (prefill or decode, from the step's record), batch,
-wall time, the garbage collections that ran inside the step (ms and generations), the Triton kernels compiled
-(new entries in Triton's cache directory) and the caching allocator's retries and device allocations; then the
-median decode step. Writes every step's row to --out (default bench/results/long_steps_<gpu>.json; --smoke: the
-temp dir).
+wall time, the garbage collections that ran inside the step (ms and generations), the Triton kernels built
+(model_runtime.kernel_builds: compiled, or loaded from Triton's disk cache) and the caching allocator's retries
+and device allocations; then the median decode step and every kernel built during the run. Writes every step's
+row to --out (default bench/results/long_steps_<gpu>.json; --smoke: the temp dir).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -55,8 +54,8 @@ class StepRow:
     wall_ms: float
     gc_ms: float  # collections that ran inside the step
     gc_generations: tuple[int, ...]
-    triton_compiled: int  # new entries in Triton's cache directory
-    kernels: tuple[str, ...]  # the kernels compiled into them
+    triton_compiled: int  # Triton kernel variants compiled (or loaded from its disk cache) during the step
+    kernels: tuple[str, ...]  # their names (model_runtime.kernel_builds)
     alloc_retries: int  # the caching allocator freed its cache and retried a cudaMalloc
     device_allocs: int  # cudaMalloc calls
 
@@ -87,30 +86,6 @@ class GcClock:
         return sum(s for s, _ in inside) * 1e3, tuple(g for _, g in inside)
 
 
-def triton_cache() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-
-
-def triton_cache_entries() -> set[str]:
-    """Entries in Triton's on-disk kernel cache: one more for each kernel it compiles (none without the
-    directory)."""
-    try:
-        return {e.name for e in os.scandir(triton_cache())}
-    except OSError:
-        return set()
-
-
-def kernel_names(entries: set[str]) -> list[str]:
-    """The kernels compiled into these cache entries (each holds <kernel>.json beside its binaries)."""
-    names = []
-    for entry in sorted(entries):
-        try:
-            names += [f.stem for f in (triton_cache() / entry).glob("*.json") if not f.name.startswith("__")]
-        except OSError:
-            continue
-    return names
-
-
 def allocator_counts(cuda: bool) -> tuple[int, int]:
     if not cuda:
         return 0, 0
@@ -121,6 +96,7 @@ def allocator_counts(cuda: bool) -> tuple[int, int]:
 def run(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, cuda: bool) -> list[StepRow]:
     """offline_drive.drive's load (at most `limit` requests in the engine, topped up as they finish), each step
     timed alone."""
+    kernel_builds.watch()  # each kernel built in a step, named with Triton's specialization of it
     sampling = SamplingParams(temperature=0, max_tokens=shape.output_len, ignore_eos=True)
     pending, in_flight = deque(enumerate(prompts)), 0
     rows: list[StepRow] = []
@@ -130,7 +106,7 @@ def run(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, cuda
                 i, prompt = pending.popleft()
                 engine.add_request(f"r-{i}", prompt, sampling)
                 in_flight += 1
-            compiled, (retries, allocs) = triton_cache_entries(), allocator_counts(cuda)
+            builds, (retries, allocs) = kernel_builds.counts(), allocator_counts(cuda)
             t0 = time.perf_counter()
             outputs = engine.step()
             wall = time.perf_counter() - t0
@@ -140,22 +116,23 @@ def run(engine: Engine, shape: Shape, prompts: list[list[int]], limit: int, cuda
                 continue
             gc_ms, generations = clock.since(t0)
             retries_after, allocs_after = allocator_counts(cuda)
-            new = triton_cache_entries() - compiled
+            compiled, entries = built_since(builds)
             rows.append(
                 StepRow(
                     len(rows), "prefill" if record.num_prefill else "decode", record.batch_size, wall * 1e3,
-                    gc_ms, generations, len(new), tuple(kernel_names(new)) if new else (),
+                    gc_ms, generations, compiled, tuple(e.split(" (", 1)[0] for e in entries),
                     retries_after - retries, allocs_after - allocs,
                 )
             )  # fmt: skip
     return rows
 
 
-def built_since(before: kernel_builds.KernelBuilds) -> list[str]:
-    """The builds after `before` (the last kernel_builds.MAX_NAMES of them), each with its specialization."""
+def built_since(before: kernel_builds.KernelBuilds) -> tuple[int, list[str]]:
+    """How many kernels were built after `before`, and the last kernel_builds.MAX_NAMES of them, each with its
+    specialization."""
     now = kernel_builds.counts()
     new = now.startup + now.after_start - before.startup - before.after_start
-    return list(now.recent[len(now.recent) - min(new, len(now.recent)) :])
+    return new, list(now.recent[len(now.recent) - min(new, len(now.recent)) :])
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -179,7 +156,6 @@ def main(argv: list[str] | None = None) -> Path:
     )
     args = p.parse_args(argv)
     where = gpu.RunDevice.for_mode(args.smoke)
-    kernel_builds.watch()  # names each kernel built during the run with Triton's specialization of it
     model = gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b"
     [(shape, n)] = parse_shapes(args.shape or ("16/8" if args.smoke else "128/128"), str(args.num_prompts or (6 if args.smoke else 1000)))  # fmt: skip
     variant = VARIANTS[args.variant]
@@ -201,7 +177,7 @@ def main(argv: list[str] | None = None) -> Path:
     rows = run(engine, shape, prompts, limit, where.device.startswith("cuda"))
     gpu.synchronize(where.device)
     wall = time.perf_counter() - t0
-    built = built_since(before)
+    _, built = built_since(before)
     decode = [r.wall_ms for r in rows if r.kind == "decode"]
     median = statistics.median(decode) if decode else 0.0
     print(f"{args.variant} {shape.key}: {n} prompts, {limit} at once, {len(rows)} steps in {wall:.2f} s")
