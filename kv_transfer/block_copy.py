@@ -194,7 +194,7 @@ def copy_blocks(
         return
     compiled = _COMPILED[0][(grid,)](*args, STEP=step, ROWS=tile_rows)
     if variant is _UNSEEN:
-        _RAW[key] = RawVariant.of(compiled, args)
+        _RAW[key] = RawVariant.of(compiled, len(args))
 
 
 _UNSEEN = object()
@@ -229,25 +229,19 @@ class RawVariant:
     nulls: int  # trailing pointer parameters (Triton's global and profile scratch), 0 when unused
 
     @staticmethod
-    def of(compiled: Any, args: tuple) -> RawVariant | None:
-        """From the CompiledKernel a Triton launch returned, or None when its parameters cannot be laid out
-        with certainty (then Triton's launcher keeps the variant)."""
+    def of(compiled: Any, num_args: int) -> RawVariant | None:
+        """From the CompiledKernel a Triton launch of `num_args` arguments returned, or None when its parameters
+        cannot be laid out with certainty (then Triton's launcher keeps the variant)."""
         try:
-            return RawVariant._of(compiled, args)
+            layout = param_layout(compiled, num_args)
+            function = int(compiled.function or 0) if layout is not None else 0
+            if layout is None or not function:
+                return None
+            meta = compiled.metadata
+            return RawVariant(function, 32 * int(meta.num_warps), int(meta.shared), *layout)
         except Exception as exc:  # an unexpected Triton: launching through it is always right
             log.info("copy_blocks: variant stays on Triton's launcher (%s: %s)", type(exc).__name__, exc)
             return None
-
-    @staticmethod
-    def _of(compiled: Any, args: tuple) -> RawVariant | None:
-        layout = param_layout(compiled, args)
-        if layout is None:
-            return None
-        function = int(compiled.function or 0)
-        if not function:
-            return None
-        meta = compiled.metadata
-        return RawVariant(function, 32 * int(meta.num_warps), int(meta.shared), *layout)
 
     def params(self, args: tuple) -> Any:
         """The kernelParams array for these arguments (same variant key as the ones it was built from)."""
@@ -258,10 +252,12 @@ class RawVariant:
         return array
 
 
-def param_layout(compiled: Any, args: tuple) -> tuple[tuple[tuple[int, Any], ...], int] | None:
-    """(passed, nulls) of a CompiledKernel launched with `args`: the arguments its parameters take, in order,
-    with their C types, then how many null pointers follow; None when the compiled parameters (its PTX entry)
-    do not match that layout exactly, or the variant needs what only Triton's launcher provides."""
+def param_layout(compiled: Any, num_args: int) -> tuple[tuple[tuple[int, Any], ...], int] | None:
+    """(passed, nulls) of a CompiledKernel launched with `num_args` arguments: which of them its parameters take
+    (those its specialization did not fold into the code), in order, with their C types, then how many null
+    pointers follow; None when the compiled parameters (its PTX entry) do not match that layout exactly, or the
+    variant needs what only Triton's launcher provides. The layout is the compiled variant's: the arguments'
+    values chose the variant (_variant_key), not the layout."""
     meta = compiled.metadata
     unusual = [
         name
@@ -276,11 +272,11 @@ def param_layout(compiled: Any, args: tuple) -> tuple[tuple[tuple[int, Any], ...
     if getattr(meta, "num_ctas", 1) != 1:
         unusual.append("num_ctas")
     signature = list(compiled.src.signature.values())
-    if unusual or len(signature) < len(args):
+    if unusual or len(signature) < num_args:
         log.info("copy_blocks: variant stays on Triton's launcher (%s)", unusual or "signature")
         return None
     passed: list[tuple[int, Any]] = []
-    for i, kind in enumerate(signature[: len(args)]):
+    for i, kind in enumerate(signature[:num_args]):
         if kind == "constexpr":
             continue
         ctype = ctypes.c_uint64 if kind.startswith("*") else _C_TYPES.get(kind)

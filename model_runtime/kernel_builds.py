@@ -49,7 +49,7 @@ class _Watch:
         self.names: deque[str] = deque(maxlen=MAX_NAMES)
         self.began = threading.local()  # the build this thread is in: its start time
 
-    def before(self, fn: Any) -> None:
+    def before(self) -> None:
         self.began.at = time.perf_counter()
 
     def after(self, fn: Any, detail: str) -> None:
@@ -98,7 +98,7 @@ def watch() -> bool:
 
 def _chain_before(previous: Any) -> Any:
     def hook(**kwargs: Any) -> Any:
-        _WATCH.before(kwargs.get("fn"))
+        _WATCH.before()
         # The pre-build hook's truthy result tells Triton to skip the build: only the previous hook decides.
         return previous(**kwargs) if previous is not None else None
 

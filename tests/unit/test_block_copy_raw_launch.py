@@ -72,7 +72,7 @@ def _args(rows: int, row_len: int, big_stride: bool = False, ids_offset: int = 0
 )
 def test_the_layout_is_the_compiled_kernel_s_parameters_in_order_with_null_scratch(args) -> None:
     compiled = _compile(args, 2048, 1)
-    layout = param_layout(compiled, args)
+    layout = param_layout(compiled, len(args))
     assert layout is not None
     passed, nulls = layout
     # Every argument Triton did not fold into the code (a 1 becomes a constant), in order, with its type.
@@ -108,15 +108,15 @@ def test_a_compiled_kernel_unlike_what_the_layout_expects_stays_on_triton_s_laun
     allocate (the launcher passes it; null would be wrong)."""
     args = _args(16, 128)
     compiled = _compile(args, 2048, 1)
-    assert param_layout(compiled, args) is not None
+    assert param_layout(compiled, len(args)) is not None
     ptx = compiled.asm["ptx"]
     first_int = re.search(r"\t\.param \.u32 \w+,\n", ptx)
     assert first_int is not None
     compiled.asm = {**compiled.asm, "ptx": ptx.replace(first_int.group(0), "", 1)}
-    assert param_layout(compiled, args) is None
+    assert param_layout(compiled, len(args)) is None
     compiled.asm = {**compiled.asm, "ptx": ptx}
     compiled.metadata = compiled.metadata._replace(global_scratch_size=256)
-    assert param_layout(compiled, args) is None
+    assert param_layout(compiled, len(args)) is None
 
 
 def test_the_variant_key_splits_whatever_triton_s_specialization_splits() -> None:

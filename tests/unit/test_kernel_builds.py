@@ -23,7 +23,7 @@ from model_runtime.quantization.group_gemm import _group_mm_kernel
 
 def _build(watch: kernel_builds._Watch, name: str) -> None:
     fn = SimpleNamespace(name=name, module="m")
-    watch.before(fn)
+    watch.before()
     watch.after(fn, f"{name}[num_warps=4](M: i32)")
 
 
