@@ -78,7 +78,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ from bench.dvc_budget import Budget  # noqa: E402
 from bench.dvc_cpu import CpuMeter, cpu_line  # noqa: E402
 from bench.dvc_deployments import Server, kv_delta, pair_delta  # noqa: E402
 from bench.dvc_names import deployment_config  # noqa: E402
-from bench.dvc_points import bench_point, drain_warning, handoff_line, point_record  # noqa: E402
+from bench.dvc_points import bench_point, drain_warning, handoff_line, point_record, steps_line  # noqa: E402
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402
     SMOKE_WORKLOADS,
@@ -139,6 +139,8 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
     --refine STEP, then rates STEP apart between the highest rate met and the first one missed. A closed-loop
     workload (batch) runs --repeats times at its concurrency instead."""
     workload = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)[name]
+    if workload.concurrency and args.batch_concurrency:
+        workload = replace(workload, concurrency=args.batch_concurrency)
     rates = args.rates.get(name) or args.rates.get("*") or workload.rates
     label = f"{deployment}/{name}"
     closed = workload.concurrency > 0
@@ -179,7 +181,8 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             shares.append(report.goodput.share if report.goodput else 0.0)
             if closed:
                 print(f"[{label}] closed loop, {workload.concurrency} in flight, run {repeat + 1}/{args.repeats}: "
-                      f"{report.output_token_throughput:,.0f} output tokens/s", file=sys.stderr)  # fmt: skip
+                      f"{report.output_token_throughput:,.0f} output tokens/s{steps_line(point)}",
+                      file=sys.stderr)  # fmt: skip
             else:
                 print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
                       f"met the SLOs{handoff_line(point)}{cpu_line(cores)}", file=sys.stderr)  # fmt: skip
@@ -308,6 +311,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds of a closed-loop run (the batch workload; default --duration), so that one call can run "
         "the batch case for a minute and the rate sweeps at short points",
     )
+    p.add_argument(
+        "--batch-concurrency",
+        type=int,
+        help="requests in flight in the closed-loop batch workload instead of its 200 (e.g. 50: one GPU's share "
+        "of the 4-GPU node the issue describes)",
+    )
     p.add_argument("--drain", type=float, help="seconds to wait after sending (default 30; smoke 10)")
     p.add_argument("--min-requests", type=int, help="requests per point at least (default 20; smoke 4)")
     p.add_argument("--slo", type=parse_slo, help="default ttft=1,tpot=0.05 (smoke: ttft=5,tpot=0.5)")
@@ -387,6 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--refine: must be >= 0 req/s, got {args.refine}")
     if args.batch_duration is not None and args.batch_duration <= 0:
         p.error(f"--batch-duration: must be > 0 s, got {args.batch_duration}")
+    if args.batch_concurrency is not None and args.batch_concurrency < 1:
+        p.error(f"--batch-concurrency: must be >= 1, got {args.batch_concurrency}")
     if args.warm_up_s < 0:
         p.error(f"--warm-up-s: must be >= 0, got {args.warm_up_s}")
     try:

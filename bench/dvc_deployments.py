@@ -32,6 +32,11 @@ PHASE_FAMILIES = ("tandem_kv_transfer_phase_seconds_", "tandem_first_token_phase
 GIL_FAMILY = "tandem_worker_gil_wait_seconds_"
 # Steps held back for arrivals (scheduler.late_launch) and the time held: "decode.launch_wait" (mean per step).
 LAUNCH_WAIT = {"tandem_engine_launch_wait_seconds_total": "sum", "tandem_engine_launch_waits_total": "count"}
+# Each worker's engine steps: "colocated.step" (mean wall time of a step, s), and the sums behind a point's steps
+# per second, sequences per step and prompt tokens computed ("colocated.steps", ".batch_seqs", ".prefill_tokens").
+STEP_SUMS = {"tandem_step_duration_seconds_sum": "step.sum", "tandem_step_duration_seconds_count": "step.count",
+             "tandem_batch_size_sum": "batch_seqs", "tandem_batch_size_count": "steps",
+             "tandem_prefill_tokens_total": "prefill_tokens"}  # fmt: skip
 # How late the router's event-loop probe woke up (router.loop_lag): "router.loop_lag".
 LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
@@ -206,7 +211,8 @@ class Server:
         """Running sums from each worker's /metrics, by target ("host:port"): the prefill workers' transfer
         seconds, count and bytes, both sides' handoff phase sums and counts ("prefill.stream", "decode.admit",
         ...), the steps held back for arrivals ("decode.launch_wait"), every worker's first-token phases
-        ("colocated.first_token_waiting", ...) and the router's event-loop lag ("router.loop_lag"); None when no
+        ("colocated.first_token_waiting", ...), every worker's step sums ("colocated.steps", STEP_SUMS) and the
+        router's event-loop lag ("router.loop_lag"); None when no
         worker is listed. Kept per worker so that a point's
         difference survives a worker that left or joined in between (an autoscaler's move): see kv_delta."""
         if not self._targets(("prefill", "decode", "colocated")):
@@ -221,6 +227,8 @@ class Server:
                 key = f"router.loop_lag.{sample.name.rsplit('_', 1)[-1]}"
             elif component == "prefill" and sample.name in names:
                 key = names[sample.name]
+            elif sample.name in STEP_SUMS and component != "router":
+                key = f"{component}.{STEP_SUMS[sample.name]}"
             elif sample.name in LAUNCH_WAIT:
                 key = f"{component}.launch_wait.{LAUNCH_WAIT[sample.name]}"
             elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
@@ -279,7 +287,8 @@ def worker_deltas(
 
 def kv_delta(before: dict | None, after: dict | None) -> dict | None:
     """Means over one point (from Server.kv_transfer_totals before and after it): seconds and bytes per transfer
-    (None without transfers), and the mean of each phase (seconds): the handoff's and the first token's."""
+    (None without transfers), the mean of each phase (seconds): the handoff's and the first token's, and per
+    worker role the point's engine steps, sequences in them and prompt tokens computed ("steps")."""
     if before is None or after is None:
         return None
     delta = worker_deltas(before, after)
@@ -289,10 +298,15 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
         if key.endswith(".count") and count > 0:
             name = key.removesuffix(".count")
             phases[name] = delta.get(f"{name}.sum", 0.0) / count
+    steps = {
+        role: {name: delta.get(f"{role}.{name}", 0.0) for name in ("steps", "batch_seqs", "prefill_tokens")}
+        for role in ("prefill", "decode", "colocated")
+        if delta.get(f"{role}.steps")
+    }
     if not n and not phases:
         return None
     return {"transfers": n, "mean_s": delta["seconds"] / n if n else None,
-            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases}  # fmt: skip
+            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases, "steps": steps}  # fmt: skip
 
 
 def pair_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:

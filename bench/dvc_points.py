@@ -74,6 +74,25 @@ def handoff_line(point: dict) -> str:
     return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over} ({phases}){gap}"
 
 
+def steps_line(point: dict) -> str:
+    """Each worker role's engine steps over a point (from kv_delta's "steps"): steps a second, sequences a step,
+    prompt tokens computed a second and the mean step wall time, so a closed-loop run shows whether its time went
+    to prefill or to decode steps; "" when no worker reported steps."""
+    kv = point.get("kv_transfer") or {}
+    seconds = point.get("duration_s") or 0.0
+    parts = []
+    for role, sums in sorted((kv.get("steps") or {}).items()):
+        step = (kv.get("phases_mean_s") or {}).get(f"{role}.step")
+        wall = f", {step * 1e3:.1f} ms a step" if step is not None else ""
+        parts.append(
+            f"{role}: {sums['steps'] / seconds:,.0f} steps/s of {sums['batch_seqs'] / sums['steps']:.1f} sequences, "
+            f"{sums['prefill_tokens'] / seconds:,.0f} prompt tokens/s{wall}"
+            if seconds > 0
+            else f"{role}: {sums['steps']:.0f} steps"
+        )
+    return f"; {'; '.join(parts)}" if parts else ""
+
+
 def drain_warning(report: BenchReport, drain_s: float) -> str:
     """A warning line when requests were still running at the drain's end (cancelled: they count as SLO misses),
     naming how long the slowest finished one took, so a run whose drain is shorter than its workload's outputs
