@@ -33,10 +33,12 @@ GIL_FAMILY = "tandem_worker_gil_wait_seconds_"
 # Steps held back for arrivals (scheduler.late_launch) and the time held: "decode.launch_wait" (mean per step).
 LAUNCH_WAIT = {"tandem_engine_launch_wait_seconds_total": "sum", "tandem_engine_launch_waits_total": "count"}
 # Each worker's engine steps: "colocated.step" (mean wall time of a step, s), and the sums behind a point's steps
-# per second, sequences per step and prompt tokens computed ("colocated.steps", ".batch_seqs", ".prefill_tokens").
+# per second, sequences per step, prompt tokens computed and held launches that found the GPU idle all the same
+# ("colocated.steps", ".batch_seqs", ".prefill_tokens", ".launch_misses").
 STEP_SUMS = {"tandem_step_duration_seconds_sum": "step.sum", "tandem_step_duration_seconds_count": "step.count",
              "tandem_batch_size_sum": "batch_seqs", "tandem_batch_size_count": "steps",
-             "tandem_prefill_tokens_total": "prefill_tokens"}  # fmt: skip
+             "tandem_prefill_tokens_total": "prefill_tokens",
+             "tandem_engine_launch_misses_total": "launch_misses"}  # fmt: skip
 # How late the router's event-loop probe woke up (router.loop_lag): "router.loop_lag".
 LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
@@ -299,7 +301,11 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
             name = key.removesuffix(".count")
             phases[name] = delta.get(f"{name}.sum", 0.0) / count
     steps = {
-        role: {name: delta.get(f"{role}.{name}", 0.0) for name in ("steps", "batch_seqs", "prefill_tokens")}
+        role: {
+            **{name: delta.get(f"{role}.{name}", 0.0) for name in ("steps", "batch_seqs", "prefill_tokens")},
+            "launch_waits": delta.get(f"{role}.launch_wait.count", 0.0),
+            "launch_misses": delta.get(f"{role}.launch_misses", 0.0),
+        }
         for role in ("prefill", "decode", "colocated")
         if delta.get(f"{role}.steps")
     }

@@ -84,6 +84,8 @@ def steps_line(point: dict) -> str:
     for role, sums in sorted((kv.get("steps") or {}).items()):
         step = (kv.get("phases_mean_s") or {}).get(f"{role}.step")
         wall = f", {step * 1e3:.1f} ms a step" if step is not None else ""
+        if sums.get("launch_waits"):
+            wall += f", {sums['launch_waits']:.0f} launches held ({sums.get('launch_misses', 0):.0f} found the GPU idle)"
         parts.append(
             f"{role}: {sums['steps'] / seconds:,.0f} steps/s of {sums['batch_seqs'] / sums['steps']:.1f} sequences, "
             f"{sums['prefill_tokens'] / seconds:,.0f} prompt tokens/s{wall}"

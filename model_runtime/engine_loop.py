@@ -224,7 +224,8 @@ class EngineLoop:
 
     def _await_launch(self) -> None:
         """scheduler.late_launch: until the engine's launch_at (model_runtime.launch_clock), run queued calls as
-        they arrive, so a request added meanwhile joins the step launched next."""
+        they arrive, so a request added meanwhile joins the step launched next; a call after which the engine
+        no longer holds the launch (a prompt arrived) ends the wait."""
         at = self.engine.launch_at()
         if at is None:
             return
@@ -237,6 +238,9 @@ class EngineLoop:
                 self._wake.clear()
                 with self._lock:
                     self._run_calls()
+                    at = self.engine.launch_at()
+                if at is None:
+                    break
         self.launch_waits += 1
         self.launch_wait_seconds += time.perf_counter() - began
 

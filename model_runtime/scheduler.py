@@ -93,6 +93,12 @@ class Scheduler:
         return len(self._waiting) + len(self._preempted) + len(self._ready)
 
     @property
+    def prompts_waiting(self) -> bool:
+        """A new or preempted request waits for its prompt to be computed (landed KV waiting for a slot does not
+        count: it needs no prompt step)."""
+        return bool(self._waiting or self._preempted)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

@@ -109,7 +109,8 @@ class _SteadyClock(LaunchClock):
         self._start, self._bucket = None, None
 
 
-def test_the_loop_runs_calls_while_it_holds_a_launch_back(tmp_path: Path) -> None:
+def _held_engine(tmp_path: Path) -> Engine:
+    """A CPU engine whose every decode step is taken to run 0.4 s (_SteadyClock): its loop holds each launch."""
     engine = Engine(
         EngineConfig(
             model=str(write_tiny_hf(tmp_path)),
@@ -122,9 +123,13 @@ def test_the_loop_runs_calls_while_it_holds_a_launch_back(tmp_path: Path) -> Non
         engine._ahead is not None and engine._ahead.clock is None
     )  # on a CPU a step runs at its launch: no clock
     clock = _SteadyClock(margin_s=0.0)
-    clock._gpu_s = {1: 0.4}
+    clock._gpu_s = {1: 0.4, 2: 0.4}
     engine._ahead.clock = clock
-    loop = EngineLoop(engine, idle_wait_s=0.01)
+    return engine
+
+
+def test_the_loop_runs_calls_while_it_holds_a_launch_back(tmp_path: Path) -> None:
+    loop = EngineLoop(_held_engine(tmp_path), idle_wait_s=0.01)
     loop.start()
     try:
         outputs: queue.Queue[StepOutput] = queue.Queue()
@@ -144,3 +149,30 @@ def test_the_loop_runs_calls_while_it_holds_a_launch_back(tmp_path: Path) -> Non
     assert got[-1].finish_reason == "length"
     assert loop.launch_waits >= 3 and loop.launch_wait_seconds >= 3 * 0.3
     assert max(latencies) < 0.2  # a call waits for the loop's next pass, not for the launch it holds back
+
+
+def test_a_prompt_that_arrives_during_the_wait_is_launched_at_once(tmp_path: Path) -> None:
+    """Holding the launch is for arrivals to join it: once a prompt waits, the next step carries it, and its long
+    launch must not start at a time the clock reckoned for a decode step's."""
+    engine = _held_engine(tmp_path)
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    loop.start()
+    try:
+        outputs: dict[str, queue.Queue[StepOutput]] = {"r": queue.Queue(), "s": queue.Queue()}
+        for rid, q in outputs.items():
+            loop.subscribe(rid, q.put)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        loop.call(lambda e: e.add_request("r", [5, 6, 7, 8], params))
+        outputs["r"].get(timeout=30)
+        outputs["r"].get(timeout=30)  # decoding: the loop now holds each launch about 0.4 s
+        waits = loop.launch_waits
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        loop.call(lambda e: e.add_request("s", [9, 10, 11], params))
+        assert engine.launch_at() is None  # a prompt waits (or already ran): nothing to hold for
+        outputs["s"].get(timeout=30)
+        first_token_s = time.perf_counter() - t0
+    finally:
+        loop.stop()
+    assert loop.launch_waits > waits  # the loop was holding when the prompt came
+    assert first_token_s < 0.25  # held to the clock's time it would take about 0.35 s
