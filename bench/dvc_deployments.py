@@ -300,7 +300,7 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
         if key.endswith(".count") and count > 0:
             name = key.removesuffix(".count")
             phases[name] = delta.get(f"{name}.sum", 0.0) / count
-    steps = {
+    steps: dict[str, Any] = {
         role: {
             **{name: delta.get(f"{role}.{name}", 0.0) for name in ("steps", "batch_seqs", "prefill_tokens")},
             "launch_waits": delta.get(f"{role}.launch_wait.count", 0.0),
@@ -312,7 +312,28 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
     if not n and not phases:
         return None
     return {"transfers": n, "mean_s": delta["seconds"] / n if n else None,
-            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases, "steps": steps}  # fmt: skip
+            "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases, "steps": steps,
+            "steps_by_worker": steps_by_worker(before, after)}  # fmt: skip
+
+
+def steps_by_worker(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict]:
+    """Each worker's engine steps, sequences in them and prompt tokens over a point ({target: {"role", "steps",
+    "batch_seqs", "prefill_tokens"}}), for workers present at both ends that stepped: how evenly the router
+    spread the work (four replicas of the batch case, run 11, served less a GPU than one)."""
+    out: dict[str, dict] = {}
+    for target, sums in sorted(after.items()):
+        old = before.get(target)
+        keys = [k for k in sums if k.endswith(".steps")]
+        if old is None or not keys:
+            continue
+        role = keys[0].removesuffix(".steps")
+        moved = {name: sums.get(f"{role}.{name}", 0.0) - old.get(f"{role}.{name}", 0.0)
+                 for name in ("steps", "batch_seqs", "prefill_tokens")}  # fmt: skip
+        if moved["steps"] > 0 and min(moved.values()) >= 0:
+            out[target] = {"role": role, **moved}
+    return out
 
 
 def pair_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:

@@ -92,6 +92,15 @@ def steps_line(point: dict) -> str:
             if seconds > 0
             else f"{role}: {sums['steps']:.0f} steps"
         )
+    workers = [w for w in (kv.get("steps_by_worker") or {}).values() if w["steps"]]
+    if len(workers) > 1:
+        parts.append(
+            "per worker: "
+            + " / ".join(f"{w['batch_seqs'] / w['steps']:.1f}" for w in workers)
+            + " sequences a step, "
+            + " / ".join(f"{w['prefill_tokens'] / 1e3:.0f}k" for w in workers)
+            + " prompt tokens"
+        )
     return f"; {'; '.join(parts)}" if parts else ""
 
 

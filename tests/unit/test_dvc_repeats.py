@@ -13,6 +13,7 @@ from bench.disagg_vs_colocated import (
     point_seed,
 )
 from bench.dvc_deployments import kv_delta
+from bench.dvc_points import steps_line
 from bench.dvc_summary import rate_points, repeat_spread, share_points
 from tandem_cli.bench.sweep import capacity
 
@@ -103,6 +104,39 @@ def test_a_points_handoff_means_survive_a_worker_that_left_or_joined_during_it()
     assert kv_delta(None, after) is None and kv_delta({}, {}) is None
 
 
+def test_a_point_reports_each_roles_steps_and_each_workers_share() -> None:
+    """The closed-loop line: steps/s, sequences a step and prompt tokens/s per role from the workers' /metrics
+    sums, then each worker's own sequences a step; a worker that restarted in the point is left out of both."""
+
+    def sums(steps: float, seqs: float, prompt: float, step_s: float) -> dict[str, float]:
+        return {"colocated.steps": steps, "colocated.batch_seqs": seqs, "colocated.prefill_tokens": prompt,
+                "colocated.step.sum": step_s, "colocated.step.count": steps,
+                "colocated.first_token_waiting.sum": 0.0, "colocated.first_token_waiting.count": 0.0}  # fmt: skip
+
+    before = {
+        "a": sums(100, 4_000, 10_000, 2.0),
+        "b": sums(50, 1_000, 5_000, 1.0),
+        "c": sums(80, 800, 0, 1.0),
+    }
+    after = {
+        "a": sums(300, 12_000, 40_000, 6.0),
+        "b": sums(150, 2_000, 25_000, 3.0),
+        "c": sums(10, 100, 0, 0.2),
+    }
+    kv = kv_delta(before, after)
+    assert kv is not None
+    assert kv["steps"]["colocated"] == {"steps": 300, "batch_seqs": 9_000, "prefill_tokens": 50_000,
+                                        "launch_waits": 0.0, "launch_misses": 0.0}  # fmt: skip
+    assert kv["steps_by_worker"] == {
+        "a": {"role": "colocated", "steps": 200, "batch_seqs": 8_000, "prefill_tokens": 30_000},
+        "b": {"role": "colocated", "steps": 100, "batch_seqs": 1_000, "prefill_tokens": 20_000},
+    }
+    line = steps_line({"kv_transfer": kv, "duration_s": 10.0})
+    assert "colocated: 30 steps/s of 30.0 sequences, 5,000 prompt tokens/s, 20.0 ms a step" in line
+    assert "per worker: 40.0 / 10.0 sequences a step, 30k / 20k prompt tokens" in line
+    assert steps_line({"kv_transfer": None, "duration_s": 10.0}) == ""
+
+
 def test_a_closed_loop_run_lasts_batch_duration_and_the_rate_points_keep_duration() -> None:
     args = parse_args(["--duration", "8", "--batch-duration", "60", "--min-requests", "20"])
     assert point_seconds(0.0, args) == 60.0  # the batch case
@@ -111,3 +145,10 @@ def test_a_closed_loop_run_lasts_batch_duration_and_the_rate_points_keep_duratio
     assert point_seconds(0.0, parse_args(["--duration", "8"])) == 8.0  # default: --duration
     with pytest.raises(SystemExit):
         parse_args(["--batch-duration", "0"])
+
+
+def test_batch_concurrency_must_be_a_positive_count() -> None:
+    assert parse_args(["--batch-concurrency", "50"]).batch_concurrency == 50
+    assert parse_args([]).batch_concurrency is None  # the workload's own 200
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-concurrency", "0"])
