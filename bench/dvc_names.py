@@ -49,6 +49,13 @@ SPILL_CHUNK_TOKENS = 512
 # interactive SLO is lost on TTFT).
 PREFILL_BUDGET = re.compile(r"(?P<base>.+)-pb(?P<tokens>[0-9]+)")
 PREFILL_BUDGET_RANGE = (256, 16384)
+# Any name + "-pgN": the colocated replicas' (or else the prefill workers') steps of up to N tokens replay the
+# piecewise prefill graphs (device.prefill_graph_tokens N, default 1024; 0: every prompt step eager). With the
+# colocated budget of 2048 tokens "-pg2048" puts every chunked-prefill step on graphs: an eager step of that size
+# costs the host several hundred kernel launches (a mixed eager step at 320 tokens launched 716 kernels at
+# 20-50 us each: docs/performance.md, "piecewise prefill graphs").
+PREFILL_GRAPHS = re.compile(r"(?P<base>.+)-pg(?P<tokens>[0-9]+)")
+PREFILL_GRAPHS_MAX = 8192
 # Any name + "-siN": the router gathers N decode tokens per client message (router.stream_interval), for points
 # where the `tandem serve` process (router) ran saturated.
 STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
@@ -111,10 +118,23 @@ def _prefill_budget(name: str, config: dict, tokens: int) -> dict:
     return config
 
 
+def _prefill_graphs(name: str, config: dict, tokens: int) -> dict:
+    """The colocated replicas' (or else the prefill pool's) device.prefill_graph_tokens at `tokens` (0 to
+    PREFILL_GRAPHS_MAX; the engine caps it at the step budget)."""
+    if not 0 <= tokens <= PREFILL_GRAPHS_MAX:
+        raise ValueError(
+            f"{name}: -pgN takes 0-{PREFILL_GRAPHS_MAX} tokens of piecewise prefill graphs, got {tokens}"
+        )
+    pool = "colocated" if "colocated" in config else "prefill"
+    engine = config[pool].setdefault("engine", {})
+    engine["device"] = dict(engine.get("device", {}), prefill_graph_tokens=tokens)
+    return config
+
+
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, IPC, BOTH,
-    NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo` is the
-    (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the deployment when the name is unknown or its KV
+    NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo`
+    is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the deployment when the name is unknown or its KV
     could not move between its pools."""
     config = _named_config(name, slo)
     _check_handoff(name, config)
@@ -141,6 +161,9 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
     if interval is not None:
         config = _named_config(interval["base"], slo)
         return dict(config, router=dict(config.get("router", {}), stream_interval=int(interval["tokens"])))
+    graphs = PREFILL_GRAPHS.fullmatch(name)
+    if graphs is not None:
+        return _prefill_graphs(name, _named_config(graphs["base"], slo), int(graphs["tokens"]))
     budget = PREFILL_BUDGET.fullmatch(name)
     if budget is not None:
         return _prefill_budget(name, _named_config(budget["base"], slo), int(budget["tokens"]))
@@ -189,7 +212,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

@@ -186,6 +186,7 @@ def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
     build = partial(
         gpu.build_engine, model, setup.where, limits, a.gpu_memory_utilization,
         quantization=v.quantization, cache_dtype=v.cache_dtype, fp8_qk_dot=v.qk_dot,
+        prefill_graph_tokens=a.prefill_graph_tokens,
     )  # fmt: skip
     engine = setup.run.job(f"{v.job_prefix} engine", build)
     if engine is not None:
@@ -318,6 +319,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", help="one count or one per shape (default 1000,500,500)")
     p.add_argument("--max-num-seqs", type=int, default=512, help="engine sequence limit (512: largest graph)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        help="steps with prompt chunks of up to this many tokens replay the piecewise prefill graphs "
+        "(device.prefill_graph_tokens; default the engine's 1024, 0: eager; capped at the step budget)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--admit-all", action="store_true", help="add all prompts at once (scheduler may preempt)")
     p.add_argument("--hf-batches", help="descending static batches to try (default 256,128,64,32,16,8)")
@@ -337,6 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke and args.profile_decode:
         p.error("--profile-decode: the profiler's CUDA timing needs a GPU (drop --smoke)")
+    if args.prefill_graph_tokens is not None and args.prefill_graph_tokens < 0:
+        p.error(f"--prefill-graph-tokens: must be >= 0, got {args.prefill_graph_tokens}")
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
     args.shapes, args.num_prompts = args.shapes or defaults[0], args.num_prompts or defaults[1]
     args.hf_batches = args.hf_batches or defaults[2]

@@ -295,6 +295,18 @@ def test_pb_sets_the_prefill_sides_step_budget_only_and_refuses_a_budget_out_of_
         deployment_config("disagg-1p1d-pb100")
 
 
+def test_pg_sets_the_prompt_steps_graph_size_of_the_pool_that_runs_chunks() -> None:
+    colocated = parse_config(deployment_config("colocated-1-pg2048")).colocated
+    assert colocated.engine.device.prefill_graph_tokens == 2048
+    assert parse_config(deployment_config("colocated-1")).colocated.engine.device.prefill_graph_tokens == 1024
+    disagg = parse_config(deployment_config("disagg-1p1d-pb4096-pg0"))
+    assert disagg.prefill.engine.device.prefill_graph_tokens == 0
+    assert disagg.prefill.engine.scheduler.max_num_batched_tokens == 4096
+    assert disagg.decode.engine.device.prefill_graph_tokens == 1024  # the decode pool as written
+    with pytest.raises(ValueError, match="colocated-1-pg9000: -pgN takes 0-8192 tokens"):
+        deployment_config("colocated-1-pg9000")
+
+
 def test_si_sets_the_routers_stream_interval_and_a_bad_one_is_refused_by_the_config() -> None:
     config = deployment_config("colocated-4-si4-r2")
     assert config["router"]["stream_interval"] == 4 and config["router"]["processes"] == 2
