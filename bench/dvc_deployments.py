@@ -321,7 +321,7 @@ def steps_by_worker(
 ) -> dict[str, dict]:
     """Each worker's engine steps, sequences in them and prompt tokens over a point ({target: {"role", "steps",
     "batch_seqs", "prefill_tokens"}}), for workers present at both ends that stepped: how evenly the router
-    spread the work (four replicas of the batch case, run 11, served less a GPU than one)."""
+    spread the work over the replicas or pools."""
     out: dict[str, dict] = {}
     for target, sums in sorted(after.items()):
         old = before.get(target)
