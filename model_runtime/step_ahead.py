@@ -197,7 +197,7 @@ class AheadStepper:
     def launch_at(self) -> float | None:
         """When to schedule the next step (the clock's time), or None: at once. A prompt already waiting ends
         the wait: the next step takes it (or could not, however long it waited), and a step with a prompt chunk
-        takes the host far longer to launch than the decode step the clock's lead is made for, so launched at
+        takes the host longer to launch than the decode step the clock's lead is made for, so launched at
         the clock's time it would leave the GPU idle."""
         if self.clock is None or self.flight is None or self._scheduler.prompts_waiting:
             return None
