@@ -24,6 +24,9 @@ SIZED = re.compile(r"(?:colocated-(?P<replicas>[1-8])|disagg-(?P<prefill>[1-8])p
 NO_CACHE = "-nocache"
 # Any name + AUTOSCALE: the same deployment as its starting point, with the SLO autoscaler on (see autoscaled).
 AUTOSCALE = "-autoscale"
+# Any name + FP8: every pool's projections in FP8 (device.quantization fp8, a scale per output channel) and its KV
+# cache in FP8 (cache.dtype fp8_e4m3), as the offline fp8 variant: a handoff moves half the bytes.
+FP8 = "-fp8"
 # Any name + IPC: the same deployment with transfer.kind cuda_ipc instead of the config's (nccl).
 IPC = "-ipc"
 # Any name + BOTH: the workers hold cuda_ipc and nccl and the router picks per pair (cuda_ipc on one node, issue 21).
@@ -132,7 +135,7 @@ def _prefill_graphs(name: str, config: dict, tokens: int) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, IPC, BOTH,
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, FP8, IPC, BOTH,
     NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo`
     is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the deployment when the name is unknown or its KV
     could not move between its pools."""
@@ -154,6 +157,13 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         config = _named_config(name.removesuffix(BOTH), slo)
         transfer = {k: v for k, v in config.get("transfer", {}).items() if k != "kind"}
         return dict(config, transfer=dict(transfer, kinds=["cuda_ipc", "nccl"]))
+    if name.endswith(FP8):
+        config = _named_config(name.removesuffix(FP8), slo)
+        for pool in (p for p in POOLS if p in config):
+            engine = config[pool].setdefault("engine", {})
+            engine["device"] = dict(engine.get("device", {}), quantization="fp8")
+            engine["cache"] = dict(engine.get("cache", {}), dtype="fp8_e4m3")
+        return config
     if name.endswith(ONE_LANE):
         config = _named_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
@@ -212,7 +222,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

@@ -307,6 +307,17 @@ def test_pg_sets_the_prompt_steps_graph_size_of_the_pool_that_runs_chunks() -> N
         deployment_config("colocated-1-pg9000")
 
 
+def test_fp8_puts_every_pools_weights_and_kv_cache_in_fp8() -> None:
+    disagg = parse_config(deployment_config("disagg-1p1d-fp8"))
+    for pool in (disagg.prefill, disagg.decode):  # both sides' caches match, so their KV can move
+        assert pool.engine.device.quantization == "fp8" and pool.engine.cache.dtype == "fp8_e4m3"
+    colocated = parse_config(deployment_config("colocated-4-fp8-early")).colocated
+    assert colocated.engine.device.quantization == "fp8" and colocated.engine.cache.dtype == "fp8_e4m3"
+    assert not colocated.engine.scheduler.late_launch and colocated.replicas == 4
+    plain = parse_config(deployment_config("colocated-4")).colocated
+    assert plain.engine.device.quantization == "none" and plain.engine.cache.dtype is None
+
+
 def test_si_sets_the_routers_stream_interval_and_a_bad_one_is_refused_by_the_config() -> None:
     config = deployment_config("colocated-4-si4-r2")
     assert config["router"]["stream_interval"] == 4 and config["router"]["processes"] == 2
