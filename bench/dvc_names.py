@@ -159,8 +159,8 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return dict(config, transfer=dict(transfer, kinds=["cuda_ipc", "nccl"]))
     if name.endswith(FP8):
         config = _named_config(name.removesuffix(FP8), slo)
-        for pool in (p for p in POOLS if p in config):
-            engine = config[pool].setdefault("engine", {})
+        for role in (p for p in POOLS if p in config):
+            engine = config[role].setdefault("engine", {})
             engine["device"] = dict(engine.get("device", {}), quantization="fp8")
             engine["cache"] = dict(engine.get("cache", {}), dtype="fp8_e4m3")
         return config
