@@ -70,7 +70,8 @@ SMOLLM2_KV_HEADS = 3  # the embedded model's
 
 def smoke_config(config: dict, work: Path) -> dict:
     """The GPU deployment config, shrunk onto a CPU box: the embedded model, no GPUs, tcp, small caches (the
-    prefix cache, step-ahead scheduling and the ranks per worker stay as the deployment set them). SmolLM2's 3 KV heads split 3 ways
+    prefix cache, step-ahead scheduling, the ranks per worker and FP8 weights and cache, emulated on a CPU, stay as
+    the deployment set them). SmolLM2's 3 KV heads split 3 ways
     but not 2, 4 or 8: such a deployment gets a tiny random Llama with 8 KV heads instead, written under
     `work`."""
     model = "smollm2-135m-instruct"
@@ -85,13 +86,17 @@ def smoke_config(config: dict, work: Path) -> dict:
         )  # fmt: skip
     out = dict(config, model=model, transfer={"kinds": ["tcp"]})
     for pool in (p for p in POOLS if p in out):
-        prefix = out[pool].get("engine", {}).get("cache", {}).get("enable_prefix_caching", True)
+        cache = out[pool].get("engine", {}).get("cache", {})
+        prefix = cache.get("enable_prefix_caching", True)
         said = out[pool].get("engine", {}).get("scheduler", {})
+        device = out[pool].get("engine", {}).get("device", {})
+        kept = {"quantization": device["quantization"]} if "quantization" in device else {}
+        cache_dtype = {"dtype": cache["dtype"]} if "dtype" in cache else {}
         # step-ahead as the deployment set it; absent, the deploy config's default for the pool
         ahead = {"async_scheduling": said["async_scheduling"]} if "async_scheduling" in said else {}
         engine = {
-            "device": {"device": "cpu", "dtype": "float32"},
-            "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix},
+            "device": {"device": "cpu", "dtype": "float32", **kept},
+            "cache": {"block_size": 16, "num_blocks": 256, "enable_prefix_caching": prefix, **cache_dtype},
             "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048, **ahead},
         }  # fmt: skip
         if pool_ranks(out[pool]) > 1:

@@ -316,6 +316,10 @@ def test_fp8_puts_every_pools_weights_and_kv_cache_in_fp8() -> None:
     assert not colocated.engine.scheduler.late_launch and colocated.replicas == 4
     plain = parse_config(deployment_config("colocated-4")).colocated
     assert plain.engine.device.quantization == "none" and plain.engine.cache.dtype is None
+    shrunk = parse_config(smoke_config(deployment_config("disagg-1p1d-fp8"), Path(tempfile.mkdtemp())))
+    for pool in (shrunk.prefill, shrunk.decode):  # the CPU smoke runs the FP8 paths too (emulated)
+        assert pool.engine.device.quantization == "fp8" and pool.engine.cache.dtype == "fp8_e4m3"
+        assert pool.engine.device.device == "cpu"
 
 
 def test_si_sets_the_routers_stream_interval_and_a_bad_one_is_refused_by_the_config() -> None:
