@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.disagg_vs_colocated import parse_args
+from bench.dvc_args import parse_args
 from bench.dvc_headline import doubling, headline, headline_table, judge
 from bench.dvc_summary import capacity_table, goal_checks, load_runs, summarize, summarize_workload
 from tandem_cli.bench import SLO

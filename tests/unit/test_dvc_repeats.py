@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.disagg_vs_colocated import (
-    SETTLE_SEED_BLOCK,
-    WARM_UP_SEED_BLOCK,
-    parse_args,
-    point_seconds,
-    point_seed,
-)
+from bench.disagg_vs_colocated import WARM_UP_SEED_BLOCK, point_seconds, point_seed
+from bench.dvc_args import SETTLE_SEED_BLOCK, parse_args
 from bench.dvc_deployments import kv_delta
 from bench.dvc_points import steps_line
 from bench.dvc_summary import rate_points, repeat_spread, share_points
