@@ -79,6 +79,9 @@ SCHEDULER_SUFFIXES = (
     (SYNC, "async_scheduling", False),
     (EARLY, "late_launch", False),
 )
+# A name whose colocated or decode workers launch late + "-lmN": the launch clock's margin is N microseconds
+# (scheduler.late_launch_margin_s; default 1500), for the A/B of a smaller lead on the decode worker.
+LAUNCH_MARGIN = re.compile(r"(?P<base>.+)-lm(?P<us>[0-9]+)")
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.
 ROUTERS = re.compile(r"(?P<base>.+)-r(?P<routers>[2-8])")
@@ -135,10 +138,10 @@ def _prefill_graphs(name: str, config: dict, tokens: int) -> dict:
 
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
-    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, FP8, IPC, BOTH,
-    NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo`
-    is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the deployment when the name is unknown or its KV
-    could not move between its pools."""
+    """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, FP8,
+    IPC, BOTH, NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, LAUNCH_MARGIN, STREAM_INTERVAL, ROUTERS
+    and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the
+    deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
     _check_handoff(name, config)
     return config
@@ -171,6 +174,15 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
     if interval is not None:
         config = _named_config(interval["base"], slo)
         return dict(config, router=dict(config.get("router", {}), stream_interval=int(interval["tokens"])))
+    margin = LAUNCH_MARGIN.fullmatch(name)
+    if margin is not None:
+        config = _named_config(margin["base"], slo)
+        pool = next((p for p in ("colocated", "decode") if p in config), None)
+        if pool is None:
+            raise ValueError(f"{name}: -lmN is for deployments with colocated or decode workers")
+        engine = config[pool].setdefault("engine", {})
+        engine["scheduler"] = dict(engine.get("scheduler", {}), late_launch_margin_s=int(margin["us"]) / 1e6)
+        return config
     graphs = PREFILL_GRAPHS.fullmatch(name)
     if graphs is not None:
         return _prefill_graphs(name, _named_config(graphs["base"], slo), int(graphs["tokens"]))
@@ -222,7 +234,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

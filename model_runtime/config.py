@@ -17,6 +17,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 # cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8", "fp8_group")
+# scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses)
+LATE_LAUNCH_MARGIN_S = 0.0015
+LATE_LAUNCH_MAX_MARGIN_S = 0.006
 
 
 class ConfigError(ValueError):
@@ -179,9 +182,21 @@ class SchedulerConfig:
     # one ends rather than as soon as it starts, so that requests arriving meanwhile join it, one step sooner
     # (model_runtime.launch_clock). Offline runs never wait.
     late_launch: bool = True
+    # The launch clock's lead beyond 1.5x the host's launch time (the loop's wake-up, the interpreter lock):
+    # smaller lets more arrivals into the next step and risks the GPU waiting for a launch held too long (each
+    # such miss widens it by 0.5 ms, up to LATE_LAUNCH_MAX_MARGIN_S).
+    late_launch_margin_s: float = LATE_LAUNCH_MARGIN_S
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        margin = self.late_launch_margin_s
+        _require(
+            isinstance(margin, (int, float))
+            and not isinstance(margin, bool)
+            and 0 <= margin <= LATE_LAUNCH_MAX_MARGIN_S,
+            "scheduler.late_launch_margin_s",
+            f"must be seconds in [0, {LATE_LAUNCH_MAX_MARGIN_S}], got {margin!r}",
+        )
         for name in ("async_scheduling", "late_launch"):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"scheduler.{name}", f"must be true or false, got {value!r}")

@@ -119,6 +119,7 @@ class Engine:
                 config.scheduler.max_num_seqs,
                 fence_frees=kv_receiver,
                 late_launch=config.scheduler.late_launch,
+                late_launch_margin_s=config.scheduler.late_launch_margin_s,
             )
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, steps %s",

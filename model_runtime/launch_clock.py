@@ -36,8 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MARGIN_S = 0.0015  # lead beyond the host's own launch time: the loop's wake-up and the interpreter lock
-MAX_MARGIN_S = 0.006
+from model_runtime.config import LATE_LAUNCH_MARGIN_S, LATE_LAUNCH_MAX_MARGIN_S
+
+# lead beyond the host's own launch time: the loop's wake-up and the interpreter lock (scheduler.late_launch_margin_s)
+MARGIN_S = LATE_LAUNCH_MARGIN_S
+MAX_MARGIN_S = LATE_LAUNCH_MAX_MARGIN_S
 MISS_STEP_S = 0.0005  # margin added by a held launch that found the GPU idle
 HOST_WEIGHT = 1.5  # the host's recent launch time, times this, is part of the lead
 EMA = 0.3  # weight of a new measurement in the running averages

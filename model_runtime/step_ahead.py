@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model_runtime.launch_clock import LaunchClock
+from model_runtime.launch_clock import MARGIN_S, LaunchClock
 from model_runtime.request import PENDING_TOKEN, Request, ScheduledChunk, SchedulerOutput
 from model_runtime.sampler import LogprobsTensors, SamplerOutput, TokenLogprobs
 from model_runtime.step_record import StepRecord, first_tokens
@@ -171,6 +171,7 @@ class AheadStepper:
         max_num_seqs: int,
         fence_frees: bool,
         late_launch: bool,
+        late_launch_margin_s: float = MARGIN_S,
     ) -> None:
         self._scheduler, self._runner, self._pool = scheduler, runner, pool
         self._sample, self._emit = sample, emit
@@ -186,12 +187,13 @@ class AheadStepper:
         self.steps_ahead = 0  # steps scheduled and launched while the step before them ran
         # When a serving loop should schedule the next step (launch_at); None: at once
         self.clock: LaunchClock | None = None
+        self._margin_s = late_launch_margin_s  # scheduler.late_launch_margin_s: each clock starts from it
         self.set_late_launch(late_launch)
 
     def set_late_launch(self, on: bool) -> bool:
         """Turn scheduler.late_launch on or off between steps; True when it can be on here (a GPU). The clock
         starts without timings."""
-        self.clock = LaunchClock() if on and self._on_cuda else None
+        self.clock = LaunchClock(margin_s=self._margin_s) if on and self._on_cuda else None
         return self._on_cuda
 
     def launch_at(self) -> float | None:

@@ -322,6 +322,16 @@ def test_fp8_puts_every_pools_weights_and_kv_cache_in_fp8() -> None:
         assert pool.engine.device.device == "cpu"
 
 
+def test_lm_sets_the_late_launch_margin_of_the_workers_that_launch_late() -> None:
+    disagg = parse_config(deployment_config("disagg-1p1d-lm500"))
+    assert disagg.decode.engine.scheduler.late_launch_margin_s == pytest.approx(0.0005)
+    assert disagg.prefill.engine.scheduler.late_launch_margin_s == pytest.approx(0.0015)  # the default
+    colocated = parse_config(deployment_config("colocated-2-lm0")).colocated
+    assert colocated.engine.scheduler.late_launch_margin_s == 0.0
+    with pytest.raises(ConfigError, match=r"scheduler\.late_launch_margin_s: must be seconds in"):
+        parse_config(deployment_config("disagg-1p1d-lm9000"))
+
+
 def test_si_sets_the_routers_stream_interval_and_a_bad_one_is_refused_by_the_config() -> None:
     config = deployment_config("colocated-4-si4-r2")
     assert config["router"]["stream_interval"] == 4 and config["router"]["processes"] == 2

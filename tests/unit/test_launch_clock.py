@@ -176,3 +176,21 @@ def test_a_prompt_that_arrives_during_the_wait_is_launched_at_once(tmp_path: Pat
         loop.stop()
     assert loop.launch_waits > waits  # the loop was holding when the prompt came
     assert first_token_s < 0.25  # held to the clock's time it would take about 0.35 s
+
+
+def test_the_engine_starts_each_clock_from_the_configured_margin(tmp_path: Path) -> None:
+    engine = Engine(
+        EngineConfig(
+            model=str(write_tiny_hf(tmp_path)),
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            scheduler=SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=True, late_launch_margin_s=0.0005
+            ),
+            device=DeviceConfig(device="cpu"),
+        )
+    )
+    ahead = engine._ahead
+    assert ahead is not None and ahead.clock is None  # no clock on a CPU
+    ahead._on_cuda = True  # as on a GPU: the clock the engine would run with
+    assert ahead.set_late_launch(True)
+    assert ahead.clock is not None and ahead.clock.margin_s == 0.0005
