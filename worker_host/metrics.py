@@ -90,7 +90,9 @@ class StepRecorder:
     def __init__(self, registry: CollectorRegistry, labels: list[str]) -> None:
         self._duration = Histogram(
             "tandem_step_duration_seconds",
-            "Engine step wall time (schedule, model, sample) of steps that ran",
+            "Engine step wall time (schedule, model, sample) of steps that ran; with steps scheduled ahead, the "
+            "host's cycle of scheduling and launching the next step, then waiting for this one's tokens and "
+            "emitting them (about the GPU's step time once the GPU is the bound), a held launch's wait not included",
             LABELS,
             buckets=STEP_BUCKETS,
             registry=registry,
