@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from bench.dvc_deployments import Server
 from bench.dvc_workloads import DECODE_HEAVY, PREFILL_HEAVY, SMOKE_MIX, Workload, chat_trace, mixed_trace
 from tandem_cli.bench import BenchReport, BenchSettings, parse_dist, run_benchmark
 from tandem_cli.bench.plots import LatencySamples
-from tandem_cli.bench.report import RequestRow
 
 
 def bench_point(
@@ -57,34 +55,7 @@ def point_record(report: BenchReport, kv: dict | None) -> dict:
         if r.outcome == "succeeded"
     ]
     data["kv_transfer"] = kv
-    if report.settings.concurrency:
-        data["steady"] = steady_output_rate(report.requests, report.settings.concurrency)
     return data
-
-
-def steady_output_rate(rows: Sequence[RequestRow], concurrency: int) -> dict | None:
-    """A closed-loop run's output tokens/s while its batch was full: from the moment the first `concurrency`
-    requests (sent at once) all had their first token to the last send, after which the loop stops refilling and
-    the batch drains. The run's own rate (tokens over the whole run) counts that ramp and drain, which a job of
-    hours does not have. Each request's tokens are taken as its first at its TTFT and the rest evenly up to its
-    end; every request that produced a token counts, cancelled ones included (the engine did the work). None when
-    no such window of at least a second exists."""
-    timed = [r for r in rows if r.ttft is not None and r.output_tokens > 0]
-    first = sorted(rows, key=lambda r: r.sent_at)[:concurrency]
-    if not timed or len(first) < concurrency or any(r.ttft is None for r in first):
-        return None
-    start = max(r.sent_at + (r.ttft or 0.0) for r in first)
-    end = max(r.sent_at for r in rows)
-    if end - start < 1.0:
-        return None
-    tokens = 0.0
-    for r in timed:
-        first_at, done_at = r.sent_at + (r.ttft or 0.0), r.sent_at + r.e2e
-        tokens += 1.0 if start <= first_at <= end else 0.0
-        if r.output_tokens > 1 and done_at > first_at:
-            overlap = min(done_at, end) - max(first_at, start)
-            tokens += (r.output_tokens - 1) * max(0.0, overlap) / (done_at - first_at)
-    return {"from_s": start, "to_s": end, "output_tokens_per_s": tokens / (end - start)}
 
 
 def handoff_line(point: dict) -> str:
@@ -104,13 +75,13 @@ def handoff_line(point: dict) -> str:
 
 
 def steady_line(point: dict) -> str:
-    """The closed-loop line's full-batch rate (steady_output_rate), "" without one."""
-    steady = point.get("steady")
-    if not steady:
+    """The closed-loop line's rate while every slot was busy (the report's full_batch), "" without one."""
+    full = point.get("full_batch")
+    if not full:
         return ""
     return (
-        f" ({steady['output_tokens_per_s']:,.0f} while the batch was full, "
-        f"{steady['from_s']:.0f}-{steady['to_s']:.0f} s)"
+        f" ({full['output_tokens_per_s']:,.0f} while the batch was full, "
+        f"{full['from_s']:.0f}-{full['to_s']:.0f} s)"
     )
 
 

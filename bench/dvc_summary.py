@@ -100,7 +100,7 @@ def summarize_closed_loop(name: str, runs: dict[str, dict]) -> dict:
         tokens = worst.get("output_token_throughput") or 0.0
         out[dep] = {"gpus": run["gpus"], "card": run["card"], "concurrency": run["workload_spec"]["concurrency"],
                     "output_tokens_per_s": tokens, "output_tokens_per_s_per_gpu": tokens / run["gpus"],
-                    "steady_output_tokens_per_s": (worst.get("steady") or {}).get("output_tokens_per_s"),
+                    "steady_output_tokens_per_s": (worst.get("full_batch") or {}).get("output_tokens_per_s"),
                     "runs": len(run["points"]), "gpu_s_per_1k_tokens": gpu_seconds_per_1k_tokens(worst, run["gpus"]),
                     "ttft_p90": worst["ttft"]["p90"], "tpot_p99": worst["tpot"]["p99"]}  # fmt: skip
     return out

@@ -119,6 +119,19 @@ class PrefixCacheUse:
 
 
 @dataclass(frozen=True)
+class FullBatch:
+    """A closed-loop run's output tokens/s while every slot was busy: from the moment the first `concurrency`
+    requests (sent together) all had their first token to the last send, after which the run stops refilling
+    and its batch drains. The run's own rate also counts that ramp and drain, which a job of hours does not
+    have. Every token that arrived in the window counts, whatever its request's outcome."""
+
+    from_s: float  # seconds since the run started
+    to_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+
+
+@dataclass(frozen=True)
 class BenchReport:
     settings: BenchSettings
     model: str  # the served model's id (ListModels)
@@ -137,6 +150,9 @@ class BenchReport:
     finished_at: str  # UTC, ISO 8601
     requests: tuple[RequestRow, ...]
     prefix_cache: PrefixCacheUse | None = None  # None when no succeeded request reported it
+    full_batch: FullBatch | None = (
+        None  # closed loop (--concurrency) with a window of at least MIN_FULL_BATCH_S
+    )
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(dataclasses.asdict(self)), indent=2)
@@ -240,7 +256,26 @@ def build_report(
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         requests=tuple(_row(r, m) for r, m in zip(run.records, metrics, strict=True)),
         prefix_cache=prefix_cache_use([r for r, _ in ok]),
+        full_batch=full_batch(run.records, settings.concurrency) if settings.concurrency else None,
     )
+
+
+MIN_FULL_BATCH_S = 1.0  # a shorter window says little: no full-batch rate
+
+
+def full_batch(records: Sequence[RequestRecord], concurrency: int) -> FullBatch | None:
+    """FullBatch of a closed-loop run's records, from each token delta's arrival time; None when the first
+    `concurrency` requests did not all get a token, or the window is shorter than MIN_FULL_BATCH_S."""
+    first = sorted(records, key=lambda r: r.sent_at)[:concurrency]
+    firsts = [next((r.sent_at + t for t, k in r.timeline.deltas if k > 0), None) for r in first]
+    if len(first) < concurrency or any(t is None for t in firsts):
+        return None
+    start = max(t for t in firsts if t is not None)
+    end = max(r.sent_at for r in records)
+    if end - start < MIN_FULL_BATCH_S:
+        return None
+    tokens = sum(k for r in records for t, k in r.timeline.deltas if k > 0 and start <= r.sent_at + t <= end)
+    return FullBatch(start, end, tokens, tokens / (end - start))
 
 
 def prefix_cache_use(records: Sequence[RequestRecord]) -> PrefixCacheUse | None:
@@ -270,6 +305,11 @@ def format_summary(report: BenchReport) -> str:
         p = report.prefix_cache
         lines.append(
             f"prefix cache: {p.cached_tokens}/{p.prompt_tokens} = {p.share:.1%} of prompt tokens served from it"
+        )
+    if report.full_batch is not None:
+        f = report.full_batch
+        lines.append(
+            f"while every slot was busy ({f.from_s:.1f}-{f.to_s:.1f} s): {f.output_tokens_per_s:.1f} output tok/s"
         )
     if report.goodput is not None:
         g = report.goodput

@@ -12,7 +12,7 @@ import pytest
 
 from tandem_cli.bench.loadgen import Outcome, RequestRecord, RunResult
 from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
-from tandem_cli.bench.report import BenchSettings, build_report, count_outcomes
+from tandem_cli.bench.report import BenchSettings, build_report, count_outcomes, format_summary
 from tandem_cli.bench.stats import (
     SLO,
     Timeline,
@@ -188,6 +188,33 @@ def test_failure_without_status_code_is_counted_as_unknown():
     counts = count_outcomes([_record(0, Outcome.FAILED), _record(1, Outcome.CANCELLED)])
     assert counts.failed_by_code == {"UNKNOWN": 1}
     assert counts.sent == counts.succeeded + counts.failed + counts.cancelled == 2
+
+
+def test_a_closed_loop_reports_its_rate_while_every_slot_was_busy():
+    """Two in flight, both sent at 0: full from 1.0 s (the later first token) to the last send at 3.0 s. Only the
+    tokens that arrived in that window count, whatever the request's outcome; the run's own rate also counts
+    the ramp and the drain."""
+
+    def record(index: int, sent: float, deltas: tuple[tuple[float, int], ...], outcome=Outcome.SUCCEEDED):
+        return RequestRecord(index, 4, 8, sent, Timeline(deltas, deltas[-1][0] if deltas else 0.5), outcome)
+
+    records = (
+        record(0, 0.0, ((0.5, 1), (1.5, 2), (2.5, 1), (3.5, 1))),  # 3 of its 5 tokens in [1, 3]
+        record(1, 0.0, ((1.0, 1), (2.0, 1), (4.0, 1))),  # 2 of 3: its first token opens the window
+        record(2, 3.0, ((0.2, 1), (0.4, 1)), Outcome.CANCELLED),  # sent last, its tokens after 3.0 s
+        record(3, 2.0, ((0.5, 2), (1.5, 1)), Outcome.CANCELLED),  # 2 at 2.5 s inside, 1 at 3.5 s outside
+    )
+    report = build_report(_settings(rate=None, concurrency=2), "m", RunResult(records, duration_s=4.0))
+    full = report.full_batch
+    assert full is not None and (full.from_s, full.to_s) == (1.0, 3.0)
+    assert full.output_tokens == 3 + 2 + 2 and full.output_tokens_per_s == pytest.approx(7 / 2.0)
+    assert "while every slot was busy (1.0-3.0 s): 3.5 output tok/s" in format_summary(report)
+    assert build_report(_settings(), "m", RunResult(records, duration_s=4.0)).full_batch is None  # open loop
+    short = build_report(_settings(rate=None, concurrency=2), "m", RunResult(records[:2], duration_s=4.0))
+    assert short.full_batch is None  # the last send (0 s) came before the batch was full
+    no_token = (records[0], record(1, 0.0, (), Outcome.FAILED), records[2])
+    failed = build_report(_settings(rate=None, concurrency=2), "m", RunResult(no_token, duration_s=4.0))
+    assert failed.full_batch is None  # one of the first two never got a token
 
 
 def test_settings_reject_bad_flags_by_name():

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from bench.disagg_vs_colocated import ascending_sweep, refine_rates
-from bench.dvc_points import steady_output_rate
 from bench.dvc_summary import (
     INTERACTIVE,
     capacity_at,
@@ -19,7 +18,6 @@ from bench.dvc_summary import (
     summarize_closed_loop,
 )
 from bench.dvc_workloads import CHAT_IDS, CHAT_SESSIONS, CHAT_TURNS, WORKLOADS, chat_trace
-from tandem_cli.bench.report import RequestRow
 
 pytestmark = pytest.mark.unit
 
@@ -106,30 +104,3 @@ def test_the_batch_case_reports_its_worse_runs_output_tokens_per_second() -> Non
     assert row["output_tokens_per_s"] == 25_000 and row["output_tokens_per_s_per_gpu"] == 6_250
     assert row["runs"] == 2 and "disagg" not in out
     assert row["steady_output_tokens_per_s"] is None  # these runs recorded no full-batch window
-
-
-def _row(
-    i: int, sent: float, ttft: float | None, e2e: float, tokens: int, outcome: str = "succeeded"
-) -> RequestRow:
-    return RequestRow(i, outcome, None, 100, tokens, sent, ttft, None, e2e)
-
-
-def test_the_full_batch_rate_leaves_out_the_ramp_and_the_drain() -> None:
-    """Two in flight: both sent at 0, full from 1 s (the later first token); the last send is at 11 s. Request
-    0 makes 11 tokens over 0.5-11 s (one at 0.5 s, ten evenly after); request 1 makes 21 over 1-6 s; request 2
-    (sent at 6 s) makes 11 over 6.5-16.5 s, of which its first and 45% of the rest fall by 11 s; request 3 (sent
-    at 11 s, cancelled in the drain) makes its first token at 12 s, outside."""
-    rows = [
-        _row(0, 0.0, 0.5, 11.0, 11),
-        _row(1, 0.0, 1.0, 6.0, 21),
-        _row(2, 6.0, 0.5, 10.5, 11),
-        _row(3, 11.0, 1.0, 3.0, 5, outcome="cancelled"),
-    ]
-    steady = steady_output_rate(rows, concurrency=2)
-    assert steady is not None and (steady["from_s"], steady["to_s"]) == (1.0, 11.0)
-    # request 0: its first token at 0.5 s is outside, 10 x (10 / 10.5) of the rest inside; request 1: all 21;
-    # request 2: 1 + 10 x (4.5 / 10)
-    expected = 10 * 10 / 10.5 + 21 + 1 + 10 * 4.5 / 10
-    assert steady["output_tokens_per_s"] == pytest.approx(expected / 10.0)
-    assert steady_output_rate(rows[:2], concurrency=2) is None  # last send at 0 s: no full window
-    assert steady_output_rate([_row(0, 0.0, None, 1.0, 0, "failed"), rows[1]], concurrency=2) is None
