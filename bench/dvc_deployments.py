@@ -39,6 +39,7 @@ STEP_SUMS = {"tandem_step_duration_seconds_sum": "step.sum", "tandem_step_durati
              "tandem_batch_size_sum": "batch_seqs", "tandem_batch_size_count": "steps",
              "tandem_prefill_tokens_total": "prefill_tokens",
              "tandem_engine_launch_misses_total": "launch_misses"}  # fmt: skip
+STEP_COUNTS = ("steps", "batch_seqs", "prefill_tokens")  # the sums a point reports per role and per worker
 # How late the router's event-loop probe woke up (router.loop_lag): "router.loop_lag".
 LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
@@ -277,18 +278,28 @@ class Server:
                     yield component, target, sample
 
 
-def worker_deltas(
+def target_deltas(
     before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, float]:
-    """Each running sum's increase over a point, added over the workers: a worker that joined counts from zero,
-    one that left (or restarted: a sum that went down) counts nothing, since what it did in the point is gone."""
-    out: dict[str, float] = {}
+) -> dict[str, dict[str, float]]:
+    """Each worker's running sums' increase over a point, by target: a worker that joined counts from zero, one
+    that left (or restarted: a sum that went down) is left out, since what it did in the point is gone."""
+    out: dict[str, dict[str, float]] = {}
     for target, sums in after.items():
         old = before.get(target, {})
         if any(value < old.get(key, 0.0) for key, value in sums.items()):
             continue
+        out[target] = {key: value - old.get(key, 0.0) for key, value in sums.items()}
+    return out
+
+
+def worker_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """target_deltas added over the workers."""
+    out: dict[str, float] = {}
+    for sums in target_deltas(before, after).values():
         for key, value in sums.items():
-            out[key] = out.get(key, 0.0) + value - old.get(key, 0.0)
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -307,7 +318,7 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
             phases[name] = delta.get(f"{name}.sum", 0.0) / count
     steps: dict[str, Any] = {
         role: {
-            **{name: delta.get(f"{role}.{name}", 0.0) for name in ("steps", "batch_seqs", "prefill_tokens")},
+            **{name: delta.get(f"{role}.{name}", 0.0) for name in STEP_COUNTS},
             "launch_waits": delta.get(f"{role}.launch_wait.count", 0.0),
             "launch_misses": delta.get(f"{role}.launch_misses", 0.0),
         }
@@ -325,19 +336,13 @@ def steps_by_worker(
     before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
 ) -> dict[str, dict]:
     """Each worker's engine steps, sequences in them and prompt tokens over a point ({target: {"role", "steps",
-    "batch_seqs", "prefill_tokens"}}), for workers present at both ends that stepped: how evenly the router
+    "batch_seqs", "prefill_tokens"}}), for the workers that stepped (target_deltas): how evenly the router
     spread the work over the replicas or pools."""
     out: dict[str, dict] = {}
-    for target, sums in sorted(after.items()):
-        old = before.get(target)
-        keys = [k for k in sums if k.endswith(".steps")]
-        if old is None or not keys:
-            continue
-        role = keys[0].removesuffix(".steps")
-        moved = {name: sums.get(f"{role}.{name}", 0.0) - old.get(f"{role}.{name}", 0.0)
-                 for name in ("steps", "batch_seqs", "prefill_tokens")}  # fmt: skip
-        if moved["steps"] > 0 and min(moved.values()) >= 0:
-            out[target] = {"role": role, **moved}
+    for target, sums in sorted(target_deltas(before, after).items()):
+        role = next((k.removesuffix(".steps") for k in sums if k.endswith(".steps")), None)
+        if role is not None and sums[f"{role}.steps"] > 0:
+            out[target] = {"role": role, **{name: sums.get(f"{role}.{name}", 0.0) for name in STEP_COUNTS}}
     return out
 
 
