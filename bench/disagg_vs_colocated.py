@@ -88,7 +88,14 @@ from bench.dvc_args import SETTLE_SEED_BLOCK, parse_args  # noqa: E402
 from bench.dvc_budget import Budget  # noqa: E402
 from bench.dvc_cpu import CpuMeter, cpu_line  # noqa: E402
 from bench.dvc_deployments import Server, kv_delta, pair_delta  # noqa: E402
-from bench.dvc_points import bench_point, drain_warning, handoff_line, point_record, steady_line, steps_line  # noqa: E402
+from bench.dvc_points import (  # noqa: E402
+    bench_point,
+    drain_warning,
+    full_batch_line,
+    handoff_line,
+    point_record,
+    steps_line,
+)
 from bench.dvc_summary import TARGET_SHARE, summarize  # noqa: E402
 from bench.dvc_workloads import (  # noqa: E402
     SMOKE_WORKLOADS,
@@ -181,7 +188,7 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             shares.append(report.goodput.share if report.goodput else 0.0)
             if closed:
                 print(f"[{label}] closed loop, {workload.concurrency} in flight, run {repeat + 1}/{args.repeats}: "
-                      f"{report.output_token_throughput:,.0f} output tokens/s{steady_line(point)}{steps_line(point)}",
+                      f"{report.output_token_throughput:,.0f} output tokens/s{full_batch_line(point)}{steps_line(point)}",
                       file=sys.stderr)  # fmt: skip
             else:
                 print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "

@@ -74,7 +74,7 @@ def handoff_line(point: dict) -> str:
     return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over} ({phases}){gap}"
 
 
-def steady_line(point: dict) -> str:
+def full_batch_line(point: dict) -> str:
     """The closed-loop line's rate while every slot was busy (the report's full_batch), "" without one."""
     full = point.get("full_batch")
     if not full:

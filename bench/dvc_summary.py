@@ -100,7 +100,7 @@ def summarize_closed_loop(name: str, runs: dict[str, dict]) -> dict:
         tokens = worst.get("output_token_throughput") or 0.0
         out[dep] = {"gpus": run["gpus"], "card": run["card"], "concurrency": run["workload_spec"]["concurrency"],
                     "output_tokens_per_s": tokens, "output_tokens_per_s_per_gpu": tokens / run["gpus"],
-                    "steady_output_tokens_per_s": (worst.get("full_batch") or {}).get("output_tokens_per_s"),
+                    "full_batch_output_tokens_per_s": (worst.get("full_batch") or {}).get("output_tokens_per_s"),
                     "runs": len(run["points"]), "gpu_s_per_1k_tokens": gpu_seconds_per_1k_tokens(worst, run["gpus"]),
                     "ttft_p90": worst["ttft"]["p90"], "tpot_p99": worst["tpot"]["p99"]}  # fmt: skip
     return out
@@ -331,10 +331,10 @@ def closed_loop_table(rows: list[dict]) -> str:
             continue
         for dep, r in row.items():
             if isinstance(r, dict) and "output_tokens_per_s" in r:
-                steady = r.get("steady_output_tokens_per_s")
+                full = r.get("full_batch_output_tokens_per_s")
                 lines.append(
                     f"| {row['workload']} | {dep} | {r['gpus']} | {r['concurrency']} | "
-                    f"{r['output_tokens_per_s']:,.0f} | {'-' if steady is None else f'{steady:,.0f}'} | "
+                    f"{r['output_tokens_per_s']:,.0f} | {'-' if full is None else f'{full:,.0f}'} | "
                     f"{r['output_tokens_per_s_per_gpu']:,.0f} | {r['ttft_p90'] * 1e3:.0f} / {r['tpot_p99'] * 1e3:.0f} |"
                 )
     if not lines:

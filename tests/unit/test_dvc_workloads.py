@@ -103,4 +103,4 @@ def test_the_batch_case_reports_its_worse_runs_output_tokens_per_second() -> Non
     row = out["colocated-4"]
     assert row["output_tokens_per_s"] == 25_000 and row["output_tokens_per_s_per_gpu"] == 6_250
     assert row["runs"] == 2 and "disagg" not in out
-    assert row["steady_output_tokens_per_s"] is None  # these runs recorded no full-batch window
+    assert row["full_batch_output_tokens_per_s"] is None  # these runs recorded no full-batch window
