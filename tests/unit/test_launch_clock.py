@@ -168,8 +168,9 @@ def test_a_prompt_that_arrives_during_the_wait_is_launched_at_once(tmp_path: Pat
         waits = loop.launch_waits
         time.sleep(0.05)
         t0 = time.perf_counter()
-        loop.call(lambda e: e.add_request("s", [9, 10, 11], params))
-        assert engine.launch_at() is None  # a prompt waits (or already ran): nothing to hold for
+        # On the loop thread, right after the prompt is added: it waits, so nothing is held for
+        held_at = loop.call(lambda e: (e.add_request("s", [9, 10, 11], params), e.launch_at())[1])
+        assert held_at is None
         outputs["s"].get(timeout=30)
         first_token_s = time.perf_counter() - t0
     finally:
