@@ -17,7 +17,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 # cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8", "fp8_group")
-FP8_DECODE_KERNELS = ("convert", "pairs", "e4m3_qk")  # device.fp8_decode
 # scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses)
 LATE_LAUNCH_MARGIN_S = 0.0015
 LATE_LAUNCH_MAX_MARGIN_S = 0.006
@@ -232,11 +231,10 @@ class DeviceConfig:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
-    # With an FP8 cache (cache.dtype fp8_e4m3), how the Triton decode kernel turns codes into float16 dot
-    # operands (FP8_DECODE_KERNELS; DecodeTuning.fp8_decode): convert (Triton's conversion, code by code),
-    # pairs (two codes a 16-bit load, placed by integer operations: attention.triton_decode_pairs) or e4m3_qk
-    # (the score dot on the codes themselves). No effect on a 16-bit cache or the torch backend.
-    fp8_decode: str = "convert"
+    # With an FP8 cache (cache.dtype fp8_e4m3): the Triton decode kernel's score dot on the e4m3 codes
+    # themselves, the query split in two e4m3 parts (attention.triton_decode, DecodeTuning.fp8_qk_dot); off:
+    # the codes are converted to float16 first. No effect on a 16-bit cache or the torch backend.
+    fp8_qk_dot: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -267,9 +265,9 @@ class DeviceConfig:
             f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
         )
         _require(
-            self.fp8_decode in FP8_DECODE_KERNELS,
-            "device.fp8_decode",
-            f"must be one of {', '.join(FP8_DECODE_KERNELS)}, got {self.fp8_decode!r}",
+            isinstance(self.fp8_qk_dot, bool),
+            "device.fp8_qk_dot",
+            f"must be true or false, got {self.fp8_qk_dot!r}",
         )
 
     def resolved_device(self) -> str:

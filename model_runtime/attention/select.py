@@ -18,10 +18,10 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def make_attention_backend(name: str, device: str, fp8_decode: str = "convert") -> AttentionBackend:
+def make_attention_backend(name: str, device: str, fp8_qk_dot: bool = False) -> AttentionBackend:
     """ "auto": Triton on CUDA when triton is installed, else the torch reference.
-    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise. `fp8_decode`:
-    DeviceConfig.fp8_decode, for the Triton decode kernel."""
+    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise. `fp8_qk_dot`:
+    DeviceConfig.fp8_qk_dot, for the Triton decode kernel."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(BACKEND_NAMES)}")
     on_cuda = device.startswith("cuda")
@@ -41,4 +41,4 @@ def make_attention_backend(name: str, device: str, fp8_decode: str = "convert") 
     from model_runtime.attention.decode_plan import DecodeTuning
     from model_runtime.attention.triton_backend import TritonAttention
 
-    return TritonAttention(tuning=DecodeTuning(fp8_decode=fp8_decode))
+    return TritonAttention(tuning=DecodeTuning(fp8_qk_dot=fp8_qk_dot))

@@ -21,10 +21,9 @@ e4m3 codes to float16 in one instruction, while bfloat16 takes a detour through 
 0.8x the bf16 one (H200, bench/results/fp8/attention_fp8_run1.json). Codes (|c| <= 448) and queries fit
 float16, whose 10-bit mantissa holds more than bfloat16's 7; the scaled probabilities are lifted by
 V_SCALE_LIFT (a power of two, undone on the output) so that small ones stay out of float16's subnormals.
-With DecodeTuning.fp8_decode "e4m3_qk" the score dot runs on the e4m3 codes themselves instead: the query, scaled per
+With DecodeTuning.fp8_qk_dot the score dot runs on the e4m3 codes themselves instead: the query, scaled per
 row into e4m3's range, is split into two e4m3 parts (a rounding and its lifted residual, Q_LO_LIFT) and each is
-dotted with the codes, so only V's codes are converted. With "pairs" an FP8 cache goes to the kernel of
-triton_decode_pairs instead, which reads two codes a 16-bit word and places their bits into float16 values.
+dotted with the codes, so only V's codes are converted.
 
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
 from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
@@ -40,14 +39,13 @@ import triton
 import triton.language as tl
 
 from model_runtime.attention.decode_plan import DecodeScratch, DecodeTuning, DecodeWorkspace
-from model_runtime.attention.triton_decode_pairs import _decode_pairs_kernel
 from model_runtime.attention.triton_store import check_scale_pages
 
 MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
 # p * v_scale runs in float16: v_scale is max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products
 # would often fall below float16's smallest normal (6e-5). 2^8 lifts them; a v_scale up to 255 (|v| ~ 1e5) fits.
 V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
-# e4m3_qk: q / q_scale rounds to an e4m3 part and a residual of at most half its step (16 at |q| <= 448); the
+# fp8_qk_dot: q / q_scale rounds to an e4m3 part and a residual of at most half its step (16 at |q| <= 448); the
 # residual times 2^4 stays within e4m3's range (<= 256) and keeps its own 3-bit significand, so the two parts
 # carry about 7 bits of the query, as bfloat16 does.
 Q_LO_LIFT: tl.constexpr = tl.constexpr(16.0)
@@ -281,10 +279,9 @@ def decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
     tuning = tuning or DecodeTuning()
-    launch = _launch_segments
-    if kv_scale is not None and _pairs(tuning, k_cache, head_dim):
-        launch = _launch_pairs
-    launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, scratch, num_segments, tuning, kv_scale)
+    _launch_segments(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, scratch, num_segments, tuning, kv_scale
+    )
     if num_segments > 1:
         _launch_reduce(scratch, out, num_segments)
     return out
@@ -334,47 +331,6 @@ def _launch_segments(
     # fmt: on
 
 
-def _launch_pairs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    scratch: DecodeScratch,
-    num_segments: int,
-    tuning: DecodeTuning,
-    kv_scale: torch.Tensor | None,
-) -> None:
-    """The FP8 kernel reading codes as 16-bit words (triton_decode_pairs); strides in words."""
-    assert kv_scale is not None  # decode_attention sends only FP8 caches here
-    num_seqs, num_heads, head_dim = q.shape
-    kw, vw = k_cache.view(torch.int16), v_cache.view(torch.int16)
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    po, pl = scratch.partial_out, scratch.partial_lse
-    tile_n = tuning.fp8_tile_n
-    # fmt: off
-    _decode_pairs_kernel[(num_seqs, num_kv_heads, num_segments)](
-        q, kw, vw, block_tables, seq_lens, po, pl, out,
-        kv_scale[0], kv_scale[1], scale * math.log2(math.e),
-        q.stride(0), q.stride(1),
-        kw.stride(0), kw.stride(1), kw.stride(2),
-        vw.stride(0), vw.stride(1), vw.stride(2),
-        kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3), block_tables.stride(0),
-        po.stride(0), po.stride(1), po.stride(2),
-        pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
-        HALF_D=head_dim // 2, BLOCK_H=_block_d(head_dim // 2),
-        PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments,
-        ALIGNED=tile_n % k_cache.shape[1] == 0,
-        num_warps=tuning.num_warps, num_stages=tuning.fp8_num_stages,
-    )
-    # fmt: on
-
-
 def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int) -> None:
     num_seqs, num_heads, head_dim = out.shape
     po, pl = scratch.partial_out, scratch.partial_lse
@@ -389,15 +345,10 @@ def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int)
     # fmt: on
 
 
-def _pairs(tuning: DecodeTuning, k_cache: torch.Tensor, head_dim: int) -> bool:
-    """fp8_decode "pairs" applies to e4m3 code pages with an even head dim (whole 16-bit words a row)."""
-    return tuning.fp8_decode == "pairs" and k_cache.dtype == torch.float8_e4m3fn and head_dim % 2 == 0
-
-
 def _qk_fp8(tuning: DecodeTuning, k_cache: torch.Tensor, kv_scale: torch.Tensor | None, head_dim: int) -> bool:
-    """fp8_decode "e4m3_qk" applies to e4m3 code pages and a head dim that e4m3 tensor-core dots take (K >= 32)."""
+    """fp8_qk_dot applies to e4m3 code pages and a head dim that e4m3 tensor-core dots take (K >= 32)."""
     return (
-        tuning.fp8_decode == "e4m3_qk"
+        tuning.fp8_qk_dot
         and kv_scale is not None
         and k_cache.dtype == torch.float8_e4m3fn
         and _block_d(head_dim) >= 32

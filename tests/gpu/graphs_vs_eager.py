@@ -15,24 +15,15 @@ MAX_TOKENS = 24
 
 
 def graphs_and_eager_tokens(
-    tmp_path: Path,
-    cache: CacheConfig,
-    quantization: str,
-    check: Callable[[Engine], None],
-    fp8_decode: str = "convert",
+    tmp_path: Path, cache: CacheConfig, quantization: str, check: Callable[[Engine], None]
 ) -> list[dict[str, list[int]]]:
     """[graph run's tokens, eager run's tokens] by request; `check` inspects each engine before it runs."""
     path = str(write_tiny_hf(tmp_path, "llama"))
-    return [engine_tokens(path, cache, quantization, eager, check, fp8_decode) for eager in (False, True)]
+    return [engine_tokens(path, cache, quantization, eager, check) for eager in (False, True)]
 
 
 def engine_tokens(
-    path: str,
-    cache: CacheConfig,
-    quantization: str,
-    eager: bool,
-    prepare: Callable[[Engine], None],
-    fp8_decode: str = "convert",
+    path: str, cache: CacheConfig, quantization: str, eager: bool, prepare: Callable[[Engine], None]
 ) -> dict[str, list[int]]:
     """The greedy tokens of the model at `path` by request; `prepare` sees (and may change) the engine first."""
     prompts = [[(7 * i + j) % 90 + 5 for i in range(11 + 5 * j)] for j in range(4)]
@@ -41,13 +32,7 @@ def engine_tokens(
         model=path,
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
-        device=DeviceConfig(
-            device="cuda",
-            dtype="bfloat16",
-            enforce_eager=eager,
-            quantization=quantization,
-            fp8_decode=fp8_decode,
-        ),
+        device=DeviceConfig(device="cuda", dtype="bfloat16", enforce_eager=eager, quantization=quantization),
     )
     engine = Engine(config, emit_text=False)
     try:

@@ -47,11 +47,11 @@ def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
 
 @pytest.mark.parametrize("segments", [1, 8])
 @pytest.mark.parametrize("v_magnitude", [1.0, 1e-3])
-@pytest.mark.parametrize("kernel", ["convert", "pairs", "e4m3_qk"])
-def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, kernel: str) -> None:
+@pytest.mark.parametrize("qk_dot", [False, True], ids=["fp16-dots", "e4m3-qk"])
+def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, qk_dot: bool) -> None:
     """Against the reference reading the same codes; values of 1e-3 (scales near 2e-6) check that the scaled
-    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT), for each way the kernel turns
-    codes into dot operands (DecodeTuning.fp8_decode)."""
+    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT). "e4m3-qk": the score dot on
+    the codes themselves (DecodeTuning.fp8_qk_dot)."""
     from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
     from model_runtime.attention.triton_decode import decode_attention
 
@@ -61,7 +61,7 @@ def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, kern
     out = torch.full_like(q, float("nan"))
     decode_attention(
         q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments,
-        DecodeTuning(fp8_decode=kernel), kv_scale=scales,
+        DecodeTuning(fp8_qk_dot=qk_dot), kv_scale=scales,
     )  # fmt: skip
     safe = make_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
     ref = paged_attention_ref(q.float(), kc, vc, safe, 0.088, scales)
@@ -85,15 +85,13 @@ def test_a_mixed_step_over_cached_prefixes_matches_the_reference() -> None:
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("kernel", ["convert", "pairs"])
-def test_an_fp8_cache_engine_decodes_the_same_in_cuda_graphs_as_eager(tmp_path, kernel: str) -> None:
+def test_an_fp8_cache_engine_decodes_the_same_in_cuda_graphs_as_eager(tmp_path) -> None:
     def check(engine: Engine) -> None:
         runner = engine.runner
         assert runner.kv_pages.dtype == torch.float8_e4m3fn and runner.kv_scales is not None
         assert runner.kv_pages.data_ptr() == runner.kv_cache.data_ptr()
-        assert runner.model.layers[0].attn.backend.tuning.fp8_decode == kernel
 
     graphs, eager = graphs_and_eager_tokens(
-        tmp_path, CacheConfig(num_blocks=512, dtype="fp8_e4m3"), "none", check, fp8_decode=kernel
+        tmp_path, CacheConfig(num_blocks=512, dtype="fp8_e4m3"), "none", check
     )
     assert graphs == eager

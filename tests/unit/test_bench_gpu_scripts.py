@@ -188,19 +188,12 @@ def test_versus_bf16_goals_and_an_unknown_variant():
     names = [v.name for v in offline_variants.parse_variants("fp8, fp8-weights,bf16,fp8")]
     assert names == ["bf16", "fp8-weights", "fp8"]
     qk = offline_variants.VARIANTS["fp8-qk"]  # fp8 with the decode kernel's score dot on the codes
-    assert (qk.quantization, qk.cache_dtype, qk.fp8_decode, fp8.fp8_decode) == (
-        "fp8",
-        "fp8_e4m3",
-        "e4m3_qk",
-        "convert",
-    )
-    pairs = offline_variants.VARIANTS["fp8-pairs-ahead"]  # the decode kernel reading codes two at a time
-    assert (pairs.fp8_decode, pairs.ahead, pairs.full_fp8) == ("pairs", True, True)
+    assert (qk.quantization, qk.cache_dtype, qk.qk_dot, fp8.qk_dot) == ("fp8", "fp8_e4m3", True, False)
     assert qk.cost(load_model_config(resolve_model("dummy:llama-3-8b")), 2) == fp8.cost(
         load_model_config(resolve_model("dummy:llama-3-8b")), 2
     )  # same bytes: only the kernel's arithmetic differs
     both = offline_variants.VARIANTS["fp8-qk-ahead"]  # FP8 weights and KV: the goals apply
-    assert (both.fp8_decode, both.ahead) == ("e4m3_qk", True)
+    assert (both.qk_dot, both.ahead) == (True, True)
     assert offline_variants.versus_bf16(both, "128/128", 16960.0, rows).fp8_goal_tok_s == 21200.0
     with pytest.raises(SystemExit, match=r"--variants: unknown 'fp4'.*bf16, fp8-weights, fp8-kv, fp8"):
         offline_throughput.main(["--smoke", "--variants", "bf16,fp4"])

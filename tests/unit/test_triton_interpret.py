@@ -27,7 +27,7 @@ TOL = 1e-4  # fp32 interpreter: numpy matmuls, so only summation-order differenc
 # The FP8-cache decode kernel's dots run in float16 (triton_decode says why): its queries and scaled probabilities
 # round to float16's 11-bit significand (2^-11 relative), the rest is exact.
 TOL_FP8_DECODE = 2e-3
-# ... and with fp8_decode "e4m3_qk" the query reaches the score dot as two e4m3 parts, about 7 significant bits (2^-8
+# ... and with fp8_qk_dot the query reaches the score dot as two e4m3 parts, about 7 significant bits (2^-8
 # relative, as bfloat16), so the scores carry about 8x float16's rounding.
 TOL_FP8_QK = 4e-3
 
@@ -216,7 +216,7 @@ def _decode_case(
     segments: int = 4,
     tile_n: int = 16,
     fp8: bool = False,
-    kernel: str = "convert",
+    qk_fp8: bool = False,
 ) -> Callable[[], tuple[bool, str]]:
     def run() -> tuple[bool, str]:
         from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
@@ -240,26 +240,21 @@ def _decode_case(
             out,
             DecodeWorkspace(),
             segments,
-            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n, fp8_decode=kernel),
+            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n, fp8_qk_dot=qk_fp8),
             scales,
         )
         live = [s > 0 for s in seq_lens]
         safe = _meta(
             [max(1, s) for s in seq_lens], [1] * len(seq_lens), meta.block_tables, [0] * len(seq_lens)
         )
-        return _compare(out, paged_attention_ref(q, kc, vc, safe, 0.3, scales), live, _tol(fp8, kernel))
+        tol = TOL_FP8_QK if qk_fp8 else TOL_FP8_DECODE if fp8 else TOL
+        return _compare(out, paged_attention_ref(q, kc, vc, safe, 0.3, scales), live, tol)
 
     return run
 
 
-def _tol(fp8: bool, kernel: str) -> float:
-    if not fp8:
-        return TOL
-    return TOL_FP8_QK if kernel == "e4m3_qk" else TOL_FP8_DECODE
-
-
 def _backend_case(
-    seq_lens: list[int], query_lens: list[int], fp8: bool = False, kernel: str = "convert"
+    seq_lens: list[int], query_lens: list[int], fp8: bool = False, qk_fp8: bool = False
 ) -> Callable[[], tuple[bool, str]]:
     """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs. With an
     FP8 cache the Triton prefill of a fresh prompt attends to its own unquantized rows where the torch
@@ -275,21 +270,22 @@ def _backend_case(
             kc, vc, scales = _fp8_caches(kc, vc)
             k, v = _on_grid(k), _on_grid(v)
             ref_scales = scales.clone()
-        backend = make_attention_backend("triton", "cpu", fp8_decode=kernel)  # DeviceConfig.fp8_decode
+        backend = make_attention_backend("triton", "cpu", fp8_qk_dot=qk_fp8)  # DeviceConfig.fp8_qk_dot
         ref_kc, ref_vc = kc.clone(), vc.clone()
         ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, ref_scales)
         out = backend.forward(q, k, v, kc, vc, meta, 0.25, scales)
         live = [s > 0 for s, n in zip(seq_lens, query_lens) for _ in range(n)]
-        ok, detail = _compare(out, torch.nan_to_num(ref), live, _tol(fp8, kernel))
+        tol = TOL_FP8_QK if qk_fp8 else TOL_FP8_DECODE if fp8 else TOL
+        ok, detail = _compare(out, torch.nan_to_num(ref), live, tol)
         caches = (
             torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8))
             and torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))
             and (scales is None or torch.equal(scales, ref_scales))
         )
-        chosen = backend.tuning.fp8_decode
+        qk = backend.tuning.fp8_qk_dot
         return (
-            ok and caches and chosen == kernel,
-            f"{detail} caches_equal={caches} backend={backend.name} fp8_decode={chosen}",
+            ok and caches and qk == qk_fp8,
+            f"{detail} caches_equal={caches} backend={backend.name} qk_dot={qk}",
         )
 
     return run
@@ -327,46 +323,6 @@ def _case_e4m3_grid() -> tuple[bool, str]:
     return ok, f"mismatches {int((out != ref).sum())} (ties {int((tie & (out != ref)).sum())})"
 
 
-def _pairs_kernel():
-    """A one-program kernel writing _e4m3_pairs of 16-bit words (see _grid_kernel on why the global)."""
-    global _e4m3_pairs
-    import triton
-    import triton.language as tl
-
-    from model_runtime.attention.triton_decode_pairs import _e4m3_pairs
-
-    @triton.jit
-    def pairs_kernel(words_ptr, low_ptr, high_ptr, N: tl.constexpr):
-        i = tl.arange(0, N)
-        low, high = _e4m3_pairs(tl.load(words_ptr + i))
-        tl.store(low_ptr + i, low)
-        tl.store(high_ptr + i, high)
-
-    return pairs_kernel
-
-
-def _case_e4m3_pairs() -> tuple[bool, str]:
-    """Every e4m3 code but NaN, in both bytes of a word, read by triton_decode_pairs._e4m3_pairs: the value is
-    torch's reading of the code / 2^8, exactly (subnormals, zeros and the sign included)."""
-    codes = torch.arange(256, dtype=torch.int32)
-    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaN, never stored
-    low, high = torch.meshgrid(codes, codes, indexing="ij")
-    words = (low | (high << 8)).flatten().to(torch.int32)
-    words = torch.where(words >= 2**15, words - 2**16, words).to(torch.int16)
-    n = words.numel()
-    padded = 1 << (n - 1).bit_length()
-    words = torch.cat([words, torch.zeros(padded - n, dtype=torch.int16)])
-    got_low = torch.empty(padded, dtype=torch.float16)
-    got_high = torch.empty(padded, dtype=torch.float16)
-    _pairs_kernel()[(1,)](words, got_low, got_high, N=padded)
-    as_bytes = words.view(torch.uint8).view(-1, 2)  # little-endian: [low byte, high byte]
-    want = as_bytes.view(torch.float8_e4m3fn).float() / 256.0
-    ok_low = torch.equal(got_low[:n].float(), want[:n, 0])
-    ok_high = torch.equal(got_high[:n].float(), want[:n, 1])
-    signs = torch.equal(got_low[:n].float().signbit(), want[:n, 0].signbit())
-    return ok_low and ok_high and signs, f"low exact {ok_low}, high exact {ok_high}, signs {signs}, {n} words"
-
-
 CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "store_skips_padding_slots": _case_store,
     "decode_b1_gqa1_block4": _decode_case(1, [13], 1, 4),
@@ -385,32 +341,16 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "decode_fp8_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True),
     "decode_fp8_one_segment_padded": _decode_case(5, [23, 0, 70], 4, 8, segments=1, fp8=True),
     "e4m3_grid_rounds_as_torch": _case_e4m3_grid,
-    "decode_fp8_qk_dot_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True, kernel="e4m3_qk"),
+    "decode_fp8_qk_dot_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True, qk_fp8=True),
     "decode_fp8_qk_dot_gqa4_one_segment": _decode_case(
-        5, [23, 0, 70], 4, 8, segments=1, fp8=True, kernel="e4m3_qk"
+        5, [23, 0, 70], 4, 8, segments=1, fp8=True, qk_fp8=True
     ),
     "decode_fp8_qk_dot_pages_longer_than_tiles": _decode_case(
-        8, [45, 9], 2, 32, tile_n=16, fp8=True, kernel="e4m3_qk"
+        8, [45, 9], 2, 32, tile_n=16, fp8=True, qk_fp8=True
     ),
-    "decode_fp8_pairs_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True, kernel="pairs"),
-    "decode_fp8_pairs_gqa4_one_segment": _decode_case(
-        5, [23, 0, 70], 4, 8, segments=1, fp8=True, kernel="pairs"
-    ),
-    "decode_fp8_pairs_pages_longer_than_tiles": _decode_case(
-        8, [45, 9], 2, 32, tile_n=16, fp8=True, kernel="pairs"
-    ),
-    "decode_fp8_pairs_head_dim_40_many_segments": _decode_case(
-        6, [300, 45, 0], 2, 16, head_dim=40, segments=16, tile_n=32, fp8=True, kernel="pairs"
-    ),
-    "fp8_pairs_read_every_code_as_torch": _case_e4m3_pairs,
     "backend_fp8_decode_only": _backend_case([9, 0, 21], [1, 1, 1], fp8=True),
     "backend_fp8_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2], fp8=True),
-    "backend_fp8_qk_dot_from_the_device_config": _backend_case(
-        [9, 0, 21], [1, 1, 1], fp8=True, kernel="e4m3_qk"
-    ),
-    "backend_fp8_pairs_from_the_device_config": _backend_case(
-        [9, 0, 21], [1, 1, 1], fp8=True, kernel="pairs"
-    ),
+    "backend_fp8_qk_dot_from_the_device_config": _backend_case([9, 0, 21], [1, 1, 1], fp8=True, qk_fp8=True),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
 }
 
