@@ -40,9 +40,8 @@ from model_runtime.kv_quant import fp8_pages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-# bf16, or e4m3 codes + per-token-head scales; fp8qk: the same FP8 pool, its score dot on the codes themselves
-# (DecodeTuning.fp8_qk_dot); fp8raw: an ablation
-KV_DTYPES = ("bf16", "fp8", "fp8qk", "fp8raw")
+# bf16, or e4m3 codes + per-token-head scales; fp8raw: an ablation
+KV_DTYPES = ("bf16", "fp8", "fp8raw")
 SCALE = HEAD_DIM**-0.5
 CHECK_SEQS = 4
 TOL = 1e-2
@@ -180,7 +179,7 @@ def bench_one(
 ) -> Row:
     if kv_dtype == "fp8raw":
         return bench_raw_codes(batch, context, bw_gbps, args, gen)
-    fp8 = kv_dtype in ("fp8", "fp8qk")
+    fp8 = kv_dtype == "fp8"
     q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, fp8=fp8)
     tuning = DecodeTuning(
         tile_n=args.tile_n,
@@ -188,7 +187,6 @@ def bench_one(
         num_stages=args.num_stages,
         fp8_tile_n=args.fp8_tile_n,
         fp8_num_stages=args.fp8_num_stages,
-        fp8_qk_dot=kv_dtype == "fp8qk",
     )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -270,8 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-dtypes",
         default="bf16",
-        help="bf16, fp8, or both (bf16,fp8); fp8qk: fp8 with the score dot on the codes (DecodeTuning.fp8_qk_dot); "
-        "fp8raw: an ablation reading the FP8 codes as float16 pairs",
+        help="bf16, fp8, or both (bf16,fp8); fp8raw: an ablation reading the FP8 codes as float16 pairs",
     )
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<gpu>.json)")
     args = parser.parse_args()

@@ -329,14 +329,13 @@ def build_engine(
     prefix_caching: bool = False,
     quantization: str = "none",
     cache_dtype: str | None = None,
-    fp8_qk_dot: bool = False,
     num_blocks: int | None = None,
     prefill_graph_tokens: int | None = None,
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
     work); the cache size comes from the engine's memory planner unless `num_blocks` sets it. Token ids out, no
     text (emit_text=False), as the prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
-    are device.quantization and cache.dtype (None: the model dtype), `fp8_qk_dot` device.fp8_qk_dot,
+    are device.quantization and cache.dtype (None: the model dtype),
     `prefill_graph_tokens` device.prefill_graph_tokens (None: its default)."""
     graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
     log(
@@ -351,8 +350,7 @@ def build_engine(
         num_blocks=num_blocks,
     )
     device = DeviceConfig(
-        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization,
-        fp8_qk_dot=fp8_qk_dot,
+        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization
     )  # fmt: skip
     if prefill_graph_tokens is not None:
         device = dataclasses.replace(device, prefill_graph_tokens=prefill_graph_tokens)

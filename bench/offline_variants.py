@@ -6,7 +6,6 @@ ceiling counts, and how its rows compare with the bf16 rows of the same run (iss
     fp8-weights   fp8                  model dtype   projections 1 byte an element + a float32 scale a row
     fp8-kv        none                 fp8_e4m3      K and V 1 byte an element
     fp8           fp8                  fp8_e4m3      both
-    fp8-qk        fp8                  fp8_e4m3      both; the decode kernel's score dot on the codes (fp8_qk_dot)
     *-ahead       as without           as without    the same; steps scheduled ahead (scheduler.async_scheduling)
 
 "bf16" is the model dtype: bfloat16 on a GPU, float32 in the CPU smoke. Embeddings, norms and lm_head stay in
@@ -36,7 +35,6 @@ class Variant:
     quantization: str  # device.quantization
     cache_dtype: str | None  # cache.dtype; None: the model dtype
     ahead: bool = False  # scheduler.async_scheduling: the next step launched before this one's tokens return
-    qk_dot: bool = False  # device.fp8_qk_dot: the FP8 decode kernel's score dot on the e4m3 codes
 
     @property
     def baseline(self) -> bool:
@@ -62,8 +60,7 @@ class Variant:
             self.quantization, model_dtype
         )
         steps = ", steps scheduled ahead" if self.ahead else ""
-        dot = ", score dot on the e4m3 codes" if self.qk_dot else ""
-        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}{dot}{steps}"
+        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}{steps}"
 
 
 VARIANTS = {
@@ -76,8 +73,6 @@ VARIANTS = {
         Variant("fp8-group", "fp8_group", "fp8_e4m3"),  # the quality goal's configuration (1% perplexity)
         Variant("bf16-ahead", "none", None, ahead=True),
         Variant("fp8-ahead", "fp8", "fp8_e4m3", ahead=True),
-        Variant("fp8-qk", "fp8", "fp8_e4m3", qk_dot=True),
-        Variant("fp8-qk-ahead", "fp8", "fp8_e4m3", ahead=True, qk_dot=True),
     )
 }
 BF16 = VARIANTS["bf16"]

@@ -231,10 +231,6 @@ class DeviceConfig:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
-    # With an FP8 cache (cache.dtype fp8_e4m3): the Triton decode kernel's score dot on the e4m3 codes
-    # themselves, the query split in two e4m3 parts (attention.triton_decode, DecodeTuning.fp8_qk_dot); off:
-    # the codes are converted to float16 first. No effect on a 16-bit cache or the torch backend.
-    fp8_qk_dot: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -263,11 +259,6 @@ class DeviceConfig:
             self.quantization in QUANTIZATIONS,
             "device.quantization",
             f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
-        )
-        _require(
-            isinstance(self.fp8_qk_dot, bool),
-            "device.fp8_qk_dot",
-            f"must be true or false, got {self.fp8_qk_dot!r}",
         )
 
     def resolved_device(self) -> str:

@@ -91,10 +91,6 @@ class DecodeTuning:
     num_stages: int = 2
     fp8_tile_n: int = 128
     fp8_num_stages: int = 3
-    # An FP8 cache's q . k on e4m3 tensor cores (the query split in two e4m3 parts, Q_LO_LIFT), so that only V's
-    # codes are converted: the conversions, not the bytes, bound the FP8 kernel (about 2.3 T elements/s where
-    # reading the same codes as float16 pairs runs at 94% of the roofline). Off until measured on a GPU.
-    fp8_qk_dot: bool = False
 
     def __post_init__(self) -> None:
         for name, tile in (("tile_n", self.tile_n), ("fp8_tile_n", self.fp8_tile_n)):

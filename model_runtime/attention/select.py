@@ -18,10 +18,9 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def make_attention_backend(name: str, device: str, fp8_qk_dot: bool = False) -> AttentionBackend:
+def make_attention_backend(name: str, device: str) -> AttentionBackend:
     """ "auto": Triton on CUDA when triton is installed, else the torch reference.
-    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise. `fp8_qk_dot`:
-    DeviceConfig.fp8_qk_dot, for the Triton decode kernel."""
+    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(BACKEND_NAMES)}")
     on_cuda = device.startswith("cuda")
@@ -38,7 +37,6 @@ def make_attention_backend(name: str, device: str, fp8_qk_dot: bool = False) -> 
             f"attention_backend: 'triton' runs on CUDA devices, got device {device!r} "
             "(set TRITON_INTERPRET=1 to run its kernels on the CPU for testing)"
         )
-    from model_runtime.attention.decode_plan import DecodeTuning
     from model_runtime.attention.triton_backend import TritonAttention
 
-    return TritonAttention(tuning=DecodeTuning(fp8_qk_dot=fp8_qk_dot))
+    return TritonAttention()

@@ -21,9 +21,6 @@ e4m3 codes to float16 in one instruction, while bfloat16 takes a detour through 
 0.8x the bf16 one (H200, bench/results/fp8/attention_fp8_run1.json). Codes (|c| <= 448) and queries fit
 float16, whose 10-bit mantissa holds more than bfloat16's 7; the scaled probabilities are lifted by
 V_SCALE_LIFT (a power of two, undone on the output) so that small ones stay out of float16's subnormals.
-With DecodeTuning.fp8_qk_dot the score dot runs on the e4m3 codes themselves instead: the query, scaled per
-row into e4m3's range, is split into two e4m3 parts (a rounding and its lifted residual, Q_LO_LIFT) and each is
-dotted with the codes, so only V's codes are converted.
 
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
 from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
@@ -45,10 +42,6 @@ MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is p
 # p * v_scale runs in float16: v_scale is max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products
 # would often fall below float16's smallest normal (6e-5). 2^8 lifts them; a v_scale up to 255 (|v| ~ 1e5) fits.
 V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
-# fp8_qk_dot: q / q_scale rounds to an e4m3 part and a residual of at most half its step (16 at |q| <= 448); the
-# residual times 2^4 stays within e4m3's range (<= 256) and keeps its own 3-bit significand, so the two parts
-# carry about 7 bits of the query, as bfloat16 does.
-Q_LO_LIFT: tl.constexpr = tl.constexpr(16.0)
 
 
 @triton.jit
@@ -58,19 +51,6 @@ def _load_tokens(cache_ptr, block, in_page, kv_head, d, mask, stride_n, stride_b
         cache_ptr + block[:, None] * stride_n + in_page[:, None] * stride_b + kv_head * stride_h + d[None, :]
     )
     return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _e4m3_grid(x):
-    """x (float32, |x| <= 448) rounded to the nearest e4m3 value (ties away from zero), still float32: its
-    conversion to e4m3 is then exact. Rounding here rather than in the conversion keeps the result the same on a
-    GPU and in Triton's interpreter, whose float32 -> e4m3 conversion drops the carry into the exponent (31.6
-    became 16)."""
-    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased; 3 mantissa bits below it, -9 at least
-    step_exponent = tl.maximum(exponent - 3, 127 - 9)
-    step = (step_exponent << 23).to(tl.float32, bitcast=True)
-    y = x / step
-    return tl.where(y < 0.0, -tl.floor(0.5 - y), tl.floor(y + 0.5)) * step
 
 
 # The block table's row stride is its width: max_model_len's blocks in the CUDA graphs, the step's longest
@@ -86,7 +66,7 @@ def _decode_segment_kernel(
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr, ALIGNED: tl.constexpr, QK_FP8: tl.constexpr,
+    QUANTIZED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # fmt: on
     seq = tl.program_id(0)
@@ -100,15 +80,6 @@ def _decode_segment_kernel(
     d = tl.arange(0, BLOCK_D)
     out_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
-    if QK_FP8:  # the query in two e4m3 parts, scaled per row, so that q . k runs on the codes as they are
-        qf = q.to(tl.float32)
-        q_amax = tl.max(tl.abs(qf), 1)
-        q_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
-        qn = tl.clamp(qf / q_scale[:, None], -448.0, 448.0)  # the division can land a hair past 448
-        hi = _e4m3_grid(qn)
-        q_hi = hi.to(tl.float8e4nv)
-        q_lo = _e4m3_grid((qn - hi) * Q_LO_LIFT).to(tl.float8e4nv)
-        q_row_scale = q_scale * scale_log2
     if QUANTIZED:
         q = q.to(tl.float16)  # and k, p, v follow q's dtype below
 
@@ -138,11 +109,7 @@ def _decode_segment_kernel(
             k = tl.load(k_cache_ptr + (block * stride_kn)[:, None] + k_offs, mask=kv_mask, other=0.0)
         else:
             k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
-        if QK_FP8:
-            s = tl.dot(q_hi, tl.trans(k)) + tl.dot(q_lo, tl.trans(k)) * (1.0 / Q_LO_LIFT)
-            s = s * q_row_scale[:, None]
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         if QUANTIZED:
             scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
             s = s * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
@@ -325,7 +292,6 @@ def _launch_segments(
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
         QUANTIZED=kv_scale is not None, ALIGNED=tile_n % k_cache.shape[1] == 0,
-        QK_FP8=_qk_fp8(tuning, k_cache, kv_scale, head_dim),
         num_warps=tuning.num_warps, num_stages=stages,
     )
     # fmt: on
@@ -343,16 +309,6 @@ def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int)
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SEGMENTS=num_segments,
     )
     # fmt: on
-
-
-def _qk_fp8(tuning: DecodeTuning, k_cache: torch.Tensor, kv_scale: torch.Tensor | None, head_dim: int) -> bool:
-    """fp8_qk_dot applies to e4m3 code pages and a head dim that e4m3 tensor-core dots take (K >= 32)."""
-    return (
-        tuning.fp8_qk_dot
-        and kv_scale is not None
-        and k_cache.dtype == torch.float8_e4m3fn
-        and _block_d(head_dim) >= 32
-    )
 
 
 def _block_d(head_dim: int) -> int:

@@ -47,11 +47,9 @@ def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
 
 @pytest.mark.parametrize("segments", [1, 8])
 @pytest.mark.parametrize("v_magnitude", [1.0, 1e-3])
-@pytest.mark.parametrize("qk_dot", [False, True], ids=["fp16-dots", "e4m3-qk"])
-def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, qk_dot: bool) -> None:
+def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float) -> None:
     """Against the reference reading the same codes; values of 1e-3 (scales near 2e-6) check that the scaled
-    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT). "e4m3-qk": the score dot on
-    the codes themselves (DecodeTuning.fp8_qk_dot)."""
+    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT)."""
     from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
     from model_runtime.attention.triton_decode import decode_attention
 
@@ -61,7 +59,7 @@ def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float, qk_d
     out = torch.full_like(q, float("nan"))
     decode_attention(
         q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments,
-        DecodeTuning(fp8_qk_dot=qk_dot), kv_scale=scales,
+        DecodeTuning(), kv_scale=scales,
     )  # fmt: skip
     safe = make_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
     ref = paged_attention_ref(q.float(), kc, vc, safe, 0.088, scales)

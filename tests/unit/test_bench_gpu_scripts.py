@@ -187,14 +187,12 @@ def test_versus_bf16_goals_and_an_unknown_variant():
     assert offline_variants.versus_bf16(kv, "128/128", 12000.0, cut).speedup_vs_bf16 is None
     names = [v.name for v in offline_variants.parse_variants("fp8, fp8-weights,bf16,fp8")]
     assert names == ["bf16", "fp8-weights", "fp8"]
-    qk = offline_variants.VARIANTS["fp8-qk"]  # fp8 with the decode kernel's score dot on the codes
-    assert (qk.quantization, qk.cache_dtype, qk.qk_dot, fp8.qk_dot) == ("fp8", "fp8_e4m3", True, False)
-    assert qk.cost(load_model_config(resolve_model("dummy:llama-3-8b")), 2) == fp8.cost(
+    ahead = offline_variants.VARIANTS["fp8-ahead"]  # FP8 weights and KV, steps ahead: the goals apply
+    assert (ahead.quantization, ahead.cache_dtype, ahead.ahead, fp8.ahead) == ("fp8", "fp8_e4m3", True, False)
+    assert ahead.cost(load_model_config(resolve_model("dummy:llama-3-8b")), 2) == fp8.cost(
         load_model_config(resolve_model("dummy:llama-3-8b")), 2
-    )  # same bytes: only the kernel's arithmetic differs
-    both = offline_variants.VARIANTS["fp8-qk-ahead"]  # FP8 weights and KV: the goals apply
-    assert (both.qk_dot, both.ahead) == (True, True)
-    assert offline_variants.versus_bf16(both, "128/128", 16960.0, rows).fp8_goal_tok_s == 21200.0
+    )  # same bytes: only the scheduling differs
+    assert offline_variants.versus_bf16(ahead, "128/128", 16960.0, rows).fp8_goal_tok_s == 21200.0
     with pytest.raises(SystemExit, match=r"--variants: unknown 'fp4'.*bf16, fp8-weights, fp8-kv, fp8"):
         offline_throughput.main(["--smoke", "--variants", "bf16,fp4"])
 

@@ -158,15 +158,3 @@ def test_the_step_record_decodes_to_the_batch_it_encodes() -> None:
                 assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), field.name
             else:
                 assert ours == theirs, field.name
-
-
-def test_the_fp8_score_dot_is_a_device_setting_and_off_by_default() -> None:
-    """device.fp8_qk_dot reaches the engine config from a deploy config (the Triton decode kernel's variant,
-    attention.triton_decode; tests/unit/test_triton_interpret.py checks what it computes)."""
-    assert EngineConfig.from_dict({}).device.fp8_qk_dot is False
-    engine = EngineConfig.from_dict({"device": {"fp8_qk_dot": True}, "cache": {"dtype": "fp8_e4m3"}})
-    assert engine.device.fp8_qk_dot is True
-    with pytest.raises(ConfigError, match=r"^engine\.device\.fp8_qk_dt: unknown key"):
-        EngineConfig.from_dict({"device": {"fp8_qk_dt": True}})
-    with pytest.raises(ConfigError, match=r"device\.fp8_qk_dot: must be true or false, got 'yes'"):
-        EngineConfig.from_dict({"device": {"fp8_qk_dot": "yes"}})
