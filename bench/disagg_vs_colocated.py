@@ -29,7 +29,7 @@ CPU with the tcp transport, short prompts and outputs, two low rates, a few seco
 --out. Its numbers mean nothing; that every stage (start, warm-up, sweep, metrics scrape, summary, plots) runs
 does.
 
-Each deployment is started once with `tandem serve` (a subprocess, log under bench/results/logs/), warmed up
+Each deployment is started once a round with `tandem serve` (a subprocess, log under bench/results/logs/), warmed up
 (NCCL pairs, CUDA graphs), then every chosen workload's request rates are swept in ascending order with
 `tandem bench`'s load generator (open loop, Poisson arrivals). Before its sweep, each workload runs a warm-up
 sweep that is not recorded: --warm-up-s seconds at each of its 3 lowest rates (a cold first point measured
@@ -40,7 +40,11 @@ kept in the results file (its "repeat" field); a rate counts by the worse of its
 when every run does, and the summary reads the worse run's tails. A sweep stops after two rates below the
 target share (or one below 50%): past saturation the queue only grows. Each run is saved as soon as it is
 measured, so a run cut short keeps what it measured (a rate with fewer than --repeats runs is left out of the
-summary): bench/results/disagg_vs_colocated/<deployment>_<workload>.json.
+summary): bench/results/disagg_vs_colocated/<deployment>_<workload>.json. With --rounds N the whole list of
+deployments runs N times in turn (A, B, A, B), each start a fresh server; a file then holds every round's runs
+(their "round" field; "repeats" counts the runs of all rounds so far), so that two deployments compared on one
+machine meet its drift alike: on one H200 the same deployment served 1,750 to 2,344 output tokens/s in three
+calls of one session (docs/performance.md, runs 44-46).
 
 Workloads: prefill-heavy (input uniform 2048-4096, output 128-256), decode-heavy (input 256, output 512),
 mixed (each request drawn from one of those two, 50/50, seeded), shared-prefix (one 2048-token system prompt,
@@ -77,6 +81,7 @@ import math
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -141,10 +146,13 @@ def gpu_name() -> str:
     return ", ".join(names) or "unknown"
 
 
-def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, budget: Budget) -> None:
+def sweep(
+    server: Server, deployment: str, name: str, args: argparse.Namespace, budget: Budget, round_index: int = 0
+) -> None:
     """Warm up on the workload, then run each rate --repeats times; a rate counts by the worse of its runs. With
     --refine STEP, then rates STEP apart between the highest rate met and the first one missed. A closed-loop
-    workload (batch) runs --repeats times at its concurrency instead."""
+    workload (batch) runs --repeats times at its concurrency instead. Rounds after the first add their runs to
+    the file the first wrote (earlier_points)."""
     workload = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)[name]
     if workload.concurrency and args.batch_concurrency:
         workload = replace(workload, concurrency=args.batch_concurrency)
@@ -156,7 +164,9 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
     result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": server.gpus,
               "card": gpu_name(), "commit": git_commit(), "slo": asdict(args.slo), "target_share": TARGET_SHARE,
               "repeats": args.repeats, "warm_up": {"rates": warm_rates, "seconds_each": args.warm_up_s},
-              "config": server.config, "points": []}  # fmt: skip
+              "config": server.config, "invocation": INVOCATION, "points": []}  # fmt: skip
+    if round_index:
+        result.update(earlier_points(path, args.repeats))
 
     def run_rate(rate: float) -> float | None:
         """The rate's runs, recorded; the worse share, or None when the budget stopped it."""
@@ -182,16 +192,20 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
             point = point_record(report, kv_delta(before, server.kv_transfer_totals()))
             point["cpu"] = cores
             point["pairs"] = pair_delta(pairs_before, server.pair_totals())
-            result["points"].append({**point, "repeat": repeat, "pools": server.pools(), **settle})
+            result["points"].append(
+                {**point, "repeat": repeat, "round": round_index, "pools": server.pools(), **settle}
+            )
             path.write_text(json.dumps(result, indent=1))  # after every point: a cut-short run keeps its data
             budget.record_point(point_seconds(rate, args), timer.elapsed())
             shares.append(report.goodput.share if report.goodput else 0.0)
             if closed:
-                print(f"[{label}] closed loop, {workload.concurrency} in flight, run {repeat + 1}/{args.repeats}: "
+                print(f"[{label}] closed loop, {workload.concurrency} in flight, run {repeat + 1}/{args.repeats}"
+                      f"{round_label(round_index, args.rounds)}: "
                       f"{report.output_token_throughput:,.0f} output tokens/s{full_batch_line(point)}{steps_line(point)}",
                       file=sys.stderr)  # fmt: skip
             else:
-                print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}: {shares[-1]:.0%} "
+                print(f"[{label}] rate {rate:g}/s, run {repeat + 1}/{args.repeats}"
+                      f"{round_label(round_index, args.rounds)}: {shares[-1]:.0%} "
                       f"met the SLOs{handoff_line(point)}{cpu_line(cores)}", file=sys.stderr)  # fmt: skip
                 cut = drain_warning(report, args.drain)
                 if cut:
@@ -207,6 +221,28 @@ def sweep(server: Server, deployment: str, name: str, args: argparse.Namespace, 
         if between:
             print(f"[{label}] refining between {met:g} and {missed:g} req/s: {between}", file=sys.stderr)
             ascending_sweep(between, run_rate)
+
+
+# Names this run of the script in its results files, so that a later round adds to its own earlier rounds only.
+INVOCATION = uuid.uuid4().hex[:12]
+
+
+def earlier_points(path: Path, repeats: int, invocation: str | None = None) -> dict:
+    """What a later round keeps of the file its deployment's earlier rounds wrote: their points, and the runs a
+    rate needs to count ("repeats": this round's included), so that a rate this round did not reach (its
+    budget ran out) is left out of the summary as any rate cut short is. Nothing when no earlier round of this
+    invocation got to this workload (a file left by another run of the script is replaced, as round 1 does)."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if earlier.get("invocation") != (invocation or INVOCATION):
+        return {}
+    rounds = int(earlier.get("rounds", 1)) + 1
+    return {"points": earlier["points"], "rounds": rounds, "repeats": repeats * rounds}
+
+
+def round_label(round_index: int, rounds: int) -> str:
+    return f", round {round_index + 1}/{rounds}" if rounds > 1 else ""
 
 
 def ascending_sweep(
@@ -303,17 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summarize_only:
         budget = Budget(time.monotonic() + args.budget_s, args.drain)
         first_arrivals = min(args.duration, args.warm_up_s or args.duration)
-        for deployment in args.deployments.split(","):
-            if not budget.fits_deployment(first_arrivals):
-                print(f"[{deployment}] --budget-s reached before its start; not started", file=sys.stderr)
-                continue
-            slo = (args.slo.ttft or 1.0, args.slo.tpot or 0.05)
-            timer = budget.timed()
-            with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke, slo, args.model) as server:
-                warm_up(server, input_len=64 if args.smoke else 1024)
-                budget.record_start(timer.elapsed())
-                for name in args.workloads.split(","):
-                    sweep(server, deployment, name, args, budget)
+        for round_index in range(args.rounds):
+            for deployment in args.deployments.split(","):
+                if not budget.fits_deployment(first_arrivals):
+                    print(f"[{deployment}] --budget-s reached before its start; not started", file=sys.stderr)
+                    continue
+                slo = (args.slo.ttft or 1.0, args.slo.tpot or 0.05)
+                timer = budget.timed()
+                with Server(deployment, args.start_timeout_s, LOG_DIR, args.smoke, slo, args.model) as server:
+                    warm_up(server, input_len=64 if args.smoke else 1024)
+                    budget.record_start(timer.elapsed())
+                    for name in args.workloads.split(","):
+                        sweep(server, deployment, name, args, budget, round_index)
     summarize(args.slo, OUT_DIR, tuple(args.include))
     return 0
 

@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo", type=parse_slo, help="default ttft=1,tpot=0.05 (smoke: ttft=5,tpot=0.5)")
     p.add_argument("--repeats", type=int, help="runs of each point, all kept (1-8; default 2, smoke 1)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole list of deployments this many times in turn (A, B, A, B), each on a fresh "
+        "`tandem serve`, every run kept (default 1): an A/B on one machine then sees its drift on both sides",
+    )
+    p.add_argument(
         "--warm-up-s", type=float, help="seconds at each warm-up rate, 0: none (default 5; smoke 2)"
     )
     p.add_argument(
@@ -121,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, default)
     if not 1 <= args.repeats < SETTLE_SEED_BLOCK:
         p.error(f"--repeats: must be in 1-{SETTLE_SEED_BLOCK - 1}, got {args.repeats}")
+    if args.rounds < 1:
+        p.error(f"--rounds: must be >= 1, got {args.rounds}")
     if args.settle_s < 0:
         p.error(f"--settle-s: must be >= 0, got {args.settle_s}")
     if args.refine < 0:

@@ -102,6 +102,7 @@ def summarize_closed_loop(name: str, runs: dict[str, dict]) -> dict:
                     "output_tokens_per_s": tokens, "output_tokens_per_s_per_gpu": tokens / run["gpus"],
                     "full_batch_output_tokens_per_s": (worst.get("full_batch") or {}).get("output_tokens_per_s"),
                     "runs": len(run["points"]), "gpu_s_per_1k_tokens": gpu_seconds_per_1k_tokens(worst, run["gpus"]),
+                    "every_run_output_tokens_per_s": [p.get("output_token_throughput") or 0.0 for p in run["points"]],
                     "ttft_p90": worst["ttft"]["p90"], "tpot_p99": worst["tpot"]["p99"]}  # fmt: skip
     return out
 
@@ -335,13 +336,19 @@ def closed_loop_table(rows: list[dict]) -> str:
                 lines.append(
                     f"| {row['workload']} | {dep} | {r['gpus']} | {r['concurrency']} | "
                     f"{r['output_tokens_per_s']:,.0f} | {'-' if full is None else f'{full:,.0f}'} | "
-                    f"{r['output_tokens_per_s_per_gpu']:,.0f} | {r['ttft_p90'] * 1e3:.0f} / {r['tpot_p99'] * 1e3:.0f} |"
+                    f"{r['output_tokens_per_s_per_gpu']:,.0f} | {r['ttft_p90'] * 1e3:.0f} / {r['tpot_p99'] * 1e3:.0f} | "
+                    f"{every_run(r)} |"
                 )
     if not lines:
         return ""
     head = ["| workload | deployment | GPUs | in flight | output tokens/s | while the batch was full | per GPU | "
-            "TTFT p90 / TPOT p99 (ms) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "TTFT p90 / TPOT p99 (ms) | every run, in order |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     return "\n".join(head + lines)
+
+
+def every_run(row: dict) -> str:
+    """Each run's output tokens/s in the order they ran (rounds, then repeats), so an A/B shows its spread."""
+    return " / ".join(f"{t:,.0f}" for t in row.get("every_run_output_tokens_per_s", [])) or "-"
 
 
 def markdown(rows: list[dict]) -> str:

@@ -3,9 +3,11 @@ rate cut short (fewer runs than --repeats) is left out, and warm-up rounds and r
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from bench.disagg_vs_colocated import WARM_UP_SEED_BLOCK, point_seconds, point_seed
+from bench.disagg_vs_colocated import WARM_UP_SEED_BLOCK, earlier_points, point_seconds, point_seed
 from bench.dvc_args import SETTLE_SEED_BLOCK, parse_args
 from bench.dvc_deployments import kv_delta
 from bench.dvc_points import steps_line
@@ -147,3 +149,22 @@ def test_batch_concurrency_must_be_a_positive_count() -> None:
     assert parse_args([]).batch_concurrency is None  # the workload's own 200
     with pytest.raises(SystemExit):
         parse_args(["--batch-concurrency", "0"])
+
+
+def test_a_later_round_adds_its_runs_to_its_own_earlier_rounds_only(tmp_path) -> None:
+    """--rounds N: the deployments run N times in turn; each round's runs join the file the first round of the
+    same invocation wrote, and a rate then needs the runs of every round so far to count."""
+    path = tmp_path / "colocated-1_batch.json"
+    assert earlier_points(path, repeats=2, invocation="this") == {}  # no earlier round reached this workload
+    points = [{"settings": {"rate": 0.0}, "repeat": r, "round": 0} for r in range(2)]
+    path.write_text(json.dumps({"invocation": "this", "repeats": 2, "points": points}))
+    assert earlier_points(path, repeats=2, invocation="this") == {"points": points, "rounds": 2, "repeats": 4}
+    assert earlier_points(path, repeats=2, invocation="another run") == {}  # a stale file is not added to
+    path.write_text(json.dumps({"invocation": "this", "repeats": 4, "rounds": 2, "points": points * 2}))
+    assert earlier_points(path, repeats=2, invocation="this")["repeats"] == 6
+    run = {"repeats": 4, "points": [_point(1, 1.0), _point(1, 0.95, 1), _point(1, 0.97), _point(1, 0.92, 1),
+                                    _point(2, 1.0), _point(2, 1.0, 1)]}  # fmt: skip
+    assert share_points(rate_points(run)) == [(1, 0.92)]  # 2 req/s ran in one round of two: left out
+    assert parse_args(["--rounds", "3"]).rounds == 3 and parse_args([]).rounds == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])

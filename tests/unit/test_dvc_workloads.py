@@ -12,6 +12,7 @@ from bench.disagg_vs_colocated import ascending_sweep, refine_rates
 from bench.dvc_summary import (
     INTERACTIVE,
     capacity_at,
+    closed_loop_table,
     gpu_seconds_per_1k_tokens,
     rate_points,
     share_at,
@@ -103,4 +104,6 @@ def test_the_batch_case_reports_its_worse_runs_output_tokens_per_second() -> Non
     row = out["colocated-4"]
     assert row["output_tokens_per_s"] == 25_000 and row["output_tokens_per_s_per_gpu"] == 6_250
     assert row["runs"] == 2 and "disagg" not in out
+    assert row["every_run_output_tokens_per_s"] == [26_000, 25_000]  # in the order they ran
+    assert "| 26,000 / 25,000 |" in closed_loop_table([out])
     assert row["full_batch_output_tokens_per_s"] is None  # these runs recorded no full-batch window
