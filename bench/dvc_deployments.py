@@ -40,6 +40,9 @@ STEP_SUMS = {"tandem_step_duration_seconds_sum": "step.sum", "tandem_step_durati
              "tandem_prefill_tokens_total": "prefill_tokens",
              "tandem_engine_launch_misses_total": "launch_misses"}  # fmt: skip
 STEP_COUNTS = ("steps", "batch_seqs", "prefill_tokens")  # the sums a point reports per role and per worker
+# Triton kernels a worker built after its start-up (model_runtime.kernel_builds): each held up the step that
+# needed it for 0.4-1 s, so a point that had any measured them too ("colocated.kernel_builds").
+KERNEL_BUILDS = "tandem_kernel_builds_total"
 # How late the router's event-loop probe woke up (router.loop_lag): "router.loop_lag".
 LOOP_LAG_FAMILY = "tandem_router_event_loop_lag_seconds_"
 
@@ -237,6 +240,8 @@ class Server:
                 key = names[sample.name]
             elif sample.name in STEP_SUMS and component != "router":
                 key = f"{component}.{STEP_SUMS[sample.name]}"
+            elif sample.name == KERNEL_BUILDS and sample.labels.get("when") == "after_start":
+                key = f"{component}.kernel_builds"
             elif sample.name in LAUNCH_WAIT:
                 key = f"{component}.launch_wait.{LAUNCH_WAIT[sample.name]}"
             elif sample.name.startswith(GIL_FAMILY) and sample.name.endswith(("_sum", "_count")):
@@ -321,6 +326,7 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
             **{name: delta.get(f"{role}.{name}", 0.0) for name in STEP_COUNTS},
             "launch_waits": delta.get(f"{role}.launch_wait.count", 0.0),
             "launch_misses": delta.get(f"{role}.launch_misses", 0.0),
+            "kernel_builds": delta.get(f"{role}.kernel_builds", 0.0),
         }
         for role in ("prefill", "decode", "colocated")
         if delta.get(f"{role}.steps")

@@ -88,7 +88,8 @@ def full_batch_line(point: dict) -> str:
 def steps_line(point: dict) -> str:
     """Each worker role's engine steps over a point (from kv_delta's "steps"): steps a second, sequences a step,
     prompt tokens computed a second and the mean step wall time, so a closed-loop run shows whether its time went
-    to prefill or to decode steps; "" when no worker reported steps."""
+    to prefill or to decode steps, and any Triton kernel built during the point (each holds up a step for up to
+    a second: a run that had them is slower for it); "" when no worker reported steps."""
     kv = point.get("kv_transfer") or {}
     seconds = point.get("duration_s") or 0.0
     parts = []
@@ -97,6 +98,8 @@ def steps_line(point: dict) -> str:
         wall = f", {step * 1e3:.1f} ms a step" if step is not None else ""
         if sums.get("launch_waits"):
             wall += f", {sums['launch_waits']:.0f} launches held ({sums.get('launch_misses', 0):.0f} found the GPU idle)"
+        if sums.get("kernel_builds"):
+            wall += f", {sums['kernel_builds']:.0f} Triton kernels built during it"
         parts.append(
             f"{role}: {sums['steps'] / seconds:,.0f} steps/s of {sums['batch_seqs'] / sums['steps']:.1f} sequences, "
             f"{sums['prefill_tokens'] / seconds:,.0f} prompt tokens/s{wall}"

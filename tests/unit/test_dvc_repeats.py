@@ -123,7 +123,7 @@ def test_a_point_reports_each_roles_steps_and_each_workers_share() -> None:
     kv = kv_delta(before, after)
     assert kv is not None
     assert kv["steps"]["colocated"] == {"steps": 300, "batch_seqs": 9_000, "prefill_tokens": 50_000,
-                                        "launch_waits": 0.0, "launch_misses": 0.0}  # fmt: skip
+                                        "launch_waits": 0.0, "launch_misses": 0.0, "kernel_builds": 0.0}  # fmt: skip
     assert kv["steps_by_worker"] == {
         "a": {"role": "colocated", "steps": 200, "batch_seqs": 8_000, "prefill_tokens": 30_000},
         "b": {"role": "colocated", "steps": 100, "batch_seqs": 1_000, "prefill_tokens": 20_000},
@@ -132,6 +132,11 @@ def test_a_point_reports_each_roles_steps_and_each_workers_share() -> None:
     assert "colocated: 30 steps/s of 30.0 sequences, 5,000 prompt tokens/s, 20.0 ms a step" in line
     assert "per worker: 40.0 / 10.0 sequences a step, 30k / 20k prompt tokens" in line
     assert steps_line({"kv_transfer": None, "duration_s": 10.0}) == ""
+    assert "built" not in line
+    after["a"]["colocated.kernel_builds"], before["a"]["colocated.kernel_builds"] = 3.0, 1.0
+    built = kv_delta(before, after)
+    assert built is not None and built["steps"]["colocated"]["kernel_builds"] == 2.0
+    assert "2 Triton kernels built during it" in steps_line({"kv_transfer": built, "duration_s": 10.0})
 
 
 def test_a_closed_loop_run_lasts_batch_duration_and_the_rate_points_keep_duration() -> None:
