@@ -33,7 +33,8 @@ Each deployment is started once a round with `tandem serve` (a subprocess, log u
 (NCCL pairs, CUDA graphs), then every chosen workload's request rates are swept in ascending order with
 `tandem bench`'s load generator (open loop, Poisson arrivals). Before its sweep, each workload runs a warm-up
 sweep that is not recorded: --warm-up-s seconds at each of its 3 lowest rates (a cold first point measured
-68% within the SLOs where the same point warm measured 99%). A point sends for --duration seconds (at least
+68% within the SLOs where the same point warm measured 99%); the closed-loop batch workload runs its own loop
+for as long (3 x --warm-up-s) instead. A point sends for --duration seconds (at least
 --min-requests requests), waits --drain seconds, then cancels what still runs; cancelled and failed requests
 count against the SLOs. Every point is run --repeats times in a row (fresh prompts each time) and every run is
 kept in the results file (its "repeat" field); a rate counts by the worse of its runs: it meets the target only
@@ -159,7 +160,10 @@ def sweep(
     rates = args.rates.get(name) or args.rates.get("*") or workload.rates
     label = f"{deployment}/{name}"
     closed = workload.concurrency > 0
-    warm_rates = [] if closed else warm_up_sweep(server, label, workload, rates, args, budget)
+    if closed:
+        warm_rates = closed_warm_up(server, label, workload, args, budget)
+    else:
+        warm_rates = warm_up_sweep(server, label, workload, rates, args, budget)
     path = OUT_DIR / f"{deployment}_{name}.json"
     result = {"deployment": deployment, "workload": name, "workload_spec": asdict(workload), "gpus": server.gpus,
               "card": gpu_name(), "commit": git_commit(), "slo": asdict(args.slo), "target_share": TARGET_SHARE,
@@ -293,6 +297,27 @@ def settle_at(
           file=sys.stderr)  # fmt: skip
     return {"settle": {"seconds": args.settle_s, "pools_before": before, "pools_after": after,
                        "waited_s": round(waited, 1)}}  # fmt: skip
+
+
+def closed_warm_up(
+    server: Server, label: str, workload: Workload, args: argparse.Namespace, budget: Budget
+) -> list[float]:
+    """A closed-loop workload's warm-up, not recorded: its own loop for as long as a rate sweep's warm-up takes
+    (--warm-up-s at each of WARM_UP_RATES rates), then what is still running cancelled. On a fresh machine the
+    first closed-loop runs served up to 25% less than later ones (docs/performance.md, runs 44-46); the start-up warm-up's eight short requests do not run the workload's mixed prefill and decode
+    steps. Returns [0.0] when it ran (the closed loop's rate in a results file), else []."""
+    seconds = args.warm_up_s * WARM_UP_RATES
+    if seconds <= 0 or not budget.fits(seconds):
+        return []
+    server.wait_quiet()
+    seed = point_seed(args.seed, 0.0, WARM_UP_SEED_BLOCK)
+    # No drain (what still runs is cancelled), and its short tail is not recorded: the budget's reserve stays
+    # sized for the recorded runs' drains.
+    no_drain = argparse.Namespace(**{**vars(args), "drain": 0.0})
+    report = bench_point(server, workload, 0.0, seconds, seed, no_drain)
+    print(f"[{label}] warm-up: {workload.concurrency} in flight for {seconds:g} s, "
+          f"{report.output_token_throughput:,.0f} output tokens/s (not recorded)", file=sys.stderr)  # fmt: skip
+    return [0.0]
 
 
 def warm_up_sweep(

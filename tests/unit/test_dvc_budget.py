@@ -39,3 +39,19 @@ def test_a_deployment_starts_only_when_its_start_up_and_a_first_point_fit() -> N
     assert budget.longest_start_s == 20.0
     clock.now += 40
     assert not budget.fits_deployment(2)  # 1040 + 25 + 2 + 50 > 1112
+
+
+def test_a_closed_loop_warm_up_runs_only_when_asked_for_and_when_it_fits() -> None:
+    """bench/disagg_vs_colocated.closed_warm_up: 3 x --warm-up-s of the workload's own loop; none with
+    --warm-up-s 0, and none when that time (plus the drain reserve) no longer fits: the server is not touched."""
+    from bench.disagg_vs_colocated import closed_warm_up
+    from bench.dvc_args import parse_args
+    from bench.dvc_workloads import WORKLOADS
+
+    clock = ManualClock(1000.0)
+    untouched = object()  # any call on it would fail: neither case may reach the server
+    batch = WORKLOADS["batch"]
+    no_warm_up = parse_args(["--warm-up-s", "0", "--drain", "20"])
+    assert closed_warm_up(untouched, "x/batch", batch, no_warm_up, Budget(clock.now + 600, 20, clock)) == []
+    short = parse_args(["--warm-up-s", "5", "--drain", "20"])  # 15 s + 20 + FIRST_TAIL_S reserve > 30 s left
+    assert closed_warm_up(untouched, "x/batch", batch, short, Budget(clock.now + 30, 20, clock)) == []
