@@ -6,6 +6,7 @@ The `tandem` command line (tandem_cli.cli) registers this subcommand with add_be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -86,6 +87,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"with --duration: wait S more seconds, then cancel what still runs (default {DEFAULT_DRAIN_S:g})",
     )
+    p.add_argument(
+        "--warm-up",
+        type=_number,
+        default=0.0,
+        metavar="S",
+        help="first send the same load for S seconds (other prompts), cancel what still runs and count none of "
+        "it, so the measured run meets warm kernels, caches and CUDA graphs (default 0: none)",
+    )
     p.add_argument("--input-len", default="256", metavar="DIST", help="prompt tokens (default 256)")
     p.add_argument("--output-len", default="128", metavar="DIST", help="output tokens (default 128)")
     p.add_argument(
@@ -151,6 +160,24 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         slo=parse_slo(args.slo) if args.slo else SLO(),
         shared_prefix=args.shared_prefix,
         processes=args.processes,
+        warm_up_s=args.warm_up,
+    )
+
+
+# The warm-up's prompts come from seed + this, so the measured run's prompts are never in the prefix cache.
+WARM_UP_SEED_OFFSET = 1_000_003
+
+
+def warm_up_settings(settings: BenchSettings) -> BenchSettings:
+    """The warm-up before a measured run: the same load and lengths for settings.warm_up_s seconds (at most
+    the run's request count), other random prompts, and no drain: what still runs when the sending stops is
+    cancelled."""
+    return dataclasses.replace(
+        settings,
+        duration_s=settings.warm_up_s,
+        drain_s=0.0,
+        seed=settings.seed + WARM_UP_SEED_OFFSET,
+        warm_up_s=0.0,
     )
 
 
@@ -172,6 +199,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tandem_cli.bench.runner import run_benchmark
 
     settings = settings_from_args(args)
+    if settings.warm_up_s:
+        warm = run_benchmark(warm_up_settings(settings), progress=False)
+        print(
+            f"tandem: warm-up: {warm.counts.sent} requests in {settings.warm_up_s:g} s "
+            f"({warm.counts.succeeded} finished, {warm.counts.cancelled} cancelled), not counted",
+            file=sys.stderr,
+        )
     report = run_benchmark(settings, progress=not args.no_progress)
     print(format_summary(report))
     if args.json:

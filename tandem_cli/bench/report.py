@@ -50,6 +50,8 @@ class BenchSettings:
     protocol: str = "grpc"  # or "openai": the router's OpenAI-compatible HTTP API
     shared_prefix: int = 0  # tokens every prompt starts with (a shared system prompt), before input_len
     processes: int = 1  # client processes sending shares of the load (tandem_cli.bench.processes)
+    # Seconds of the same load sent first and not counted (tandem_cli.bench.cli.warm_up_settings); 0: none
+    warm_up_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -75,6 +77,15 @@ class BenchSettings:
             raise BenchConfigError(f"--processes: must be >= 1, got {self.processes}")
         if not (self.drain_s >= 0 and math.isfinite(self.drain_s)):
             raise BenchConfigError(f"--drain: must be a finite number of seconds >= 0, got {self.drain_s}")
+        if not (self.warm_up_s >= 0 and math.isfinite(self.warm_up_s)):
+            raise BenchConfigError(
+                f"--warm-up: must be a finite number of seconds >= 0, got {self.warm_up_s}"
+            )
+        if self.warm_up_s and self.trace:
+            raise BenchConfigError(
+                "--warm-up: not with --trace (the warm-up would send the trace's own prompts, and the measured "
+                "run would find them in the prefix cache)"
+            )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -193,3 +194,40 @@ def test_several_client_processes_send_every_request_once_and_report_them_togeth
     if pace[0] == "--rate":  # each request leaves at its own arrival time, counted from its process's start
         sent = [r["sent_at"] for r in sorted(rows, key=lambda r: r["index"])]
         assert max(sent) < 10.0, sent  # 10 arrivals at 6/s: about 1.7 s
+
+
+def test_a_warm_up_is_sent_first_and_not_counted(cluster, tmp_path):
+    """--warm-up S: the same load for S seconds with other prompts, cancelled at its end, none of it in the
+    report; the report's settings record it. A bad value or a trace is refused naming the flag."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem_cli.cli", "bench", "--server", cluster.address, "--json", str(out),
+         "--concurrency", "2", "--num-requests", "6", "--input-len", "16", "--output-len", "8", "--seed", "7",
+         "--warm-up", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warm = re.search(
+        r"tandem: warm-up: (\d+) requests in 2 s \((\d+) finished, (\d+) cancelled\), not counted",
+        proc.stderr,
+    )
+    assert warm is not None, proc.stderr[-2000:]
+    assert int(warm[1]) >= 2 and int(warm[1]) == int(warm[2]) + int(warm[3])
+    report = json.loads(out.read_text())
+    assert report["settings"]["warm_up_s"] == 2.0
+    assert report["counts"]["sent"] == report["counts"]["succeeded"] == 6  # only the measured run's requests
+    wait_idle(cluster.address)  # the cancelled warm-up requests released their blocks
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"input_len": 5, "output_len": 3}) + "\n")
+    refused = {
+        "--warm-up: must be": ["--warm-up", "-1"],
+        "--warm-up: not with --trace": ["--warm-up", "1", "--trace", str(trace)],
+    }
+    for wanted, flags in refused.items():
+        bad = subprocess.run(
+            [sys.executable, "-m", "tandem_cli.cli", "bench", "--server", cluster.address, "--concurrency", "1", *flags],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert bad.returncode == 2 and wanted in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[
+            -1000:
+        ]
