@@ -29,8 +29,8 @@ CPU with the tcp transport, short prompts and outputs, two low rates, a few seco
 --out. Its numbers mean nothing; that every stage (start, warm-up, sweep, metrics scrape, summary, plots) runs
 does.
 
-Each deployment is started once a round with `tandem serve` (a subprocess, log under bench/results/logs/), warmed up
-(NCCL pairs, CUDA graphs), then every chosen workload's request rates are swept in ascending order with
+Each deployment is started once a round with `tandem serve` (a subprocess, log under bench/results/logs/),
+warmed up (NCCL pairs, CUDA graphs), then every chosen workload's request rates are swept in ascending order with
 `tandem bench`'s load generator (open loop, Poisson arrivals). Before its sweep, each workload runs a warm-up
 sweep that is not recorded: --warm-up-s seconds at each of its 3 lowest rates (a cold first point measured
 68% within the SLOs where the same point warm measured 99%); the closed-loop batch workload runs its own loop
@@ -304,8 +304,9 @@ def closed_warm_up(
 ) -> list[float]:
     """A closed-loop workload's warm-up, not recorded: its own loop for as long as a rate sweep's warm-up takes
     (--warm-up-s at each of WARM_UP_RATES rates), then what is still running cancelled. On a fresh machine the
-    first closed-loop runs served up to 25% less than later ones (docs/performance.md, runs 44-46); the start-up warm-up's eight short requests do not run the workload's mixed prefill and decode
-    steps. Returns [0.0] when it ran (the closed loop's rate in a results file), else []."""
+    first closed-loop runs served up to 25% less than later ones (docs/performance.md, runs 44-46); the
+    start-up warm-up's eight short requests do not run the workload's mixed prefill and decode steps. Returns
+    [0.0] when it ran (the closed loop's rate in a results file), else []."""
     seconds = args.warm_up_s * WARM_UP_RATES
     if seconds <= 0 or not budget.fits(seconds):
         return []

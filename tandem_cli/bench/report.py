@@ -161,9 +161,8 @@ class BenchReport:
     finished_at: str  # UTC, ISO 8601
     requests: tuple[RequestRow, ...]
     prefix_cache: PrefixCacheUse | None = None  # None when no succeeded request reported it
-    full_batch: FullBatch | None = (
-        None  # closed loop (--concurrency) with a window of at least MIN_FULL_BATCH_S
-    )
+    # Closed loop (--concurrency) with a window of at least MIN_FULL_BATCH_S; None otherwise
+    full_batch: FullBatch | None = None
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(dataclasses.asdict(self)), indent=2)
