@@ -12,6 +12,9 @@ same batch through torch SDPA (FlashAttention, enable_gqa) on a dense, contiguou
 `--kv-dtypes bf16,fp8` also runs every point with an FP8 cache (cache.dtype fp8_e4m3: e4m3 codes and a bfloat16
 scale per token and KV head inside the blocks, model_runtime.kv_quant); its roofline counts the bytes it reads,
 one per element plus two per token and head, and its row carries the speedup over the bf16 row of the same point.
+`bf16cols` and `fp8cols` run the same caches through the decode kernel with the query-head group as its dots'
+columns (attention.triton_decode_columns; DecodeTuning.columns / fp8_columns) instead of rows padded to 16.
+`--group G` sets the query heads per KV head (32 query heads at 4; 8 is a Llama-3-70B rank at TP=4).
 Prints a table and writes bench/results/attention_<gpu-name>.json.
 """
 
@@ -40,8 +43,8 @@ from model_runtime.kv_quant import fp8_pages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-# bf16, or e4m3 codes + per-token-head scales; fp8raw: an ablation
-KV_DTYPES = ("bf16", "fp8", "fp8raw")
+# bf16, or e4m3 codes + per-token-head scales; fp8raw: an ablation; *cols: the columns kernel
+KV_DTYPES = ("bf16", "fp8", "fp8raw", "bf16cols", "fp8cols")
 SCALE = HEAD_DIM**-0.5
 CHECK_SEQS = 4
 TOL = 1e-2
@@ -106,9 +109,10 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def build(batch: int, context: int, gen: torch.Generator, fp8: bool = False):
-    """A paged pool holding exactly `batch` sequences of `context` tokens, in scattered blocks; with `fp8` the
-    pool holds e4m3 codes of the same values and the scales come back too (else None)."""
+def build(batch: int, context: int, gen: torch.Generator, group: int, fp8: bool = False):
+    """A paged pool holding exactly `batch` sequences of `context` tokens, in scattered blocks, and `group`
+    query heads per KV head; with `fp8` the pool holds e4m3 codes of the same values and the scales come back
+    too (else None)."""
     per_seq = -(-context // BLOCK)
     num_blocks = batch * per_seq + 1
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -119,7 +123,7 @@ def build(batch: int, context: int, gen: torch.Generator, fp8: bool = False):
     perm = torch.randperm(num_blocks - 1, generator=gen).to("cuda") + 1
     tables = perm.view(batch, per_seq).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q = torch.randn(batch, KV_HEADS * group, HEAD_DIM, device="cuda", dtype=DTYPE)
     return q, k_cache, v_cache, tables, seq_lens, scales
 
 
@@ -179,14 +183,16 @@ def bench_one(
 ) -> Row:
     if kv_dtype == "fp8raw":
         return bench_raw_codes(batch, context, bw_gbps, args, gen)
-    fp8 = kv_dtype == "fp8"
-    q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, fp8=fp8)
+    fp8, columns = kv_dtype.startswith("fp8"), kv_dtype.endswith("cols")
+    q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, args.group, fp8=fp8)
     tuning = DecodeTuning(
         tile_n=args.tile_n,
         num_warps=args.num_warps,
         num_stages=args.num_stages,
         fp8_tile_n=args.fp8_tile_n,
         fp8_num_stages=args.fp8_num_stages,
+        columns=columns,
+        fp8_columns=columns,
     )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -220,9 +226,9 @@ def bench_raw_codes(batch: int, context: int, bw_gbps: float, args, gen: torch.G
     the 16-bit kernel at the FP8 tile. It reads the same bytes, from the same pages and strides, as the FP8
     kernel, without converting codes or applying scales: how fast this access pattern alone can go. Its output
     is meaningless and not checked."""
-    _, k_cache, v_cache, tables, seq_lens, _ = build(batch, context, gen, fp8=True)
+    _, k_cache, v_cache, tables, seq_lens, _ = build(batch, context, gen, args.group, fp8=True)
     k16, v16 = k_cache.view(torch.float16), v_cache.view(torch.float16)  # [N, B, H, D/2]
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM // 2, device="cuda", dtype=torch.float16)
+    q = torch.randn(batch, KV_HEADS * args.group, HEAD_DIM // 2, device="cuda", dtype=torch.float16)
     tuning = DecodeTuning(tile_n=args.fp8_tile_n, num_warps=args.num_warps, num_stages=args.fp8_num_stages)
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -231,20 +237,21 @@ def bench_raw_codes(batch: int, context: int, bw_gbps: float, args, gen: torch.G
     return timed_row(batch, context, segments, kv_bytes, us, bw_gbps, None, 0.0, "fp8raw")
 
 
-def print_table(rows: list[Row], bw_gbps: float, gpu: str) -> None:
+def print_table(rows: list[Row], bw_gbps: float, gpu: str, group: int) -> None:
     print(
-        f"\n{gpu}: decode attention, Llama-3-8B layer (32/8 heads, D 128, bf16 queries, block {BLOCK}); "
+        f"\n{gpu}: decode attention, Llama-3-8B layer ({KV_HEADS * group}/{KV_HEADS} heads, D 128, bf16 queries, "
+        f"block {BLOCK}); "
         f"HBM copy {bw_gbps:.0f} GB/s"
     )
     print(
-        f"{'kv':>4} {'batch':>6} {'ctx':>6} {'segs':>5} {'KV MB':>9} {'triton us':>10} {'roof us':>9} "
+        f"{'kv':>8} {'batch':>6} {'ctx':>6} {'segs':>5} {'KV MB':>9} {'triton us':>10} {'roof us':>9} "
         f"{'% roof':>7} {'GB/s':>7} {'x bf16':>7} {'sdpa dense us':>14}"
     )
     for r in rows:
         dense = f"{r.sdpa_dense_us:14.1f}" if r.sdpa_dense_us is not None else f"{'-':>14}"
         speedup = f"{r.speedup_vs_bf16:6.2f}x" if r.speedup_vs_bf16 is not None else f"{'-':>7}"
         print(
-            f"{r.kv_dtype:>4} {r.batch:>6} {r.context:>6} {r.num_segments:>5} {r.kv_bytes / 1e6:>9.1f} "
+            f"{r.kv_dtype:>8} {r.batch:>6} {r.context:>6} {r.num_segments:>5} {r.kv_bytes / 1e6:>9.1f} "
             f"{r.triton_us:>10.1f} {r.roofline_us:>9.1f} {100 * r.fraction_of_roofline:>6.1f}% "
             f"{r.achieved_gbps:>7.0f} {speedup} {dense}"
         )
@@ -265,10 +272,12 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
+    parser.add_argument("--group", type=int, default=Q_HEADS // KV_HEADS, help="query heads per KV head")
     parser.add_argument(
         "--kv-dtypes",
         default="bf16",
-        help="bf16, fp8, or both (bf16,fp8); fp8raw: an ablation reading the FP8 codes as float16 pairs",
+        help="bf16, fp8, or both (bf16,fp8); fp8raw: an ablation reading the FP8 codes as float16 pairs; "
+        "bf16cols, fp8cols: the same through the columns kernel",
     )
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<gpu>.json)")
     args = parser.parse_args()
@@ -297,7 +306,7 @@ def main() -> None:
                     f"({100 * r.fraction_of_roofline:.0f}% of roofline), err {r.max_rel_err:.1e}",
                     flush=True,
                 )
-    print_table(rows, bw, gpu)
+    print_table(rows, bw, gpu, args.group)
     write_json(rows, bw, gpu, args)
 
 
@@ -314,7 +323,7 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "shape": {
-            "q_heads": Q_HEADS,
+            "q_heads": KV_HEADS * args.group,
             "kv_heads": KV_HEADS,
             "head_dim": HEAD_DIM,
             "block_size": BLOCK,

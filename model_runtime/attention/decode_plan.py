@@ -9,8 +9,14 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 MAX_SEGMENTS = 64
+# An FP8 cache's probabilities are multiplied by V's per-token scales before the PV dot, in float16: v_scale is
+# max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products would often fall below float16's smallest
+# normal (6e-5). Both decode kernels lift them by 2^8 and undo it on the output; a v_scale up to 255 (|v| ~ 1e5)
+# fits.
+V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
 DEFAULT_TILE_N = 64
 
 
@@ -84,6 +90,9 @@ class DecodeTuning:
     the bf16 one, with 128 at 1.06-1.13x (batch 32-256, contexts 2k-8k; 4 pipeline stages or 8 warps were
     slower; bench/results/fp8/attention_tiles_run2.txt), and 3 pipeline stages (`fp8_num_stages`): 3-4% faster
     than 2 on an H100 at batch 128-256 (bench/results/fp8/attention_sweep_h100_run6.log).
+
+    `columns` / `fp8_columns` (16-bit / FP8 cache): run the kernel of attention.triton_decode_columns, tokens
+    along the dots' rows and the query-head group along their columns, instead of the group padded to 16 rows.
     """
 
     tile_n: int = DEFAULT_TILE_N
@@ -91,6 +100,8 @@ class DecodeTuning:
     num_stages: int = 2
     fp8_tile_n: int = 128
     fp8_num_stages: int = 3
+    columns: bool = False
+    fp8_columns: bool = False
 
     def __post_init__(self) -> None:
         for name, tile in (("tile_n", self.tile_n), ("fp8_tile_n", self.fp8_tile_n)):

@@ -35,13 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from model_runtime.attention.decode_plan import DecodeScratch, DecodeTuning, DecodeWorkspace
+from model_runtime.attention.decode_plan import V_SCALE_LIFT, DecodeScratch, DecodeTuning, DecodeWorkspace
+from model_runtime.attention.triton_decode_columns import MIN_COLUMNS, _decode_columns_kernel
 from model_runtime.attention.triton_store import check_scale_pages
 
 MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
-# p * v_scale runs in float16: v_scale is max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products
-# would often fall below float16's smallest normal (6e-5). 2^8 lifts them; a v_scale up to 255 (|v| ~ 1e5) fits.
-V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -276,9 +274,13 @@ def _launch_segments(
     # fp32 inputs stay exact (no tf32); the setting is irrelevant for 16-bit inputs.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # fmt: off
-    tile_n = tuning.fp8_tile_n if kv_scale is not None else tuning.tile_n
-    stages = tuning.fp8_num_stages if kv_scale is not None else tuning.num_stages
-    _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
+    quantized = kv_scale is not None
+    tile_n = tuning.fp8_tile_n if quantized else tuning.tile_n
+    stages = tuning.fp8_num_stages if quantized else tuning.num_stages
+    kernel, block_m = _decode_segment_kernel, max(MIN_ROWS, triton.next_power_of_2(group))
+    if tuning.fp8_columns if quantized else tuning.columns:  # attention.triton_decode_columns
+        kernel, block_m = _decode_columns_kernel, max(MIN_COLUMNS, triton.next_power_of_2(group))
+    kernel[(num_seqs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
         k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -288,10 +290,10 @@ def _launch_segments(
         po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
+        GROUP=group, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
-        QUANTIZED=kv_scale is not None, ALIGNED=tile_n % k_cache.shape[1] == 0,
+        QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0,
         num_warps=tuning.num_warps, num_stages=stages,
     )
     # fmt: on

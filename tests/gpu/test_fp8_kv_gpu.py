@@ -45,21 +45,26 @@ def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
     assert not kc.float().isnan().any() and bool((peaks == 448.0).all())
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("segments", [1, 8])
 @pytest.mark.parametrize("v_magnitude", [1.0, 1e-3])
-def test_decode_reads_codes_times_scales(segments: int, v_magnitude: float) -> None:
-    """Against the reference reading the same codes; values of 1e-3 (scales near 2e-6) check that the scaled
-    probabilities stay clear of float16's subnormals (triton_decode.V_SCALE_LIFT)."""
+def test_decode_reads_codes_times_scales(
+    segments: int, v_magnitude: float, group: int, columns: bool
+) -> None:
+    """Against the reference reading the same codes, with both decode kernels (the query-head group as rows or
+    as columns of the dots); values of 1e-3 (scales near 2e-6) check that the scaled probabilities stay clear
+    of float16's subnormals (decode_plan.V_SCALE_LIFT)."""
     from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
     from model_runtime.attention.triton_decode import decode_attention
 
     seq_lens = [3000, 0, 17, 1200]
-    q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 4, 8, 4, 128, 16, torch.bfloat16)
+    q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 4, 8, group, 128, 16, torch.bfloat16)
     kc, vc, scales = fp8_pages(kc, vc * v_magnitude)
     out = torch.full_like(q, float("nan"))
     decode_attention(
         q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments,
-        DecodeTuning(), kv_scale=scales,
+        DecodeTuning(fp8_columns=columns), kv_scale=scales,
     )  # fmt: skip
     safe = make_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
     ref = paged_attention_ref(q.float(), kc, vc, safe, 0.088, scales)
