@@ -37,6 +37,7 @@ import triton.language as tl
 
 from model_runtime.attention.decode_plan import V_SCALE_LIFT, DecodeScratch, DecodeTuning, DecodeWorkspace
 from model_runtime.attention.triton_decode_columns import MIN_COLUMNS, _decode_columns_kernel
+from model_runtime.attention.triton_scales import block_ids, scales_ahead
 from model_runtime.attention.triton_store import check_scale_pages
 
 MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
@@ -94,9 +95,21 @@ def _decode_segment_kernel(
         in_page = tl.arange(0, TILE_N) % PAGE
         k_offs = (in_page * stride_kb + kv_head * stride_kh)[:, None] + d[None, :]
         v_offs = (in_page * stride_vb + kv_head * stride_vh)[:, None] + d[None, :]
+    if QUANTIZED:  # scales run one tile ahead of their use, their pages two (triton_scales)
+        first = start + tl.arange(0, TILE_N)
+        k_scale_next, v_scale_next, blocks_after = scales_ahead(
+            k_scale_ptr, v_scale_ptr, bt_row, block_ids(bt_row, first, end, PAGE), first, end, kv_head,
+            stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
+        )  # fmt: skip
     for t0 in range(start, end, TILE_N):
         tok = t0 + tl.arange(0, TILE_N)
         tok_ok = tok < end
+        if QUANTIZED:
+            k_scale, v_scale = k_scale_next, v_scale_next
+            k_scale_next, v_scale_next, blocks_after = scales_ahead(
+                k_scale_ptr, v_scale_ptr, bt_row, blocks_after, tok + TILE_N, end, kv_head,
+                stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
+            )  # fmt: skip
         block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
         # K/V rows are not masked by token: a token past `end` has block 0 (the load above), the null block,
         # which nothing writes (zeros), so its row is read in bounds, its score is masked to -inf below and its
@@ -109,8 +122,7 @@ def _decode_segment_kernel(
             k = _load_tokens(k_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         if QUANTIZED:
-            scale_at = block * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
-            s = s * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+            s = s * k_scale.to(tl.float32)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -122,8 +134,7 @@ def _decode_segment_kernel(
             v = _load_tokens(v_cache_ptr, block, tok % PAGE, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh)
         pv = p
         if QUANTIZED:
-            v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
-            pv = p * (v_scale * V_SCALE_LIFT)[None, :]
+            pv = p * (v_scale.to(tl.float32) * V_SCALE_LIFT)[None, :]
         acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from model_runtime.attention.decode_plan import V_SCALE_LIFT
+from model_runtime.attention.triton_scales import block_ids, scales_ahead
 
 # The query-head group is padded to a power of two of at least this many columns (the mma pads N to 8 anyway;
 # 4 keeps the softmax at a group of 4 exact).
@@ -70,9 +71,21 @@ def _decode_columns_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_mask = (d < HEAD_DIM)[None, :]
     in_page = tl.arange(0, TILE_N) % PAGE
+    if QUANTIZED:  # scales run one tile ahead of their use, their pages two (triton_scales)
+        first = start + tl.arange(0, TILE_N)
+        k_scale_next, v_scale_next, blocks_after = scales_ahead(
+            k_scale_ptr, v_scale_ptr, bt_row, block_ids(bt_row, first, end, PAGE), first, end, kv_head,
+            stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
+        )  # fmt: skip
     for t0 in range(start, end, TILE_N):
         tok = t0 + tl.arange(0, TILE_N)
         tok_ok = tok < end
+        if QUANTIZED:
+            k_scale, v_scale = k_scale_next, v_scale_next
+            k_scale_next, v_scale_next, blocks_after = scales_ahead(
+                k_scale_ptr, v_scale_ptr, bt_row, blocks_after, tok + TILE_N, end, kv_head,
+                stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
+            )  # fmt: skip
         block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
         if not ALIGNED:  # a tile that starts inside a page
             in_page = tok % PAGE
@@ -81,8 +94,7 @@ def _decode_columns_kernel(
         k = tl.load(k_cache_ptr + k_rows, mask=kv_mask, other=0.0)
         s_t = tl.dot(k.to(q_t.dtype), q_t, input_precision=DOT_PRECISION) * scale_log2  # [TILE_N, BLOCK_M]
         if QUANTIZED:
-            scale_at = block * stride_sn + in_page * stride_sb + kv_head * stride_sh
-            s_t = s_t * tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
+            s_t = s_t * k_scale.to(tl.float32)[:, None]
         s_t = tl.where(tok_ok[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
         p_t = tl.exp2(s_t - m_new[None, :])
@@ -91,8 +103,7 @@ def _decode_columns_kernel(
         v_rows = (block * stride_vn + in_page * stride_vb + kv_head * stride_vh)[:, None] + d[None, :]
         v = tl.load(v_cache_ptr + v_rows, mask=kv_mask, other=0.0)
         if QUANTIZED:
-            v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0).to(tl.float32)
-            p_t = p_t * (v_scale * V_SCALE_LIFT)[:, None]
+            p_t = p_t * (v_scale.to(tl.float32) * V_SCALE_LIFT)[:, None]
         pv = tl.dot(tl.trans(v.to(q_t.dtype)), p_t.to(q_t.dtype), input_precision=DOT_PRECISION)
         acc_t = acc_t * alpha[None, :] + pv
         m_i = m_new
