@@ -193,6 +193,7 @@ def bench_one(
         fp8_num_stages=args.fp8_num_stages,
         columns=columns,
         fp8_columns=columns,
+        fp8_max_registers=args.fp8_max_registers,
     )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -269,6 +270,9 @@ def main() -> None:
     parser.add_argument("--num-warps", type=int, default=DecodeTuning.num_warps)
     parser.add_argument("--num-stages", type=int, default=DecodeTuning.num_stages)
     parser.add_argument("--fp8-num-stages", type=int, default=DecodeTuning.fp8_num_stages, help="FP8 cache")
+    parser.add_argument(
+        "--fp8-max-registers", type=int, default=DecodeTuning.fp8_max_registers, help="FP8 kernel's maxnreg"
+    )
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA comparison")
@@ -335,6 +339,7 @@ def write_json(rows: list[Row], bw_gbps: float, gpu: str, args) -> None:
             "tile_n": args.tile_n,
             "fp8_tile_n": args.fp8_tile_n,
             "fp8_num_stages": args.fp8_num_stages,
+            "fp8_max_registers": args.fp8_max_registers,
             "num_warps": args.num_warps,
             "num_stages": args.num_stages,
             "inner": args.inner,

@@ -93,6 +93,8 @@ class DecodeTuning:
 
     `columns` / `fp8_columns` (16-bit / FP8 cache): run the kernel of attention.triton_decode_columns, tokens
     along the dots' rows and the query-head group along their columns, instead of the group padded to 16 rows.
+    `fp8_max_registers`: a cap on the FP8 kernel's registers per thread (Triton's maxnreg; None: the compiler's
+    choice), which decides how many of its programs an SM holds at once.
     """
 
     tile_n: int = DEFAULT_TILE_N
@@ -102,6 +104,7 @@ class DecodeTuning:
     fp8_num_stages: int = 3
     columns: bool = False
     fp8_columns: bool = False
+    fp8_max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name, tile in (("tile_n", self.tile_n), ("fp8_tile_n", self.fp8_tile_n)):
@@ -112,3 +115,8 @@ class DecodeTuning:
         for name, stages in (("num_stages", self.num_stages), ("fp8_num_stages", self.fp8_num_stages)):
             if not 1 <= stages <= 6:
                 raise ValueError(f"DecodeTuning.{name}: must be in [1, 6], got {stages}")
+        regs = self.fp8_max_registers
+        if regs is not None and not (24 <= regs <= 255 and regs % 8 == 0):
+            raise ValueError(
+                f"DecodeTuning.fp8_max_registers: must be a multiple of 8 in [24, 255], got {regs}"
+            )

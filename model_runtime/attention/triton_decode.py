@@ -291,6 +291,8 @@ def _launch_segments(
     kernel, block_m = _decode_segment_kernel, max(MIN_ROWS, triton.next_power_of_2(group))
     if tuning.fp8_columns if quantized else tuning.columns:  # attention.triton_decode_columns
         kernel, block_m = _decode_columns_kernel, max(MIN_COLUMNS, triton.next_power_of_2(group))
+    # Triton reads maxnreg as a compile option; only an FP8 launch with a cap passes one
+    caps = {"maxnreg": tuning.fp8_max_registers} if quantized and tuning.fp8_max_registers else {}
     kernel[(num_seqs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
         k_scale, v_scale, scale * math.log2(math.e),
@@ -305,7 +307,7 @@ def _launch_segments(
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
         QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0,
-        num_warps=tuning.num_warps, num_stages=stages,
+        num_warps=tuning.num_warps, num_stages=stages, **caps,
     )
     # fmt: on
 
