@@ -12,8 +12,6 @@ same batch through torch SDPA (FlashAttention, enable_gqa) on a dense, contiguou
 `--kv-dtypes bf16,fp8` also runs every point with an FP8 cache (cache.dtype fp8_e4m3: e4m3 codes and a bfloat16
 scale per token and KV head inside the blocks, model_runtime.kv_quant); its roofline counts the bytes it reads,
 one per element plus two per token and head, and its row carries the speedup over the bf16 row of the same point.
-`bf16cols` and `fp8cols` run the same caches through the decode kernel with the query-head group as its dots'
-columns (attention.triton_decode_columns; DecodeTuning.columns / fp8_columns) instead of rows padded to 16.
 `--group G` sets the query heads per KV head (32 query heads at 4; 8 is a Llama-3-70B rank at TP=4).
 Prints a table and writes bench/results/attention_<gpu-name>.json.
 """
@@ -43,8 +41,8 @@ from model_runtime.kv_quant import fp8_pages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-# bf16, or e4m3 codes + per-token-head scales; fp8raw: an ablation; *cols: the columns kernel
-KV_DTYPES = ("bf16", "fp8", "fp8raw", "bf16cols", "fp8cols")
+# bf16, or e4m3 codes + per-token-head scales; fp8raw: an ablation
+KV_DTYPES = ("bf16", "fp8", "fp8raw")
 SCALE = HEAD_DIM**-0.5
 CHECK_SEQS = 4
 TOL = 1e-2
@@ -183,7 +181,7 @@ def bench_one(
 ) -> Row:
     if kv_dtype == "fp8raw":
         return bench_raw_codes(batch, context, bw_gbps, args, gen)
-    fp8, columns = kv_dtype.startswith("fp8"), kv_dtype.endswith("cols")
+    fp8 = kv_dtype == "fp8"
     q, k_cache, v_cache, tables, seq_lens, scales = build(batch, context, gen, args.group, fp8=fp8)
     tuning = DecodeTuning(
         tile_n=args.tile_n,
@@ -191,9 +189,7 @@ def bench_one(
         num_stages=args.num_stages,
         fp8_tile_n=args.fp8_tile_n,
         fp8_num_stages=args.fp8_num_stages,
-        columns=columns,
-        fp8_columns=columns,
-        fp8_max_registers=args.fp8_max_registers,
+        fp8_max_registers=args.fp8_max_registers or None,
     )
     backend = TritonAttention(num_segments=args.segments, tuning=tuning)
     segments = backend.segments_for(batch, KV_HEADS, q.device)
@@ -271,7 +267,10 @@ def main() -> None:
     parser.add_argument("--num-stages", type=int, default=DecodeTuning.num_stages)
     parser.add_argument("--fp8-num-stages", type=int, default=DecodeTuning.fp8_num_stages, help="FP8 cache")
     parser.add_argument(
-        "--fp8-max-registers", type=int, default=DecodeTuning.fp8_max_registers, help="FP8 kernel's maxnreg"
+        "--fp8-max-registers",
+        type=int,
+        default=DecodeTuning.fp8_max_registers,
+        help="the FP8 kernel's maxnreg (0: the compiler's choice)",
     )
     parser.add_argument("--inner", type=int, default=10, help="calls per timed graph replay")
     parser.add_argument("--reps", type=int, default=30)
@@ -280,8 +279,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-dtypes",
         default="bf16",
-        help="bf16, fp8, or both (bf16,fp8); fp8raw: an ablation reading the FP8 codes as float16 pairs; "
-        "bf16cols, fp8cols: the same through the columns kernel",
+        help="bf16, fp8, or both (bf16,fp8); fp8raw: an ablation reading the FP8 codes as float16 pairs",
     )
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<gpu>.json)")
     args = parser.parse_args()

@@ -331,14 +331,12 @@ def build_engine(
     cache_dtype: str | None = None,
     num_blocks: int | None = None,
     prefill_graph_tokens: int | None = None,
-    decode_columns: str = "none",
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
     work); the cache size comes from the engine's memory planner unless `num_blocks` sets it. Token ids out, no
     text (emit_text=False), as the prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
     are device.quantization and cache.dtype (None: the model dtype),
-    `prefill_graph_tokens` device.prefill_graph_tokens (None: its default), `decode_columns`
-    device.decode_columns."""
+    `prefill_graph_tokens` device.prefill_graph_tokens (None: its default)."""
     graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
     log(
         f"building engine: {model}, {where.device} {where.dtype}, weights {quantization}, KV {kv}, graphs {graphs}"
@@ -352,8 +350,7 @@ def build_engine(
         num_blocks=num_blocks,
     )
     device = DeviceConfig(
-        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization,
-        decode_columns=decode_columns,
+        device=where.device, dtype=where.dtype, enforce_eager=where.eager, quantization=quantization
     )  # fmt: skip
     if prefill_graph_tokens is not None:
         device = dataclasses.replace(device, prefill_graph_tokens=prefill_graph_tokens)

@@ -180,12 +180,12 @@ def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
         a.max_num_seqs, a.max_num_batched_tokens, max_model_len=longest + 16, async_scheduling=v.ahead
     )
     setup.run.doc["variants"][v.name] = {
-        "quantization": v.quantization, "cache_dtype": v.cache_dtype, "decode_columns": v.decode_columns,
+        "quantization": v.quantization, "cache_dtype": v.cache_dtype,
         "model_cost": dataclasses.asdict(setup.cost),
     }  # fmt: skip
     build = partial(
         gpu.build_engine, model, setup.where, limits, a.gpu_memory_utilization,
-        quantization=v.quantization, cache_dtype=v.cache_dtype, decode_columns=v.decode_columns,
+        quantization=v.quantization, cache_dtype=v.cache_dtype,
         prefill_graph_tokens=a.prefill_graph_tokens,
     )  # fmt: skip
     engine = setup.run.job(f"{v.job_prefix} engine", build)

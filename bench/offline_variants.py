@@ -7,8 +7,6 @@ ceiling counts, and how its rows compare with the bf16 rows of the same run (iss
     fp8-kv        none                 fp8_e4m3      K and V 1 byte an element
     fp8           fp8                  fp8_e4m3      both
     *-ahead       as without           as without    the same; steps scheduled ahead (scheduler.async_scheduling)
-    *-cols-ahead  as without           as without    the same, ahead; the decode kernel's columns form
-                                                     (device.decode_columns all: attention.triton_decode_columns)
 
 "bf16" is the model dtype: bfloat16 on a GPU, float32 in the CPU smoke. Embeddings, norms and lm_head stay in
 the model dtype in every variant. The ceiling's FLOP side is the measured model-dtype matmul rate for all of
@@ -37,7 +35,6 @@ class Variant:
     quantization: str  # device.quantization
     cache_dtype: str | None  # cache.dtype; None: the model dtype
     ahead: bool = False  # scheduler.async_scheduling: the next step launched before this one's tokens return
-    columns: bool = False  # device.decode_columns "all": the query-head group as the decode dots' columns
 
     @property
     def baseline(self) -> bool:
@@ -63,12 +60,7 @@ class Variant:
             self.quantization, model_dtype
         )
         steps = ", steps scheduled ahead" if self.ahead else ""
-        cols = ", decode kernel in columns" if self.columns else ""
-        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}{cols}{steps}"
-
-    @property
-    def decode_columns(self) -> str:  # device.decode_columns
-        return "all" if self.columns else "none"
+        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}{steps}"
 
 
 VARIANTS = {
@@ -81,8 +73,6 @@ VARIANTS = {
         Variant("fp8-group", "fp8_group", "fp8_e4m3"),  # the quality goal's configuration (1% perplexity)
         Variant("bf16-ahead", "none", None, ahead=True),
         Variant("fp8-ahead", "fp8", "fp8_e4m3", ahead=True),
-        Variant("bf16-cols-ahead", "none", None, ahead=True, columns=True),
-        Variant("fp8-cols-ahead", "fp8", "fp8_e4m3", ahead=True, columns=True),
     )
 }
 BF16 = VARIANTS["bf16"]

@@ -17,7 +17,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 # cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8", "fp8_group")
-DECODE_COLUMNS = ("none", "fp8", "all")  # device.decode_columns
 # scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses)
 LATE_LAUNCH_MARGIN_S = 0.0015
 LATE_LAUNCH_MAX_MARGIN_S = 0.006
@@ -232,17 +231,9 @@ class DeviceConfig:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
-    # Which KV caches the Triton decode kernel reads with the query-head group as its dots' columns
-    # (attention.triton_decode_columns) rather than as rows padded to 16: none | fp8 (an fp8_e4m3 cache) | all.
-    decode_columns: str = "none"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(
-            self.decode_columns in DECODE_COLUMNS,
-            "device.decode_columns",
-            f"must be one of {', '.join(DECODE_COLUMNS)}, got {self.decode_columns!r}",
-        )
         _require(
             self.prefill_graph_tokens >= 0,
             "device.prefill_graph_tokens",

@@ -83,7 +83,7 @@ def build_runner(
         weights,
         layout,
         device,
-        make_attention_backend(config.device.attention_backend, device, config.device.decode_columns),
+        make_attention_backend(config.device.attention_backend, device),
         max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
         enforce_eager=config.device.enforce_eager,

@@ -9,14 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 MAX_SEGMENTS = 64
-# An FP8 cache's probabilities are multiplied by V's per-token scales before the PV dot, in float16: v_scale is
-# max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products would often fall below float16's smallest
-# normal (6e-5). Both decode kernels lift them by 2^8 and undo it on the output; a v_scale up to 255 (|v| ~ 1e5)
-# fits.
-V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
 DEFAULT_TILE_N = 64
 
 
@@ -91,10 +85,11 @@ class DecodeTuning:
     slower; bench/results/fp8/attention_tiles_run2.txt), and 3 pipeline stages (`fp8_num_stages`): 3-4% faster
     than 2 on an H100 at batch 128-256 (bench/results/fp8/attention_sweep_h100_run6.log).
 
-    `columns` / `fp8_columns` (16-bit / FP8 cache): run the kernel of attention.triton_decode_columns, tokens
-    along the dots' rows and the query-head group along their columns, instead of the group padded to 16 rows.
-    `fp8_max_registers`: a cap on the FP8 kernel's registers per thread (Triton's maxnreg; None: the compiler's
-    choice), which decides how many of its programs an SM holds at once.
+    `fp8_max_registers` caps the FP8 kernel's registers per thread (Triton's maxnreg; None: the compiler's
+    choice), which decides how many of its programs an SM holds at once: uncapped it took 203-204 (Triton 3.6,
+    sm_90), two programs an SM; at 168, three, and the kernel ran 1.02-1.20x faster at batch 32-300 on an H200;
+    at 128 (four programs, spilling) and 96 it ran slower, as with 8 warps or 64-token tiles
+    (bench/results/fp8/attention_run52_*.json).
     """
 
     tile_n: int = DEFAULT_TILE_N
@@ -102,9 +97,7 @@ class DecodeTuning:
     num_stages: int = 2
     fp8_tile_n: int = 128
     fp8_num_stages: int = 3
-    columns: bool = False
-    fp8_columns: bool = False
-    fp8_max_registers: int | None = None
+    fp8_max_registers: int | None = 168
 
     def __post_init__(self) -> None:
         for name, tile in (("tile_n", self.tile_n), ("fp8_tile_n", self.fp8_tile_n)):

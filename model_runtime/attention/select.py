@@ -18,10 +18,9 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def make_attention_backend(name: str, device: str, decode_columns: str = "none") -> AttentionBackend:
+def make_attention_backend(name: str, device: str) -> AttentionBackend:
     """ "auto": Triton on CUDA when triton is installed, else the torch reference.
-    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise. `decode_columns`:
-    DeviceConfig.decode_columns, for the Triton decode kernel."""
+    "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(BACKEND_NAMES)}")
     on_cuda = device.startswith("cuda")
@@ -38,8 +37,6 @@ def make_attention_backend(name: str, device: str, decode_columns: str = "none")
             f"attention_backend: 'triton' runs on CUDA devices, got device {device!r} "
             "(set TRITON_INTERPRET=1 to run its kernels on the CPU for testing)"
         )
-    from model_runtime.attention.decode_plan import DecodeTuning
     from model_runtime.attention.triton_backend import TritonAttention
 
-    tuning = DecodeTuning(columns=decode_columns == "all", fp8_columns=decode_columns in ("fp8", "all"))
-    return TritonAttention(tuning=tuning)
+    return TritonAttention()

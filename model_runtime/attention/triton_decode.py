@@ -21,6 +21,11 @@ e4m3 codes to float16 in one instruction, while bfloat16 takes a detour through 
 0.8x the bf16 one (H200, bench/results/fp8/attention_fp8_run1.json). Codes (|c| <= 448) and queries fit
 float16, whose 10-bit mantissa holds more than bfloat16's 7; the scaled probabilities are lifted by
 V_SCALE_LIFT (a power of two, undone on the output) so that small ones stay out of float16's subnormals.
+Triton's software pipeliner copies the K and V tiles ahead into shared memory (they feed dots) but leaves loads
+that feed elementwise arithmetic where they are, so a tile's scales, read in the iteration that used them behind
+the block ids that address them, made every FP8 tile wait out a memory latency that a 16-bit tile never waits
+for. The loop carries them instead: a tile's scales are requested one iteration ahead, their block ids two
+(1.13-1.18x at batch 128-300 on an H200; bench/results/fp8/attention_run50_*.json).
 
 CUDA-graph safety: the grid depends only on tensor shapes (padded batch, heads, segment count), scratch comes
 from a `DecodeWorkspace` sized before capture, nothing reads device values on the host. A sequence with
@@ -35,12 +40,37 @@ import torch
 import triton
 import triton.language as tl
 
-from model_runtime.attention.decode_plan import V_SCALE_LIFT, DecodeScratch, DecodeTuning, DecodeWorkspace
-from model_runtime.attention.triton_decode_columns import MIN_COLUMNS, _decode_columns_kernel
-from model_runtime.attention.triton_scales import block_ids, scales_ahead
+from model_runtime.attention.decode_plan import DecodeScratch, DecodeTuning, DecodeWorkspace
 from model_runtime.attention.triton_store import check_scale_pages
 
 MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
+# p * v_scale runs in float16: v_scale is max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products
+# would often fall below float16's smallest normal (6e-5). 2^8 lifts them; a v_scale up to 255 (|v| ~ 1e5) fits.
+V_SCALE_LIFT: tl.constexpr = tl.constexpr(256.0)
+
+
+@triton.jit
+def _block_ids(bt_row, tok, end, PAGE: tl.constexpr):
+    """The pages of tokens `tok` (block 0, the null block, for tokens at or past `end`)."""
+    return tl.load(bt_row + tok // PAGE, mask=tok < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _token_scales(scale_ptr, blocks, tok, end, kv_head, stride_sn, stride_sb, stride_sh, PAGE: tl.constexpr):
+    """One scale page's values for tokens `tok` of one KV head, 0 at or past `end`."""
+    at = blocks * stride_sn + (tok % PAGE) * stride_sb + kv_head * stride_sh
+    return tl.load(scale_ptr + at, mask=tok < end, other=0.0)
+
+
+@triton.jit
+def _scales_ahead(
+    k_scale_ptr, v_scale_ptr, bt_row, blocks, tok, end, kv_head, stride_sn, stride_sb, stride_sh,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """K and V scales of tokens `tok` (on pages `blocks`), and the pages of the tile after them."""
+    k_scale = _token_scales(k_scale_ptr, blocks, tok, end, kv_head, stride_sn, stride_sb, stride_sh, PAGE)
+    v_scale = _token_scales(v_scale_ptr, blocks, tok, end, kv_head, stride_sn, stride_sb, stride_sh, PAGE)
+    return k_scale, v_scale, _block_ids(bt_row, tok + TILE_N, end, PAGE)
 
 
 @triton.jit
@@ -95,10 +125,10 @@ def _decode_segment_kernel(
         in_page = tl.arange(0, TILE_N) % PAGE
         k_offs = (in_page * stride_kb + kv_head * stride_kh)[:, None] + d[None, :]
         v_offs = (in_page * stride_vb + kv_head * stride_vh)[:, None] + d[None, :]
-    if QUANTIZED:  # scales run one tile ahead of their use, their pages two (triton_scales)
+    if QUANTIZED:  # scales run one tile ahead of their use, their pages two (see the module docstring)
         first = start + tl.arange(0, TILE_N)
-        k_scale_next, v_scale_next, blocks_after = scales_ahead(
-            k_scale_ptr, v_scale_ptr, bt_row, block_ids(bt_row, first, end, PAGE), first, end, kv_head,
+        k_scale_next, v_scale_next, blocks_after = _scales_ahead(
+            k_scale_ptr, v_scale_ptr, bt_row, _block_ids(bt_row, first, end, PAGE), first, end, kv_head,
             stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
         )  # fmt: skip
     for t0 in range(start, end, TILE_N):
@@ -106,7 +136,7 @@ def _decode_segment_kernel(
         tok_ok = tok < end
         if QUANTIZED:
             k_scale, v_scale = k_scale_next, v_scale_next
-            k_scale_next, v_scale_next, blocks_after = scales_ahead(
+            k_scale_next, v_scale_next, blocks_after = _scales_ahead(
                 k_scale_ptr, v_scale_ptr, bt_row, blocks_after, tok + TILE_N, end, kv_head,
                 stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
             )  # fmt: skip
@@ -288,12 +318,9 @@ def _launch_segments(
     quantized = kv_scale is not None
     tile_n = tuning.fp8_tile_n if quantized else tuning.tile_n
     stages = tuning.fp8_num_stages if quantized else tuning.num_stages
-    kernel, block_m = _decode_segment_kernel, max(MIN_ROWS, triton.next_power_of_2(group))
-    if tuning.fp8_columns if quantized else tuning.columns:  # attention.triton_decode_columns
-        kernel, block_m = _decode_columns_kernel, max(MIN_COLUMNS, triton.next_power_of_2(group))
     # Triton reads maxnreg as a compile option; only an FP8 launch with a cap passes one
     caps = {"maxnreg": tuning.fp8_max_registers} if quantized and tuning.fp8_max_registers else {}
-    kernel[(num_seqs, num_kv_heads, num_segments)](
+    _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
         k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -303,7 +330,7 @@ def _launch_segments(
         po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m,
+        GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
         QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0,

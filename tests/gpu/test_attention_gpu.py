@@ -138,23 +138,17 @@ def test_decode_matches_reference(batch: int, ctx: int, dtype: torch.dtype) -> N
     check_decode_rows(out, q, kc, vc, meta, 0.088, TOL[dtype])
 
 
-@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
-def test_decode_shapes_bf16(block_size: int, group: int, head_dim: int, columns: bool) -> None:
-    """Both decode kernels: the query-head group as the dots' rows (triton_decode) or columns
-    (triton_decode_columns)."""
+def test_decode_shapes_bf16(block_size: int, group: int, head_dim: int) -> None:
     seq_lens = decode_seq_lens(7, 1000, seed=block_size + group, pad_every=4)
     q, _, _, kc, vc, meta = paged_inputs(3, seq_lens, [1] * 7, 4, group, head_dim, block_size, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
+    from model_runtime.attention.decode_plan import DecodeWorkspace
     from model_runtime.attention.triton_decode import decode_attention
 
-    tuning = DecodeTuning(columns=columns)
-    decode_attention(
-        q, kc, vc, meta.block_tables, meta.seq_lens, head_dim**-0.5, out, DecodeWorkspace(), 8, tuning
-    )
+    decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, head_dim**-0.5, out, DecodeWorkspace(), 8)
     check_decode_rows(out, q, kc, vc, meta, head_dim**-0.5, TOL[torch.bfloat16])
 
 

@@ -45,16 +45,16 @@ def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
     assert not kc.float().isnan().any() and bool((peaks == 448.0).all())
 
 
-@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("max_registers", [168, None], ids=["regs168", "regs-free"])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("segments", [1, 8])
 @pytest.mark.parametrize("v_magnitude", [1.0, 1e-3])
 def test_decode_reads_codes_times_scales(
-    segments: int, v_magnitude: float, group: int, columns: bool
+    segments: int, v_magnitude: float, group: int, max_registers: int | None
 ) -> None:
-    """Against the reference reading the same codes, with both decode kernels (the query-head group as rows or
-    as columns of the dots); values of 1e-3 (scales near 2e-6) check that the scaled probabilities stay clear
-    of float16's subnormals (decode_plan.V_SCALE_LIFT)."""
+    """Against the reference reading the same codes, with the register cap and without; values of 1e-3 (scales
+    near 2e-6) check that the scaled probabilities stay clear of float16's subnormals
+    (triton_decode.V_SCALE_LIFT)."""
     from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
     from model_runtime.attention.triton_decode import decode_attention
 
@@ -64,7 +64,7 @@ def test_decode_reads_codes_times_scales(
     out = torch.full_like(q, float("nan"))
     decode_attention(
         q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments,
-        DecodeTuning(fp8_columns=columns), kv_scale=scales,
+        DecodeTuning(fp8_max_registers=max_registers), kv_scale=scales,
     )  # fmt: skip
     safe = make_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
     ref = paged_attention_ref(q.float(), kc, vc, safe, 0.088, scales)

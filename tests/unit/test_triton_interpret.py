@@ -213,10 +213,7 @@ def _decode_case(
     segments: int = 4,
     tile_n: int = 16,
     fp8: bool = False,
-    columns: bool = False,
 ) -> Callable[[], tuple[bool, str]]:
-    """`columns`: the kernel of triton_decode_columns (the query-head group as the dots' columns)."""
-
     def run() -> tuple[bool, str]:
         from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
         from model_runtime.attention.torch_ref import paged_attention_ref
@@ -239,7 +236,7 @@ def _decode_case(
             out,
             DecodeWorkspace(),
             segments,
-            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n, columns=columns, fp8_columns=columns),
+            DecodeTuning(tile_n=tile_n, fp8_tile_n=tile_n),
             scales,
         )
         live = [s > 0 for s in seq_lens]
@@ -253,12 +250,11 @@ def _decode_case(
 
 
 def _backend_case(
-    seq_lens: list[int], query_lens: list[int], fp8: bool = False, decode_columns: str = "none"
+    seq_lens: list[int], query_lens: list[int], fp8: bool = False
 ) -> Callable[[], tuple[bool, str]]:
     """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs. With an
     FP8 cache the Triton prefill of a fresh prompt attends to its own unquantized rows where the torch
-    reference reads them back from the cache: only cases where every chunk reads the cache compare there.
-    `decode_columns`: device.decode_columns, handed to the backend as the engine does."""
+    reference reads them back from the cache: only cases where every chunk reads the cache compare there."""
 
     def run() -> tuple[bool, str]:
         from model_runtime.attention.select import make_attention_backend
@@ -270,7 +266,7 @@ def _backend_case(
             kc, vc, scales = _fp8_caches(kc, vc)
             k, v = _on_grid(k), _on_grid(v)
             ref_scales = scales.clone()
-        backend = make_attention_backend("triton", "cpu", decode_columns)
+        backend = make_attention_backend("triton", "cpu")
         ref_kc, ref_vc = kc.clone(), vc.clone()
         ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, ref_scales)
         out = backend.forward(q, k, v, kc, vc, meta, 0.25, scales)
@@ -303,28 +299,11 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "store_fp8_quantizes_per_token_head": _case_store_fp8,
     "decode_fp8_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True),
     "decode_fp8_one_segment_padded": _decode_case(5, [23, 0, 70], 4, 8, segments=1, fp8=True),
+    # many tiles a segment and segments starting mid-context: the scales read a tile ahead, their pages two
+    "decode_fp8_many_segments": _decode_case(4, [300, 2, 97], 2, 4, segments=4, fp8=True),
     "backend_fp8_decode_only": _backend_case([9, 0, 21], [1, 1, 1], fp8=True),
     "backend_fp8_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2], fp8=True),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
-    "columns_decode_b1_gqa1_block4": _decode_case(1, [13], 1, 4, columns=True),
-    "columns_decode_b6_gqa4_block16_padded": _decode_case(3, [17, 0, 5, 40, 0, 33], 4, 16, columns=True),
-    "columns_decode_many_segments": _decode_case(4, [300, 2], 2, 4, segments=16, columns=True),
-    "columns_decode_head_dim_40_tile_32": _decode_case(
-        6, [45, 9], 2, 16, head_dim=40, tile_n=32, columns=True
-    ),
-    "columns_decode_pages_longer_than_tiles": _decode_case(7, [45, 9, 0], 2, 32, tile_n=16, columns=True),
-    "columns_decode_fp8_pages_longer_than_tiles": _decode_case(
-        8, [45, 9], 2, 32, tile_n=16, fp8=True, columns=True
-    ),
-    "columns_decode_fp8_one_segment_padded": _decode_case(
-        5, [23, 0, 70], 4, 8, segments=1, fp8=True, columns=True
-    ),
-    "columns_backend_mixed_prefill_prefix_decode": _backend_case(
-        [5, 11, 9, 0], [5, 4, 1, 0], decode_columns="all"
-    ),
-    "columns_backend_fp8_chunks_with_prefixes": _backend_case(
-        [20, 6, 33], [4, 6, 2], fp8=True, decode_columns="fp8"
-    ),
 }
 
 
@@ -392,11 +371,6 @@ def test_select_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     if HAVE_TRITON:
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             make_attention_backend("triton", "cpu")
-        # device.decode_columns reaches the decode kernel's tuning
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        for columns, want in (("none", (False, False)), ("fp8", (False, True)), ("all", (True, True))):
-            tuning = make_attention_backend("triton", "cpu", columns).tuning  # type: ignore[attr-defined]
-            assert (tuning.columns, tuning.fp8_columns) == want, columns
 
 
 if __name__ == "__main__":
