@@ -74,6 +74,26 @@ def _scales_ahead(
 
 
 @triton.jit
+def _e4m3_to_float16(codes):
+    """e4m3 codes to float16, two a conversion instruction (sm_89+), in the layout the codes were loaded in.
+
+    A plain `.to(tl.float16)` is moved by Triton past the shared-memory load that forms the PV dot's operand, so
+    the conversion happens in the operand's layout; for V (tokens along the dot's K) that layout takes each
+    thread's codes from four different token rows, and the e4m3 tile was read from shared memory one byte at a
+    time (128 single-byte loads a thread and tile, compiled for sm_90). Declared impure, this conversion stays
+    where it is: the codes are read 16 bytes at a time, converted, and the float16 tile goes through shared
+    memory to the operand, which ldmatrix transposes in 16-bit units."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [codes.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _load_tokens(cache_ptr, block, in_page, kv_head, d, mask, stride_n, stride_b, stride_h):
     """[TILE_N, BLOCK_D] rows of one KV head, token i at page block[i], offset in_page[i]."""
     ptrs = (
@@ -95,7 +115,7 @@ def _decode_segment_kernel(
     stride_ps, stride_ph, stride_pg, stride_ls, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr, ALIGNED: tl.constexpr,
+    QUANTIZED: tl.constexpr, ALIGNED: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     # fmt: on
     seq = tl.program_id(0)
@@ -165,6 +185,8 @@ def _decode_segment_kernel(
         pv = p
         if QUANTIZED:
             pv = p * (v_scale.to(tl.float32) * V_SCALE_LIFT)[None, :]
+        if STAGE_V:  # V's codes as float16 before the dot's operand is formed (_e4m3_to_float16)
+            v = _e4m3_to_float16(v)
         acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -333,7 +355,7 @@ def _launch_segments(
         GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
-        QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0,
+        QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0, STAGE_V=quantized and _converts_e4m3(q.device),
         num_warps=tuning.num_warps, num_stages=stages, **caps,
     )
     # fmt: on
@@ -351,6 +373,12 @@ def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int)
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SEGMENTS=num_segments,
     )
     # fmt: on
+
+
+def _converts_e4m3(device: torch.device) -> bool:
+    """Whether the device has the e4m3 -> float16 conversion instruction _e4m3_to_float16 issues (sm_89+); the
+    CPU interpreter runs no PTX."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _block_d(head_dim: int) -> int:
