@@ -35,6 +35,7 @@ seq_len 0 (graph padding) runs no loop iteration and yields an all-zero output r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -315,6 +316,68 @@ def decode_attention(
     return out
 
 
+@dataclass(frozen=True)
+class SegmentLaunch:
+    """The stage-1 kernel's launch apart from its grid: positional arguments, constexprs and compile options.
+    bench/kernel_resources.py compiles the kernel from it for a GPU it does not have."""
+
+    args: tuple[object, ...]
+    constexprs: dict[str, object]
+    options: dict[str, int]
+
+
+def segment_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    scratch: DecodeScratch,
+    out: torch.Tensor,
+    num_segments: int,
+    tuning: DecodeTuning,
+    kv_scale: torch.Tensor | None,
+    converts_e4m3: bool,
+) -> SegmentLaunch:
+    """`converts_e4m3`: the device has the e4m3 -> float16 instruction (_converts_e4m3)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    k_scale, v_scale = (seq_lens, seq_lens) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
+    scale_strides = (0, 0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3))
+    group = num_heads // k_cache.shape[2]
+    po, pl = scratch.partial_out, scratch.partial_lse
+    # fp32 inputs stay exact (no tf32); the setting is irrelevant for 16-bit inputs.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    quantized = kv_scale is not None
+    tile_n = tuning.fp8_tile_n if quantized else tuning.tile_n
+    options = {
+        "num_warps": tuning.num_warps,
+        "num_stages": tuning.fp8_num_stages if quantized else tuning.num_stages,
+    }
+    if quantized and tuning.fp8_max_registers:  # Triton reads maxnreg as a compile option
+        options["maxnreg"] = tuning.fp8_max_registers
+    # fmt: off
+    args = (
+        q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
+        k_scale, v_scale, scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides, block_tables.stride(0),
+        po.stride(0), po.stride(1), po.stride(2),
+        pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+    )
+    constexprs = dict(
+        GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
+        QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0, STAGE_V=quantized and converts_e4m3,
+    )
+    # fmt: on
+    return SegmentLaunch(args, constexprs, options)
+
+
 def _launch_segments(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -328,37 +391,12 @@ def _launch_segments(
     tuning: DecodeTuning,
     kv_scale: torch.Tensor | None,
 ) -> None:
-    num_seqs, num_heads, head_dim = q.shape
-    k_scale, v_scale = (seq_lens, seq_lens) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
-    scale_strides = (0, 0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3))
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    po, pl = scratch.partial_out, scratch.partial_lse
-    # fp32 inputs stay exact (no tf32); the setting is irrelevant for 16-bit inputs.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # fmt: off
-    quantized = kv_scale is not None
-    tile_n = tuning.fp8_tile_n if quantized else tuning.tile_n
-    stages = tuning.fp8_num_stages if quantized else tuning.num_stages
-    # Triton reads maxnreg as a compile option; only an FP8 launch with a cap passes one
-    caps = {"maxnreg": tuning.fp8_max_registers} if quantized and tuning.fp8_max_registers else {}
-    _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
-        q, k_cache, v_cache, block_tables, seq_lens, po, pl, out,
-        k_scale, v_scale, scale * math.log2(math.e),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *scale_strides, block_tables.stride(0),
-        po.stride(0), po.stride(1), po.stride(2),
-        pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        PAGE=k_cache.shape[1], TILE_N=tile_n, NUM_SEGMENTS=num_segments, DOT_PRECISION=precision,
-        QUANTIZED=quantized, ALIGNED=tile_n % k_cache.shape[1] == 0, STAGE_V=quantized and _converts_e4m3(q.device),
-        num_warps=tuning.num_warps, num_stages=stages, **caps,
-    )
-    # fmt: on
+    launch = segment_launch(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, scratch, out, num_segments, tuning, kv_scale,
+        _converts_e4m3(q.device),
+    )  # fmt: skip
+    grid = (q.shape[0], k_cache.shape[2], num_segments)
+    _decode_segment_kernel[grid](*launch.args, **launch.constexprs, **launch.options)
 
 
 def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int) -> None:

@@ -1,0 +1,39 @@
+"""The decode kernel compiled for an H100/H200 (sm_90) by the installed Triton, its bundled ptxas and cuobjdump,
+on the CPU (bench/kernel_resources.py): what it issues, for the FP8 cache as the engine launches it there."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    from bench import kernel_resources
+
+    if not (kernel_resources._toolchain() / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled cuobjdump")
+    return {k: kernel_resources.compile_kernel(k, arch=90) for k in kernel_resources.KERNELS}
+
+
+def test_the_fp8_kernel_reads_v_whole_where_triton_alone_gathers_it_byte_by_byte(compiled):
+    """The engine's FP8 launch converts V where it is loaded (triton_decode._e4m3_to_float16): no single-byte
+    shared-memory loads. Left to Triton (the plain conversion, as on pre-sm_89 devices), the e4m3 V tile is
+    gathered into the PV operand a byte at a time; if a Triton ever stops doing that, this test says the inline
+    conversion may no longer be needed."""
+    fp8, plain = compiled["fp8"], compiled["fp8-plain"]
+    assert fp8.shared_byte_loads == 0, fp8
+    assert plain.shared_byte_loads >= 64, plain
+    assert fp8.e4m3_conversions > 0 and fp8.mma == plain.mma > 0
+
+
+def test_the_fp8_kernel_stays_within_its_register_cap_and_the_bf16_kernel_gathers_nothing(compiled):
+    from model_runtime.attention.decode_plan import DecodeTuning
+
+    cap = DecodeTuning().fp8_max_registers
+    assert cap is not None and compiled["fp8"].registers <= cap
+    assert compiled["fp8-plain"].registers <= cap  # the cap is passed to the compiler: maxnreg reached it
+    assert compiled["bf16"].shared_byte_loads == 0 and compiled["bf16"].mma > 0
