@@ -307,10 +307,12 @@ def decode_attention(
     check_scale_pages(k_cache, kv_scale, "decode_attention")
     num_seqs, num_heads, head_dim = q.shape
     scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
-    tuning = tuning or DecodeTuning()
-    _launch_segments(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, scratch, num_segments, tuning, kv_scale
-    )
+    launch = segment_launch(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, scratch, out, num_segments, tuning or DecodeTuning(),
+        kv_scale, _converts_e4m3(q.device),
+    )  # fmt: skip
+    grid = (num_seqs, k_cache.shape[2], num_segments)
+    _decode_segment_kernel[grid](*launch.args, **launch.constexprs, **launch.options)
     if num_segments > 1:
         _launch_reduce(scratch, out, num_segments)
     return out
@@ -376,27 +378,6 @@ def segment_launch(
     )
     # fmt: on
     return SegmentLaunch(args, constexprs, options)
-
-
-def _launch_segments(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    scratch: DecodeScratch,
-    num_segments: int,
-    tuning: DecodeTuning,
-    kv_scale: torch.Tensor | None,
-) -> None:
-    launch = segment_launch(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, scratch, out, num_segments, tuning, kv_scale,
-        _converts_e4m3(q.device),
-    )  # fmt: skip
-    grid = (q.shape[0], k_cache.shape[2], num_segments)
-    _decode_segment_kernel[grid](*launch.args, **launch.constexprs, **launch.options)
 
 
 def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int) -> None:
