@@ -37,3 +37,21 @@ def test_the_fp8_kernel_stays_within_its_register_cap_and_the_bf16_kernel_gather
     assert cap is not None and compiled["fp8"].registers <= cap
     assert compiled["fp8-plain"].registers <= cap  # the cap is passed to the compiler: maxnreg reached it
     assert compiled["bf16"].shared_byte_loads == 0 and compiled["bf16"].mma > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("fp8_max_registers", 100, "multiple of 8"),
+        ("fp8_max_registers", 16, "multiple of 8 in \\[24, 255\\]"),
+        ("fp8_max_registers", 256, "got 256"),
+        ("fp8_tile_n", 48, "power of two"),
+        ("fp8_num_stages", 0, "in \\[1, 6\\]"),
+    ],
+)
+def test_decode_tuning_refuses_bad_values_naming_the_field(field: str, value: int, message: str) -> None:
+    from model_runtime.attention.decode_plan import DecodeTuning
+
+    with pytest.raises(ValueError, match=f"DecodeTuning.{field}: must be .*{message}"):
+        DecodeTuning(**{field: value})
+    assert DecodeTuning(fp8_max_registers=None).fp8_max_registers is None  # None: the compiler's choice
