@@ -34,6 +34,7 @@ seq_len 0 (graph padding) runs no loop iteration and yields an all-zero output r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -397,7 +398,15 @@ def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int)
 def _converts_e4m3(device: torch.device) -> bool:
     """Whether the device has the e4m3 -> float16 conversion instruction _e4m3_to_float16 issues (sm_89+); the
     CPU interpreter runs no PTX."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda":
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A device's compute capability, asked once (eager steps launch the decode kernel once a layer)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _block_d(head_dim: int) -> int:
