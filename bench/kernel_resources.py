@@ -73,7 +73,7 @@ def _signature(
 ) -> tuple[dict[str, str], dict, dict[str, object]]:
     """Triton types for the positional arguments, with the launcher's specializations: attrs (divisible by 16)
     and constants (integers equal to 1)."""
-    do_not_specialize = set(_decode_segment_kernel.do_not_specialize)
+    do_not_specialize = set(_decode_segment_kernel.do_not_specialize)  # argument names
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
     constants: dict[str, object] = {}
@@ -84,11 +84,11 @@ def _signature(
         elif isinstance(value, float):
             signature[name] = "fp32"
         elif isinstance(value, int):
-            if value == 1 and name not in do_not_specialize and i not in do_not_specialize:
+            if value == 1 and name not in do_not_specialize:
                 signature[name], constants[name] = "constexpr", 1
                 continue
             signature[name] = "i32"
-            if value % 16 == 0 and name not in do_not_specialize and i not in do_not_specialize:
+            if value % 16 == 0 and name not in do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             raise TypeError(f"kernel_resources: argument {name} of type {type(value).__name__}")

@@ -162,7 +162,9 @@ def _decode_segment_kernel(
                 k_scale_ptr, v_scale_ptr, bt_row, blocks_after, tok + TILE_N, end, kv_head,
                 stride_sn, stride_sb, stride_sh, PAGE, TILE_N,
             )  # fmt: skip
-        block = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        # This tile's pages for its K/V rows (the pipeliner copies them ahead with the rows); an FP8 cache's scale
+        # chain above reads the same entries again, two tiles earlier: 4 bytes a token, from cache.
+        block = _block_ids(bt_row, tok, end, PAGE)
         # K/V rows are not masked by token: a token past `end` has block 0 (the load above), the null block,
         # which nothing writes (zeros), so its row is read in bounds, its score is masked to -inf below and its
         # probability is 0. Masking rows here made the FP8 kernel 10-15% slower (the d mask folds away when
