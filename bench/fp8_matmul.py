@@ -16,7 +16,9 @@ Per (projection, tokens), CUDA-event-timed CUDA-graph replays of 10 back-to-back
   128 channels, or per 128 x 128 block), where the torch build takes them (speed only, unit scales).
 Floors: the weight's bytes at the HBM copy rate measured in the same run (bf16: 2 bytes an element, FP8: 1) and
 the FLOPs at the bf16 matmul rate measured in the same run (FP8's tensor-core peak is twice that).
-Each FP8 output is checked against the bf16 product (relative error printed). Writes
+Each FP8 output is checked against the bf16 product (relative error printed). On the GPU the accumulation alone
+is measured too: scaled_mm with float32 promotion and with fast accumulation (device.fp8_fast_accum, the engine's
+default) against the float32 product of the same e4m3 operands and scales ("accum err"). Writes
 bench/results/fp8_matmul_<gpu>.json and prints a table.
 """
 
@@ -65,11 +67,26 @@ def variants(x: torch.Tensor, w: torch.Tensor, fp8: FP8Linear, grouped: FP8Linea
     }
     if x.is_cuda:
         mm = partial(torch._scaled_mm, codes, fp8.weight.t(), scale_a=scales,
-                     scale_b=fp8.weight_scale.unsqueeze(0), out_dtype=x.dtype)  # fmt: skip
+                     scale_b=fp8.weight_scale.unsqueeze(0), out_dtype=x.dtype, use_fast_accum=False)  # fmt: skip
         calls["scaled_mm"] = mm
         calls["scaled_mm_fast_accum"] = partial(mm, use_fast_accum=True)
         calls.update(blockwise_calls(x, fp8.weight))
     return calls
+
+
+def accumulation_errors(x: torch.Tensor, fp8: FP8Linear, calls: dict) -> dict:
+    """scaled_mm with float32 promotion ("exact") and with fast accumulation ("fast") against the float32
+    product of the same e4m3 codes and scales: what the accumulation alone adds (the exact one's is the bfloat16
+    output's rounding). Relative Frobenius error, and the largest error of one output over the output's RMS."""
+    codes, scales = fp8._quantize(x)
+    ref = (codes.float() * scales) @ (fp8.weight.float() * fp8.weight_scale[:, None]).t()
+    rms = ref.pow(2).mean().sqrt()
+    errs = {}
+    for key, call in (("exact", calls["scaled_mm"]), ("fast", calls["scaled_mm_fast_accum"])):
+        diff = call().float() - ref
+        errs[key] = float(diff.norm() / ref.norm())
+        errs[f"{key}_max_over_rms"] = float(diff.abs().max() / rms)
+    return errs
 
 
 def blockwise_calls(x: torch.Tensor, weight: torch.Tensor) -> dict:
@@ -117,11 +134,13 @@ def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args
     fp8.weight.data, fp8.weight_scale.data = q, scale
     grouped = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda", grouped=True).to(device)
     grouped.weight.data, grouped.weight_scale.data = quantize_fp8_groups(w)
+    fp8.fast_accum = device == "cuda"  # as the engine builds it there (device.fp8_fast_accum's default)
     calls = variants(x, w, fp8, grouped)
     ref = calls["bf16"]()
     row: dict = {"projection": name, "n": n, "k": k, "tokens": tokens,
                  "err_vs_bf16": {v: rel_err(calls[v](), ref) for v in ("fp8", "fp8_group", "fp8_torch_quant")}}  # fmt: skip
     if device == "cuda":
+        row["accum_err"] = accumulation_errors(x, fp8, calls)
         row["us"] = {v: time_graph(call, 10, args.reps) for v, call in calls.items()}
         flops = 2 * tokens * n * k
         row["floor_us"] = {
@@ -155,9 +174,11 @@ def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None
         cells = " ".join(f"{us[c]:>12.1f}" if c in us else f"{'-':>12}" for c in cols)
         floor = r.get("floor_us", {}).get("fp8")
         tail = f" {floor:>9.1f} {r['fp8_speedup']:>5.2f}x" if floor else ""
-        errs = r["err_vs_bf16"]
+        errs, acc = r["err_vs_bf16"], r.get("accum_err")
+        accum = f"  accum err exact {acc['exact']:.5f} fast {acc['fast']:.5f}" if acc else ""
         print(
             f"{r['projection']:>8} {r['tokens']:>5} {cells}{tail}  err {errs['fp8']:.3f} group {errs['fp8_group']:.3f}"
+            + accum
         )
 
 

@@ -11,8 +11,8 @@ GPU, one command (with the gguf wheel of ../shared/gpu/make-kit.sh on PYTHONPATH
 
 --variants (a comma list of bench/offline_variants.VARIANTS; default bf16): the engines Tandem runs, each its
 own engine (the previous one freed first) on every shape, bf16 first; rows carry "variant". fp8-weights sets
-device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both; -qk adds the score dot on the e4m3 codes
-and -ahead the steps scheduled ahead. Each variant's ceiling counts the bytes it reads (FP8 projections and FP8
+device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both; -ahead adds the steps scheduled ahead and
+-exact float32 accumulation in the FP8 matmuls (device.fp8_fast_accum false; the others accumulate fast). Each variant's ceiling counts the bytes it reads (FP8 projections and FP8
 K/V at one byte an element; the table in bench/offline_variants.py); its FLOP side is the measured bf16 matmul
 rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of the shape); rows with
 FP8 weights and KV add the issue's goals: fp8_goal_tok_s (75% of TensorRT-LLM FP8), fraction_of_fp8_goal and
@@ -180,13 +180,13 @@ def run_tandem(setup: Setup, model: str, work: list[tuple[Shape, int]]) -> None:
         a.max_num_seqs, a.max_num_batched_tokens, max_model_len=longest + 16, async_scheduling=v.ahead
     )
     setup.run.doc["variants"][v.name] = {
-        "quantization": v.quantization, "cache_dtype": v.cache_dtype,
+        "quantization": v.quantization, "cache_dtype": v.cache_dtype, "fp8_fast_accum": v.fast_accum,
         "model_cost": dataclasses.asdict(setup.cost),
     }  # fmt: skip
     build = partial(
         gpu.build_engine, model, setup.where, limits, a.gpu_memory_utilization,
         quantization=v.quantization, cache_dtype=v.cache_dtype,
-        prefill_graph_tokens=a.prefill_graph_tokens,
+        prefill_graph_tokens=a.prefill_graph_tokens, fp8_fast_accum=v.fast_accum,
     )  # fmt: skip
     engine = setup.run.job(f"{v.job_prefix} engine", build)
     if engine is not None:

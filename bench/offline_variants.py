@@ -7,6 +7,8 @@ ceiling counts, and how its rows compare with the bf16 rows of the same run (iss
     fp8-kv        none                 fp8_e4m3      K and V 1 byte an element
     fp8           fp8                  fp8_e4m3      both
     *-ahead       as without           as without    the same; steps scheduled ahead (scheduler.async_scheduling)
+    *-exact       as without           as without    the same; FP8 matmuls accumulate in float32
+                                                     (device.fp8_fast_accum false; the others: true, the default)
 
 "bf16" is the model dtype: bfloat16 on a GPU, float32 in the CPU smoke. Embeddings, norms and lm_head stay in
 the model dtype in every variant. The ceiling's FLOP side is the measured model-dtype matmul rate for all of
@@ -35,6 +37,7 @@ class Variant:
     quantization: str  # device.quantization
     cache_dtype: str | None  # cache.dtype; None: the model dtype
     ahead: bool = False  # scheduler.async_scheduling: the next step launched before this one's tokens return
+    fast_accum: bool = True  # device.fp8_fast_accum (FP8 weights only)
 
     @property
     def baseline(self) -> bool:
@@ -60,7 +63,8 @@ class Variant:
             self.quantization, model_dtype
         )
         steps = ", steps scheduled ahead" if self.ahead else ""
-        return f"{self.name}: weights {weights}, KV cache {self.cache_dtype or model_dtype}{steps}"
+        exact = ", float32 accumulation" if not self.fast_accum else ""
+        return f"{self.name}: weights {weights}{exact}, KV cache {self.cache_dtype or model_dtype}{steps}"
 
 
 VARIANTS = {
@@ -70,9 +74,11 @@ VARIANTS = {
         Variant("fp8-weights", "fp8", None),
         Variant("fp8-kv", "none", "fp8_e4m3"),
         Variant("fp8", "fp8", "fp8_e4m3"),
+        Variant("fp8-exact", "fp8", "fp8_e4m3", fast_accum=False),
         Variant("fp8-group", "fp8_group", "fp8_e4m3"),  # the quality goal's configuration (1% perplexity)
         Variant("bf16-ahead", "none", None, ahead=True),
         Variant("fp8-ahead", "fp8", "fp8_e4m3", ahead=True),
+        Variant("fp8-ahead-exact", "fp8", "fp8_e4m3", ahead=True, fast_accum=False),
     )
 }
 BF16 = VARIANTS["bf16"]

@@ -22,6 +22,9 @@ once at the measured HBM copy rate is reported too; floor = the larger. fraction
 With --background N, N requests keep decoding beside every timed prompt, which then runs in mixed steps as
 in a colocated worker (`--background 2 --max-num-seqs 256 --max-model-len 8192 --max-num-batched-tokens 2048`
 is a colocated worker of bench-colocated.yaml at 1-2 req/s, without its threads).
+--variant (bench/offline_variants.VARIANTS: bf16, fp8, fp8-exact, ...) builds the engine with that variant's
+weights, KV cache and FP8 accumulation; the floor stays the bf16 matmul rate's, which FP8 matmuls may beat, so
+its fraction reads high there. `--variant fp8 --profile` names where an FP8 prefill's time goes (issue 19).
 Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
 Exit status 1 when a length raised (traceback on stderr, message in the JSON's "errors").
 """
@@ -41,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as gpu
+from bench.offline_variants import VARIANTS
 from bench.step_probe import StepProbe
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
@@ -212,7 +216,8 @@ class Setup:
 def print_table(doc: dict) -> None:
     rates = doc.get("rates", {})
     print(
-        f"\nTTFT on {doc['gpu']} ({doc['settings']['dtype']}), matmul {rates.get('matmul_tflops', 0):.4g} TFLOP/s"
+        f"\nTTFT on {doc['gpu']} ({doc['settings']['dtype']}, variant {doc.get('variant', 'bf16')}), "
+        f"matmul {rates.get('matmul_tflops', 0):.4g} TFLOP/s"
     )
     print(
         f"{'prompt':>7} {'ttft ms':>8} {'step ms':>8} {'flop floor':>10} {'% flop':>6} {'read floor':>10} {'TFLOP/s':>8} steps"
@@ -264,6 +269,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts, float32, no graphs")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of the longest prompt (GPU)")
+    p.add_argument(
+        "--variant",
+        default="bf16",
+        choices=sorted(VARIANTS),
+        help="weights, KV cache and FP8 accumulation as bench/offline_variants.py names them (default bf16)",
+    )
     p.add_argument("--out", help="JSON path (default bench/results/ttft_<gpu>.json)")
     args = p.parse_args(argv)
     args.prompt_lens = args.prompt_lens or ("16,32" if args.smoke else "2048")
@@ -286,7 +297,8 @@ def main(argv: list[str] | None = None) -> Path:
     model = args.model or (gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
     mc = load_model_config(resolve_model(model))
     run = gpu.BenchRun("ttft", BENCHMARK, args, where, deadline)
-    cost = gpu.ModelCost.from_config(mc, where.dtype_bytes)
+    v = VARIANTS[args.variant]
+    cost = v.cost(mc, where.dtype_bytes)  # the weight read floor in the variant's bytes
     run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
     setup = Setup(run.measure_rates(where), cost, run)
     longest = max(args.lens)
@@ -297,10 +309,12 @@ def main(argv: list[str] | None = None) -> Path:
         args.max_num_batched_tokens or total,
         max_model_len=args.max_model_len or total + 16,
     )
-    engine = run.job(
-        "engine",
-        lambda: gpu.build_engine(model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0),
-    )
+    run.doc.update(variant=v.name)
+    build = partial(
+        gpu.build_engine, model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0,
+        quantization=v.quantization, cache_dtype=v.cache_dtype, fp8_fast_accum=v.fast_accum,
+    )  # fmt: skip
+    engine = run.job("engine", build)
     noise = BusyThreads(args.busy_threads) if args.busy_threads else None
     if engine is not None and args.background:
         start_background(engine, args.background, limits.max_model_len or total + 16)

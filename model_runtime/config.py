@@ -227,6 +227,11 @@ class DeviceConfig:
     # float32 scale per output channel, quantized at load; model_runtime.quantization) | fp8_group (e4m3, a
     # scale per output channel and group of 64 input channels, activations alike; group_gemm on a GPU).
     quantization: str = "none"
+    # FP8 projections on Hopper (quantization fp8): the tensor cores keep their FP8 partial sums in their own
+    # accumulator for the whole K loop (torch._scaled_mm use_fast_accum, as vLLM's CUTLASS FP8 kernels do)
+    # instead of promoting them into float32 every few K steps: faster matmuls, a larger rounding error
+    # (docs/performance.md has both). false: promote. The CPU emulation and fp8_group accumulate in float32.
+    fp8_fast_accum: bool = True
     # Steps with prompt chunks of up to this many tokens (decodes included) replay piecewise CUDA graphs:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
@@ -254,6 +259,11 @@ class DeviceConfig:
             self.kernels in ("auto", "torch", "triton", "compile"),
             "device.kernels",
             f"must be auto, torch, triton or compile, got {self.kernels!r}",
+        )
+        _require(
+            isinstance(self.fp8_fast_accum, bool),
+            "device.fp8_fast_accum",
+            f"must be true or false, got {self.fp8_fast_accum!r}",
         )
         _require(
             self.quantization in QUANTIZATIONS,

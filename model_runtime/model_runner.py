@@ -144,12 +144,14 @@ class ModelRunner:
         ops: FusedOps | None = None,
         tensor_parallel: TensorParallel | None = None,
         quantization: str = "none",
+        fp8_fast_accum: bool = False,
         prefill_graph_tokens: int = 0,
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
         share); None for one device. `quantization`: how `weights` were quantized
-        (quantization.apply.quantize_weights), so the model holds them in that form. `prefill_graph_tokens`:
+        (quantization.apply.quantize_weights), so the model holds them in that form; `fp8_fast_accum`: its FP8
+        matmuls' accumulation (device.fp8_fast_accum). `prefill_graph_tokens`:
         the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none).
 
         `kv_cache` is the cache's storage, shaped as KVLayout.cache_shape (what transports move); `kv_pages` is
@@ -162,7 +164,7 @@ class ModelRunner:
         self.max_blocks_per_seq = layout.blocks_for_tokens(max_model_len)
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, backend, rope_device=self.device, ops=ops)
-        quantize_model(model, quantization, self.device, weights["embed_tokens.weight"].dtype)
+        quantize_model(model, quantization, self.device, weights["embed_tokens.weight"].dtype, fp8_fast_accum)
         model.load_weights(weights)
         if tensor_parallel is not None:
             tensor_parallel.shard_model(model)

@@ -91,6 +91,7 @@ def build_runner(
         ops=make_fused_ops(config.device.kernels, device),
         tensor_parallel=tp,
         quantization=quantization,
+        fp8_fast_accum=config.device.fp8_fast_accum,
         prefill_graph_tokens=prefill_graph_tokens(config),
     )
     return RankRunner(runner, layout, max_model_len, tp)

@@ -47,9 +47,16 @@ def quantize_weights(weights: dict[str, torch.Tensor], method: str) -> None:
         raise ValueError(f"device.quantization: {method!r} is not none, fp8 or fp8_group")
 
 
-def quantize_model(model: LlamaForCausalLM, method: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Give `model` (weights not yet loaded) the modules that hold `method`'s weights; `dtype`: the model's."""
+def quantize_model(
+    model: LlamaForCausalLM,
+    method: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    fast_accum: bool = False,
+) -> None:
+    """Give `model` (weights not yet loaded) the modules that hold `method`'s weights; `dtype`: the model's;
+    `fast_accum`: device.fp8_fast_accum (the FP8 matmuls' accumulation on Hopper)."""
     if method in ("fp8", "fp8_group"):
-        use_fp8_projections(model, device, dtype, grouped=method == "fp8_group")
+        use_fp8_projections(model, device, dtype, grouped=method == "fp8_group", fast_accum=fast_accum)
     elif method != "none":
         raise ValueError(f"device.quantization: {method!r} is not none, fp8 or fp8_group")

@@ -19,6 +19,10 @@ Two matmuls, chosen once per module when the model is built, never per step:
   out. Shapes are static and nothing syncs with the host, so a decode CUDA graph captures it
   (tests/gpu/test_fp8_weights_gpu.py). qkv, gate_up and down take their input already quantized
   (QuantizedRows) from the norm or SiLU-and-multiply kernel before them (fuse_fp8_inputs); o_proj quantizes its own.
+  `fast_accum` (device.fp8_fast_accum, on by default) lets the tensor cores keep their FP8 partial sums in their
+  own accumulator for the whole K loop instead of promoting them into float32 every few K steps
+  (torch._scaled_mm's use_fast_accum; vLLM's CUTLASS FP8 kernels for Hopper use the same fast-accumulation
+  schedules): faster, and less exact by an amount bench/fp8_matmul.py measures against the float32 product.
 - emulation (CPU, other GPUs, other dtypes): the weight dequantized to the activation dtype (q * scale in
   float32, rounded once) and a plain matmul: the weights used are exactly the stored FP8 ones; activations are
   not quantized, unless `emulate_scaled_mm` asks for scaled_mm's numerics (each token's activations rounded to
@@ -120,13 +124,14 @@ def scaled_mm_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     quantize: Quantizer = quantize_rows_torch,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """x [T, K] bfloat16 @ dequant(weight [N, K], weight_scale [N])^T (+ bias) -> [T, N] bfloat16, with x
     quantized per token by `quantize`. No host sync: the scales stay on the device."""
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
     codes, scales = quantize(x)
-    return scaled_mm_rows(codes, scales, weight, weight_scale, bias, x.dtype)
+    return scaled_mm_rows(codes, scales, weight, weight_scale, bias, x.dtype, fast_accum)
 
 
 def scaled_mm_rows(
@@ -136,13 +141,20 @@ def scaled_mm_rows(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """Activations already quantized per token (codes [T, K] e4m3, scales [T, 1]) @ the FP8 weight -> [T, N]."""
+    """Activations already quantized per token (codes [T, K] e4m3, scales [T, 1]) @ the FP8 weight -> [T, N].
+    `fast_accum`: the tensor cores' FP8 accumulation without float32 promotion (see the module docstring)."""
     if codes.shape[0] == 0:
         return torch.empty(0, weight.shape[0], dtype=out_dtype, device=codes.device)
     # mat2 must be column-major: weight [N, K] row-major, transposed, is.
     out = torch._scaled_mm(
-        codes, weight.t(), scale_a=scales, scale_b=weight_scale.unsqueeze(0), out_dtype=out_dtype
+        codes,
+        weight.t(),
+        scale_a=scales,
+        scale_b=weight_scale.unsqueeze(0),
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )
     return out if bias is None else out + bias
 
@@ -153,7 +165,13 @@ class FP8Linear(nn.Module):
     per (row, group of GROUP input channels). The bias, if any, stays in the model dtype."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, scaled_mm: bool, grouped: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scaled_mm: bool,
+        grouped: bool = False,
+        fast_accum: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
@@ -183,11 +201,14 @@ class FP8Linear(nn.Module):
         # Whether this projection takes its input as QuantizedRows, which the kernel before it then writes
         # (use_fp8_projections tells the norms and the MLP; fused/fp8_rows.py): the row-wise scaled_mm path.
         self.takes_fp8_rows = self.scaled_mm and not grouped
+        # The scaled_mm path's accumulation (device.fp8_fast_accum); the emulation and the group GEMM accumulate
+        # in float32 whatever it says.
+        self.fast_accum = fast_accum
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):
             return scaled_mm_rows(
-                x.codes, x.scales, self.weight, self.weight_scale, self.bias, torch.bfloat16
+                x.codes, x.scales, self.weight, self.weight_scale, self.bias, torch.bfloat16, self.fast_accum
             )
         return self._forward(x)
 
@@ -196,7 +217,9 @@ class FP8Linear(nn.Module):
             codes, scales = self._quantize(x)
             return self._group_matmul(codes, scales, self.weight, self.weight_scale, self.bias, x.dtype)
         if self.scaled_mm:
-            return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias, self._quantize)
+            return scaled_mm_linear(
+                x, self.weight, self.weight_scale, self.bias, self._quantize, self.fast_accum
+            )
         if self.round_activations:
             if self.grouped:
                 codes, scales = quantize_groups_torch(x)
@@ -220,11 +243,16 @@ def emulate_scaled_mm(model: nn.Module) -> int:
 
 
 def use_fp8_projections(
-    model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, grouped: bool = False
+    model: LlamaForCausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    grouped: bool = False,
+    fast_accum: bool = False,
 ) -> None:
     """Replace every projection of `model` (built, weights not yet loaded) by an FP8Linear of its shape, on
     the meta device; `model.load_weights` then adopts what `quantize_projection_weights` made. `dtype`: the
-    activations' (the model dtype); `grouped`: scales per group of GROUP input channels."""
+    activations' (the model dtype); `grouped`: scales per group of GROUP input channels; `fast_accum`: the
+    scaled_mm path's accumulation (device.fp8_fast_accum)."""
     scaled_mm = scaled_mm_supported(device, dtype)
     for layer in model.layers:
         for block in (layer.get_submodule("attn"), layer.get_submodule("mlp")):
@@ -232,7 +260,9 @@ def use_fp8_projections(
                 if isinstance(child, Projection):
                     out_features, in_features = child.weight.shape
                     with torch.device("meta"):
-                        fp8 = FP8Linear(in_features, out_features, child.bias is not None, scaled_mm, grouped)
+                        fp8 = FP8Linear(
+                            in_features, out_features, child.bias is not None, scaled_mm, grouped, fast_accum
+                        )
                     block.add_module(name, fp8)
         fuse_fp8_inputs(layer)
 

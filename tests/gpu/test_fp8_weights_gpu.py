@@ -75,6 +75,38 @@ def test_scaled_mm_matches_its_arithmetic_in_float32(tokens: int) -> None:
     assert _rel(out, exact) < 0.08
 
 
+# Fast accumulation's error against the float32 product of the same codes, as a share of what quantizing to FP8
+# costs (the float32 product of the unquantized operands).
+FAST_ACCUM_SHARE_OF_FP8_ERROR = 0.25
+
+
+@pytest.mark.parametrize("k", [4096, 14336])  # Llama-3-8B's projection inputs: the hidden size, the MLP width
+@pytest.mark.parametrize("tokens", [7, 512, 2048])
+def test_fast_accumulation_adds_a_small_share_of_fp8s_own_error(tokens: int, k: int) -> None:
+    """device.fp8_fast_accum (the default): the tensor cores' accumulator without float32 promotion. Against
+    the float32 product of the same codes and scales, the promoted path is off by its bfloat16 output rounding;
+    the fast one by more, but by a small share of what the FP8 rounding of the operands costs."""
+    from model_runtime.quantization.fp8 import scaled_mm_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens + k)
+    x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(4096, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    q, scale = quantize_fp8(w)
+    codes, scales = quantize_rows(x)
+    ref = (codes.float() * scales) @ (q.float() * scale[:, None]).t()
+    out = {
+        fast: scaled_mm_rows(codes, scales, q, scale, None, torch.bfloat16, fast) for fast in (False, True)
+    }
+    fp8_err = _rel(ref, x.float() @ w.float().t())
+    exact_err, fast_err = _rel(out[False], ref), _rel(out[True], ref)
+    detail = f"exact {exact_err:.2e}, fast {fast_err:.2e}, FP8's own {fp8_err:.2e}"
+    assert exact_err < 4e-3, detail  # bfloat16 output rounding (2**-9 relative) and summation order
+    assert fast_err < FAST_ACCUM_SHARE_OF_FP8_ERROR * fp8_err, detail
+    assert not torch.equal(out[True], out[False]), (
+        "use_fast_accum changed nothing: the flag did not reach cuBLAS"
+    )
+
+
 def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cuda_graphs_as_eager(
     tmp_path,
 ) -> None:
@@ -82,7 +114,7 @@ def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cud
 
     def check(engine: Engine) -> None:
         fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
-        assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE for m in fp8)
+        assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE and m.fast_accum for m in fp8)
         layers = engine.runner.model.layers  # the norms and silu_mul write the projections' FP8 rows
         assert all(layer.input_norm.fp8_rows and layer.post_attn_norm.fp8_rows for layer in layers)
         assert all(layer.mlp.fp8_rows for layer in layers)

@@ -96,6 +96,25 @@ def test_a_tiny_model_with_fp8_weights_stays_near_float32(tmp_path, method: str)
     assert err > 1e-3 * scale, f"{method} logits equal float32's: the weights were not quantized"
 
 
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_device_fp8_fast_accum_reaches_every_fp8_projection(tmp_path, fast_accum: bool) -> None:
+    """The setting is the matmuls' (tests/gpu/test_fp8_weights_gpu.py measures what it does on Hopper): every
+    FP8 projection the runner builds carries it; on CPU they emulate, in float32, either way."""
+    import dataclasses
+
+    from model_runtime.quantization.fp8 import FP8Linear
+
+    path = str(write_tiny_hf(tmp_path, "llama"))
+    source = resolve_model(path)
+    config = _config(path, "fp8")
+    config = dataclasses.replace(config, device=dataclasses.replace(config.device, fp8_fast_accum=fast_accum))
+    runner = build_runner(config, source, load_model_config(source), StartupProgress(None)).runner
+    fp8 = [m for m in runner.model.modules() if isinstance(m, FP8Linear)]
+    assert len(fp8) == 4 * runner.config.num_layers
+    assert {m.fast_accum for m in fp8} == {fast_accum}
+    assert not any(m.scaled_mm for m in fp8)
+
+
 def test_fp8_under_tensor_parallelism_stays_near_one_device(tmp_path) -> None:
     """TP=2 (gloo, two processes): each rank quantizes its own slice after the load. The column-parallel qkv
     and gate_up rows get the scales they get on one device; a row-parallel o_proj or down row is scaled over

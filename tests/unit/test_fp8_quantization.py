@@ -120,6 +120,15 @@ def test_config_names_the_quantization_key() -> None:
         EngineConfig.from_dict({"device": {"quantization": "FP8"}})
 
 
+def test_config_takes_fp8_fast_accum_as_a_bool_only() -> None:
+    assert DeviceConfig().fp8_fast_accum is True  # the fast accumulation, as vLLM's FP8 kernels on Hopper
+    assert DeviceConfig(fp8_fast_accum=False).fp8_fast_accum is False
+    for bad in ("false", 0, None):
+        with pytest.raises(ConfigError, match=r"^device\.fp8_fast_accum: must be true or false, got "):
+            DeviceConfig(fp8_fast_accum=bad)
+    assert EngineConfig.from_dict({"device": {"fp8_fast_accum": False}}).device.fp8_fast_accum is False
+
+
 def test_the_scaled_mm_path_quantizes_activations_per_token() -> None:
     """The GPU path's wiring (scale shapes, the column-major weight, per-token activation scales) through
     torch._scaled_mm's CPU implementation; CUDA's kernel itself is verified on a GPU. Each activation is off by
