@@ -32,6 +32,7 @@ def print_table(doc: dict) -> None:
     print(
         f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); FP8 weights + KV 75% of it and {SPEEDUP_GOAL}x bf16"
     )
+    print("x bf16: over this run's bf16 row; -ahead variants over bf16-ahead's when it ran")
     print_decode_split(doc["tandem"])
     for key in ("skipped", "errors"):
         if doc[key]:

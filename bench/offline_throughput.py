@@ -14,7 +14,8 @@ own engine (the previous one freed first) on every shape, bf16 first; rows carry
 device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both; -ahead adds the steps scheduled ahead and
 -exact float32 accumulation in the FP8 matmuls (device.fp8_fast_accum false; the others accumulate fast). Each variant's ceiling counts the bytes it reads (FP8 projections and FP8
 K/V at one byte an element; the table in bench/offline_variants.py); its FLOP side is the measured bf16 matmul
-rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of the shape); rows with
+rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of the shape; -ahead variants
+over bf16-ahead's when the run has it, the same scheduling on both sides; "versus" names which); rows with
 FP8 weights and KV add the issue's goals: fp8_goal_tok_s (75% of TensorRT-LLM FP8), fraction_of_fp8_goal and
 speedup_goal (1.6x bf16). The JSON's "variants" holds each one's model_cost and engine; each variant's engine
 and each of its shapes is a job, so a spent --budget-s starts none of the rest.

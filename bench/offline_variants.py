@@ -104,16 +104,26 @@ class VersusBf16:
     fp8_goal_tok_s: float | None = None  # variants with FP8 weights and KV only: 75% of TensorRT-LLM FP8
     fraction_of_fp8_goal: float | None = None
     speedup_goal: float | None = None  # the same variants: SPEEDUP_GOAL
+    versus: str | None = None  # the bf16 variant speedup_vs_bf16 divides by
+
+
+def baselines(variant: Variant) -> tuple[str, ...]:
+    """The bf16 rows a variant compares with, in order of preference: steps scheduled ahead against bf16's
+    steps ahead when the run has them (the same scheduling on both sides), else against bf16."""
+    if variant.ahead and variant.name != "bf16-ahead":
+        return ("bf16-ahead", BF16.name)
+    return (BF16.name,)
 
 
 def versus_bf16(variant: Variant, shape: str, tok_s: float, rows: list[dict[str, Any]]) -> VersusBf16:
-    """`rows`: the run's Tandem rows so far (as written to the JSON). No speedup when bf16 did not run this
+    """`rows`: the run's Tandem rows so far (as written to the JSON). No speedup when no bf16 variant ran this
     shape, or stopped before it finished (its rate would be over part of the work)."""
     if variant.baseline:
         return VersusBf16()
-    base = [r for r in rows if r["variant"] == BF16.name and r["shape"] == shape and r["complete"]]
-    speedup = tok_s / base[0]["output_tok_s"] if base else None
+    done = {r["variant"]: r for r in rows if r["shape"] == shape and r["complete"]}
+    versus = next((name for name in baselines(variant) if name in done), None)
+    speedup = tok_s / done[versus]["output_tok_s"] if versus else None
     if not variant.full_fp8:
-        return VersusBf16(speedup)
+        return VersusBf16(speedup, versus=versus)
     goal = FP8_GOAL_TOK_S.get(shape)
-    return VersusBf16(speedup, goal, tok_s / goal if goal else None, SPEEDUP_GOAL)
+    return VersusBf16(speedup, goal, tok_s / goal if goal else None, SPEEDUP_GOAL, versus)

@@ -179,9 +179,11 @@ def test_versus_bf16_goals_and_an_unknown_variant():
     fp8, kv = offline_variants.VARIANTS["fp8"], offline_variants.VARIANTS["fp8-kv"]
     rows = [{"variant": "bf16", "shape": "128/128", "complete": True, "output_tok_s": 10000.0}]
     assert offline_variants.versus_bf16(fp8, "128/128", 16960.0, rows) == offline_variants.VersusBf16(
-        1.696, 21200.0, 0.8, 1.6
+        1.696, 21200.0, 0.8, 1.6, "bf16"
     )
-    assert offline_variants.versus_bf16(kv, "128/128", 12000.0, rows) == offline_variants.VersusBf16(1.2)
+    assert offline_variants.versus_bf16(kv, "128/128", 12000.0, rows) == offline_variants.VersusBf16(
+        1.2, versus="bf16"
+    )
     assert offline_variants.versus_bf16(fp8, "2048/128", 2600.0, rows).speedup_vs_bf16 is None  # bf16 not run
     cut = [{**rows[0], "complete": False}]  # stopped by the budget: its rate covers part of the work
     assert offline_variants.versus_bf16(kv, "128/128", 12000.0, cut).speedup_vs_bf16 is None
@@ -193,6 +195,17 @@ def test_versus_bf16_goals_and_an_unknown_variant():
         load_model_config(resolve_model("dummy:llama-3-8b")), 2
     )  # same bytes: only the scheduling differs
     assert offline_variants.versus_bf16(ahead, "128/128", 16960.0, rows).fp8_goal_tok_s == 21200.0
+    # Steps ahead compare with bf16's steps ahead when the run has them (and bf16 ahead with bf16), else bf16.
+    assert offline_variants.versus_bf16(ahead, "128/128", 16960.0, rows).versus == "bf16"
+    both = [*rows, {**rows[0], "variant": "bf16-ahead", "output_tok_s": 12000.0}]
+    got = offline_variants.versus_bf16(ahead, "128/128", 16960.0, both)
+    assert (got.versus, got.speedup_vs_bf16) == ("bf16-ahead", pytest.approx(16960.0 / 12000.0))
+    exact = offline_variants.VARIANTS["fp8-ahead-exact"]
+    assert (exact.fast_accum, ahead.fast_accum) == (False, True) and exact.cost(
+        load_model_config(resolve_model("dummy:llama-3-8b")), 2
+    ) == ahead.cost(load_model_config(resolve_model("dummy:llama-3-8b")), 2)
+    got = offline_variants.versus_bf16(offline_variants.VARIANTS["bf16-ahead"], "128/128", 12000.0, both)
+    assert (got.versus, got.speedup_vs_bf16) == ("bf16", 1.2)
     with pytest.raises(SystemExit, match=r"--variants: unknown 'fp4'.*bf16, fp8-weights, fp8-kv, fp8"):
         offline_throughput.main(["--smoke", "--variants", "bf16,fp4"])
 
