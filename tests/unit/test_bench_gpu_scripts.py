@@ -316,3 +316,24 @@ def test_tp_decode_smoke_times_the_lead_while_a_follower_follows(tmp_path):
             0 < spans["lead_built"] <= spans["lead_published"] <= spans["lead_queued"] <= spans["lead_done"]
         )
     assert not list(tmp_path.glob("*.steps.json")), "the ranks' step records are removed once merged"
+
+
+def test_fused_rows_smoke_checks_every_silu_fp8_variant_byte_for_byte(tmp_path):
+    """bench/fused_rows.py on a CPU (Triton's interpreter): the whole-row kernel and every chunked variant of
+    silu_mul_fp8 wrote the same codes and scales (the script exits 1 when one differs)."""
+    doc = smoke_script("fused_rows.py", tmp_path / "fused.json")
+    assert doc["gpu"] == "cpu" and [r["rows"] for r in doc["rows"]] == [1, 3]
+    assert "row" in doc["variants"] and len(doc["variants"]) > 5
+    assert all(r["wrong"] == [] and "us" not in r for r in doc["rows"])
+
+
+def test_ttft_variant_builds_its_engine_and_counts_its_bytes(tiny_model, tmp_path):
+    out = tmp_path / "ttft.json"
+    argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--prompt-lens", "16", "--reps", "1"]
+    ttft.main([*argv, "--variant", "fp8-exact"])
+    doc = json.loads(out.read_text())
+    assert doc["variant"] == "fp8-exact" and doc["complete"] and doc["rows"][0]["steps_to_first_token"] == 1
+    mc = load_model_config(resolve_model(tiny_model))
+    assert ModelCost(**doc["model_cost"]) == ModelCost.from_config(mc, 4, fp8_weights=True, fp8_kv=True)
+    with pytest.raises(SystemExit):
+        ttft.main([*argv, "--variant", "fp4"])

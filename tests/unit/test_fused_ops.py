@@ -142,11 +142,22 @@ def _case_norms_fp8() -> tuple[bool, str]:
 def _case_silu_mul_fp8() -> tuple[bool, str]:
     """silu_mul_fp8 over rows that are not a power of two wide (a masked tail): byte-equal to quantizing
     silu_mul."""
-    from model_runtime.fused.triton_ops import TritonOps
+    from model_runtime.fused.fp8_rows import QuantizedRows
+    from model_runtime.fused.triton_ops import TritonOps, launch_silu_mul_fp8
 
     ops, gen = TritonOps(), torch.Generator().manual_seed(12)
     gate_up = torch.randn(3, 2 * 2093, generator=gen) * torch.tensor([[0.01], [1.0], [50.0]])
-    return _same_rows("silu_mul_fp8", ops.silu_mul_fp8(gate_up), ops.silu_mul(gate_up))
+    unfused = ops.silu_mul(gate_up)
+    results = [_same_rows("silu_mul_fp8", ops.silu_mul_fp8(gate_up), unfused)]
+    for chunk in (
+        None,
+        256,
+        1024,
+    ):  # the whole row in registers; two passes over chunks, the last one partial
+        rows = QuantizedRows(torch.empty(3, 2093, dtype=torch.float8_e4m3fn), torch.empty(3, 1))
+        launch_silu_mul_fp8(gate_up, rows, chunk)
+        results.append(_same_rows(f"silu_mul_fp8 chunk {chunk}", rows, unfused))
+    return _all(*results)
 
 
 def _case_small_m_linear() -> tuple[bool, str]:
