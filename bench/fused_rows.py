@@ -7,7 +7,8 @@ chunks (model_runtime.fused.triton_ops.launch_silu_mul_fp8), at decode batches a
 
 Per row count, CUDA-event-timed CUDA-graph replays of 10 back-to-back calls (median of --reps), in one run:
 - silu_mul: the unfused kernel (bfloat16 out), which the FP8 path replaced with silu_mul + act_quant;
-- row: the whole row in one program's registers (one read of gate and up, one write of the codes);
+- row: the whole row in one program's registers (one read of gate and up, one write of the codes); row/wW
+  the same with W warps;
 - chunks C/wW: two passes over chunks of C columns with W warps (the second pass re-reads gate and up from L2).
 Floor: the bytes one call must move (gate and up in bfloat16, the codes, the scales) at the HBM copy rate
 measured in the same run. Every FP8 variant's codes and scales are checked byte for byte against the row kernel's
@@ -28,11 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CHUNKS = (1024, 2048, 4096)
 WARPS = (4, 8, 16)
+ROW_WARPS = (4, 8, 32)  # the row kernel's own choice for 14336 is 16
 
 
 def variants() -> dict[str, tuple[int | None, int | None]]:
     """name -> (chunk, num_warps) for launch_silu_mul_fp8; "row" is the whole-row kernel at its own warps."""
     out: dict[str, tuple[int | None, int | None]] = {"row": (None, None)}
+    out |= {f"row/w{warps}": (None, warps) for warps in ROW_WARPS}
     for chunk in CHUNKS:
         for warps in WARPS:
             if chunk >= 32 * warps:  # at least one element a thread
