@@ -1,15 +1,16 @@
 """SiLU-and-multiply writing FP8 rows (TritonOps.silu_mul_fp8, the input of an FP8 down projection) against its
-bytes' roofline, on the GPU: the kernel that holds a whole row in registers against two passes over column
-chunks (model_runtime.fused.triton_ops.launch_silu_mul_fp8), at decode batches and prefill chunk sizes.
+bytes' roofline and against the unfused kernel, on the GPU, at decode batches and prefill chunk sizes: the kernel
+that holds a whole row in one program's registers (model_runtime.fused.triton_ops.launch_silu_mul_fp8) at
+several warp counts. (Runs 59-60 also timed two passes over column chunks, the second re-reading gate and up from
+L2, at 67b1abe: slower than the row kernel at every size, so removed; docs/performance.md.)
 
     python3 bench/fused_rows.py [--rows 32,300,512,2048,8192] [--width 14336] [--reps 20] [--out PATH]
     python3 bench/fused_rows.py --smoke      # CPU (Triton's interpreter): every variant's bytes, times nothing
 
 Per row count, CUDA-event-timed CUDA-graph replays of 10 back-to-back calls (median of --reps), in one run:
 - silu_mul: the unfused kernel (bfloat16 out), which the FP8 path replaced with silu_mul + act_quant;
-- row: the whole row in one program's registers (one read of gate and up, one write of the codes); row/wW
-  the same with W warps;
-- chunks C/wW: two passes over chunks of C columns with W warps (the second pass re-reads gate and up from L2).
+- row: the whole row in one program's registers (one read of gate and up, one write of the codes) at the
+  engine's warp count; row/wW the same with W warps.
 Floor: the bytes one call must move (gate and up in bfloat16, the codes, the scales) at the HBM copy rate
 measured in the same run. Every FP8 variant's codes and scales are checked byte for byte against the row kernel's
 (on the CPU: against the interpreter's row kernel). Writes bench/results/fused_rows_<gpu>.json and prints a table.
@@ -27,20 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CHUNKS = (1024, 2048, 4096)
-WARPS = (4, 8, 16)
-ROW_WARPS = (4, 8, 32)  # the row kernel's own choice for 14336 is 16
+ROW_WARPS = (4, 8, 32)  # the engine's choice for 14336 is 16 ("row")
 
 
-def variants() -> dict[str, tuple[int | None, int | None]]:
-    """name -> (chunk, num_warps) for launch_silu_mul_fp8; "row" is the whole-row kernel at its own warps."""
-    out: dict[str, tuple[int | None, int | None]] = {"row": (None, None)}
-    out |= {f"row/w{warps}": (None, warps) for warps in ROW_WARPS}
-    for chunk in CHUNKS:
-        for warps in WARPS:
-            if chunk >= 32 * warps:  # at least one element a thread
-                out[f"chunks {chunk}/w{warps}"] = (chunk, warps)
-    return out
+def variants() -> dict[str, int | None]:
+    """name -> num_warps for launch_silu_mul_fp8 (None: the engine's own)."""
+    return {"row": None} | {f"row/w{warps}": warps for warps in ROW_WARPS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         gate_up = (torch.randn(rows, 2 * width, device=device, generator=gen) * 3).to(dtype)
         outs = {name: QuantizedRows(torch.empty(rows, width, dtype=FP8_DTYPE, device=device),
                                     torch.empty(rows, 1, device=device)) for name in table}  # fmt: skip
-        calls = {name: partial(launch_silu_mul_fp8, gate_up, outs[name], *cfg) for name, cfg in table.items()}
+        calls = {name: partial(launch_silu_mul_fp8, gate_up, outs[name], w) for name, w in table.items()}
         for call in calls.values():
             call()
         ref = outs["row"]
@@ -95,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_name = gpu.device_name(device)
     doc = {"benchmark": "silu_mul_fp8 kernels vs their bytes' roofline", "gpu": gpu_name,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "hbm_gbps": hbm,
-           "variants": {k: list(v) for k, v in table.items()}, "rows": results}  # fmt: skip
+           "variants": table, "rows": results}  # fmt: skip
     path = Path(args.out) if args.out else gpu.result_path(None, "fused_rows", device, args.smoke)
     gpu.write_json_atomic(path, doc)
     if device == "cuda":

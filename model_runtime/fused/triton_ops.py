@@ -128,57 +128,15 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, size, BLOCK: tl.constex
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _silu_mul_chunk(gate_ptr, up_ptr, cols, mask, EVICT: tl.constexpr):
-    """silu(gate) * up over one chunk of a row, rounded as _silu_mul_kernel rounds it, in float32."""
-    gate = tl.load(gate_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    up = tl.load(up_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(gate_ptr.dtype.element_ty).to(tl.float32)
-    return (act * up).to(gate_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _silu_mul_fp8_chunks_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, size, CHUNK: tl.constexpr):
-    """One program per row, in chunks of CHUNK columns, twice: the first pass finds the row's largest
-    |silu(gate) * up|, the second recomputes each chunk and writes its codes. The second pass reads gate and up
-    again from L2 (the first kept them there: evict_last, then evict_first), so HBM sees one read and one write,
-    while a thread holds one chunk's values rather than the whole row: small programs, several per SM, loads
-    in flight while others reduce. The codes and scale are _store_fp8_row's, byte for byte."""
-    row = tl.program_id(0).to(tl.int64)
-    gate_ptr = x_ptr + row * stride_x
-    up_ptr = gate_ptr + size
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        y = _silu_mul_chunk(gate_ptr, up_ptr, cols, cols < size, "evict_last")
-        amax = tl.maximum(amax, tl.abs(y))
-    scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < size
-        y = _silu_mul_chunk(gate_ptr, up_ptr, cols, mask, "evict_first")
-        codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
-        tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
-
-
-def launch_silu_mul_fp8(
-    gate_up: torch.Tensor, rows: QuantizedRows, chunk: int | None = None, num_warps: int | None = None
-) -> None:
-    """silu(gate) * up of gate_up [T, 2I] into rows' codes [T, I] and scales [T, 1]. chunk None: the whole row
-    in one program's registers (_silu_mul_fp8_kernel); else two passes over chunks of `chunk` columns
-    (_silu_mul_fp8_chunks_kernel). bench/fused_rows.py compares them."""
+def launch_silu_mul_fp8(gate_up: torch.Tensor, rows: QuantizedRows, num_warps: int | None = None) -> None:
+    """silu(gate) * up of gate_up [T, 2I] into rows' codes [T, I] and scales [T, 1], the whole row in one
+    program's registers. num_warps None: 16 for Llama-3-8B's 14336 (bench/fused_rows.py: the fastest of 4-32
+    warps, and faster than two passes over column chunks re-read from L2, at every row count measured)."""
     t, size = gate_up.shape[0], gate_up.shape[1] // 2
-    if chunk is None:
-        block = triton.next_power_of_2(size)  # 14336 -> 16384: 32 values of gate and of up per thread
-        _silu_mul_fp8_kernel[(t,)](
-            gate_up, rows.codes, rows.scales, gate_up.stride(0), rows.codes.stride(0), size,
-            BLOCK=block, num_warps=num_warps or min(16, max(4, block // 1024)),
-        )  # fmt: skip
-        return
-    _silu_mul_fp8_chunks_kernel[(t,)](
+    block = triton.next_power_of_2(size)  # 14336 -> 16384: 32 values of gate and of up per thread
+    _silu_mul_fp8_kernel[(t,)](
         gate_up, rows.codes, rows.scales, gate_up.stride(0), rows.codes.stride(0), size,
-        CHUNK=chunk, num_warps=num_warps or 4,
+        BLOCK=block, num_warps=num_warps or min(16, max(4, block // 1024)),
     )  # fmt: skip
 
 
