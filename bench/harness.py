@@ -95,14 +95,20 @@ class BenchRun:
         }
 
     def measure_rates(self, where: RunDevice) -> DeviceRates:
-        """GPU: a 2 GiB copy and an 8192^3 matmul; CPU (smoke): sizes it does in milliseconds."""
+        """GPU: a 2 GiB copy and an 8192^3 matmul (and in FP8 on sm_90+); CPU (smoke): sizes it does in
+        milliseconds."""
         copy_bytes, n = (16 * 2**20, 256) if where.device == "cpu" else (2 * 2**30, 8192)
         log(f"measuring a {copy_bytes / 2**20:.0f} MiB copy and the {n}^3 {where.dtype} matmul rate")
         copy_gbps = measure_copy_gbps(where.device, copy_bytes)
-        rates = DeviceRates(copy_gbps, measure_matmul_tflops(where.device, where.torch_dtype, n))
+        rates = DeviceRates(
+            copy_gbps,
+            measure_matmul_tflops(where.device, where.torch_dtype, n),
+            measure_fp8_matmul_tflops(where.device, n),
+        )
         if where.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        log(f"copy {rates.hbm_gbps:.4g} GB/s, matmul {rates.matmul_tflops:.4g} TFLOP/s")
+        fp8 = f", FP8 matmul {rates.fp8_matmul_tflops:.4g} TFLOP/s" if rates.fp8_matmul_tflops else ""
+        log(f"copy {rates.hbm_gbps:.4g} GB/s, matmul {rates.matmul_tflops:.4g} TFLOP/s{fp8}")
         self.doc["rates"] = {**dataclasses.asdict(rates), "matmul_n": n}
         self.save()
         return rates
@@ -149,6 +155,10 @@ def result_path(out: str | None, stem: str, device: str, smoke: bool) -> Path:
 class DeviceRates:
     hbm_gbps: float  # read + write bytes per second of a large copy, in GB/s
     matmul_tflops: float  # dense n x n x n matmul in the model dtype
+    # The same with e4m3 operands and bfloat16 out (torch._scaled_mm, row-wise scales, fast accumulation, as the
+    # FP8 projections run); 0 where not measured (no FP8 tensor cores, the CPU): FP8 FLOPs then count at
+    # matmul_tflops.
+    fp8_matmul_tflops: float = 0.0
 
     @property
     def bytes_per_s(self) -> float:
@@ -158,9 +168,14 @@ class DeviceRates:
     def flops_per_s(self) -> float:
         return self.matmul_tflops * 1e12
 
-    def step_floor_s(self, flops: float, nbytes: float) -> float:
-        """A step is no faster than its FLOPs at the matmul rate, nor than its bytes at the HBM rate."""
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+    def compute_s(self, flops: float, fp8_flops: float = 0.0) -> float:
+        """`flops` at the model dtype's matmul rate plus `fp8_flops` at the FP8 rate."""
+        fp8_rate = self.fp8_matmul_tflops * 1e12 or self.flops_per_s
+        return flops / self.flops_per_s + fp8_flops / fp8_rate
+
+    def step_floor_s(self, flops: float, nbytes: float, fp8_flops: float = 0.0) -> float:
+        """A step is no faster than its FLOPs at the matmul rates, nor than its bytes at the HBM rate."""
+        return max(self.compute_s(flops, fp8_flops), nbytes / self.bytes_per_s)
 
 
 def synchronize(device: str) -> None:
@@ -196,6 +211,24 @@ def measure_copy_gbps(device: str, nbytes: int, reps: int = 20) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def measure_fp8_matmul_tflops(device: str, n: int, reps: int = 10) -> float:
+    """n x n x n with e4m3 operands and bfloat16 out, as an FP8 projection runs (row-wise scales, fast
+    accumulation); 0.0 where torch._scaled_mm has no FP8 path (before sm_90, the CPU)."""
+    if not device.startswith("cuda") or torch.cuda.get_device_capability(device) < (9, 0):
+        return 0.0
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants it
+    scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
+    def mm() -> torch.Tensor:
+        return torch._scaled_mm(
+            a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=True
+        )
+
+    seconds = median_seconds(mm, device, warmup=3, reps=reps)
+    return 2 * n**3 / seconds / 1e12
+
+
 def measure_matmul_tflops(device: str, dtype: torch.dtype, n: int, reps: int = 10) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -217,6 +250,9 @@ class ModelCost:
     weight_bytes_read: int  # what a decode step reads: every weight but the embedding table (unless tied)
     kv_bytes_per_token: int  # K and V over all layers
     attn_flops_per_key: int  # QK^T and PV of one query against one cached key, all layers and heads
+    # device.quantization fp8: the projections' FLOPs run at the FP8 matmul rate (DeviceRates.fp8_matmul_tflops);
+    # attention and lm_head stay in the model dtype.
+    fp8_projections: bool = False
 
     @classmethod
     def from_config(
@@ -244,7 +280,18 @@ class ModelCost:
             weight_bytes_read=weight_bytes,
             kv_bytes_per_token=2 * mc.num_layers * (mc.kv_size * kv_element_bytes + kv_scale_bytes),
             attn_flops_per_key=4 * mc.num_layers * mc.num_heads * mc.head_dim,
+            fp8_projections=fp8_weights,
         )
+
+    def projection_flops(self, tokens: float) -> float:
+        """The q/k/v, o, gate/up and down matmuls of `tokens` positions through every layer."""
+        return 2 * self.layer_matmul_params * tokens
+
+    def compute_s(self, rates: DeviceRates, flops: float, tokens: float) -> float:
+        """`flops` of a step that takes `tokens` positions through the layers, at the rates they run at: the
+        projections' at the FP8 rate when they are FP8, the rest (attention, lm_head) at the model dtype's."""
+        fp8 = self.projection_flops(tokens) if self.fp8_projections else 0.0
+        return rates.compute_s(flops - fp8, fp8)
 
     def prefill_flops(self, prompt_len: int, cached: int = 0) -> float:
         """One causal prompt of which the first `cached` tokens are already in the KV cache: every new position
@@ -279,17 +326,20 @@ def throughput_floor(
     """Fastest possible offline run: every prompt's prefill at the matmul rate, then the prompts decode in
     waves of `batch` (the last one partial); the first output token comes from prefill, so a wave runs
     output_len - 1 steps whose mean context is input_len + output_len / 2 keys (step k attends input_len + k).
-    Each step costs max(its FLOPs at the matmul rate, weights + KV bytes at the HBM rate)."""
+    Each step costs max(its FLOPs at the matmul rates, weights + KV bytes at the HBM rate); FP8 projections'
+    FLOPs count at the FP8 matmul rate where it was measured (ModelCost.compute_s)."""
     if min(num_prompts, input_len, output_len, batch) < 1:
         raise ValueError("throughput_floor: num_prompts, input_len, output_len and batch must be >= 1")
-    prefill_s = num_prompts * cost.prefill_flops(input_len) / rates.flops_per_s
+    prefill_s = num_prompts * cost.compute_s(rates, cost.prefill_flops(input_len), input_len)
     context = input_len + output_len / 2
     waves = [batch] * (num_prompts // batch) + ([num_prompts % batch] if num_prompts % batch else [])
     steps = output_len - 1
-    decode_s = sum(
-        steps * rates.step_floor_s(cost.decode_step_flops(b, context), cost.decode_step_bytes(b, context))
-        for b in waves
-    )
+
+    def step_s(b: int) -> float:
+        flop_s = cost.compute_s(rates, cost.decode_step_flops(b, context), b)
+        return max(flop_s, cost.decode_step_bytes(b, context) / rates.bytes_per_s)
+
+    decode_s = sum(steps * step_s(b) for b in waves)
     decode_bytes = sum(steps * cost.decode_step_bytes(b, context) for b in waves)
     tokens = num_prompts * output_len
     return ThroughputFloor(batch, prefill_s, decode_s, tokens, decode_bytes, tokens / (prefill_s + decode_s))

@@ -26,9 +26,12 @@ def print_table(doc: dict) -> None:
             )  # fmt: skip
             print(f"{shape:>10} " + " ".join(f"{c:>7}" for c in cells) + f" {t.get('complete', '-')}")
     print(
-        "ceiling: prefill FLOPs at the measured matmul rate + decode steps at max(FLOPs, weight + KV bytes),"
+        "ceiling: prefill FLOPs at the measured matmul rates + decode steps at max(FLOPs, weight + KV bytes),"
     )
-    print("  the bytes in the variant's format (FP8 weights and KV: one byte an element)")
+    print(
+        "  the bytes in the variant's format (FP8 weights and KV: one byte an element), FP8 projections' FLOPs"
+        " at the FP8 rate"
+    )
     print(
         f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); FP8 weights + KV 75% of it and {SPEEDUP_GOAL}x bf16"
     )

@@ -12,15 +12,16 @@ GPU, one command (with the gguf wheel of ../shared/gpu/make-kit.sh on PYTHONPATH
 --variants (a comma list of bench/offline_variants.VARIANTS; default bf16): the engines Tandem runs, each its
 own engine (the previous one freed first) on every shape, bf16 first; rows carry "variant". fp8-weights sets
 device.quantization fp8, fp8-kv cache.dtype fp8_e4m3, fp8 both; -ahead adds the steps scheduled ahead and
--exact float32 accumulation in the FP8 matmuls (device.fp8_fast_accum false; the others accumulate fast). Each variant's ceiling counts the bytes it reads (FP8 projections and FP8
-K/V at one byte an element; the table in bench/offline_variants.py); its FLOP side is the measured bf16 matmul
-rate for all. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of the shape; -ahead variants
+-exact float32 accumulation in the FP8 matmuls (device.fp8_fast_accum false; the others accumulate fast).
+Each variant's ceiling counts the bytes it reads (FP8 projections and FP8 K/V at one byte an element; the table
+in bench/offline_variants.py) and its FLOPs at the rates they run at: FP8 projections' at the FP8 matmul rate
+measured in the same run (8192^3 e4m3), the rest at the bf16 rate. Non-bf16 rows add speedup_vs_bf16 (over this run's complete bf16 row of the shape; -ahead variants
 over bf16-ahead's when the run has it, the same scheduling on both sides; "versus" names which); rows with
 FP8 weights and KV add the issue's goals: fp8_goal_tok_s (75% of TensorRT-LLM FP8), fraction_of_fp8_goal and
 speedup_goal (1.6x bf16). The JSON's "variants" holds each one's model_cost and engine; each variant's engine
 and each of its shapes is a job, so a spent --budget-s starts none of the rest.
 
-Order: device rates (2 GiB HBM copy, 8192^3 bf16 matmul), Tandem on every shape (one engine a variant:
+Order: device rates (2 GiB HBM copy, 8192^3 bf16 and e4m3 matmuls), Tandem on every shape (one engine a variant:
 dummy:llama-3-8b, CUDA graphs, cache from the memory planner), then transformers on every shape. Per shape:
 - Tandem: N prompts, at most B in the engine at once, B = min(N, --max-num-seqs, sequences whose full length
   fits in the KV cache), topped up as requests finish so the scheduler never preempts (--admit-all adds all N

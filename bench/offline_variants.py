@@ -11,10 +11,11 @@ ceiling counts, and how its rows compare with the bf16 rows of the same run (iss
                                                      (device.fp8_fast_accum false; the others: true, the default)
 
 "bf16" is the model dtype: bfloat16 on a GPU, float32 in the CPU smoke. Embeddings, norms and lm_head stay in
-the model dtype in every variant. The ceiling's FLOP side is the measured model-dtype matmul rate for all of
-them (the FP8 tensor-core rate is not measured): where a step is compute-bound (prefill, the largest decode
-batches) an FP8-weights ceiling is the bf16 one, which FP8 matmuls may beat, so fraction_of_ceiling reads high
-there.
+the model dtype in every variant. The ceiling's FLOPs: with FP8 weights the projections' at the FP8 matmul
+rate measured in the same run (harness.measure_fp8_matmul_tflops: 8192^3 e4m3 through torch._scaled_mm with
+row-wise scales and fast accumulation, what the projections run), attention's and lm_head's at the model dtype's
+rate. (Before 2026-11-29 every FLOP counted at the bf16 rate, so FP8 rows could read above 100%.) fp8_group's
+Triton GEMM is counted at the same FP8 rate, which it does not reach.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ With --background N, N requests keep decoding beside every timed prompt, which t
 in a colocated worker (`--background 2 --max-num-seqs 256 --max-model-len 8192 --max-num-batched-tokens 2048`
 is a colocated worker of bench-colocated.yaml at 1-2 req/s, without its threads).
 --variant (bench/offline_variants.VARIANTS: bf16, fp8, fp8-exact, ...) builds the engine with that variant's
-weights, KV cache and FP8 accumulation; the floor stays the bf16 matmul rate's, which FP8 matmuls may beat, so
-its fraction reads high there. `--variant fp8 --profile` names where an FP8 prefill's time goes (issue 19).
+weights, KV cache and FP8 accumulation; with FP8 weights the floor counts the projections' FLOPs at the FP8
+matmul rate measured in the same run (8192^3 e4m3, torch._scaled_mm), attention's and lm_head's at bf16's.
+`--variant fp8 --profile` names where an FP8 prefill's time goes (issue 19).
 Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
 Exit status 1 when a length raised (traceback on stderr, message in the JSON's "errors").
 """
@@ -63,10 +64,10 @@ class TTFTFloor:
 
 
 def ttft_floor(cost: gpu.ModelCost, rates: gpu.DeviceRates, prompt_len: int, cached: int = 0) -> TTFTFloor:
-    """The prompt's FLOPs (its uncached tokens) at the matmul rate, and reading every weight once at the HBM
-    rate."""
+    """The prompt's FLOPs (its uncached tokens) at the matmul rates (FP8 projections' at the FP8 rate where it
+    was measured), and reading every weight once at the HBM rate."""
     flops = cost.prefill_flops(prompt_len, cached)
-    flop_s = flops / rates.flops_per_s
+    flop_s = cost.compute_s(rates, flops, prompt_len - cached)
     read_s = cost.weight_bytes_read / rates.bytes_per_s
     return TTFTFloor(flops, flop_s, read_s, max(flop_s, read_s))
 

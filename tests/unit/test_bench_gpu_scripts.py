@@ -89,6 +89,26 @@ def test_throughput_floor_by_hand():
         throughput_floor(cost, ONE_BYTE_TEN_FLOPS, num_prompts=5, input_len=4, output_len=5, batch=0)
 
 
+def test_fp8_projection_flops_count_at_the_fp8_rate_by_hand():
+    """FP8 weights: the projections' FLOPs at the FP8 matmul rate, attention's and lm_head's at the model
+    dtype's; an unmeasured FP8 rate (0) counts them at the model dtype's."""
+    fp8, bf16 = ModelCost.from_config(TOY, 2, fp8_weights=True), ModelCost.from_config(TOY, 2)
+    assert fp8.fp8_projections and not bf16.fp8_projections
+    rates = DeviceRates(hbm_gbps=1e-9, matmul_tflops=1e-11, fp8_matmul_tflops=4e-11)  # 10 and 40 FLOP/s
+    # prompt of 4: projections 2 x 1152 x 4 = 9216 at 40/s, logits row 160 + attention 640 at 10/s
+    assert fp8.compute_s(rates, fp8.prefill_flops(4), 4) == pytest.approx(9216 / 40 + 800 / 10)
+    assert bf16.compute_s(rates, bf16.prefill_flops(4), 4) == pytest.approx(10016 / 10)
+    assert fp8.compute_s(ONE_BYTE_TEN_FLOPS, fp8.prefill_flops(4), 4) == pytest.approx(1001.6)  # unmeasured
+    floor = throughput_floor(fp8, rates, num_prompts=5, input_len=4, output_len=5, batch=3)
+    assert floor.prefill_s == pytest.approx(5 * (9216 / 40 + 800 / 10))
+    # decode still memory-bound at 1 byte/s: 3 seqs 1904 + 3 x 6.5 x 32, 2 seqs 1904 + 2 x 6.5 x 32
+    assert floor.decode_s == pytest.approx(4 * (1904 + 624) + 4 * (1904 + 416))
+    slow_hbm = DeviceRates(hbm_gbps=1e-12, matmul_tflops=1e-11, fp8_matmul_tflops=4e-11)  # 0.001 byte/s
+    step = fp8.compute_s(slow_hbm, fp8.decode_step_flops(3, 6), 3)  # 3 x 2 x 1152 at 40/s, the rest at 10/s
+    assert step == pytest.approx(6912 / 40 + (8544 - 6912) / 10)
+    assert ttft_floor(fp8, rates, prompt_len=4).flop_s == pytest.approx(9216 / 40 + 80)
+
+
 def test_ttft_floor_by_hand_and_the_8b_numbers():
     floor = ttft_floor(ModelCost.from_config(TOY, 2), ONE_BYTE_TEN_FLOPS, prompt_len=4)
     assert floor.flops == 10016 and floor.flop_s == pytest.approx(1001.6)
