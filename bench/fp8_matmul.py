@@ -6,8 +6,12 @@ decode batches and prefill chunk sizes.
     python3 bench/fp8_matmul.py --smoke      # CPU: checks every variant's numbers, times nothing
 
 Per (projection, tokens), CUDA-event-timed CUDA-graph replays of 10 back-to-back calls (median of --reps):
-- bf16: F.linear with the bf16 weight (the baseline, measured in the same run);
-- fp8: FP8Linear.forward as the engine runs it (the activation quantization kernel + torch._scaled_mm);
+- bf16: F.linear with the bf16 weight (the baseline, measured in the same run); bf16_skinny: the bf16 engine's
+  weight-streaming kernel at up to 16 tokens (fused/skinny_matmul.py);
+- fp8: FP8Linear.forward from bf16 activations as the engine runs o_proj (the activation quantization kernel, then
+  the matmul: the weight-streaming FP8 kernel at up to 16 tokens, torch._scaled_mm above);
+- fp8_rows: the same from activations already quantized (what the fused norms and SiLU give qkv, gate_up and
+  down); rows_scaled_mm: torch._scaled_mm from them at every size (the path before the FP8 kernel at <= 16);
 - fp8_group: the same for `quantization: fp8_group` (group quantization kernel + the Triton group GEMM);
 - fp8 torch-quant: the same with the activations quantized by torch ops (five kernels; the earlier path);
 - quant: the activation quantization kernel alone; scaled_mm: torch._scaled_mm alone (codes made beforehand);
@@ -38,16 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as gpu
 from bench.attention import time_graph
+from model_runtime.fused.skinny_matmul import MAX_ROWS, skinny_matmul
 from model_runtime.quantization.fp8 import (
     FP8Linear,
     quantize_fp8,
     quantize_fp8_groups,
     quantize_rows_torch,
     scaled_mm_linear,
+    scaled_mm_rows,
 )
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TOKENS = "1,32,128,256,512,2048,8192"
+TOKENS = "1,4,8,16,32,128,256,512,2048,8192"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,6 +73,13 @@ def variants(x: torch.Tensor, w: torch.Tensor, fp8: FP8Linear, grouped: FP8Linea
         "quant": partial(fp8._quantize, x),
     }
     if x.is_cuda:
+        # The engine's paths from QuantizedRows (what the fused norms and SiLU hand the projections): at up to
+        # MAX_ROWS tokens the weight-streaming kernel, and the torch._scaled_mm path it replaced there.
+        calls["fp8_rows"] = partial(fp8._rows, codes, scales)
+        calls["rows_scaled_mm"] = partial(scaled_mm_rows, codes, scales, fp8.weight, fp8.weight_scale, None,
+                                          x.dtype, fp8.fast_accum)  # fmt: skip
+        if x.shape[0] <= MAX_ROWS:
+            calls["bf16_skinny"] = partial(skinny_matmul, x, w)  # the bf16 engine's path at these sizes
         mm = partial(torch._scaled_mm, codes, fp8.weight.t(), scale_a=scales,
                      scale_b=fp8.weight_scale.unsqueeze(0), out_dtype=x.dtype, use_fast_accum=False)  # fmt: skip
         calls["scaled_mm"] = mm
@@ -83,7 +96,10 @@ def accumulation_errors(x: torch.Tensor, fp8: FP8Linear, calls: dict) -> dict:
     ref = (codes.float() * scales) @ (fp8.weight.float() * fp8.weight_scale[:, None]).t()
     rms = ref.pow(2).mean().sqrt()
     errs = {}
-    for key, call in (("exact", calls["scaled_mm"]), ("fast", calls["scaled_mm_fast_accum"])):
+    pairs = [("exact", calls["scaled_mm"]), ("fast", calls["scaled_mm_fast_accum"])]
+    if x.shape[0] <= MAX_ROWS:
+        pairs.append(("skinny", calls["fp8_rows"]))  # the weight-streaming kernel's float32 sums
+    for key, call in pairs:
         diff = call().float() - ref
         errs[key] = float(diff.norm() / ref.norm())
         errs[f"{key}_max_over_rms"] = float(diff.abs().max() / rms)
@@ -157,7 +173,10 @@ def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None
           f"bf16 matmul {rates.matmul_tflops:.0f} TFLOP/s, FP8 {rates.fp8_matmul_tflops:.0f})")  # fmt: skip
     cols = (
         "bf16",
+        "bf16_skinny",
         "fp8",
+        "fp8_rows",
+        "rows_scaled_mm",
         "fp8_group",
         "quant",
         "scaled_mm",
@@ -177,6 +196,7 @@ def print_table(rows: list[dict], gpu_name: str, rates: gpu.DeviceRates) -> None
         tail = f" {floor:>9.1f} {r['fp8_speedup']:>5.2f}x" if floor else ""
         errs, acc = r["err_vs_bf16"], r.get("accum_err")
         accum = f"  accum err exact {acc['exact']:.5f} fast {acc['fast']:.5f}" if acc else ""
+        accum += f" skinny {acc['skinny']:.5f}" if acc and "skinny" in acc else ""
         print(
             f"{r['projection']:>8} {r['tokens']:>5} {cells}{tail}  err {errs['fp8']:.3f} group {errs['fp8_group']:.3f}"
             + accum

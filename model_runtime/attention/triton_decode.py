@@ -34,7 +34,6 @@ seq_len 0 (graph padding) runs no loop iteration and yields an all-zero output r
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ import triton.language as tl
 
 from model_runtime.attention.decode_plan import DecodeScratch, DecodeTuning, DecodeWorkspace
 from model_runtime.attention.triton_store import check_scale_pages
+from model_runtime.fused.e4m3 import converts_e4m3, e4m3_to_float16
 
 MIN_ROWS = 16  # tl.dot needs M >= 16 on tensor cores; the query-head group is padded up to this
 # p * v_scale runs in float16: v_scale is max|v| / 448 (about 1e-4 .. 1e-2 for real values), so the products
@@ -73,26 +73,6 @@ def _scales_ahead(
     k_scale = _token_scales(k_scale_ptr, blocks, tok, end, kv_head, stride_sn, stride_sb, stride_sh, PAGE)
     v_scale = _token_scales(v_scale_ptr, blocks, tok, end, kv_head, stride_sn, stride_sb, stride_sh, PAGE)
     return k_scale, v_scale, _block_ids(bt_row, tok + TILE_N, end, PAGE)
-
-
-@triton.jit
-def _e4m3_to_float16(codes):
-    """e4m3 codes to float16, two a conversion instruction (sm_89+), in the layout the codes were loaded in.
-
-    A plain `.to(tl.float16)` is moved by Triton past the shared-memory load that forms the PV dot's operand, so
-    the conversion happens in the operand's layout; for V (tokens along the dot's K) that layout takes each
-    thread's codes from four different token rows, and the e4m3 tile was read from shared memory one byte at a
-    time (128 single-byte loads a thread and tile, compiled for sm_90). Declared impure, this conversion stays
-    where it is: the codes are read 16 bytes at a time, converted, and the float16 tile goes through shared
-    memory to the operand, which ldmatrix transposes in 16-bit units."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r",
-        [codes.to(tl.uint8, bitcast=True)],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
 
 
 @triton.jit
@@ -189,8 +169,8 @@ def _decode_segment_kernel(
         pv = p
         if QUANTIZED:
             pv = p * (v_scale.to(tl.float32) * V_SCALE_LIFT)[None, :]
-        if STAGE_V:  # V's codes as float16 before the dot's operand is formed (_e4m3_to_float16)
-            v = _e4m3_to_float16(v)
+        if STAGE_V:  # V's codes as float16 before the dot's operand is formed (fused/e4m3.py)
+            v = e4m3_to_float16(v)
         acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -312,7 +292,7 @@ def decode_attention(
     scratch = workspace.scratch(num_seqs, num_heads, num_segments, head_dim, q.device)
     launch = segment_launch(
         q, k_cache, v_cache, block_tables, seq_lens, scale, scratch, out, num_segments, tuning or DecodeTuning(),
-        kv_scale, _converts_e4m3(q.device),
+        kv_scale, converts_e4m3(q.device),
     )  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_segments)
     _decode_segment_kernel[grid](*launch.args, **launch.constexprs, **launch.options)
@@ -345,7 +325,7 @@ def segment_launch(
     kv_scale: torch.Tensor | None,
     converts_e4m3: bool,
 ) -> SegmentLaunch:
-    """`converts_e4m3`: the device has the e4m3 -> float16 instruction (_converts_e4m3)."""
+    """`converts_e4m3`: the device has the e4m3 -> float16 instruction (fused/e4m3.converts_e4m3)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_scale, v_scale = (seq_lens, seq_lens) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
     scale_strides = (0, 0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3))
@@ -395,20 +375,6 @@ def _launch_reduce(scratch: DecodeScratch, out: torch.Tensor, num_segments: int)
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SEGMENTS=num_segments,
     )
     # fmt: on
-
-
-def _converts_e4m3(device: torch.device) -> bool:
-    """Whether the device has the e4m3 -> float16 conversion instruction _e4m3_to_float16 issues (sm_89+); the
-    CPU interpreter runs no PTX."""
-    if device.type != "cuda":
-        return False
-    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 9)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    """A device's compute capability, asked once (eager steps launch the decode kernel once a layer)."""
-    return torch.cuda.get_device_capability(index)
 
 
 def _block_d(head_dim: int) -> int:

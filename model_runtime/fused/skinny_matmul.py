@@ -9,6 +9,13 @@ one program, in long contiguous rows (weight is [N, K] row-major, the nn.Linear 
 x is padded to BLOCK_M = 16 rows by masking (tl.dot's smallest tile); the extra FLOPs are free next to the
 bytes. No split-K, so no atomics and no second pass: N / BLOCK_N programs must fill the GPU, which holds for
 the Llama projections (N >= 4096 -> 128+ programs of 32 columns).
+
+`skinny_matmul_fp8` is the same walk over an FP8 projection (quantization.fp8.FP8Linear: e4m3 weight [N, K], a
+float32 scale per row) for activations already quantized per token (codes [M, K] e4m3, scales [M, 1]), which is
+what the fused norms and SiLU write for it: one byte a weight, so half of bf16's bytes, where torch._scaled_mm
+at a few rows runs no faster than the bf16 matmul (bench/fp8_matmul.py). Both operands go to float16 in
+registers (exact for e4m3), the dot accumulates in float32, and each output is scaled by its row's and column's
+scales: the arithmetic of torch._scaled_mm with float32 promotion, summed in another order.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from model_runtime.fused.e4m3 import converts_e4m3, e4m3_to_float16
 
 MAX_ROWS = 16
 
@@ -99,4 +108,114 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _TUNED[grid](*args, EXACT=exact)
     else:
         _skinny_kernel[(triton.cdiv(n, 32),)](*args, BLOCK_N=32, BLOCK_K=128, EXACT=exact)
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_fp8_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CVT_E4M3: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :],
+            mask=(rows[:, None] < M) & (ks[None, :] < K),
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_wn + ks[None, :],
+            mask=(cols[:, None] < N) & (ks[None, :] < K),
+            other=0.0,
+        )
+        if CVT_E4M3:  # converted where loaded (fused/e4m3.py), two codes an instruction
+            x, w = e4m3_to_float16(x), e4m3_to_float16(w)
+        else:
+            x, w = x.to(tl.float16), w.to(tl.float16)
+        acc += tl.dot(x, tl.trans(w))
+    x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    out = acc * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# One byte a weight: wider K steps than the 16-bit kernel's for the same bytes in flight.
+_TUNED_FP8 = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in [
+            (16, 512, 4, 4),
+            (32, 256, 4, 4),
+            (32, 512, 4, 3),
+            (64, 256, 4, 4),
+            (64, 512, 8, 3),
+            (128, 256, 8, 3),
+        ]
+    ],
+    key=["N", "K"],
+)(_skinny_fp8_kernel)
+
+
+def skinny_matmul_fp8(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """codes [M, K] e4m3 (M <= 16) with scales [M, 1] float32, @ weight [N, K] e4m3 with weight_scale [N]
+    float32, transposed (+ bias [N]) -> [M, N] in out_dtype."""
+    m, k = codes.shape
+    n = weight.shape[0]
+    if (
+        m > MAX_ROWS
+        or weight.shape[1] != k
+        or codes.stride(1) != 1
+        or weight.stride(1) != 1
+        or scales.shape != (m, 1)
+        or weight_scale.shape != (n,)
+        or not (scales.is_contiguous() and weight_scale.is_contiguous())
+    ):
+        raise ValueError(
+            f"skinny_matmul_fp8: codes [M<={MAX_ROWS}, K] with scales [M, 1], weight [N, K] with weight_scale "
+            f"[N], dense rows; got codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, weight "
+            f"{tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}"
+        )
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    if m == 0:
+        return out
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+    args = (codes, scales, weight, weight_scale, out if bias is None else bias, out, m, n, k,
+            codes.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+    if codes.is_cuda:
+        _TUNED_FP8[grid](*args, HAS_BIAS=bias is not None, CVT_E4M3=converts_e4m3(codes.device))
+    else:
+        _skinny_fp8_kernel[(triton.cdiv(n, 32),)](
+            *args, BLOCK_N=32, BLOCK_K=128, HAS_BIAS=bias is not None, CVT_E4M3=False
+        )
     return out

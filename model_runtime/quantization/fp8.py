@@ -19,6 +19,8 @@ Two matmuls, chosen once per module when the model is built, never per step:
   out. Shapes are static and nothing syncs with the host, so a decode CUDA graph captures it
   (tests/gpu/test_fp8_weights_gpu.py). qkv, gate_up and down take their input already quantized
   (QuantizedRows) from the norm or SiLU-and-multiply kernel before them (fuse_fp8_inputs); o_proj quantizes its own.
+  At up to 16 tokens (decode at small batch) the matmul is fused/skinny_matmul.skinny_matmul_fp8 instead, a
+  weight-streaming Triton kernel over the same codes and scales (torch._scaled_mm is no faster than bf16 there).
   `fast_accum` (device.fp8_fast_accum, on by default) lets the tensor cores keep their FP8 partial sums in their
   own accumulator for the whole K loop instead of promoting them into float32 every few K steps
   (torch._scaled_mm's use_fast_accum; vLLM's CUTLASS FP8 kernels for Hopper use the same fast-accumulation
@@ -204,22 +206,36 @@ class FP8Linear(nn.Module):
         # The scaled_mm path's accumulation (device.fp8_fast_accum); the emulation and the group GEMM accumulate
         # in float32 whatever it says.
         self.fast_accum = fast_accum
+        # Up to `small_m_rows` tokens the weight-streaming kernel (skinny_matmul_fp8) instead of torch._scaled_mm;
+        # 0 turns it off (bench/fp8_matmul.py compares both).
+        self.small_m_rows = 0
+        self._small_m_matmul: Callable[..., torch.Tensor] | None = None
+        if self.takes_fp8_rows:
+            from model_runtime.fused.skinny_matmul import MAX_ROWS, skinny_matmul_fp8
+
+            self.small_m_rows, self._small_m_matmul = MAX_ROWS, skinny_matmul_fp8
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):
-            return scaled_mm_rows(
-                x.codes, x.scales, self.weight, self.weight_scale, self.bias, torch.bfloat16, self.fast_accum
-            )
+            return self._rows(x.codes, x.scales)
         return self._forward(x)
+
+    def _rows(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Activations quantized per token -> [T, N] bfloat16 (the scaled_mm path)."""
+        if self._small_m_matmul is not None and 0 < codes.shape[0] <= self.small_m_rows:
+            return self._small_m_matmul(codes, scales, self.weight, self.weight_scale, self.bias)
+        return scaled_mm_rows(
+            codes, scales, self.weight, self.weight_scale, self.bias, torch.bfloat16, self.fast_accum
+        )
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._group_matmul is not None:
             codes, scales = self._quantize(x)
             return self._group_matmul(codes, scales, self.weight, self.weight_scale, self.bias, x.dtype)
         if self.scaled_mm:
-            return scaled_mm_linear(
-                x, self.weight, self.weight_scale, self.bias, self._quantize, self.fast_accum
-            )
+            if x.shape[0] == 0:
+                return x.new_empty(0, self.weight.shape[0])
+            return self._rows(*self._quantize(x))
         if self.round_activations:
             if self.grouped:
                 codes, scales = quantize_groups_torch(x)

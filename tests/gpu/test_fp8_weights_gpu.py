@@ -107,6 +107,31 @@ def test_fast_accumulation_adds_a_small_share_of_fp8s_own_error(tokens: int, k: 
     )
 
 
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (100, 4096)])
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_the_small_batch_fp8_kernel_matches_its_arithmetic_in_float32(rows: int, n: int, k: int) -> None:
+    """skinny_matmul_fp8 (FP8Linear at <= 16 tokens) against the float32 product of the same codes and scales,
+    with a bias, at Llama-3-8B's qkv and down shapes and a width that leaves a partial block of columns; and
+    FP8Linear's two paths (the kernel, torch._scaled_mm) within bfloat16 rounding of each other."""
+    from model_runtime.fused.skinny_matmul import skinny_matmul_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = (torch.randn(rows, k, device="cuda", generator=gen) * 3).bfloat16()
+    q, scale = quantize_fp8((torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16())
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    codes, scales = quantize_rows(x)
+    out = skinny_matmul_fp8(codes, scales, q, scale, bias)
+    ref = (codes.float() * scales) @ (q.float() * scale[:, None]).t() + bias.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert _rel(out, ref) < 4e-3  # bfloat16 output rounding; the products are exact, the sums float32
+    linear = FP8Linear(k, n, bias=True, scaled_mm=True).cuda()
+    linear.weight.data, linear.weight_scale.data, linear.bias.data = q, scale, bias
+    assert linear.small_m_rows == 16
+    kernel = linear(x)
+    linear.small_m_rows = 0
+    assert _rel(kernel, linear(x)) < 6e-3  # torch._scaled_mm's path, fast accumulation
+
+
 def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cuda_graphs_as_eager(
     tmp_path,
 ) -> None:
@@ -115,6 +140,7 @@ def test_scaled_mm_is_chosen_on_hopper_and_an_fp8_engine_decodes_the_same_in_cud
     def check(engine: Engine) -> None:
         fp8 = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
         assert fp8 and all(m.scaled_mm and m.weight.dtype == FP8_DTYPE and m.fast_accum for m in fp8)
+        assert all(m.small_m_rows == 16 for m in fp8)  # small decode batches through skinny_matmul_fp8
         layers = engine.runner.model.layers  # the norms and silu_mul write the projections' FP8 rows
         assert all(layer.input_norm.fp8_rows and layer.post_attn_norm.fp8_rows for layer in layers)
         assert all(layer.mlp.fp8_rows for layer in layers)

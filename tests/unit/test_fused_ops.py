@@ -160,6 +160,26 @@ def _case_silu_mul_fp8() -> tuple[bool, str]:
     return _all(*results)
 
 
+def _case_small_m_fp8_linear() -> tuple[bool, str]:
+    """The weight-streaming FP8 matmul for <= 16 rows (skinny_matmul_fp8): activations quantized per token
+    against an e4m3 weight with a scale per row, odd sizes (masked columns and K tail), with and without a bias:
+    the float32 product of the same codes and scales (the dot's products of e4m3 values are exact in float16)."""
+    from model_runtime.fused.skinny_matmul import skinny_matmul_fp8
+    from model_runtime.quantization.fp8 import quantize_fp8, quantize_rows_torch
+
+    gen = torch.Generator().manual_seed(7)
+    q, w_scale = quantize_fp8(torch.randn(70, 300, generator=gen) * 0.05)
+    bias = torch.randn(70, generator=gen)
+    results = []
+    for rows, with_bias in ((1, True), (5, False), (16, True)):
+        codes, scales = quantize_rows_torch(torch.randn(rows, 300, generator=gen) * 4)
+        b = bias if with_bias else None
+        out = skinny_matmul_fp8(codes, scales, q, w_scale, b, torch.float32)
+        ref = (codes.float() * scales) @ (q.float() * w_scale[:, None]).t() + (0 if b is None else b)
+        results.append(_close(f"fp8 rows {rows}", out, ref))
+    return _all(*results)
+
+
 def _case_small_m_linear() -> tuple[bool, str]:
     """The weight-streaming matmul for <= 16 rows (with a bias, odd sizes); more rows fall back to torch."""
     from model_runtime.fused.triton_ops import TritonOps
@@ -221,6 +241,7 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "norms_fp8_rows": _case_norms_fp8,
     "silu_mul_fp8_rows": _case_silu_mul_fp8,
     "small_m_linear": _case_small_m_linear,
+    "small_m_fp8_linear": _case_small_m_fp8_linear,
     "model_logits_and_kv": _case_model_logits_and_kv,
 }
 

@@ -20,7 +20,7 @@ def compiled():
 
 
 def test_the_fp8_kernel_reads_v_whole_where_triton_alone_gathers_it_byte_by_byte(compiled):
-    """The engine's FP8 launch converts V where it is loaded (triton_decode._e4m3_to_float16): no single-byte
+    """The engine's FP8 launch converts V where it is loaded (fused/e4m3.e4m3_to_float16): no single-byte
     shared-memory loads. Left to Triton (the plain conversion, as on pre-sm_89 devices), the e4m3 V tile is
     gathered into the PV operand a byte at a time; if a Triton ever stops doing that, this test says the inline
     conversion may no longer be needed."""
