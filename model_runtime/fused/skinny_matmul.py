@@ -12,9 +12,9 @@ the Llama projections (N >= 4096 -> 128+ programs of 32 columns).
 
 `skinny_matmul_fp8` is the same walk over an FP8 projection (quantization.fp8.FP8Linear: e4m3 weight [N, K], a
 float32 scale per row) for activations already quantized per token (codes [M, K] e4m3, scales [M, 1]), which is
-what the fused norms and SiLU write for it: one byte a weight, so half of bf16's bytes, where torch._scaled_mm
-at a few rows runs no faster than the bf16 matmul (bench/fp8_matmul.py). Both operands go to float16 in
-registers (exact for e4m3), the dot accumulates in float32, and each output is scaled by its row's and column's
+what the fused norms and SiLU write for it: one byte a weight, so half of bf16's bytes. The dot runs on the
+e4m3 codes themselves (float32 sums; a product of two e4m3 values is exact), the weight tile as its left operand
+so that Hopper's e4m3 wgmma takes it without padding, and each output is scaled by its row's and column's
 scales: the arithmetic of torch._scaled_mm with float32 promotion, summed in another order.
 """
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model_runtime.fused.e4m3 import converts_e4m3, e4m3_to_float16
+from model_runtime.fused.e4m3 import converts_e4m3
 
 MAX_ROWS = 16
 
@@ -128,12 +128,15 @@ def _skinny_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    CVT_E4M3: tl.constexpr,
+    E4M3_DOT: tl.constexpr,
 ):
+    """Transposed: the weight tile is the dot's left operand ([BLOCK_N, BLOCK_K], BLOCK_N >= 64) and the 16 padded
+    token rows its right one, so on Hopper the dot is one e4m3 wgmma (m64n16k32) per 64 weight rows, with no
+    conversion and no padding of the weight side; the tokens' padding costs FLOPs only."""
     pid = tl.program_id(0)
     rows = tl.arange(0, 16)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
@@ -146,30 +149,30 @@ def _skinny_fp8_kernel(
             mask=(cols[:, None] < N) & (ks[None, :] < K),
             other=0.0,
         )
-        if CVT_E4M3:  # converted where loaded (fused/e4m3.py), two codes an instruction
-            x, w = e4m3_to_float16(x), e4m3_to_float16(w)
-        else:
-            x, w = x.to(tl.float16), w.to(tl.float16)
-        acc += tl.dot(x, tl.trans(w))
+        if E4M3_DOT:
+            acc += tl.dot(w, tl.trans(x))
+        else:  # the CPU interpreter: float16 holds every e4m3 value exactly
+            acc += tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)))
     x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
-    out = acc * x_scale[:, None] * w_scale[None, :]
+    out = acc * w_scale[:, None] * x_scale[None, :]
     if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+    mask = (cols[:, None] < N) & (rows[None, :] < M)
+    tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# One byte a weight: wider K steps than the 16-bit kernel's for the same bytes in flight.
+# One byte a weight; at least 64 weight rows a program (the e4m3 wgmma's M).
 _TUNED_FP8 = triton.autotune(
     configs=[
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bn, bk, w, s in [
-            (16, 512, 4, 4),
-            (32, 256, 4, 4),
-            (32, 512, 4, 3),
-            (64, 256, 4, 4),
-            (64, 512, 8, 3),
+            (64, 128, 4, 4),
+            (64, 256, 4, 3),
+            (64, 256, 4, 5),
+            (64, 512, 4, 3),
+            (128, 128, 4, 4),
+            (128, 256, 4, 3),
             (128, 256, 8, 3),
         ]
     ],
@@ -213,9 +216,9 @@ def skinny_matmul_fp8(
     args = (codes, scales, weight, weight_scale, out if bias is None else bias, out, m, n, k,
             codes.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
     if codes.is_cuda:
-        _TUNED_FP8[grid](*args, HAS_BIAS=bias is not None, CVT_E4M3=converts_e4m3(codes.device))
+        _TUNED_FP8[grid](*args, HAS_BIAS=bias is not None, E4M3_DOT=converts_e4m3(codes.device))
     else:
-        _skinny_fp8_kernel[(triton.cdiv(n, 32),)](
-            *args, BLOCK_N=32, BLOCK_K=128, HAS_BIAS=bias is not None, CVT_E4M3=False
+        _skinny_fp8_kernel[(triton.cdiv(n, 64),)](
+            *args, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=bias is not None, E4M3_DOT=False
         )
     return out
