@@ -29,6 +29,27 @@ from model_runtime.fused.e4m3 import converts_e4m3
 MAX_ROWS = 16
 
 
+@triton.jit
+def _load_tile(ptr, rows, ks, stride, num_rows, K):
+    """Rows `rows` and columns `ks` of a row-major [num_rows, K] matrix, zeros outside it."""
+    mask = (rows[:, None] < num_rows) & (ks[None, :] < K)
+    return tl.load(ptr + rows[:, None] * stride + ks[None, :], mask=mask, other=0.0)
+
+
+def _autotuned(
+    kernel: triton.JITFunction, configs: list[tuple[int, int, int, int]]
+) -> triton.runtime.Autotuner:
+    """`kernel` tuned per (N, K) over (BLOCK_N, BLOCK_K, num_warps, num_stages) on first use (the engine's
+    warm-up before CUDA-graph capture); the CPU interpreter, which cannot time kernels, runs the plain kernel."""
+    return triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=stages)
+            for bn, bk, w, stages in configs
+        ],
+        key=["N", "K"],
+    )(kernel)
+
+
 # M (rows, 1-16) changes with the step's batch and sampled rows; only masks read it. Specialized, a single row
 # or sixteen would each be another variant to build in the middle of a run (model_runtime.kernel_builds).
 @triton.jit(do_not_specialize=["M"])
@@ -52,16 +73,8 @@ def _skinny_kernel(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :],
-            mask=(rows[:, None] < M) & (ks[None, :] < K),
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + cols[:, None] * stride_wn + ks[None, :],
-            mask=(cols[:, None] < N) & (ks[None, :] < K),
-            other=0.0,
-        )
+        x = _load_tile(x_ptr, rows, ks, stride_xm, M, K)
+        w = _load_tile(w_ptr, cols, ks, stride_wn, N, K)
         if EXACT:  # float32 inputs: full-precision products, not TF32 (fp32 engines must match the CPU)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -70,22 +83,10 @@ def _skinny_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Tuned per (N, K) on first use (the engine's warm-up before CUDA-graph capture); the CPU interpreter, which
-# cannot time kernels, runs the plain kernel with one fixed config.
-_TUNED = triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bk, w, s in [
-            (16, 256, 4, 4),
-            (32, 128, 4, 4),
-            (32, 256, 4, 3),
-            (32, 256, 8, 4),
-            (64, 128, 4, 4),
-            (64, 256, 8, 3),
-        ]
-    ],
-    key=["N", "K"],
-)(_skinny_kernel)
+_TUNED = _autotuned(
+    _skinny_kernel,
+    [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 4), (64, 128, 4, 4), (64, 256, 8, 3)],
+)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -139,16 +140,8 @@ def _skinny_fp8_kernel(
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :],
-            mask=(rows[:, None] < M) & (ks[None, :] < K),
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + cols[:, None] * stride_wn + ks[None, :],
-            mask=(cols[:, None] < N) & (ks[None, :] < K),
-            other=0.0,
-        )
+        x = _load_tile(x_ptr, rows, ks, stride_xm, M, K)
+        w = _load_tile(w_ptr, cols, ks, stride_wn, N, K)
         if E4M3_DOT:
             acc += tl.dot(w, tl.trans(x))
         else:  # the CPU interpreter: float16 holds every e4m3 value exactly
@@ -163,21 +156,11 @@ def _skinny_fp8_kernel(
 
 
 # One byte a weight; at least 64 weight rows a program (the e4m3 wgmma's M).
-_TUNED_FP8 = triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bk, w, s in [
-            (64, 128, 4, 4),
-            (64, 256, 4, 3),
-            (64, 256, 4, 5),
-            (64, 512, 4, 3),
-            (128, 128, 4, 4),
-            (128, 256, 4, 3),
-            (128, 256, 8, 3),
-        ]
-    ],
-    key=["N", "K"],
-)(_skinny_fp8_kernel)
+_TUNED_FP8 = _autotuned(
+    _skinny_fp8_kernel,
+    [(64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 5), (64, 512, 4, 3), (128, 128, 4, 4), (128, 256, 4, 3),
+     (128, 256, 8, 3)],
+)  # fmt: skip
 
 
 def skinny_matmul_fp8(
