@@ -230,7 +230,8 @@ class DeviceConfig:
     # FP8 projections on Hopper (quantization fp8): the tensor cores keep their FP8 partial sums in their own
     # accumulator for the whole K loop (torch._scaled_mm use_fast_accum, as vLLM's CUTLASS FP8 kernels do)
     # instead of promoting them into float32 every few K steps: faster matmuls, a larger rounding error
-    # (docs/performance.md has both). false: promote. The CPU emulation and fp8_group accumulate in float32.
+    # (docs/performance.md has both). false: promote. The CPU emulation, fp8_group and steps of at most 16 tokens
+    # (fused/skinny_matmul.skinny_matmul_fp8) accumulate in float32 either way.
     fp8_fast_accum: bool = True
     # Steps with prompt chunks of up to this many tokens (decodes included) replay piecewise CUDA graphs:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always

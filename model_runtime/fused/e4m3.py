@@ -8,9 +8,9 @@ conversion stays where the codes were loaded: 16-byte loads, two codes per conve
 (cvt.rn.f16x2.e4m3x2, sm_89+), and the float16 tile goes to the operand through shared memory in 16-bit units.
 Every e4m3 value is exact in float16 (|c| <= 448, 3 mantissa bits against 10).
 
-Used by the FP8 decode attention (attention/triton_decode.py) and the small-batch FP8 matmul
-(fused/skinny_matmul.py); a kernel takes the instruction only where `converts_e4m3(device)` says so (the CPU
-interpreter runs no PTX and converts with `.to`).
+`e4m3_to_float16` serves the FP8 decode attention (attention/triton_decode.py), which takes it only where
+`converts_e4m3(device)` says so (the CPU interpreter runs no PTX and converts with `.to`); the same predicate
+tells the small-batch FP8 matmul (fused/skinny_matmul.py) that the device's tensor cores take e4m3 operands.
 """
 
 from __future__ import annotations
