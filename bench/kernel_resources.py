@@ -14,7 +14,10 @@ cuobjdump reads the registers and the SASS, so the numbers are the toolchain's, 
 (a GPU machine's Triton may differ: compare there with the same script).
 
 Kernels: bf16 (the 16-bit cache), fp8 (the FP8 cache as launched on sm_89+), fp8-plain (the FP8 cache with Triton
-converting V itself, as on older devices and in the interpreter: the byte-by-byte V gather the engine avoids).
+converting V itself, as on older devices and in the interpreter: the byte-by-byte V gather the engine avoids),
+and skinny-fp8: the FP8 projections' matmul at <= 16 tokens (fused/skinny_matmul.skinny_matmul_fp8) for
+Llama-3-8B's qkv at its first autotune configuration, which should issue e4m3 wgmma and no conversion
+(`compile_skinny_fp8` compiles any of its configurations).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +41,7 @@ from model_runtime.attention.decode_plan import DecodeTuning, DecodeWorkspace
 from model_runtime.attention.triton_decode import _decode_segment_kernel, segment_launch
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, BATCH, NUM_BLOCKS = 32, 8, 128, 16, 128, 64
-KERNELS = ("bf16", "fp8", "fp8-plain")
+KERNELS = ("bf16", "fp8", "fp8-plain", "skinny-fp8")
 TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -60,6 +64,8 @@ class KernelResources:
     shared_byte_loads: int  # ld.shared.b8 / .u8 / .s8: an operand gathered a byte at a time
     e4m3_conversions: int  # cvt.rn.f16x2.e4m3x2
     sass_by_opcode: dict[str, int]
+    wgmma: int = 0  # wgmma.mma_async (Hopper's warpgroup MMA) in the PTX
+    e4m3_mma: int = 0  # mma.sync or wgmma with e4m3 operands: a dot on FP8 codes as stored
 
 
 def _toolchain() -> Path:
@@ -69,11 +75,12 @@ def _toolchain() -> Path:
 
 
 def _signature(
-    launch_args: tuple[object, ...], names: list[str]
+    kernel: Any, launch_args: tuple[object, ...]
 ) -> tuple[dict[str, str], dict, dict[str, object]]:
-    """Triton types for the positional arguments, with the launcher's specializations: attrs (divisible by 16)
-    and constants (integers equal to 1)."""
-    do_not_specialize = set(_decode_segment_kernel.do_not_specialize)  # argument names
+    """Triton types for `kernel`'s positional arguments, with the launcher's specializations: attrs (divisible
+    by 16) and constants (integers equal to 1)."""
+    names = list(kernel.arg_names)
+    do_not_specialize = set(kernel.do_not_specialize)  # argument names
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
     constants: dict[str, object] = {}
@@ -112,13 +119,14 @@ def _inputs(kernel: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
 
 
 def compile_kernel(kernel: str, arch: int = 90, tuning: DecodeTuning | None = None) -> KernelResources:
-    """Compile the decode kernel for sm_<arch> as the engine would launch it on that device, and count."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Compile the decode kernel (or skinny-fp8) for sm_<arch> as the engine would launch it on that device, and
+    count."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel_resources: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "skinny-fp8":
+        from model_runtime.fused.skinny_matmul import _TUNED_FP8
+
+        return compile_skinny_fp8(_TUNED_FP8.configs[0], arch)
     (q, k_cache, v_cache, block_tables, seq_lens), kv_scale = _inputs(kernel)
     out = torch.zeros_like(q)
     scratch = DecodeWorkspace().scratch(BATCH, Q_HEADS, 1, HEAD_DIM, q.device)
@@ -126,14 +134,40 @@ def compile_kernel(kernel: str, arch: int = 90, tuning: DecodeTuning | None = No
         q, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM**-0.5, scratch, out, 1, tuning or DecodeTuning(),
         kv_scale, converts_e4m3=kernel == "fp8" and arch >= 89,
     )  # fmt: skip
-    names = list(_decode_segment_kernel.arg_names)
-    signature, attrs, constants = _signature(launch.args, names)
-    constants.update(launch.constexprs)
-    for name in launch.constexprs:
-        signature[name] = "constexpr"
-    source = ASTSource(_decode_segment_kernel, signature, constants, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
-    return _count(kernel, arch, compiled.asm["ptx"], compiled.asm["cubin"], int(compiled.metadata.shared))
+    return _compile(
+        kernel, _decode_segment_kernel, launch.args, launch.constexprs, dict(launch.options), arch
+    )
+
+
+def compile_skinny_fp8(config: Any, arch: int = 90) -> KernelResources:
+    """skinny_matmul_fp8's kernel for Llama-3-8B's qkv (16 token rows, N 6144, K 4096, no bias) at one of its
+    autotune configurations (a triton.Config), as skinny_matmul_fp8 launches it on sm_<arch>."""
+    from model_runtime.fused.skinny_matmul import _skinny_fp8_kernel
+
+    n, k = 6144, 4096
+    codes = torch.zeros(16, k, dtype=torch.float8_e4m3fn)
+    out = torch.zeros(16, n, dtype=torch.bfloat16)
+    args = (codes, torch.zeros(16, 1), torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n), out, out,
+            16, n, k, k, k, n)  # fmt: skip
+    constexprs = {**config.kwargs, "HAS_BIAS": False, "E4M3_DOT": arch >= 89}
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return _compile("skinny-fp8", _skinny_fp8_kernel, args, constexprs, options, arch)
+
+
+def _compile(
+    name: str, kernel: Any, args: tuple[object, ...], constexprs: dict, options: dict, arch: int
+) -> KernelResources:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs, constants = _signature(kernel, args)
+    constants.update(constexprs)
+    for key in constexprs:
+        signature[key] = "constexpr"
+    source = ASTSource(kernel, signature, constants, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return _count(name, arch, compiled.asm["ptx"], compiled.asm["cubin"], int(compiled.metadata.shared))
 
 
 def _count(kernel: str, arch: int, ptx: str, cubin: bytes, shared: int) -> KernelResources:
@@ -162,6 +196,8 @@ def _count(kernel: str, arch: int, ptx: str, cubin: bytes, shared: int) -> Kerne
         shared_byte_loads=len(re.findall(r"\bld\.shared\.[bsu]8\b", ptx)),
         e4m3_conversions=len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
         sass_by_opcode=dict(opcodes.most_common(12)),
+        wgmma=len(re.findall(r"\bwgmma\.mma_async\b", ptx)),
+        e4m3_mma=len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\S*\.e4m3\.e4m3\b", ptx)),
     )
 
 
@@ -182,12 +218,13 @@ def main(argv: list[str] | None = None) -> list[KernelResources]:
         print(f"compiling {kernel} for sm_{args.arch} ...", flush=True)
         rows.append(compile_kernel(kernel, args.arch))
     print(
-        f"\n{'kernel':>10} {'regs':>5} {'smem KB':>8} {'SASS':>6} {'mma':>5} {'ldmatrix':>9} {'byte lds':>9} {'e4m3 cvt':>9}"
+        f"\n{'kernel':>10} {'regs':>5} {'smem KB':>8} {'SASS':>6} {'mma':>5} {'ldmatrix':>9} {'byte lds':>9} "
+        f"{'e4m3 cvt':>9} {'wgmma':>6} {'e4m3 mma':>9}"
     )
     for r in rows:
         print(
             f"{r.kernel:>10} {r.registers:>5} {r.shared_bytes / 1024:>8.1f} {r.sass_instructions:>6} {r.mma:>5} "
-            f"{r.ldmatrix:>9} {r.shared_byte_loads:>9} {r.e4m3_conversions:>9}"
+            f"{r.ldmatrix:>9} {r.shared_byte_loads:>9} {r.e4m3_conversions:>9} {r.wgmma:>6} {r.e4m3_mma:>9}"
         )
     print("(static counts over the whole kernel: a tile's loop plus its prologue and epilogue)")
     if args.json:

@@ -55,3 +55,18 @@ def test_decode_tuning_refuses_bad_values_naming_the_field(field: str, value: in
     with pytest.raises(ValueError, match=f"DecodeTuning.{field}: must be .*{message}"):
         DecodeTuning(**{field: value})
     assert DecodeTuning(fp8_max_registers=None).fp8_max_registers is None  # None: the compiler's choice
+
+
+def test_the_small_batch_fp8_matmul_runs_e4m3_wgmma_on_the_codes_as_stored() -> None:
+    """skinny_matmul_fp8 at every autotune configuration, compiled for sm_90: the weight tile as the dot's left
+    operand makes Triton issue Hopper's e4m3 wgmma on the codes as loaded. With the token rows on the left (16 of
+    them, under the wgmma's 64) Triton converts both operands to float16 for mma.sync instead, which ran at about
+    half the speed (docs/performance.md, "FP8 at small batches"): this test fails then."""
+    from bench import kernel_resources
+    from model_runtime.fused.skinny_matmul import _TUNED_FP8
+
+    if not (kernel_resources._toolchain() / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled cuobjdump")
+    for config in _TUNED_FP8.configs:
+        r = kernel_resources.compile_skinny_fp8(config, arch=90)
+        assert r.e4m3_mma == r.wgmma > 0 and r.e4m3_conversions == 0 and r.mma == 0, (config, r)
