@@ -150,6 +150,18 @@ def test_tandem_targets_carry_the_job_and_component_the_alert_rules_select() -> 
             assert "component" in targets, monitor["metadata"]["name"]
 
 
+def test_fp8_device_values_reach_the_config_the_pods_load() -> None:
+    """FP8 projections with the promoted accumulation on the decode pool only: camelCase values become the
+    engine's device keys, per pool, and the other pool keeps the defaults."""
+    device = {"quantization": "fp8", "fp8FastAccum": False}
+    config = rendered_config(render({"decode": {"engine": {"device": device}}}, label="fp8"))
+    assert (config.decode.engine.device.quantization, config.decode.engine.device.fp8_fast_accum) == ("fp8", False)
+    assert (config.prefill.engine.device.quantization, config.prefill.engine.device.fp8_fast_accum) == (
+        "none",
+        True,
+    )
+
+
 def test_multi_gpu_values_map_onto_groups_and_pools() -> None:
     r = rendered("multi-gpu-values.yaml")
     groups = {g["groupName"]: g for g in r.one("RayCluster")["spec"]["workerGroupSpecs"]}
