@@ -155,7 +155,10 @@ def test_fp8_device_values_reach_the_config_the_pods_load() -> None:
     engine's device keys, per pool, and the other pool keeps the defaults."""
     device = {"quantization": "fp8", "fp8FastAccum": False}
     config = rendered_config(render({"decode": {"engine": {"device": device}}}, label="fp8"))
-    assert (config.decode.engine.device.quantization, config.decode.engine.device.fp8_fast_accum) == ("fp8", False)
+    assert (config.decode.engine.device.quantization, config.decode.engine.device.fp8_fast_accum) == (
+        "fp8",
+        False,
+    )
     assert (config.prefill.engine.device.quantization, config.prefill.engine.device.fp8_fast_accum) == (
         "none",
         True,
