@@ -357,3 +357,19 @@ def test_ttft_variant_builds_its_engine_and_counts_its_bytes(tiny_model, tmp_pat
     assert ModelCost(**doc["model_cost"]) == ModelCost.from_config(mc, 4, fp8_weights=True, fp8_kv=True)
     with pytest.raises(SystemExit):
         ttft.main([*argv, "--variant", "fp4"])
+
+
+def test_fp8_matmul_smoke_checks_every_projection_against_bf16(tmp_path):
+    """bench/fp8_matmul.py on a CPU (emulated FP8, nothing timed): each toy projection's FP8 output within FP8's
+    error of the bf16 product, per-row and per-group scales alike (the script exits 1 past 8%)."""
+    doc = smoke_script("fp8_matmul.py", tmp_path / "fp8.json")
+    assert [(r["projection"], r["tokens"]) for r in doc["rows"]] == [
+        ("qkv", 1),
+        ("qkv", 4),
+        ("down", 1),
+        ("down", 4),
+    ]
+    for r in doc["rows"]:
+        errs = r["err_vs_bf16"]
+        assert 0 < errs["fp8"] < 0.08 and 0 < errs["fp8_group"] < 0.08, r
+        assert "us" not in r and "accum_err" not in r  # timing and the accumulation check are the GPU's
