@@ -146,12 +146,12 @@ def measure(name: str, n: int, k: int, tokens: int, rates: gpu.DeviceRates, args
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(tokens, k, device=device, generator=gen).to(dtype)
     w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
-    fp8 = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda").to(device)
+    # fast_accum as the engine builds it on a GPU (device.fp8_fast_accum's default)
+    fp8 = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda", fast_accum=device == "cuda").to(device)
     q, scale = quantize_fp8(w)
     fp8.weight.data, fp8.weight_scale.data = q, scale
     grouped = FP8Linear(k, n, bias=False, scaled_mm=device == "cuda", grouped=True).to(device)
     grouped.weight.data, grouped.weight_scale.data = quantize_fp8_groups(w)
-    fp8.fast_accum = device == "cuda"  # as the engine builds it there (device.fp8_fast_accum's default)
     calls = variants(x, w, fp8, grouped)
     ref = calls["bf16"]()
     row: dict = {"projection": name, "n": n, "k": k, "tokens": tokens,

@@ -287,11 +287,16 @@ class ModelCost:
         """The q/k/v, o, gate/up and down matmuls of `tokens` positions through every layer."""
         return 2 * self.layer_matmul_params * tokens
 
-    def compute_s(self, rates: DeviceRates, flops: float, tokens: float) -> float:
-        """`flops` of a step that takes `tokens` positions through the layers, at the rates they run at: the
-        projections' at the FP8 rate when they are FP8, the rest (attention, lm_head) at the model dtype's."""
+    def by_rate(self, flops: float, tokens: float) -> tuple[float, float]:
+        """`flops` of a step that takes `tokens` positions through the layers, split by the rate they run at:
+        (model dtype's, FP8's): the projections' are FP8's when they are FP8, the rest (attention, lm_head) the
+        model dtype's. DeviceRates.compute_s and step_floor_s take the two parts."""
         fp8 = self.projection_flops(tokens) if self.fp8_projections else 0.0
-        return rates.compute_s(flops - fp8, fp8)
+        return flops - fp8, fp8
+
+    def compute_s(self, rates: DeviceRates, flops: float, tokens: float) -> float:
+        """`flops` of such a step at the rates they run at (by_rate)."""
+        return rates.compute_s(*self.by_rate(flops, tokens))
 
     def prefill_flops(self, prompt_len: int, cached: int = 0) -> float:
         """One causal prompt of which the first `cached` tokens are already in the KV cache: every new position
@@ -336,8 +341,8 @@ def throughput_floor(
     steps = output_len - 1
 
     def step_s(b: int) -> float:
-        flop_s = cost.compute_s(rates, cost.decode_step_flops(b, context), b)
-        return max(flop_s, cost.decode_step_bytes(b, context) / rates.bytes_per_s)
+        flops, fp8_flops = cost.by_rate(cost.decode_step_flops(b, context), b)
+        return rates.step_floor_s(flops, cost.decode_step_bytes(b, context), fp8_flops)
 
     decode_s = sum(steps * step_s(b) for b in waves)
     decode_bytes = sum(steps * cost.decode_step_bytes(b, context) for b in waves)
