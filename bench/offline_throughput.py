@@ -130,6 +130,7 @@ class TandemRow:
     goal_tok_s: float | None  # the bf16 goal: bf16 rows only
     fraction_of_goal: float | None
     decode_profile: dict | None = None  # --profile-decode: kernels of a few decode steps at the full batch
+    prefill_profile: dict | None = None  # --profile-prefill: kernels of a few steps with prompt chunks
 
 
 def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setup) -> TandemRow:
@@ -140,9 +141,11 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
     prompts = gpu.random_prompts(num_prompts, shape.input_len, vocab, seed=shape.input_len)
     gpu.synchronize(setup.where.device)
     t0 = time.perf_counter()
-    counts, split, complete, profile = drive(
-        engine, shape, prompts, limit, setup.run.deadline, setup.args.profile_decode, name
-    )
+    driven = drive(
+        engine, shape, prompts, limit, setup.run.deadline, setup.args.profile_decode, name,
+        setup.args.profile_prefill,
+    )  # fmt: skip
+    counts, complete = driven.counts, driven.complete
     wall = time.perf_counter() - t0
     wrong = [(i, c) for i, c in enumerate(counts) if c != shape.output_len]
     if complete and wrong:
@@ -156,9 +159,9 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
     goal = GOAL_TOK_S.get(shape.key) if setup.variant.baseline else None
     gpu.log(f"{name}: {rate:.0f} tok/s, {rate / ceiling.tokens_per_s:.0%} of the ceiling")
     return TandemRow(
-        setup.variant.name, shape.key, num_prompts, batch, complete, sum(counts), wall, rate, split, ceiling,
+        setup.variant.name, shape.key, num_prompts, batch, complete, sum(counts), wall, rate, driven.split, ceiling,
         rate / ceiling.tokens_per_s, REFERENCE_TOK_S.get(shape.key), goal, rate / goal if goal else None,
-        profile,
+        driven.decode_profile, driven.prefill_profile,
     )  # fmt: skip
 
 
@@ -341,11 +344,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile-decode", action="store_true", help="kernel breakdown of 5 decode steps per shape (GPU)"
     )
+    p.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="kernel breakdown of 3 steps with prompt chunks per shape, mid-run (GPU)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny shapes, float32, no graphs")
     p.add_argument("--out", help="JSON path (default bench/results/offline_throughput_<gpu>.json)")
     args = p.parse_args(argv)
-    if args.smoke and args.profile_decode:
-        p.error("--profile-decode: the profiler's CUDA timing needs a GPU (drop --smoke)")
+    for flag in ("profile_decode", "profile_prefill"):
+        if args.smoke and getattr(args, flag):
+            p.error(f"--{flag.replace('_', '-')}: the profiler's CUDA timing needs a GPU (drop --smoke)")
     if args.prefill_graph_tokens is not None and args.prefill_graph_tokens < 0:
         p.error(f"--prefill-graph-tokens: must be >= 0, got {args.prefill_graph_tokens}")
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS

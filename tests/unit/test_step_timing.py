@@ -25,8 +25,9 @@ def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model)
     )
     shape = offline_throughput.Shape(8, 4)
     prompts = random_prompts(5, 8, engine.model_config.vocab_size, seed=0)
-    counts, split, complete, profile = offline_throughput.drive(engine, shape, prompts, 2, Deadline(60))
-    assert profile is None  # not asked for
+    driven = offline_throughput.drive(engine, shape, prompts, 2, Deadline(60))
+    counts, split, complete = driven.counts, driven.split, driven.complete
+    assert driven.decode_profile is None and driven.prefill_profile is None  # not asked for
     assert complete and counts == [4] * 5
     assert split.peak_running == 2  # the engine allows 8; the driver keeps 2 in it
     assert split.prefill_steps >= 3 and split.decode_steps >= 3  # 3 admission waves, each decodes 3 steps
@@ -37,7 +38,8 @@ def test_drive_keeps_the_admission_limit_and_aborts_when_out_of_time(tiny_model)
     assert 0 < split.decode_gpu_s < split.decode_s and split.decode_schedule_s > 0 and split.decode_post_s > 0
     assert split.decode_gpu_s + split.decode_schedule_s + split.decode_post_s <= split.decode_s
     late = Deadline(budget_s=1e-6, grace_s=0.0)
-    counts, _, complete, _ = offline_throughput.drive(engine, shape, prompts, 2, late)
+    driven = offline_throughput.drive(engine, shape, prompts, 2, late)
+    counts, complete = driven.counts, driven.complete
     assert not complete and sum(counts) < 20 and not engine.has_unfinished()  # stopped after a step, aborted
 
 
@@ -47,9 +49,8 @@ def test_drive_with_steps_scheduled_ahead_counts_every_token_and_does_not_split_
     scheduler = SchedulerConfig(8, 64, max_model_len=64, async_scheduling=True)
     engine = build_engine(tiny_model, RunDevice.for_mode(smoke=True), scheduler, 0.9)
     prompts = random_prompts(5, 8, engine.model_config.vocab_size, seed=0)
-    counts, split, complete, _ = offline_throughput.drive(
-        engine, offline_throughput.Shape(8, 4), prompts, 2, Deadline(60)
-    )
+    driven = offline_throughput.drive(engine, offline_throughput.Shape(8, 4), prompts, 2, Deadline(60))
+    counts, split, complete = driven.counts, driven.split, driven.complete
     assert complete and counts == [4] * 5 and engine.steps_ahead > 0
     assert split.decode_steps >= 3 and split.decode_s > 0
     # Its host work ran while the step before it computed: nothing to split, and no wrapper left behind.
