@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model_runtime.attention.base import MixedPlan
+from model_runtime.attention.base import (
+    PER_PROMPT_MAX_CHUNKS,
+    PER_PROMPT_MIN_TOKENS,
+    MixedPlan,
+    PrefillGroup,
+    Rows,
+)
 from model_runtime.cuda_graphs import DecodeRows
 from model_runtime.kv_layout import NULL_BLOCK
 from model_runtime.request import Request, SchedulerOutput
@@ -63,68 +69,151 @@ class HostBatch:
 
 
 @dataclass(frozen=True)
-class HostMixedPlan:
-    """attention.base.MixedPlan on the host (numpy); see there for each field."""
+class HostRows:
+    """attention.base.Rows on the host: [start, stop), or `index` when the rows are not contiguous."""
 
-    prefill_rows: np.ndarray | None  # int64
+    start: int
+    stop: int
+    index: np.ndarray | None  # int64
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> HostRows:
+        """From strictly increasing row numbers (chunks in step order): contiguous iff they span n rows."""
+        n = int(rows.shape[0])
+        start = int(rows[0]) if n else 0
+        if n == 0 or int(rows[-1]) - start == n - 1:
+            return cls(start, start + n, None)
+        return cls(start, int(rows[-1]) + 1, rows.astype(np.int64))
+
+
+@dataclass(frozen=True)
+class HostPrefillGroup:
+    """attention.base.PrefillGroup on the host (numpy); see there for each field."""
+
+    rows: HostRows
     cu_q: np.ndarray  # int32
     cu_k: np.ndarray  # int32
     context_slots: np.ndarray | None  # int64
-    decode_rows: np.ndarray | None  # int64
+    query_lens: list[int]
+    seq_lens: list[int]
+    starts: list[int]
+
+
+@dataclass(frozen=True)
+class HostMixedPlan:
+    """attention.base.MixedPlan on the host (numpy); see there for each field.
+
+    The device copy is made in two moves so that a caller can pack every array into one buffer per dtype:
+    int64_arrays() and int32_arrays() list them, bind() takes device tensors of the same arrays in the same
+    order (views into the caller's buffers) and builds the MixedPlan."""
+
+    long_fresh: HostPrefillGroup | None
+    fresh: HostPrefillGroup | None
+    cached: HostPrefillGroup | None
+    decode_rows: HostRows | None
     decode_seqs: np.ndarray | None  # int64
-    prefill_query_lens: list[int]
-    prefill_seq_lens: list[int]
+    num_rows: int
+    covered: bool
+
+    def _groups(self) -> list[HostPrefillGroup]:
+        return [g for g in (self.long_fresh, self.fresh, self.cached) if g is not None]
+
+    def int64_arrays(self) -> list[np.ndarray]:
+        arrays = []
+        for group in self._groups():
+            arrays += [a for a in (group.rows.index, group.context_slots) if a is not None]
+        if self.decode_rows is not None and self.decode_rows.index is not None:
+            arrays.append(self.decode_rows.index)
+        if self.decode_seqs is not None:
+            arrays.append(self.decode_seqs)
+        return arrays
+
+    def int32_arrays(self) -> list[np.ndarray]:
+        return [a for group in self._groups() for a in (group.cu_q, group.cu_k)]
+
+    def bind(self, int64: list[torch.Tensor], int32: list[torch.Tensor]) -> MixedPlan:
+        """The device plan from device copies of int64_arrays() and int32_arrays(), in their order."""
+        i64, i32 = iter(int64), iter(int32)
+
+        def rows(host: HostRows) -> Rows:
+            return Rows(host.start, host.stop, None if host.index is None else next(i64))
+
+        def group(host: HostPrefillGroup | None) -> PrefillGroup | None:
+            if host is None:
+                return None
+            at = rows(host.rows)
+            slots = None if host.context_slots is None else next(i64)
+            return PrefillGroup(
+                rows=at,
+                cu_q=next(i32),
+                cu_k=next(i32),
+                max_q=max(host.query_lens),
+                max_k=max(host.seq_lens),
+                context_slots=slots,
+                query_lens=host.query_lens,
+                seq_lens=host.seq_lens,
+                starts=host.starts,
+            )
+
+        long_fresh, fresh, cached = group(self.long_fresh), group(self.fresh), group(self.cached)
+        decode_rows = None if self.decode_rows is None else rows(self.decode_rows)
+        decode_seqs = None if self.decode_seqs is None else next(i64)
+        return MixedPlan(long_fresh, fresh, cached, decode_rows, decode_seqs, self.num_rows, self.covered)
 
     def to_device(self, device: torch.device | str) -> MixedPlan:
         """One copy per array; the model runner packs its copies instead (this is for tests and tools)."""
 
-        def put(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else torch.from_numpy(a).to(device)
+        def put(arrays: list[np.ndarray]) -> list[torch.Tensor]:
+            return [torch.from_numpy(a).to(device) for a in arrays]
 
-        return MixedPlan(
-            prefill_rows=put(self.prefill_rows),
-            cu_q=torch.from_numpy(self.cu_q).to(device),
-            cu_k=torch.from_numpy(self.cu_k).to(device),
-            max_q=max(self.prefill_query_lens, default=0),
-            max_k=max(self.prefill_seq_lens, default=0),
-            context_slots=put(self.context_slots),
-            decode_rows=put(self.decode_rows),
-            decode_seqs=put(self.decode_seqs),
-            prefill_query_lens=self.prefill_query_lens,
-            prefill_seq_lens=self.prefill_seq_lens,
-        )
+        return self.bind(put(self.int64_arrays()), put(self.int32_arrays()))
 
 
 def mixed_plan(
     query_lens: list[int], seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int
 ) -> HostMixedPlan:
-    """The split of a step's B chunks (query_lens, seq_lens [B], block_tables [B, W]) into packed prefill
-    chunks and single-token decode chunks; chunks with no query or no context are padding and in neither."""
+    """The split of a step's B chunks (query_lens, seq_lens [B], block_tables [B, W]) into prompt chunks by
+    group (attention.base.MixedPlan) and single-token decode chunks; chunks with no query or no context are
+    padding and in none of them."""
     qlens = np.asarray(query_lens, dtype=np.int64)
     slens = np.asarray(seq_lens, dtype=np.int64)
     live = (qlens > 0) & (slens > 0)
-    pre = np.flatnonzero(live & (qlens > 1))
-    dec = np.flatnonzero(live & (qlens == 1))
     starts = np.concatenate([[0], np.cumsum(qlens)[:-1]]).astype(np.int64)
-    cu_q = np.concatenate([[0], np.cumsum(qlens[pre])]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(slens[pre])]).astype(np.int32)
-    all_rows = len(pre) == len(qlens)
-    rows = None if all_rows else _concat_ranges(starts[pre], qlens[pre])
-    slots = None
-    if not np.array_equal(qlens[pre], slens[pre]):
-        # Every context position p of chunk i: slot table[i, p // bs] * bs + p % bs.
-        seq = np.repeat(pre, slens[pre])
-        pos = np.arange(int(cu_k[-1]), dtype=np.int64) - np.repeat(cu_k[:-1].astype(np.int64), slens[pre])
-        slots = block_tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    prompt = live & (qlens > 1)
+    fresh = prompt & (qlens == slens)
+    long_fresh = fresh & (qlens >= PER_PROMPT_MIN_TOKENS)
+    if int(long_fresh.sum()) > PER_PROMPT_MAX_CHUNKS:
+        long_fresh[:] = False
+    dec = np.flatnonzero(live & (qlens == 1))
+
+    def group(chunks: np.ndarray, gather: bool) -> HostPrefillGroup | None:
+        if len(chunks) == 0:
+            return None
+        ql, sl = qlens[chunks], slens[chunks]
+        cu_k = np.concatenate([[0], np.cumsum(sl)]).astype(np.int32)
+        slots = None
+        if gather:  # every context position p of chunk i: slot table[i, p // bs] * bs + p % bs
+            seq = np.repeat(chunks, sl)
+            pos = np.arange(int(cu_k[-1]), dtype=np.int64) - np.repeat(cu_k[:-1].astype(np.int64), sl)
+            slots = block_tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        return HostPrefillGroup(
+            rows=HostRows.of(_concat_ranges(starts[chunks], ql)),
+            cu_q=np.concatenate([[0], np.cumsum(ql)]).astype(np.int32),
+            cu_k=cu_k,
+            context_slots=slots,
+            query_lens=ql.tolist(),
+            seq_lens=sl.tolist(),
+            starts=starts[chunks].tolist(),
+        )
+
     return HostMixedPlan(
-        prefill_rows=rows,
-        cu_q=cu_q,
-        cu_k=cu_k,
-        context_slots=slots,
-        decode_rows=starts[dec] if len(dec) else None,
+        long_fresh=group(np.flatnonzero(long_fresh), gather=False),
+        fresh=group(np.flatnonzero(fresh & ~long_fresh), gather=False),
+        cached=group(np.flatnonzero(prompt & ~fresh), gather=True),
+        decode_rows=HostRows.of(starts[dec]) if len(dec) else None,
         decode_seqs=dec.astype(np.int64) if len(dec) else None,
-        prefill_query_lens=qlens[pre].tolist(),
-        prefill_seq_lens=slens[pre].tolist(),
+        num_rows=int(qlens.sum()),
+        covered=not bool(((qlens > 0) & ~live).any()),
     )
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata, MixedPlan
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from model_runtime.fused.base import FusedOps
@@ -240,13 +240,12 @@ class ModelRunner:
         int32 (query starts, seq lens, block tables, the plan's cumulative lengths); the tensors the model
         sees are views into them."""
         plan = batch.mixed_plan(self.layout.block_size)
-        empty = np.zeros(0, dtype=np.int64)
         i64_parts = [batch.token_ids, batch.positions, batch.slots, batch.logits_indices]
         i32_parts = [batch.query_start, batch.seq_lens, batch.block_tables]
+        own64, own32 = len(i64_parts), len(i32_parts)
         if plan is not None:
-            optional = (plan.prefill_rows, plan.context_slots, plan.decode_rows, plan.decode_seqs)
-            i64_parts += [empty if a is None else a for a in optional]
-            i32_parts += [plan.cu_q, plan.cu_k]
+            i64_parts += plan.int64_arrays()
+            i32_parts += plan.int32_arrays()
         i64, o64 = _pack(i64_parts, np.int64)
         i32, o32 = _pack(i32_parts, np.int32)
         d64, d32 = self._to_device(i64), self._to_device(i32)
@@ -259,17 +258,9 @@ class ModelRunner:
 
         mixed = None
         if plan is not None:
-            mixed = MixedPlan(
-                prefill_rows=None if plan.prefill_rows is None else view64(4),
-                cu_q=view32(3),
-                cu_k=view32(4),
-                max_q=max(plan.prefill_query_lens, default=0),
-                max_k=max(plan.prefill_seq_lens, default=0),
-                context_slots=None if plan.context_slots is None else view64(5),
-                decode_rows=None if plan.decode_rows is None else view64(6),
-                decode_seqs=None if plan.decode_seqs is None else view64(7),
-                prefill_query_lens=plan.prefill_query_lens,
-                prefill_seq_lens=plan.prefill_seq_lens,
+            mixed = plan.bind(
+                [view64(i) for i in range(own64, len(i64_parts))],
+                [view32(i) for i in range(own32, len(i32_parts))],
             )
         meta = AttentionMetadata(
             slot_mapping=view64(2),

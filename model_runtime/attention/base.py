@@ -24,32 +24,93 @@ import torch
 
 from model_runtime.kv_quant import dequantize_kv, quantize_kv
 
+# Fresh prompt chunks at least this long, at most this many in a step, run one attention call each (the cuDNN
+# kernel on a GPU: bench/prefill_attention.py); shorter or more go together in one variable-length call.
+PER_PROMPT_MIN_TOKENS = 1024
+PER_PROMPT_MAX_CHUNKS = 4
+
 
 @dataclass
-class MixedPlan:
-    """How an eager step's rows split between packed prefill attention and the decode kernel, on the device.
+class Rows:
+    """Rows of a step's q that one part of the step computes: [start, stop) when they are contiguous (`index`
+    None: slices, views and in-place writes), else `index` int64 [n] on the device."""
 
-    Built once per step by the model runner (from HostBatch.mixed_plan) so that no layer builds an index.
-    Prefill chunks (more than one query token) run as one variable-length causal attention over packed
-    sequences; single-token chunks run through the paged decode kernel:
+    start: int
+    stop: int
+    index: torch.Tensor | None = None
 
-        prefill_rows   int64 [Tp]   rows of q in prefill chunks, in order; None when every row is one
-        cu_q, cu_k     int32 [P+1]  cumulative query lengths / context lengths of those P chunks
-        context_slots  int64 [K]    cache slots of every context token of the P chunks (K = cu_k[-1]); None
-                                    when no chunk has a cached prefix (its keys are then its own fresh rows)
-        decode_rows    int64 [Sd]   rows of single-token chunks, decode_seqs [Sd] their sequence index
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.start : self.stop] if self.index is None else x.index_select(0, self.index)
+
+    def target(self, out: torch.Tensor) -> torch.Tensor | None:
+        """The rows of `out` as a view to write into, or None when they are not contiguous."""
+        return out[self.start : self.stop] if self.index is None else None
+
+    def write(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        if self.index is None:
+            out[self.start : self.stop].copy_(values)
+        else:
+            out.index_copy_(0, self.index, values)
+
+
+@dataclass
+class PrefillGroup:
+    """Prompt chunks of a step that attend in one way (MixedPlan says which):
+
+    rows           their q rows, chunk after chunk
+    cu_q, cu_k     int32 [P+1]  cumulative query lengths / context lengths of the P chunks
+    context_slots  int64 [K]    cache slots of every context token of the chunks (K = cu_k[-1]); None when
+                                the chunks have no cached prefix (their keys are their own fresh rows)
+    starts         each chunk's first row in the step (host), for calls per chunk
     """
 
-    prefill_rows: torch.Tensor | None
+    rows: Rows
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
     context_slots: torch.Tensor | None
-    decode_rows: torch.Tensor | None
+    query_lens: list[int]  # host copies: calls per chunk and the per-chunk fallback (CPU, float32)
+    seq_lens: list[int]
+    starts: list[int]
+
+
+@dataclass
+class MixedPlan:
+    """How an eager step's rows split between prefill attention and the decode kernel, on the device.
+
+    Built once per step by the model runner (from HostBatch.mixed_plan) so that no layer builds an index.
+    Prompt chunks (more than one query token) fall in three groups, each None when the step has none:
+
+        long_fresh   no cached prefix, >= PER_PROMPT_MIN_TOKENS each, at most PER_PROMPT_MAX_CHUNKS of them:
+                     one attention call per chunk over its own fresh rows
+        fresh        the other chunks without a cached prefix: one variable-length call over their fresh rows
+        cached       chunks with a cached prefix: one variable-length call over their contexts, gathered from
+                     the cache by slot (a chunk's own new keys included: the store has written them there)
+
+    Single-token chunks run through the paged decode kernel (decode_rows, decode_seqs [Sd] their sequence
+    index). `covered`: every row of the step is in one of them (no padding rows, which must stay zero).
+    """
+
+    long_fresh: PrefillGroup | None
+    fresh: PrefillGroup | None
+    cached: PrefillGroup | None
+    decode_rows: Rows | None
     decode_seqs: torch.Tensor | None
-    prefill_query_lens: list[int]  # host copies, for the per-sequence fallback (CPU, float32)
-    prefill_seq_lens: list[int]
+    num_rows: int
+    covered: bool
+
+    @property
+    def prefill_groups(self) -> list[PrefillGroup]:
+        return [g for g in (self.long_fresh, self.fresh, self.cached) if g is not None]
+
+    def sole_group(self) -> PrefillGroup | None:
+        """The one prefill group that computes every row of the step, in order (its output is the step's)."""
+        groups = self.prefill_groups
+        if len(groups) != 1 or self.decode_rows is not None or not self.covered:
+            return None
+        rows = groups[0].rows
+        return groups[0] if rows.index is None and (rows.start, rows.stop) == (0, self.num_rows) else None
 
 
 @dataclass

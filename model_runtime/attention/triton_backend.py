@@ -5,25 +5,27 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
 - decode-only batches (one query token per sequence, the CUDA-graph path): the split-KV Triton decode kernel,
   reading only device tensors and shapes, never the host lists.
 - anything else (prefill chunks, mixed batches; eager only), split once per step by the runner (MixedPlan):
-    q_len > 1   -> every prefill chunk of the step in one packed causal attention (packed_prefill.py: varlen
-                   FlashAttention-2, or cuDNN per prompt for a few long fresh prompts):
-                   fresh K/V rows when no chunk has a cached prefix, else each chunk's context gathered from
-                   the cache by slot (one index_select per layer; a 2k-token Llama-3-8B context is 8 MiB)
+    q_len > 1   -> the step's prompt chunks by group (packed_prefill.py): a few long fresh prompts through
+                   cuDNN one by one, the other fresh chunks in one varlen FlashAttention-2 call over their own
+                   rows, chunks with a cached prefix in one such call over their contexts gathered from the
+                   cache by slot (one index_select per layer; a 2k-token Llama-3-8B context is 8 MiB)
     q_len == 1  -> one decode-kernel launch over those sequences
+  Rows that are contiguous in the step (the scheduler puts running sequences first, new prompts after them)
+  are read and written as slices; the decode kernel writes straight into its rows of the output.
 """
 
 from __future__ import annotations
 
 import torch
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata, PrefillGroup
 from model_runtime.attention.decode_plan import (
     MAX_SEGMENTS,
     DecodeTuning,
     DecodeWorkspace,
     choose_num_segments,
 )
-from model_runtime.attention.packed_prefill import PackedPrefill, context_kv
+from model_runtime.attention.packed_prefill import PackedPrefill, group_kv
 from model_runtime.attention.triton_decode import decode_attention
 from model_runtime.attention.triton_store import store_kv_triton
 
@@ -98,9 +100,11 @@ class TritonAttention(AttentionBackend):
         seq_lens: torch.Tensor,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Row s of q is sequence s's single query token; returns [S, Hq, D] (zeros where seq_lens is 0)."""
-        out = torch.empty_like(q)
+        """Row s of q is sequence s's single query token; returns [S, Hq, D] (zeros where seq_lens is 0),
+        written into `out` when given (a contiguous [S, Hq, D] view)."""
+        out = torch.empty_like(q) if out is None else out
         segments = self.segments_for(q.shape[0], k_cache.shape[2], q.device)
         return decode_attention(
             q,
@@ -127,35 +131,55 @@ class TritonAttention(AttentionBackend):
         scale: float,
         kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Prefill chunks as one packed varlen attention, single-token chunks as one decode launch; the
-        split was computed once for the step (meta.mixed). Rows of padding sequences stay zero."""
+        """Each group of prompt chunks with its kernel, single-token chunks as one decode launch; the split
+        was computed once for the step (meta.mixed). Contiguous rows are read and written as slices; rows of
+        padding sequences stay zero."""
         plan = meta.mixed
         if plan is None:
             raise ValueError(
                 "TritonAttention: a step with a prefill chunk needs meta.mixed (ModelRunner builds it)"
             )
-        if plan.decode_rows is None and plan.prefill_rows is None:  # every row is a prefill chunk's
-            kc, vc = context_kv(k, v, k_cache, v_cache, plan, kv_scale)
-            return self.prefill(q, kc, vc, plan, scale)
-        out = torch.zeros_like(q)
-        if plan.prefill_query_lens:
-            kc, vc = context_kv(k, v, k_cache, v_cache, plan, kv_scale)
-            rows = plan.prefill_rows
-            qp = q if rows is None else q.index_select(0, rows)
-            o = self.prefill(qp, kc, vc, plan, scale)
-            if rows is None:
-                out = o
-            else:
-                out.index_copy_(0, rows, o)
-        if plan.decode_rows is not None and plan.decode_seqs is not None:
+        sole = plan.sole_group()
+        if (
+            sole is not None and sole is not plan.long_fresh
+        ):  # one call computes every row: its output is ours
+            return self._group_call(q, k, v, k_cache, v_cache, sole, scale, kv_scale)
+        out = torch.empty_like(q) if plan.covered else torch.zeros_like(q)
+        long_fresh = plan.long_fresh
+        if long_fresh is not None and not self.prefill.per_prompt(q, k, v, long_fresh, scale, out):
+            o = self._group_call(q, k, v, k_cache, v_cache, long_fresh, scale, kv_scale)
+            long_fresh.rows.write(out, o)
+        for group in (plan.fresh, plan.cached):
+            if group is not None:
+                group.rows.write(out, self._group_call(q, k, v, k_cache, v_cache, group, scale, kv_scale))
+        rows, seqs = plan.decode_rows, plan.decode_seqs
+        if rows is not None and seqs is not None:
+            target = rows.target(out)
             o = self.decode(
-                q.index_select(0, plan.decode_rows),
+                rows.take(q),
                 k_cache,
                 v_cache,
-                meta.block_tables.index_select(0, plan.decode_seqs),
-                meta.seq_lens.index_select(0, plan.decode_seqs),
+                meta.block_tables.index_select(0, seqs),
+                meta.seq_lens.index_select(0, seqs),
                 scale,
                 kv_scale,
+                target,
             )
-            out.index_copy_(0, plan.decode_rows, o)
+            if target is None:
+                rows.write(out, o)
         return out
+
+    def _group_call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: PrefillGroup,
+        scale: float,
+        kv_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The group's rows' attention as one call (packed_prefill.PackedPrefill): [group rows, Hq, D]."""
+        kc, vc = group_kv(k, v, k_cache, v_cache, group, kv_scale)
+        return self.prefill(group.rows.take(q), kc, vc, group, scale)

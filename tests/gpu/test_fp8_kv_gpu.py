@@ -75,7 +75,8 @@ def test_decode_reads_codes_times_scales(
 
 def test_a_mixed_step_over_cached_prefixes_matches_the_reference() -> None:
     """Chunks over cached prefixes (their context gathered from the FP8 cache) and decode tokens in one step.
-    (A fresh prompt's Triton prefill attends to its own unquantized rows, the torch reference to the cache.)"""
+    (A fresh prompt's Triton prefill attends to its own unquantized rows, the torch reference to the cache: the
+    test below puts the rows on the FP8 grid for that.)"""
     seq_lens, query_lens = [700, 129, 5000, 0, 64], [64, 1, 1, 0, 17]
     q, k, v, kc, vc, meta = paged_inputs(11, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16)
     kc, vc, scales = fp8_pages(kc, vc)
@@ -98,3 +99,30 @@ def test_an_fp8_cache_engine_decodes_the_same_in_cuda_graphs_as_eager(tmp_path) 
         tmp_path, CacheConfig(num_blocks=512, dtype="fp8_e4m3"), "none", check
     )
     assert graphs == eager
+
+
+def test_a_step_with_fresh_prompts_beside_a_cached_chunk_matches_the_reference() -> None:
+    """Fresh prompts (their own rows: one long through cuDNN, one short through varlen) in the same step as a
+    chunk over a cached prefix (gathered and dequantized) and decode tokens. The new rows are moved onto the
+    FP8 grid first, so that the reference, which reads every key back from the cache, reads what the fresh
+    prompts' own rows hold: the comparison then checks the grouping, not the quantization."""
+    from model_runtime.attention.triton_backend import TritonAttention
+    from model_runtime.kv_quant import dequantize_kv, quantize_kv
+
+    seq_lens, query_lens = [700, 129, 2048, 300, 5000], [64, 1, 2048, 300, 1]
+    q, k, v, kc, vc, meta = paged_inputs(17, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16)
+    k, v = (dequantize_kv(*quantize_kv(x), x.dtype) for x in (k, v))
+    kc, vc, scales = fp8_pages(kc, vc)
+    plan = meta.mixed
+    assert (
+        plan is not None
+        and plan.long_fresh is not None
+        and plan.fresh is not None
+        and plan.cached is not None
+    )
+    ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, ref_scales)
+    out = TritonAttention().forward(q, k, v, kc, vc, meta, 0.088, scales)
+    assert torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8)) and torch.equal(scales, ref_scales)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16]

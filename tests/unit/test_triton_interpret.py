@@ -296,6 +296,8 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "backend_mixed_prefill_prefix_decode": _backend_case([5, 11, 9, 0], [5, 4, 1, 0]),
     "backend_packed_prompts_no_prefix": _backend_case([7, 3, 12], [7, 3, 12]),
     "backend_packed_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2]),
+    # fresh, decode, over a prefix, decode, fresh: no group's rows are one slice (indexed reads and writes)
+    "backend_groups_interleaved_with_decodes": _backend_case([6, 9, 20, 13, 3], [6, 1, 5, 1, 3]),
     "store_fp8_quantizes_per_token_head": _case_store_fp8,
     "decode_fp8_b3_gqa2_block8": _decode_case(2, [1, 8, 29], 2, 8, fp8=True),
     "decode_fp8_one_segment_padded": _decode_case(5, [23, 0, 70], 4, 8, segments=1, fp8=True),
@@ -303,6 +305,8 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "decode_fp8_many_segments": _decode_case(4, [300, 2, 97], 2, 4, segments=4, fp8=True),
     "backend_fp8_decode_only": _backend_case([9, 0, 21], [1, 1, 1], fp8=True),
     "backend_fp8_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2], fp8=True),
+    # decodes first, then a chunk over a prefix, then a fresh prompt (the scheduler's order): slices
+    "backend_fp8_decode_prefix_fresh": _backend_case([9, 21, 20, 7], [1, 1, 4, 7], fp8=True),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
 }
 
