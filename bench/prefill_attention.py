@@ -10,6 +10,11 @@ Candidates, each checked against a float32 reference on the first 256 queries be
     sdpa_cudnn_gqa SDPA, cuDNN backend, enable_gqa (where the backend accepts it)
 Median over --reps of CUDA-event-timed calls after warm-up; TFLOP/s counts the causal half (2 matmuls of
 T(T+1)/2 query-key pairs per head). Prints a table and writes bench/results/prefill_attention_<gpu>.json.
+
+--first-calls N: what a prompt length never seen before costs. cuDNN's SDPA builds an execution plan per shape
+(torch caches it by sequence length), FlashAttention-2 takes lengths as arguments. For N lengths between 1024
+and 4096 that no earlier call used, the wall time of the first call (host included, synchronized) against a
+second call at the same length, per kernel.
 """
 
 from __future__ import annotations
@@ -115,11 +120,45 @@ def bench_case(lens: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def first_calls(count: int) -> list[dict]:
+    """--first-calls: per kernel, the first and the second call at `count` lengths new to the process."""
+    lengths = [1024 + 37 * i + 1 for i in range(count)]  # odd, and none of the timed cases' lengths
+    rows = []
+    for kernel in ("sdpa_cudnn_gqa", "fa2_varlen"):
+        first: list[float] = []
+        second: list[float] = []
+        for n in lengths:
+            shift = (
+                1 if kernel == "fa2_varlen" else 0
+            )  # lengths apart per kernel, though their caches are too
+            q = torch.randn(n + shift, HQ, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(n + shift, HKV, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(n + shift, HKV, D, device="cuda", dtype=torch.bfloat16)
+            fn = candidates(q, k, v, [n + shift])[kernel]
+            for times in (first, second):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+        row = {
+            "kernel": kernel, "lengths": count,
+            "first_ms_median": statistics.median(first), "first_ms_max": max(first),
+            "second_ms_median": statistics.median(second), "second_ms_max": max(second),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lens", default="2048,4096,8192")
     p.add_argument("--packed", default="8x1024", help="NxL: N sequences of L tokens in one varlen call")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--first-calls", type=int, default=0, help="N new lengths: first call vs second (see above)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -129,16 +168,23 @@ def main() -> None:
     n, length = (int(x) for x in args.packed.split("x"))
     cases.append([length] * n)
     rows = [r for lens in cases for r in bench_case(lens, args.reps)]
+    first = first_calls(args.first_calls) if args.first_calls else []  # after the cases: libraries loaded
     print(f"\n{gpu}, torch {torch.__version__}")
     for r in rows:
         shape = f"{len(r['lens'])}x{r['lens'][0]}"
         result = f"{r['ms']:8.2f} ms {r['tflops']:6.0f} TFLOP/s" if "ms" in r else r["error"]
         print(f"{shape:>8} {r['kernel']:>15} {result}")
+    for r in first:
+        print(
+            f"{r['lengths']} new lengths {r['kernel']:>15}: first call {r['first_ms_median']:.2f} ms median "
+            f"({r['first_ms_max']:.2f} max), second {r['second_ms_median']:.2f} ms ({r['second_ms_max']:.2f})"
+        )
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     path = (
         Path(args.out) if args.out else Path(__file__).parent / "results" / f"prefill_attention_{slug}.json"
     )
     doc = {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    doc["first_calls"] = first
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
 
