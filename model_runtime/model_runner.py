@@ -16,20 +16,21 @@ A step, every step:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata, per_prompt_length
 from model_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from model_runtime.fused.base import FusedOps
 from model_runtime.host_batch import HostBatch, HostBlockTables, build_host_batch
 from model_runtime.kv_layout import FP8_KV_DTYPE, KVLayout
 from model_runtime.kv_quant import split_fp8_cache
-from model_runtime.models.llama import LlamaForCausalLM
+from model_runtime.models.llama import DecoderLayer, LlamaForCausalLM
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.prefill_graphs import PiecewiseForward, PrefillGraphs
 from model_runtime.quantization.apply import quantize_model
@@ -146,6 +147,7 @@ class ModelRunner:
         quantization: str = "none",
         fp8_fast_accum: bool = False,
         prefill_graph_tokens: int = 0,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
@@ -153,6 +155,8 @@ class ModelRunner:
         (quantization.apply.quantize_weights), so the model holds them in that form; `fp8_fast_accum`: its FP8
         matmuls' accumulation (device.fp8_fast_accum). `prefill_graph_tokens`:
         the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none).
+        `max_num_batched_tokens`: the scheduler's step budget, the longest prompt chunk a step can hold (the
+        per-prompt prefill attention's plans are built up to it at start-up).
 
         `kv_cache` is the cache's storage, shaped as KVLayout.cache_shape (what transports move); `kv_pages` is
         the model's view of it, [L, 2, N, B, Hkv, D]: the same tensor, or an FP8 cache's codes, whose scales
@@ -188,6 +192,26 @@ class ModelRunner:
         self.graphs = self._make_graphs(backend, progress) if use_graphs else None
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture(progress.prefill)
+        self._warm_prompt_attention(backend, max_num_batched_tokens)
+
+    def _warm_prompt_attention(self, backend: AttentionBackend, max_tokens: int) -> None:
+        """Builds the per-prompt prefill attention's cuDNN plans for every length a step can call it at, on
+        rows laid out as the model's (attention.packed_prefill): a plan built mid-run would hold up the step."""
+        from model_runtime.attention.triton_backend import TritonAttention
+
+        if not (self._on_cuda and isinstance(backend, TritonAttention)):
+            return
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        attention = layer.attn
+        dtype = self.model.embed_tokens.weight.dtype
+        width = attention.q_size + 2 * attention.kv_size
+        t0 = time.perf_counter()
+        qkv = torch.zeros(per_prompt_length(max_tokens), width, dtype=dtype, device=self.device)
+        built = backend.prefill.warm_up(*attention.heads(qkv), max_tokens)
+        del qkv
+        if built:
+            log.info("prefill attention: %d cuDNN plans in %.1f s", built, time.perf_counter() - t0)
 
     def _make_prefill_graphs(self, max_tokens: int, progress: _GraphProgress) -> PrefillGraphs | None:
         """Built (not yet captured) before the decode graphs, so that the progress counts both."""

@@ -93,6 +93,7 @@ def build_runner(
         quantization=quantization,
         fp8_fast_accum=config.device.fp8_fast_accum,
         prefill_graph_tokens=prefill_graph_tokens(config),
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
     )
     return RankRunner(runner, layout, max_model_len, tp)
 

@@ -25,9 +25,19 @@ import torch
 from model_runtime.kv_quant import dequantize_kv, quantize_kv
 
 # Fresh prompt chunks at least this long, at most this many in a step, run one attention call each (the cuDNN
-# kernel on a GPU: bench/prefill_attention.py); shorter or more go together in one variable-length call.
+# kernel on a GPU: bench/prefill_attention.py); shorter or more go together in one variable-length call. cuDNN
+# builds an execution plan per sequence length (on an H200 63 ms at a length new to the process, up to 0.7 s,
+# against 0.25 ms once built: prefill_attention.py --first-calls), so every call is made at a multiple of
+# PER_PROMPT_BUCKET rows, the chunk's rows followed by padding that causal attention keeps out of them, and the
+# plans for those lengths are built at start-up (packed_prefill.PackedPrefill.warm_up).
 PER_PROMPT_MIN_TOKENS = 1024
 PER_PROMPT_MAX_CHUNKS = 4
+PER_PROMPT_BUCKET = 256
+
+
+def per_prompt_length(n: int) -> int:
+    """The length a per-prompt call of an n-token chunk runs at: n rounded up to PER_PROMPT_BUCKET."""
+    return -(-n // PER_PROMPT_BUCKET) * PER_PROMPT_BUCKET
 
 
 @dataclass

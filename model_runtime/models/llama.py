@@ -114,6 +114,17 @@ class Attention(nn.Module):
         # An FP8 cache's scale pages for this layer, [2, N, B, Hkv] bfloat16 (use_kv_scales); None else.
         self.kv_scale: torch.Tensor | None = None
 
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The qkv projection's rows [T, q_size + 2 kv_size] as q [T, Hq, D], k and v [T, Hkv, D]: views, whose
+        strides the attention kernels see (and cuDNN keys its plans by: ModelRunner warms them on these)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+        )
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -122,16 +133,9 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv(hidden)
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(
-            self.ops,
-            positions,
-            q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-        )
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.heads(self.qkv(hidden))
+        t = q.shape[0]
+        q, k = rope(self.ops, positions, q, k)
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale, self.kv_scale
         )

@@ -209,12 +209,13 @@ def test_packed_prefill_bf16_matches_reference(seq_lens: list[int], query_lens: 
 
 def test_a_step_with_every_group_of_chunks_matches_reference() -> None:
     """Decode tokens (rows not contiguous), a chunk over a cached prefix, two long fresh prompts (cuDNN one by
-    one, written into the step's rows) and a short fresh prompt between them (varlen over its own rows), as a
-    prefill worker's step mixes them: each group against the float32 reference."""
-    seq_lens, query_lens = [129, 700, 2048, 300, 5000, 1500], [1, 64, 2048, 300, 1, 1500]
+    one at bucketed lengths: the first reads on into the next chunk's rows, the last is copied and padded) and
+    a short fresh prompt between them (varlen over its own rows), as a prefill worker's step mixes them: each
+    group against the float32 reference, after the plans were built as start-up builds them."""
+    seq_lens, query_lens = [129, 700, 2000, 300, 5000, 1500], [1, 64, 2000, 300, 1, 1500]
     q, k, v, kc, vc, meta = paged_inputs(13, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16)
     plan = meta.mixed
-    assert plan is not None and plan.long_fresh is not None and plan.long_fresh.query_lens == [2048, 1500]
+    assert plan is not None and plan.long_fresh is not None and plan.long_fresh.query_lens == [2000, 1500]
     assert plan.fresh is not None and plan.cached is not None and plan.decode_rows is not None
     assert plan.decode_rows.index is not None, "the two decode rows are apart: an indexed write"
     ref_kc, ref_vc = kc.clone(), vc.clone()
@@ -222,6 +223,7 @@ def test_a_step_with_every_group_of_chunks_matches_reference() -> None:
         q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), meta, 0.088
     )
     backend = _triton()()
+    assert backend.prefill.warm_up(q, k, v, 2048) == 5, "lengths 1024, 1280, ..., 2048"
     out = backend.forward(q, k, v, kc, vc, meta, 0.088)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
