@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata, per_prompt_length
+from model_runtime.attention.base import (
+    PER_PROMPT_MIN_TOKENS,
+    AttentionBackend,
+    AttentionMetadata,
+    per_prompt_length,
+)
 from model_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from model_runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from model_runtime.fused.base import FusedOps
@@ -148,6 +153,7 @@ class ModelRunner:
         fp8_fast_accum: bool = False,
         prefill_graph_tokens: int = 0,
         max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         """`ops`: the fused elementwise kernels (model_runtime.fused); None is the torch reference.
         `tensor_parallel`: this runner is one rank of several (model_config and weights are the rank's
@@ -156,7 +162,8 @@ class ModelRunner:
         matmuls' accumulation (device.fp8_fast_accum). `prefill_graph_tokens`:
         the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none).
         `max_num_batched_tokens`: the scheduler's step budget, the longest prompt chunk a step can hold (the
-        per-prompt prefill attention's plans are built up to it at start-up).
+        per-prompt prefill attention's plans are built up to it at start-up). `on_phase`: told when that
+        start-up work begins (the engine's start-up progress).
 
         `kv_cache` is the cache's storage, shaped as KVLayout.cache_shape (what transports move); `kv_pages` is
         the model's view of it, [L, 2, N, B, Hkv, D]: the same tensor, or an FP8 cache's codes, whose scales
@@ -192,9 +199,11 @@ class ModelRunner:
         self.graphs = self._make_graphs(backend, progress) if use_graphs else None
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture(progress.prefill)
-        self._warm_prompt_attention(backend, max_num_batched_tokens)
+        self._warm_prompt_attention(backend, max_num_batched_tokens, on_phase)
 
-    def _warm_prompt_attention(self, backend: AttentionBackend, max_tokens: int) -> None:
+    def _warm_prompt_attention(
+        self, backend: AttentionBackend, max_tokens: int, on_phase: Callable[[str], None] | None
+    ) -> None:
         """Builds the per-prompt prefill attention's cuDNN plans for every length a step can call it at, on
         rows laid out as the model's (attention.packed_prefill): a plan built mid-run would hold up the step."""
         from model_runtime.attention.triton_backend import TritonAttention
@@ -206,6 +215,8 @@ class ModelRunner:
         attention = layer.attn
         dtype = self.model.embed_tokens.weight.dtype
         width = attention.q_size + 2 * attention.kv_size
+        if on_phase is not None and max_tokens >= PER_PROMPT_MIN_TOKENS:
+            on_phase("building the prefill attention's cuDNN plans")
         t0 = time.perf_counter()
         qkv = torch.zeros(per_prompt_length(max_tokens), width, dtype=dtype, device=self.device)
         built = backend.prefill.warm_up(*attention.heads(qkv), max_tokens)

@@ -94,6 +94,7 @@ def build_runner(
         fp8_fast_accum=config.device.fp8_fast_accum,
         prefill_graph_tokens=prefill_graph_tokens(config),
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        on_phase=progress.phase,
     )
     return RankRunner(runner, layout, max_model_len, tp)
 
