@@ -13,7 +13,8 @@ a Hopper computes it (fp8.emulate_scaled_mm: activations rounded per token).
 
 Measured (2026-11-29, torch 2.13 CPU), change of perplexity against float32 on tests/model/test_fp8_weights.TEXT
 (205 tokens) and tests/model/lighthouse.txt (890, windows of 480): float32 23.528 / 25.010; fp8 +2.80% / +3.70%;
-rotated fp8, three seeds, +9.4 to +16.2% / +7.8 to +9.5%; rotated, unquantized, -0.00% / -0.00%. Worse, by a
+rotated fp8, seeds 0, 1, 2: +9.02 / +13.03 / +12.91% and +6.79 / +7.43 / +9.21%; rotated, unquantized, -0.00% /
++0.00%. Worse, by a
 wide margin: e4m3's error is relative to each element, so a small weight or activation already gets a small
 error, and the rotation gives every element an error the size of its row's typical one. Folding the gains alone
 was worse too (+3.3-3.5%, docs/architecture.md). The way to the 1% stays finer scales (quantization:
