@@ -208,14 +208,14 @@ class ModelRunner:
         rows laid out as the model's (attention.packed_prefill): a plan built mid-run would hold up the step."""
         from model_runtime.attention.triton_backend import TritonAttention
 
-        if not (self._on_cuda and isinstance(backend, TritonAttention)):
+        if not (self._on_cuda and isinstance(backend, TritonAttention)) or max_tokens < PER_PROMPT_MIN_TOKENS:
             return
         layer = self.model.layers[0]
         assert isinstance(layer, DecoderLayer)
         attention = layer.attn
         dtype = self.model.embed_tokens.weight.dtype
         width = attention.q_size + 2 * attention.kv_size
-        if on_phase is not None and max_tokens >= PER_PROMPT_MIN_TOKENS:
+        if on_phase is not None:
             on_phase("building the prefill attention's cuDNN plans")
         t0 = time.perf_counter()
         qkv = torch.zeros(per_prompt_length(max_tokens), width, dtype=dtype, device=self.device)
