@@ -121,6 +121,11 @@ class PackedPrefill:
         if not (self.cudnn_usable and _use_flash(q)) or max_tokens < PER_PROMPT_MIN_TOKENS:
             return 0
         first, last = per_prompt_length(PER_PROMPT_MIN_TOKENS), per_prompt_length(max_tokens)
+        if min(x.shape[0] for x in (q, k, v)) < last:
+            raise ValueError(
+                f"PackedPrefill.warm_up: plans up to {last} rows need q, k, v of at least {last} rows, got "
+                f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+            )
         built = 0
         try:
             for n in range(first, last + 1, PER_PROMPT_BUCKET):

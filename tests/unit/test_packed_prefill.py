@@ -65,3 +65,45 @@ def test_rows_that_are_separate_tensors_are_copied_one_by_one() -> None:
     assert pq.shape == (16, HQ, D) and pk.shape == (16, HKV, D) and pq.is_contiguous()
     assert torch.equal(pk[:8], k[4:]) and not pk[8:].any()
     assert torch.allclose(_causal(pq, pk, pv)[:8], _causal(q[4:], k[4:], v[4:]), atol=1e-6)
+
+
+def test_per_prompt_calls_run_only_at_lengths_start_up_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-prompt path as a GPU runs it, with the cuDNN call replaced by the same causal attention on the CPU
+    (what is under test is which lengths it is called at and which rows it writes, not cuDNN): warm_up builds
+    every bucketed length up to the budget, a step's long prompts (one reading on into the next chunk's rows, one
+    copied at the end) call only those, and each prompt's rows come out as its own causal attention."""
+    from model_runtime.attention import packed_prefill
+    from model_runtime.attention.base import PER_PROMPT_MIN_TOKENS
+    from model_runtime.host_batch import mixed_plan
+
+    lengths: list[int] = []
+
+    def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        lengths.append(q.shape[0])
+        return _causal(q, k, v)
+
+    monkeypatch.setattr(packed_prefill, "_use_flash", lambda q: True)
+    monkeypatch.setattr(packed_prefill, "_cudnn_causal", causal)
+    long_a, short, long_b = PER_PROMPT_MIN_TOKENS + 76, 300, PER_PROMPT_MIN_TOKENS + 300
+    query_lens = [long_a, short, long_b]
+    budget = sum(query_lens)
+    prefill = packed_prefill.PackedPrefill()
+    with pytest.raises(ValueError, match="at least"):  # too few rows would build plans at other lengths
+        prefill.warm_up(*_step_rows(budget), budget)
+    built = prefill.warm_up(*_step_rows(per_prompt_length(budget)), budget)  # as ModelRunner sizes them
+    warmed = set(lengths)
+    assert built == len(warmed) and warmed == set(
+        range(per_prompt_length(PER_PROMPT_MIN_TOKENS), per_prompt_length(budget) + 1, PER_PROMPT_BUCKET)
+    )
+    lengths.clear()
+    q, k, v = _step_rows(budget, seed=3)  # the step: exactly its rows, so the last prompt is copied
+    tables = torch.ones(3, budget // 16 + 2, dtype=torch.int32).numpy()
+    plan = mixed_plan(query_lens, torch.tensor(query_lens).numpy(), tables, 16).to_device("cpu")
+    assert plan.long_fresh is not None and plan.long_fresh.query_lens == [long_a, long_b]
+    out = torch.full_like(q, float("nan"))
+    assert prefill.per_prompt(q, k, v, plan.long_fresh, 1.0, out)
+    assert lengths == [per_prompt_length(long_a), per_prompt_length(long_b)] and set(lengths) <= warmed
+    b0 = long_a + short
+    assert torch.allclose(out[:long_a], _causal(q[:long_a], k[:long_a], v[:long_a]), atol=1e-5)
+    assert torch.allclose(out[b0:], _causal(q[b0:], k[b0:], v[b0:]), atol=1e-5)
+    assert out[long_a:b0].isnan().all(), "the short prompt's rows are the varlen call's, left alone here"
