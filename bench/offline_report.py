@@ -65,3 +65,20 @@ def print_decode_split(rows: list[dict]) -> None:
         if VARIANTS[r["variant"]].ahead:
             cells[2:4] = ["-", "-"]  # overlapped with the GPU: not split
         print(f"{r['variant']:>12} {r['shape']:>10} {r['batch']:>6} " + " ".join(f"{c:>8}" for c in cells))
+    print_prompt_split(rows)
+
+
+def print_prompt_split(rows: list[dict]) -> None:
+    """Steps with prompt chunks: wall per step against the GPU span of those that sampled (GPU runs only)."""
+    timed = [r for r in rows if r["steps"].get("prefill_timed_steps") and r["steps"]["prefill_steps"]]
+    if not timed:
+        return
+    print("steps with prompt chunks, ms per step: wall of all; GPU and idle of those that sampled (timed)")
+    head = ("steps", "timed", "wall", "gpu", "idle")
+    print(f"{'variant':>12} {'shape':>10} " + " ".join(f"{h:>8}" for h in head))
+    for r in timed:
+        s = r["steps"]
+        n, k = s["prefill_steps"], s["prefill_timed_steps"]
+        cells = [str(n), str(k), f"{1e3 * s['prefill_s'] / n:.2f}"]
+        cells += [f"{1e3 * s[key] / k:.2f}" for key in ("prefill_gpu_s", "prefill_gpu_idle_s")]
+        print(f"{r['variant']:>12} {r['shape']:>10} " + " ".join(f"{c:>8}" for c in cells))

@@ -24,7 +24,10 @@ class StepSplit:
     adds up the GPU's idle time right before each decode launch (from the previous launch's sampler to this
     launch's start), which is what the host cost a step with its steps scheduled ahead; the `decode_wall_*`
     fields are the median, 90th percentile and longest decode step (filled by StepProbe.close), which tell an
-    even cost per step from a few long ones."""
+    even cost per step from a few long ones. Steps with prompt chunks get the same GPU span and idle time
+    (`prefill_gpu_s`, `prefill_gpu_idle_s`) for those that sampled (`prefill_timed_steps`: a step whose every
+    chunk is part of a longer prompt runs no sampler to end its span), so a prompt step that waits on the host
+    shows as wall time above its GPU time."""
 
     prefill_steps: int = 0
     prefill_s: float = 0.0
@@ -39,6 +42,9 @@ class StepSplit:
     decode_wall_max_s: float = 0.0
     peak_running: int = 0
     preempted: int = 0
+    prefill_timed_steps: int = 0
+    prefill_gpu_s: float = 0.0
+    prefill_gpu_idle_s: float = 0.0
 
 
 @dataclass
@@ -109,19 +115,25 @@ class StepProbe:
         setattr(engine.scheduler, "advance", timed_advance)  # noqa: B010
 
     def _read_events(self, wait: bool) -> None:
-        """Adds the GPU time (and the idle time before it) of every decode launch that has completed, in launch
+        """Adds the GPU time (and the idle time before it) of every launch that has completed, by kind, in launch
         order, up to the first one still running (all of them if `wait`)."""
-        done = 0
+        done, s = 0, self.split
         for start, end, decode in self._timed:
             if end is not None:
                 if wait:
                     end.synchronize()
                 elif not end.query():
                     break
-            if decode and end is not None:
-                self.split.decode_gpu_s += start.elapsed_time(end) / 1e3
+            if end is not None:
+                gpu = start.elapsed_time(end) / 1e3
+                idle = 0.0
                 if self._previous_end is not None:
-                    self.split.decode_gpu_idle_s += max(0.0, self._previous_end.elapsed_time(start) / 1e3)
+                    idle = max(0.0, self._previous_end.elapsed_time(start) / 1e3)
+                if decode:
+                    s.decode_gpu_s, s.decode_gpu_idle_s = s.decode_gpu_s + gpu, s.decode_gpu_idle_s + idle
+                else:
+                    s.prefill_gpu_s, s.prefill_gpu_idle_s = s.prefill_gpu_s + gpu, s.prefill_gpu_idle_s + idle
+                    s.prefill_timed_steps += 1
             self._previous_end = end
             done += 1
         del self._timed[:done]
@@ -142,6 +154,9 @@ class StepProbe:
         s.preempted += record.num_preempted
         if record.num_prefill:
             s.prefill_steps, s.prefill_s = s.prefill_steps + 1, s.prefill_s + seconds
+            if not self._cuda and not self.ahead and {"launch", "sampled"} <= marks.keys():
+                s.prefill_gpu_s += marks["sampled"] - marks["launch"]
+                s.prefill_timed_steps += 1
         else:
             s.decode_steps, s.decode_s = s.decode_steps + 1, s.decode_s + seconds
             self._decode_walls.append(seconds)

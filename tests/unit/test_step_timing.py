@@ -80,7 +80,8 @@ class _ClockEvent:
 @pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "ahead"])
 def test_the_probe_times_each_launch_as_the_step_its_record_came_back_with(tiny_model, monkeypatch, ahead):
     """The GPU path, with events on the CPU's clock: every launch is queued and classified by the record of the
-    step() that returns it (ahead, one step() later); only decode steps add GPU time, and none is left over."""
+    step() that returns it (ahead, one step() later); each kind's GPU time is its own launches', and none is
+    left over."""
     monkeypatch.setattr(step_probe.torch.cuda, "Event", _ClockEvent)
     scheduler = SchedulerConfig(8, 64, max_model_len=64, async_scheduling=ahead)
     engine = build_engine(tiny_model, RunDevice.for_mode(smoke=True), scheduler, 0.9)
@@ -104,6 +105,9 @@ def test_the_probe_times_each_launch_as_the_step_its_record_came_back_with(tiny_
         steps.append((kind, probe.split.decode_gpu_s > before))
     probe.close()
     assert steps == [("prefill", False)] + [("decode", True)] * 4  # one prompt step, then 4 decode steps
+    # The prompt step's own span, apart from the decodes': its 1 s, counted once (synchronous, within its wall).
+    assert probe.split.prefill_timed_steps == 1 and probe.split.prefill_gpu_s >= 1.0
+    assert ahead or probe.split.prefill_gpu_s <= probe.split.prefill_s
     # Each decode step's own launch, not the prompt's: a pairing off by one would count the 1 s. (The bound leaves
     # the four tiny decode launches room on a loaded box: at 0.2 s and 0.15 it failed there once.)
     assert probe.split.decode_steps == 4 and 0 < probe.split.decode_gpu_s < 1.0
