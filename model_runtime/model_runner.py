@@ -162,7 +162,8 @@ class ModelRunner:
         matmuls' accumulation (device.fp8_fast_accum). `prefill_graph_tokens`:
         the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none).
         `max_num_batched_tokens`: the scheduler's step budget, the longest prompt chunk a step can hold (the
-        per-prompt prefill attention's plans are built up to it at start-up). `on_phase`: told when that
+        per-prompt prefill attention's plans are built up to it, or up to max_model_len if that is shorter, at
+        start-up). `on_phase`: told when that
         start-up work begins (the engine's start-up progress).
 
         `kv_cache` is the cache's storage, shaped as KVLayout.cache_shape (what transports move); `kv_pages` is
@@ -199,7 +200,8 @@ class ModelRunner:
         self.graphs = self._make_graphs(backend, progress) if use_graphs else None
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture(progress.prefill)
-        self._warm_prompt_attention(backend, max_num_batched_tokens, on_phase)
+        # No chunk is longer than the step budget, nor than a sequence may be.
+        self._warm_prompt_attention(backend, min(max_num_batched_tokens, max_model_len), on_phase)
 
     def _warm_prompt_attention(
         self, backend: AttentionBackend, max_tokens: int, on_phase: Callable[[str], None] | None
