@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,17 +110,22 @@ class MixedPlan:
     num_rows: int
     covered: bool
 
-    @property
-    def prefill_groups(self) -> list[PrefillGroup]:
-        return [g for g in (self.long_fresh, self.fresh, self.cached) if g is not None]
+    _sole: PrefillGroup | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        groups = [g for g in (self.long_fresh, self.fresh, self.cached) if g is not None]
+        whole = len(groups) == 1 and self.decode_rows is None and self.covered
+        rows = groups[0].rows if whole else None
+        self._sole = (
+            groups[0]
+            if rows is not None and rows.index is None and (rows.start, rows.stop) == (0, self.num_rows)
+            else None
+        )
 
     def sole_group(self) -> PrefillGroup | None:
-        """The one prefill group that computes every row of the step, in order (its output is the step's)."""
-        groups = self.prefill_groups
-        if len(groups) != 1 or self.decode_rows is not None or not self.covered:
-            return None
-        rows = groups[0].rows
-        return groups[0] if rows.index is None and (rows.start, rows.stop) == (0, self.num_rows) else None
+        """The one prefill group that computes every row of the step, in order (its output is the step's);
+        found once per step, when the plan is built, not in every layer."""
+        return self._sole
 
 
 @dataclass
