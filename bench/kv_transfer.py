@@ -25,6 +25,7 @@ it; its times mean nothing).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -59,6 +60,7 @@ from bench.kv_common import (  # noqa: E402
 )
 from bench.kv_raw import close_raw, raw_times  # noqa: E402
 from kv_transfer import FirstToken, KVReceiver, KVSender, cuda_ipc, slicing  # noqa: E402
+from kv_transfer.config import TransferConfig  # noqa: E402
 from model_runtime.kv_layout import KVLayout  # noqa: E402
 from tandem_api.tandem.v1 import kv_pb2  # noqa: E402
 
@@ -83,6 +85,14 @@ def apply_variant(label: str) -> tuple[str, str]:
     return base, variant
 
 
+def side_config(label: str) -> TransferConfig:
+    """A side's TransferConfig for a transport label: "cuda_ipc+noarm" turns doorbells off (the receiver then
+    queues each copy when the frames arrive, as before them); cuda_ipc leases are armed otherwise."""
+    base, variant = apply_variant(label)
+    config = transfer_config(base)
+    return dataclasses.replace(config, doorbell_slots=0) if variant == "noarm" else config
+
+
 # --- messages between the driver and the two processes (multiprocessing pipes on one host) ----------------
 # Besides bench/child_procs.py's Ready and Failed. A raw baseline's command is bench/kv_raw.py's tuple ("raw",
 # kind, bytes, runs, port); its reply a list of seconds.
@@ -102,6 +112,7 @@ class Handoffs:
     seconds: list[float]
     phases: list[dict[str, float]]
     moments: list[float]
+    armed: list[bool] = dataclasses.field(default_factory=list)  # decode side: landed through a doorbell
 
 
 # --- the decode process (receiver) ----------------------------------------------------------------------
@@ -127,7 +138,7 @@ class DecodeProcess:
         if self.receiver is None or self.transport != cmd.transport:
             if self.receiver is not None:
                 self.receiver.close()
-            config = transfer_config(apply_variant(cmd.transport)[0])
+            config = side_config(cmd.transport)
             self.receiver = KVReceiver(
                 self.layout, self.cache, self.alloc, config, on_result=self.landing.put
             )
@@ -137,12 +148,13 @@ class DecodeProcess:
     def handoffs(self, receiver: KVReceiver, job: HandoffJob) -> Handoffs:
         """Reserve -> KVTarget to the prefill process -> landed, job.runs times; every rep's blocks checked
         against the checksum the prefill process sends first."""
-        expected = recv_within(self.peer, self.wait_s, "source checksum from the prefill process")
+        expected, sender_id = recv_within(self.peer, self.wait_s, "source checksum from the prefill process")
         out = Handoffs([], [], [])
         for rep in range(job.runs):
             self.landing.event.clear()
             start = time.perf_counter()
-            lease = receiver.reserve(f"bench-{job.tokens}", job.tokens)
+            # Naming the sender lets a warm cuda_ipc pair arm the lease (a decode worker learns it from the router).
+            lease = receiver.reserve(f"bench-{job.tokens}", job.tokens, sender=sender_id)
             self.peer.send(receiver.target(lease).SerializeToString())
             result = self.landing.result if self.landing.event.wait(self.wait_s) else None
             if result is None or not result.ok:
@@ -150,6 +162,7 @@ class DecodeProcess:
             out.seconds.append(time.perf_counter() - start)
             out.moments.append(self.landing.landed_at)
             out.phases.append(result.phases)
+            out.armed.append(result.armed)
             ids = list(lease.block_ids)
             check_landed(self.cache, ids, expected, f"{job.transport} at {job.tokens} tokens, rep {rep}")
             self.alloc.free(ids)  # the blocks are ours after landing; hand them back for the next rep
@@ -187,7 +200,7 @@ class PrefillProcess:
         if self.sender is None or self.transport != cmd.transport:
             if self.sender is not None:
                 self.sender.close()
-            self.sender = KVSender(self.layout, self.cache, transfer_config(apply_variant(cmd.transport)[0]))
+            self.sender = KVSender(self.layout, self.cache, side_config(cmd.transport))
             self.transport = cmd.transport
         conn.send(self.handoffs(self.sender, cmd.tokens))
 
@@ -195,7 +208,7 @@ class PrefillProcess:
         """The source blocks' checksum to the decode process, then serve its KVTargets until it says stop."""
         n = self.layout.blocks_for_tokens(tokens)
         ids = random.Random(tokens).sample(range(1, self.layout.num_blocks), n)
-        self.peer.send(kv_checksum(self.cache, ids))
+        self.peer.send((kv_checksum(self.cache, ids), sender.instance_id))
         out = Handoffs([], [], [])
         while target := recv_within(self.peer, self.wait_s, "KVTarget from the decode process"):
             if self.fault:
@@ -263,12 +276,14 @@ def run_handoffs(args, kind: str, layout: KVLayout, sides: list[Child], gpus: in
         doc["rows"].append(dict(transport=kind, tokens=tokens, bytes=nbytes, handoff_s=handoff,
                                 handoff_gbps=handoff_gbps, send_to_ack_s=send, send_to_ack_gbps=send_gbps,
                                 send_to_landed_s=landed_s, send_to_landed_gbps=landed_gbps, checksum_ok=True,
-                                phases_s=phases, cold_handoff_s=decode.seconds[0]))  # fmt: skip
+                                phases_s=phases, cold_handoff_s=decode.seconds[0],
+                                armed=sum(decode.armed[args.warmup :])))  # fmt: skip
         write()
         spent = " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases["sender"].items())
         print(
             f"{kind:8s} {tokens:6d} tokens: handoff {handoff * 1e3:8.2f} ms {handoff_gbps:7.1f} GB/s, send->landed "
-            f"{landed_s * 1e3:.2f} ms {landed_gbps:.1f} GB/s (first {decode.seconds[0] * 1e3:.1f} ms); "
+            f"{landed_s * 1e3:.2f} ms {landed_gbps:.1f} GB/s (first {decode.seconds[0] * 1e3:.1f} ms; armed "
+            f"{sum(decode.armed[args.warmup :])} of {len(decode.armed) - args.warmup}); "
             f"sender ms: {spent}",
             flush=True,
         )

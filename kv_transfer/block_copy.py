@@ -13,7 +13,9 @@ and, for cuda_ipc, a copy-engine call per run of consecutive blocks: with the se
 the SMs read the peer's memory over NVLink directly into our blocks, scattered ids and all, with no staging.
 
 `src` and `dst` are tensors, or `DevicePointer`s for memory torch does not own (a peer's mapped cache); dims
-0-2 are (layer, K|V, block), dim 3 the block's rows (tokens), and the rest contiguous within a row. Block ids are int64 tensors on the device.
+0-2 are (layer, K|V, block), dim 3 the block's rows (tokens), and the rest contiguous within a row. Block ids are
+int64 tensors on the device, or int32 or int64 `DevicePointer`s (a doorbell slot's, in pinned host memory); a
+source id outside [0, src blocks) is clamped into it, so a copy never reads outside `src`.
 
 Over NVLink the kernel pulls 347-372 GB/s between two H200s (bench/block_copy.py), 91-95% of what the copy
 engines move for one contiguous buffer of the same size. A CUDA C version of it, launched through
@@ -108,13 +110,14 @@ def _kernel() -> Any:
     # 16) and would each make another variant to compile and load; they do not change the copy's code. The cache
     # pointers, strides and chunk size (one per layout) stay specialized: their 16-element alignment is what
     # lets the copy use wide loads. warm() loads the variants a pair uses before any NCCL call is pending.
-    @triton.jit(do_not_specialize=["src_ids", "dst_ids", "num_blocks"])
+    @triton.jit(do_not_specialize=["src_ids", "dst_ids", "num_blocks", "src_limit"])
     def copy_blocks_kernel(
         src,
         dst,
         src_ids,
         dst_ids,
         num_blocks,
+        src_limit,
         src_s0,
         src_s1,
         src_s2,
@@ -133,7 +136,8 @@ def _kernel() -> Any:
         i = pid % num_blocks
         layer = (plane // 2).to(tl.int64)
         kv = (plane % 2).to(tl.int64)
-        s = tl.load(src_ids + i).to(tl.int64)
+        # Never read outside src, whatever the ids say (a doorbell slot's ids come from the peer's host).
+        s = tl.minimum(tl.maximum(tl.load(src_ids + i).to(tl.int64), 0), src_limit - 1)
         d = tl.load(dst_ids + i).to(tl.int64)
         src_base = src + layer * src_s0 + kv * src_s1 + s * src_s2
         dst_base = dst + layer * dst_s0 + kv * dst_s1 + d * dst_s2
@@ -178,8 +182,10 @@ def copy_blocks(
     step = min(CHUNK_ELEMENTS, _pow2(row_len))
     tile_rows = min(_pow2(rows), max(1, TILE_ELEMENTS // step))
     grid = layers * 2 * num
+    src_limit = int(src.shape[2])
     args = (
-        src, dst, src_ids, dst_ids, num, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], rows, row_len, src_rs, dst_rs,
+        src, dst, src_ids, dst_ids, num, src_limit, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2], rows, row_len,
+        src_rs, dst_rs,
     )  # fmt: skip
     if ops is None or stream is None or not ops.raw:
         _COMPILED[0][(grid,)](*args, STEP=step, ROWS=tile_rows)

@@ -86,6 +86,11 @@ class TransferConfig:
         connection, NCCL communicator and staging ring (192 MiB of GPU memory per lane and side, made when
         first needed). With one lane, a prompt whose KV is ready waits for the previous prompt's transfer
         to the same decode worker, which with layer groups holds the lane for the whole last prefill step.
+    doorbell_slots: cuda_ipc: leases a receiver may hold armed at once per sender (kv_transfer.doorbell: the
+        copies queued on the receiver's GPU at reservation, started by the sender's GPU); 0 turns doorbells off.
+        Only a reservation that names its sender is armed.
+    doorbell_capacity: the most blocks an armed lease may have (longer prompts go unarmed); the page of a pair
+        takes doorbell_slots * doorbell_capacity * 8 bytes of pinned host memory on each side.
     """
 
     kinds: tuple[str, ...] = ()
@@ -104,6 +109,8 @@ class TransferConfig:
     idle_timeout_s: float = 300.0
     layer_groups: int = 4
     nccl_lanes: int = 2
+    doorbell_slots: int = 16
+    doorbell_capacity: int = 2048
 
     def __post_init__(self) -> None:
         self._resolve_kinds()
@@ -127,6 +134,8 @@ class TransferConfig:
         _check_int("max_connections", self.max_connections, 1, 65536)
         _check_int("max_inflight_sends", self.max_inflight_sends, 1, 4096)
         _check_int("layer_groups", self.layer_groups, 0, 1024)
+        _check_int("doorbell_slots", self.doorbell_slots, 0, 1024)
+        _check_int("doorbell_capacity", self.doorbell_capacity, 1, 2**20)
         _check_int("nccl_lanes", self.nccl_lanes, 1, MAX_LANES)
 
     def _resolve_kinds(self) -> None:

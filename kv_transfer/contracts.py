@@ -135,6 +135,7 @@ class TransferResult:
     # (KVDone -> every write complete); and, within stream, this thread's "read" (blocked reading frames),
     # "post" (queueing the parts' GPU work) and "stream_cpu" (its CPU time)
     phases: dict[str, float] = field(default_factory=dict)
+    armed: bool = False  # landed through a doorbell (kv_transfer.doorbell): copies queued at reservation
 
     @property
     def request_id(self) -> str:

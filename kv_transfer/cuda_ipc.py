@@ -18,8 +18,10 @@ run; rows repeat every K|V plane:
     cache[l, kv, b] starts at base + l*S0 + kv*S1 + b*S2   (S = byte strides of KVLayout.cache_shape)
     copy run (s..s+k) -> (d..d+k): width k*S2, height 2*(l1-l0), pitches S1 (sender) and S1' (receiver)
 
-The sender's `ready` event is waited on the host before KVPart goes out, since the receiver copies as soon as it
-reads it. The receiver queues each part's copies as its frame arrives and waits once, at KVDone, for the last. Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as
+Doorbells (kv_transfer.doorbell): a receiver reserving for a sender it is paired with may arm the lease, queueing
+its copies on its GPU behind a slot of the pair's doorbell page; that sender then rings the slot from its GPU
+as each layer group is ready and never waits on the host. Without a doorbell: the sender's `ready` event is
+waited on the host before KVPart goes out, since the receiver copies as soon as it reads it. The receiver queues each part's copies as its frame arrives and waits once, at KVDone, for the last. Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as
 long as the prefill worker); a mapping stays open until the receiver closes.
 """
 
@@ -35,15 +37,18 @@ from typing import Any
 
 import torch
 
+from kv_transfer import doorbell
 from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import CopyClock, bind_device, require_cuda, wait_event
+from kv_transfer.doorbell import Armed, Geometry, Page, PinnedPage, SlotTable
 from kv_transfer.frames import FrameConnection, Watch, expect
 from kv_transfer.gpu_ops import IdsPool, gpu_ops, transfer_stream
 from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, SenderTransport, part_frame
 from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
+from model_runtime.layer_stream import group_ends
 from tandem_api.tandem.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,14 @@ def block_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, in
     return runs
 
 
+@dataclass
+class _SenderBell:
+    """A receiver's doorbell page as its sender holds it: pinned for our GPU, rung from our own stream."""
+
+    page: PinnedPage
+    stream: Any
+
+
 class IpcSenderTransport(SenderTransport):
     def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
         self._device = require_cuda(cache, "cuda_ipc")
@@ -100,6 +113,8 @@ class IpcSenderTransport(SenderTransport):
         self._cache = cache
         self._export: kv_pb2.KVIpcExport | None = None
         self._lock = threading.Lock()
+        self._bells: dict[bytes, _SenderBell] = {}
+        self._ops = gpu_ops()
 
     def ensure_pair(
         self, peer_id: bytes, peer_ready: bool, conn: FrameConnection, watch: Watch, since: float
@@ -108,7 +123,57 @@ class IpcSenderTransport(SenderTransport):
             return
         setup = kv_pb2.KVPairSetup(cuda_ipc=self._exported())
         conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
-        expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
+        ack = expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
+        if ack.pair_setup_ack.HasField("doorbell"):
+            self._open_bell(peer_id, ack.pair_setup_ack.doorbell)
+
+    def _open_bell(self, peer_id: bytes, message: kv_pb2.KVDoorbell) -> None:
+        """Pin the receiver's doorbell page; without it (no driver support, a page we cannot open) this pair's
+        armed targets are sent as unarmed ones."""
+        ops = doorbell.mem_ops()
+        if ops is None or not self._ops.raw:
+            return
+        page = None
+        try:
+            bind_device(self._device)
+            page = Page.open(message.shm_name, Geometry(message.slots, message.capacity))
+            bell = _SenderBell(PinnedPage(page, ops), ops.new_stream(self._device))
+        except (OSError, ValueError, TransferFailed) as exc:
+            if page is not None:
+                page.close()
+            log.warning("KV doorbell of a cuda_ipc pair not usable, sending unarmed: %s", exc)
+            return
+        with self._lock:
+            old = self._bells.pop(peer_id, None)
+            self._bells[peer_id] = bell
+        if old is not None:
+            old.page.close()
+
+    def honor(self, peer_id: bytes, armed: kv_pb2.KVArmed, block_ids: tuple[int, ...]) -> int:
+        """Write our block ids into the armed slot of this pair's page: the generation the transfer then rings,
+        or 0 when it cannot (no page for this pair, a slot or id count out of its range)."""
+        with self._lock:
+            bell = self._bells.get(peer_id)
+        if bell is None or armed.generation < 1 or armed.generation > doorbell.MAX_GENERATION:
+            return 0
+        geometry = bell.page.page.geometry
+        if armed.slot >= geometry.slots or len(block_ids) > geometry.capacity:
+            return 0
+        bell.page.page.write_ids(geometry.src(armed.slot), block_ids)
+        return armed.generation
+
+    def ring(self, peer_id: bytes, slot: int, generation: int, layer_end: int, ready: Any) -> None:
+        """Ring the slot from our GPU once layers [0, layer_end) are written (behind `ready`, a CUDA event, or
+        at once for None): no host wait."""
+        with self._lock:
+            bell = self._bells.get(peer_id)
+        ops = doorbell.mem_ops()
+        if bell is None or ops is None:
+            raise TransferFailed(FailureReason.INTERNAL, "an armed transfer lost its doorbell")
+        if ready is not None:
+            self._ops.wait(bell.stream, ready)
+        address = bell.page.address(bell.page.page.geometry.bell(slot))
+        ops.write(bell.stream.cuda_stream, address, doorbell.bell_value(generation, layer_end))
 
     def _exported(self) -> kv_pb2.KVIpcExport:
         with self._lock:
@@ -128,8 +193,20 @@ class IpcSenderTransport(SenderTransport):
                 )
             return self._export
 
+    def close(self) -> None:
+        ops = doorbell.mem_ops()
+        with self._lock:
+            bells, self._bells = list(self._bells.values()), {}
+        for bell in bells:  # rings still queued write into the page: let them land first
+            bell.stream.synchronize()
+            if ops is not None:
+                ops.destroy_stream(bell.stream)
+            bell.page.close()
+
     def send_part(self, job: PartJob) -> None:
-        if job.ready is not None and not job.ready.query():
+        if job.armed is not None:
+            pass  # the caller's thread rang the receiver's doorbell (SendHandle.send_layers): no wait here
+        elif job.ready is not None and not job.ready.query():
             # The earlier parts' frames go out before this thread blocks: the receiver copies them meanwhile.
             # (Deferred past the wait, a prompt's groups would all reach it after its forward pass.)
             job.conn.flush(job.watch)
@@ -176,6 +253,10 @@ class IpcReceiverTransport(ReceiverTransport):
         self._setup_lock = threading.Lock()
         self._mappings: dict[bytes, _Mapping] = {}
         self._retired: list[_Mapping] = []
+        self._doorbell = (config.doorbell_slots, config.doorbell_capacity)
+        self._group_ends = group_ends(layout.num_layers, max(1, config.layer_groups))
+        self._bells: dict[bytes, _ReceiverBell] = {}
+        self._outstanding: dict[tuple[bytes, int], Armed] = {}  # armed and not yet landed or released
 
     def pair_ready(self, peer_id: bytes) -> bool:
         with self._lock:
@@ -200,7 +281,119 @@ class IpcReceiverTransport(ReceiverTransport):
                     self._mappings[peer_id] = mapping
                     if old is not None:  # a copy may still use it: close it with the receiver, not now
                         self._retired.append(old)
-        conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck()), watch)
+            with self._lock:
+                bell = self._bells.get(peer_id)
+            if bell is None:
+                bell = self._new_bell(peer_id)
+        ack = kv_pb2.KVPairSetupAck()
+        if bell is not None:
+            geometry = bell.page.page.geometry
+            ack.doorbell.CopyFrom(
+                kv_pb2.KVDoorbell(
+                    shm_name=bell.page.page.name, slots=geometry.slots, capacity=geometry.capacity
+                )
+            )
+        conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=ack), watch)
+
+    # --- doorbells (kv_transfer.doorbell) ---------------------------------------------------------------
+    def _new_bell(self, peer_id: bytes) -> _ReceiverBell | None:
+        """This pair's doorbell page, its slots' streams, and the copy kernel loaded (its first launch must not
+        come after an armed wait: kv_transfer.doorbell); None when doorbells are off or cannot work here."""
+        slots, capacity = self._doorbell
+        ops = doorbell.mem_ops()
+        if slots == 0 or ops is None or not self._ops.raw:
+            return None
+        page = pinned = None
+        streams: list[Any] = []
+        try:
+            bind_device(self._device)
+            page = Page.create(Geometry(slots, capacity))
+            pinned = PinnedPage(page, ops)
+            streams = [ops.new_stream(self._device) for _ in range(slots)]
+            with self._lock:
+                mapping = self._mappings[peer_id]
+            geometry = page.geometry
+            with torch.cuda.stream(streams[0]):  # block 0 (padding only) onto our block 0
+                copy_blocks(
+                    mapping.source.layers(0, 1),
+                    self._cache_ptr.layers(0, 1),
+                    pinned.ids_pointer(geometry.src(0), 1),
+                    pinned.ids_pointer(geometry.dst(0), 1),
+                    self._ops,
+                    streams[0],
+                )
+            streams[0].synchronize()
+        except (OSError, ValueError, TransferFailed) as exc:
+            for stream in streams:
+                ops.destroy_stream(stream)
+            if pinned is not None:
+                pinned.close()
+            elif page is not None:
+                page.close()
+            log.warning("KV doorbell for a cuda_ipc pair not set up, leases go unarmed: %s", exc)
+            return None
+        bell = _ReceiverBell(pinned, SlotTable(slots), streams)
+        with self._lock:
+            self._bells[peer_id] = bell
+        return bell
+
+    def arm(self, peer_id: bytes, block_ids: tuple[int, ...], num_bytes: int) -> Armed | None:
+        """Queue a lease's copies behind a free slot of this pair's doorbell; None when the pair has no
+        doorbell, no free slot, or the lease is longer than a slot holds (the lease then goes unarmed)."""
+        with self._lock:
+            bell, mapping = self._bells.get(peer_id), self._mappings.get(peer_id)
+        ops = doorbell.mem_ops()
+        if bell is None or mapping is None or ops is None:
+            return None
+        geometry, n = bell.page.page.geometry, len(block_ids)
+        if not 0 < n <= geometry.capacity or (taken := bell.slots.take()) is None:
+            return None
+        slot, generation = taken
+        page, stream = bell.page.page, bell.streams[slot]
+        page.write_ids(geometry.dst(slot), block_ids)
+        page.write_ids(geometry.src(slot), [0] * n)  # until the sender writes its own: block 0, padding
+        src_ids = bell.page.ids_pointer(geometry.src(slot), n)
+        dst_ids = bell.page.ids_pointer(geometry.dst(slot), n)
+
+        def copy(begin: int, end: int) -> None:
+            copy_blocks(
+                mapping.source.layers(begin, end),
+                self._cache_ptr.layers(begin, end),
+                src_ids,
+                dst_ids,
+                self._ops,
+                stream,
+            )
+
+        armed = Armed(peer_id, slot, generation, n, num_bytes, bell.page, bell.slots, stream)
+        bind_device(self._device)
+        try:
+            with torch.cuda.stream(stream):
+                doorbell.queue_chain(ops, bell.page, stream, slot, generation, self._group_ends, copy)
+        except Exception as exc:  # a part of the chain may be queued: end it, and never use the slot again
+            page.words[geometry.bell(slot)] = doorbell.bell_value(generation, doorbell.ALL_LAYERS)
+            stream.synchronize()
+            bell.slots.put(slot, reusable=False)
+            log.warning("arming a KV lease failed, it goes unarmed: %s: %s", type(exc).__name__, exc)
+            return None
+        with self._lock:
+            self._outstanding[(peer_id, slot)] = armed
+        return armed
+
+    def release(self, armed: Armed, reusable: bool) -> bool:
+        """End an armed lease's chain and wait for its copies (kv_transfer.doorbell.release); the slot is armed
+        again only if `reusable` (its sender can no longer write into it). False: the copies did not end."""
+        ended = doorbell.release(armed)
+        self._settle(armed, reusable and ended)
+        return ended
+
+    def _settle(self, armed: Armed, reusable: bool) -> None:
+        with self._lock:
+            self._outstanding.pop((armed.peer_id, armed.slot), None)
+        armed.slots.put(armed.slot, reusable)
+
+    def armed_sink(self, armed: Armed) -> PartSink:
+        return _ArmedSink(self, armed)
 
     def _open(self, export: kv_pb2.KVIpcExport) -> _Mapping:
         try:
@@ -227,6 +420,17 @@ class IpcReceiverTransport(ReceiverTransport):
 
     def sink(self, peer_id: bytes) -> PartSink:
         return _IpcSink(self, peer_id)
+
+    def check_source_ids(self, peer_id: bytes, block_ids: tuple[int, ...]) -> None:
+        """The sender's block ids must lie in its cache (the copy kernel clamps them anyway)."""
+        with self._lock:
+            mapping = self._mappings.get(peer_id)
+        if mapping is None:
+            raise TransferFailed(FailureReason.PAIR_SETUP_FAILED, "no mapped cache for this sender")
+        try:
+            mapping.remote.check_block_ids(block_ids, "src block id")
+        except ValueError as exc:
+            raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
 
     def drain_sink(self, peer_id: bytes) -> PartSink | None:
         return _IpcDrain()  # the receiver pulls: a refused transfer has sent no data to take in
@@ -308,6 +512,19 @@ class IpcReceiverTransport(ReceiverTransport):
             )
 
     def close(self) -> None:
+        with self._lock:
+            outstanding = list(self._outstanding.values())
+        for armed in outstanding:  # no armed wait may outlive its page
+            self.release(armed, reusable=False)
+        ops = doorbell.mem_ops()
+        with self._lock:
+            bells, self._bells = list(self._bells.values()), {}
+        for bell in bells:
+            for stream in bell.streams:
+                stream.synchronize()
+                if ops is not None:
+                    ops.destroy_stream(stream)
+            bell.page.close()
         runtime = _runtime()
         with self._lock:
             mappings = [*self._mappings.values(), *self._retired]
@@ -348,6 +565,33 @@ class _IpcSink(PartSink):
         self._t._stream.synchronize()  # local copies always finish: no write pending on return
         copies, self._copies = self._copies, []
         self._t._done(copies, learn=False)
+
+
+@dataclass
+class _ReceiverBell:
+    page: PinnedPage
+    slots: SlotTable
+    streams: list[Any]  # one per slot, each the driver's own (kv_transfer.doorbell)
+
+
+class _ArmedSink(PartSink):
+    """An armed lease's transfer: its copies were queued at reservation and run as the sender rings; the parts'
+    frames only account for the layers (the session checks that every layer was announced)."""
+
+    def __init__(self, transport: IpcReceiverTransport, armed: Armed) -> None:
+        self._t, self._armed = transport, armed
+
+    def part(self, job: PartJob) -> None:
+        pass
+
+    def finish(self, watch: Watch, conn: FrameConnection) -> None:
+        doorbell.wait_landed(self._armed, watch)
+        self._t._settle(self._armed, reusable=True)
+
+    def abandon(self) -> None:
+        # The sender claimed the lease, so it wrote its ids before KVBegin: the slot may be armed again.
+        if not self._t.release(self._armed, reusable=True):
+            raise TransferFailed(FailureReason.INTERNAL, "an armed KV copy did not end")
 
 
 class _IpcDrain(PartSink):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import secrets
 import threading
 import time
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 from kv_transfer.contracts import Allocate, BlockAllocator, FailureReason, Lease, NoRoom, TransferFailed
 from model_runtime.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 HANDLE_BYTES = 16
 RETIRED_CAPACITY = 16384
@@ -68,10 +71,15 @@ class LeaseTable:
         allocator: BlockAllocator,
         on_failed: FailedCallback,
         clock: Callable[[], float] = time.monotonic,
+        before_free: Callable[[Lease], bool] | None = None,
     ) -> None:
+        """before_free(lease): called before a failed lease's blocks go back to the allocator, once nothing
+        may write into them any more but what the receiver itself queued (an armed doorbell chain); False
+        keeps the blocks out of the allocator for good (a write could not be ruled out)."""
         self._layout = layout
         self._allocator = allocator
         self._on_failed = on_failed
+        self._before_free = before_free
         self._clock = clock
         self._lock = threading.Lock()
         self._by_handle: dict[bytes, _Entry] = {}
@@ -299,8 +307,20 @@ class LeaseTable:
         return entry
 
     def _release(self, entry: _Entry, failure: TransferFailed, claimed_at: float) -> None:
-        self._allocator.free(entry.lease.block_ids)
+        if self._before_free is None or self._before_free(entry.lease):
+            self._allocator.free(entry.lease.block_ids)
+        else:
+            log.error(
+                "request %r: %d KV blocks kept out of the allocator (a write into them could not be ruled out)",
+                entry.lease.request_id,
+                len(entry.lease.block_ids),
+            )
         self._on_failed(entry.lease, failure, claimed_at)
+
+    def active(self, handle: bytes) -> bool:
+        """Whether the lease of this handle is still in the table (reserved or receiving)."""
+        with self._lock:
+            return handle in self._by_handle
 
     def _retired_failure(self, handle: bytes) -> TransferFailed:
         if handle not in self._retired:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, FirstToken, Lease, TransferFailed, TransferResult
+from kv_transfer.cuda_ipc import IpcReceiverTransport
+from kv_transfer.doorbell import Armed
 from kv_transfer.frames import FrameConnection, Watch, error_frame, expect, frame_failure
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import check_hello, make_hello, pair_key
@@ -49,6 +51,7 @@ class ReceiverCore:
     deliver: Callable[[TransferResult], None]
     shutdown: Callable[[], TransferFailed | None]  # a SHUTDOWN failure once the receiver is closing
     refused: Callable[[str], None]  # count a refusal before any byte landed, by reason
+    take_armed: Callable[[bytes], Armed | None] = lambda handle: None  # a claimed lease's doorbell chain
 
 
 class ReceiveSession:
@@ -62,6 +65,7 @@ class ReceiveSession:
         self.claimed_at = 0.0
         self.src_block_ids: tuple[int, ...] = ()
         self.heads: tuple[int, int] | None = None  # the claimed window of our cache's heads; None: all
+        self.armed = False  # the claimed transfer's copies run behind a doorbell (kv_transfer.doorbell)
         self.phases: dict[str, float] = {}
         self.watch = Watch(
             time.monotonic() + core.config.connect_timeout_s,
@@ -118,7 +122,7 @@ class ReceiveSession:
                 self._transport().setup_pair(peer_id, frame.pair_setup, self.conn, idle)
             elif kind == "begin":
                 try:
-                    self._claim(frame.begin)
+                    self._claim(frame.begin, peer_id)
                 except TransferFailed as refusal:
                     if self.lease is None:  # refused at the claim: a forged, spent or cancelled handle
                         self.core.refused(refusal.reason.name.lower())
@@ -178,7 +182,7 @@ class ReceiveSession:
         self.conn.send_frame(error_frame(refusal.reason, refusal.message, drained=True), watch)
         return True
 
-    def _claim(self, begin: kv_pb2.KVBegin) -> None:
+    def _claim(self, begin: kv_pb2.KVBegin, peer_id: bytes) -> None:
         started = time.monotonic()
         self.heads = _window(self.core.layout, begin)
         if self.heads is not None and self.kind == "cuda_ipc":
@@ -189,8 +193,16 @@ class ReceiveSession:
         lease = self.core.table.claim(bytes(begin.handle), begin.request_id, self.heads)
         self.lease, self.claimed_at = lease, time.monotonic()
         self.phases = {"claim": self.claimed_at - started}
+        self.armed = False
+        armed = self.core.take_armed(lease.handle)
+        if armed is not None:  # from here a failure releases the chain before the blocks are freed
+            ipc = self._transport()
+            assert isinstance(ipc, IpcReceiverTransport), "only cuda_ipc leases are armed"
+            self.sink = ipc.armed_sink(armed)
         self._check_begin(begin, lease)
         self.src_block_ids = tuple(begin.src_block_ids)
+        if armed is not None:
+            self._check_armed(armed, begin, peer_id)
         table, handle = self.core.table, lease.handle
         self.watch = Watch(
             lease.expires_at,
@@ -221,12 +233,32 @@ class ReceiveSession:
                 FailureReason.DESCRIPTOR_MISMATCH, f"request {lease.request_id!r}: " + "; ".join(problems)
             )
 
+    def _check_armed(self, armed: Armed, begin: kv_pb2.KVBegin, peer_id: bytes) -> None:
+        """Keep the armed chain when this sender rang it with the ids it names; else end it (the sender did not
+        arm: the frames drive the copies)."""
+        ipc = self._transport()
+        assert isinstance(ipc, IpcReceiverTransport)
+        if armed.peer_id == peer_id and begin.armed_generation == armed.generation:
+            ids = armed.src_ids()
+            if ids.tolist() != list(self.src_block_ids):
+                raise TransferFailed(
+                    FailureReason.DESCRIPTOR_MISMATCH,
+                    f"request {begin.request_id!r}: the doorbell slot's block ids differ from KVBegin's",
+                )
+            ipc.check_source_ids(peer_id, self.src_block_ids)
+            self.armed = True
+            return
+        self.sink = None
+        if not ipc.release(armed, reusable=armed.peer_id == peer_id):
+            raise TransferFailed(FailureReason.INTERNAL, "an armed KV copy did not end")
+
     def _serve(self, peer_id: bytes) -> None:
         """Take the parts up to KVDone. Besides `stream` (claim to KVDone read) the phases split this thread's
         time: `read` blocked reading frames, `post` queueing the parts' GPU work, and `stream_cpu` the CPU time
         the thread used (wall time well above it is time spent waiting, for the peer or for the GIL)."""
         covered: set[int] = set()
-        self.sink = self._transport().sink(peer_id)
+        if self.sink is None:  # not armed (an armed lease's sink was set at the claim)
+            self.sink = self._transport().sink(peer_id)
         cpu_start = time.thread_time()
         while True:
             mark = time.monotonic()
@@ -328,6 +360,7 @@ class ReceiveSession:
                 seconds=seconds,
                 phases=dict(self.phases),
                 landed_at=self.claimed_at + seconds,
+                armed=self.armed,
             )
         )
         self._ack(lease, self._layout().bytes_per_block * len(lease.block_ids))
@@ -346,7 +379,13 @@ class ReceiveSession:
     # --- failure ---------------------------------------------------------------------------------------
     def _fail(self, failure: TransferFailed) -> None:
         if self.sink is not None:
-            self.sink.abandon()  # returns once no write of the transfer is pending
+            try:
+                self.sink.abandon()  # returns once no write of the transfer is pending
+            except TransferFailed as stuck:  # one may still be: the blocks must never be reused
+                log.error(
+                    "KV receive of a lease failed (%s), and %s: its blocks stay reserved", failure, stuck
+                )
+                self.lease = None
             self.sink = None
         if self.lease is not None:  # free only now: this thread has made its last write
             self.core.table.fail_claimed(self.lease.handle, failure)

@@ -34,6 +34,8 @@ from kv_transfer.contracts import (
     TransferFailed,
     TransferResult,
 )
+from kv_transfer.cuda_ipc import IpcReceiverTransport
+from kv_transfer.doorbell import Armed
 from kv_transfer.frames import FrameConnection, Watch, error_frame
 from kv_transfer.leases import LeaseTable
 from kv_transfer.pairing import TRANSPORT_TO_PROTO, format_message
@@ -77,7 +79,9 @@ class KVReceiver:
         self._transports = make_receiver_transports(self.config, layout, cache)
         # The transports held, in order of preference (the first is the default): a lease names one of them.
         self.transports: tuple[str, ...] = tuple(self._transports)
-        self._table = LeaseTable(layout, allocator, self._lease_failed)
+        self._armed: dict[bytes, Armed] = {}  # by lease handle: armed and not yet claimed or ended
+        self._arm_lock = threading.Lock()
+        self._table = LeaseTable(layout, allocator, self._lease_failed, before_free=self._disarm)
         self._core = ReceiverCore(
             layout,
             self.config,
@@ -88,6 +92,7 @@ class KVReceiver:
             self._deliver,
             self._shutdown_failure,
             self._stats.record_refused,
+            self._take_armed,
         )
         self._server = self._listen()
         self.port: int = self._server.getsockname()[1]
@@ -111,6 +116,7 @@ class KVReceiver:
         allocate: Allocate | None = None,
         transport: str | None = None,
         handle: bytes | None = None,
+        sender: bytes | None = None,
     ) -> Lease:
         """Reserve blocks for `num_tokens` prompt tokens for ttl_s seconds (default config.lease_ttl_s), to
         arrive over `transport` (one of `transports`; None: the first). Raises NoRoom when the allocator has no
@@ -119,19 +125,57 @@ class KVReceiver:
         `allocate(num_blocks)`, when given, takes this reservation's blocks instead of the allocator (the decode
         worker checks the request and allocates in one call onto its engine thread); its errors propagate and
         no lease is made. The blocks return through the allocator's free() as always. `handle`: the lease's
-        credential when rank 0 of a tensor-parallel decode worker chose it for this rank (random otherwise)."""
+        credential when rank 0 of a tensor-parallel decode worker chose it for this rank (random otherwise).
+        `sender`: the KVSender instance id expected to fill it, when known; a cuda_ipc lease for a sender this
+        receiver is paired with is then armed (kv_transfer.doorbell: its copies wait on the GPU for that
+        sender's doorbell, and its KVTarget says so)."""
         if self._closing.is_set():
             raise RuntimeError("KVReceiver is closed")
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
         kind = self.transports[0] if transport is None else transport
         if kind not in self._transports:
             raise ValueError(f"transport: this KV receiver holds {', '.join(self.transports)}, not {kind!r}")
-        return self._table.reserve(request_id, num_tokens, ttl, allocate, kind, handle)
+        lease = self._table.reserve(request_id, num_tokens, ttl, allocate, kind, handle)
+        if sender is not None and kind == "cuda_ipc" and handle is None:
+            self._arm(lease, sender)
+        return lease
+
+    def _arm(self, lease: Lease, sender: bytes) -> None:
+        ipc = self._transports["cuda_ipc"]
+        assert isinstance(ipc, IpcReceiverTransport)
+        with self._arm_lock:  # against _disarm: a lease that ended already is not armed
+            if not self._table.active(lease.handle):
+                return
+            num_bytes = self.layout.bytes_per_block * len(lease.block_ids)
+            armed = ipc.arm(sender, lease.block_ids, num_bytes)
+            if armed is not None:
+                self._armed[lease.handle] = armed
+
+    def _take_armed(self, handle: bytes) -> Armed | None:
+        """The claimed lease's armed chain, now its session's to land or release."""
+        with self._arm_lock:
+            return self._armed.pop(handle, None)
+
+    def _disarm(self, lease: Lease) -> bool:
+        """Before an unclaimed lease's blocks are freed: end its armed chain, if any. Its sender may still write
+        ids into the slot (it may hold the KVTarget), so the slot is not armed again."""
+        armed = self._take_armed(lease.handle)
+        if armed is None:
+            return True
+        ipc = self._transports["cuda_ipc"]
+        assert isinstance(ipc, IpcReceiverTransport)
+        return ipc.release(armed, reusable=False)
 
     def target(self, lease: Lease) -> kv_pb2.KVTarget:
         """The KVTarget that tells a sender where and under which handle to ship this lease's blocks."""
         host, port = self.endpoint
+        with self._arm_lock:
+            armed = self._armed.get(lease.handle)
+        message = None
+        if armed is not None:
+            message = kv_pb2.KVArmed(sender_id=armed.peer_id, slot=armed.slot, generation=armed.generation)
         return kv_pb2.KVTarget(
+            armed=message,
             host=host,
             port=port,
             handle=lease.handle,

@@ -11,6 +11,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,13 @@ class SendHandle:
         self._layers_queued: set[int] = set()
         self._finished = False
         self._abort: TransferFailed | None = None
+        # cuda_ipc with the receiver's doorbell (kv_transfer.doorbell): (slot, generation), and ring(layer_end,
+        # ready), which send_layers calls on the caller's thread
+        self.armed: tuple[int, int] | None = None
+        self._ring: Callable[[int, Any], None] | None = None
+
+    def arm(self, armed: tuple[int, int], ring: Callable[[int, Any], None]) -> None:
+        self.armed, self._ring = armed, ring
 
     # --- the caller's side -----------------------------------------------------------------------------
     def send_layers(self, layer_begin: int, layer_end: int, ready: Any = None) -> None:
@@ -84,6 +92,11 @@ class SendHandle:
             if layers & self._layers_queued:
                 raise ValueError(f"layers: [{layer_begin}, {layer_end}) overlaps layers already queued")
             self._layers_queued |= layers
+        if self._ring is not None:
+            try:  # from the GPU, behind `ready`: the receiver's copies start when these layers are written
+                self._ring(layer_end, ready)
+            except TransferFailed as exc:  # the receiver's chain then waits: KVAbort makes it end it
+                self.abort(f"ringing the receiver's doorbell failed: {exc.message}")
         self._queue.put(PartRequest(layer_begin, layer_end, ready))
 
     def finish(self, first_token: FirstToken) -> None:

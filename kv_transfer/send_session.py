@@ -53,6 +53,7 @@ class SendSession:
         self.handle = handle
         self.channel: Channel | None = None
         self.source: PartSource | None = None
+        self.armed: tuple[int, int] | None = None  # (slot, generation) of the receiver's doorbell we ring
         self.phases: dict[str, float] = {}
         self._mark = handle.started_at
         heads = handle.heads
@@ -127,7 +128,11 @@ class SendSession:
         self.channel = self.core.channels.acquire(target, kind, self.watch, self.handle.started_at)
         self._phase("connect" if self.channel.transfers == 0 else "channel")
         conn = self.channel.conn
-        conn.defer_frame(kv_pb2.KVFrame(begin=self._begin(kind)))  # goes out with the first part's frame
+        begin = self._begin(kind)
+        if kind == "cuda_ipc" and self.handle.armed is not None:  # the caller's thread rings the doorbell
+            self.armed = self.handle.armed
+            begin.armed_generation = self.armed[1]
+        conn.defer_frame(kv_pb2.KVFrame(begin=begin))  # goes out with the first part's frame
         self.source = self.core.transports[kind].source(self.channel.peer_id)
         finished_at = self._stream(conn, self.channel.peer_id, self.source)
         expect(conn.read_frame(self.watch), "ack", FailureReason.RECEIVER_ABORTED)
@@ -173,6 +178,7 @@ class SendSession:
                         ready=item.ready,
                         progress=progress,
                         heads=self.source_heads,
+                        armed=self.armed,
                     )
                 )
                 self._phase("stream")

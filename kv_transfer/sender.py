@@ -17,6 +17,7 @@ If send()/open() raises (bad arguments, closed sender), the caller still owns it
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import secrets
 import ssl
@@ -29,6 +30,8 @@ import torch
 from kv_transfer.channels import ChannelPool
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, FirstToken, HeadWindow, SendResult, TransferFailed
+from kv_transfer.cuda_ipc import IpcSenderTransport
+from kv_transfer.pairing import TRANSPORT_TO_PROTO
 from kv_transfer.send_handle import SendHandle
 from kv_transfer.send_session import SenderCore, SendSession
 from kv_transfer.stats import StatsRecorder, TransferStats
@@ -79,7 +82,12 @@ class KVSender:
             layout, self.config, self._transports, self.instance_id, device_uuid(cache), tls
         )
         self._core = SenderCore(
-            layout, self.config, self._transports, self._channels, self._shutdown_failure, chunk_hook
+            layout,
+            self.config,
+            self._transports,
+            self._channels,
+            self._shutdown_failure,
+            chunk_hook,
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(self.config.max_inflight_sends, "kv-send")
 
@@ -106,12 +114,32 @@ class KVSender:
         if not isinstance(target, kv_pb2.KVTarget):
             raise TypeError(f"target: expected a KVTarget protobuf, got {type(target).__name__}")
         handle = SendHandle(target, ids, num_tokens, self.layout.num_layers, timeout, heads)
+        self._take_doorbell(handle)
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVSender is closed")
             self._active += 1
             self._executor.submit(self._run, handle)
         return handle
+
+    def _take_doorbell(self, handle: SendHandle) -> None:
+        """A cuda_ipc target armed for us by a receiver we are paired with: write our ids into its slot now, and
+        let send_layers() ring it from the caller's thread (kv_transfer.doorbell); otherwise nothing."""
+        target, ipc = handle.target, self._transports.get("cuda_ipc")
+        if (
+            not isinstance(ipc, IpcSenderTransport)
+            or not target.HasField("armed")
+            or target.armed.sender_id != self.instance_id
+            or target.transport != TRANSPORT_TO_PROTO["cuda_ipc"]
+            or handle.heads is not None
+        ):
+            return
+        generation = ipc.honor(target.receiver_id, target.armed, handle.src_block_ids)
+        if generation:
+            handle.arm(
+                (target.armed.slot, generation),
+                functools.partial(ipc.ring, target.receiver_id, target.armed.slot, generation),
+            )
 
     def send(
         self,

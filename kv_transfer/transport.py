@@ -51,6 +51,8 @@ class PartJob:
     # This side's heads (begin, count) that the transfer moves, in its own cache; None: every head. Set for a
     # piece of a handoff between tensor-parallel workers of different sizes (kv_transfer.shard_plan).
     heads: tuple[int, int] | None = None
+    # sender, cuda_ipc: (slot, generation) of the receiver's doorbell this transfer rings (kv_transfer.doorbell)
+    armed: tuple[int, int] | None = None
 
     def layout(self, whole: KVLayout) -> KVLayout:
         """The layout of what this job moves: `whole`, or the window of its heads."""

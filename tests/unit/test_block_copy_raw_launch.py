@@ -56,7 +56,7 @@ def _args(rows: int, row_len: int, big_stride: bool = False, ids_offset: int = 0
     cache, staging = _pointer(0x7F0000000000), _pointer(0x7F1000000000)
     ids = _pointer(0x7F2000000000 + 8 * ids_offset, torch.int64)
     s0 = 2**33 if big_stride else 2 * 4096 * rows * row_len  # a layer's stride past 32 bits: an i64 parameter
-    return (cache, staging, ids, ids, 7, s0, 4096 * rows * row_len, rows * row_len, 2 * 8 * rows * row_len,
+    return (cache, staging, ids, ids, 7, 4096, s0, 4096 * rows * row_len, rows * row_len, 2 * 8 * rows * row_len,
             8 * rows * row_len, rows * row_len, rows, row_len, row_len, row_len)  # fmt: skip
 
 
@@ -78,7 +78,7 @@ def test_the_layout_is_the_compiled_kernel_s_parameters_in_order_with_null_scrat
     # Every argument Triton did not fold into the code (a 1 becomes a constant), in order, with its type.
     folded = [i for i, s in enumerate(_specialization(args)) if s[0] == "constexpr"]
     assert [i for i, _ in passed] == [i for i in range(len(args)) if i not in folded]
-    assert (1 in args[11:12]) == (11 in folded)  # rows == 1 is folded, a window's rows are not
+    assert (1 in args[12:13]) == (12 in folded)  # rows == 1 is folded, a window's rows are not
     kinds = {i: s[0] for i, s in enumerate(_specialization(args))}
     for i, ctype in passed:
         expected = (
@@ -129,8 +129,8 @@ def test_the_variant_key_splits_whatever_triton_s_specialization_splits() -> Non
             _pointer(rng.choice(addresses), rng.choice([torch.bfloat16, torch.float8_e4m3fn]))
             for _ in range(2)
         ]
-        ids = [_pointer(rng.choice(addresses), torch.int64) for _ in range(2)]
-        ints = [rng.choice(values) for _ in range(11)]
+        ids = [_pointer(rng.choice(addresses), rng.choice([torch.int64, torch.int32])) for _ in range(2)]
+        ints = [rng.choice(values) for _ in range(12)]
         launches.append(((*pointers, *ids, *ints), rng.choice([1024, 2048]), rng.choice([1, 8])))
     by_key: dict[tuple, set] = {}
     for args, step, rows in launches:

@@ -113,6 +113,14 @@ arange = torch.arange(2)
 copy_blocks(src[:, :, :, :, 1:3], staging, torch.tensor([6, 2]), arange)
 copy_blocks(staging, dst[:, :, :, :, 1:3], arange, torch.tensor([4, 1]))
 out["head_window"] = bool(torch.equal(dst.view(torch.uint8), ref.view(torch.uint8)))
+
+# int32 ids (a doorbell slot's), and source ids outside the source clamped into it: never read past src.
+src = torch.randn(2, 2, 5, 4, 2, 8)
+dst = torch.zeros(2, 2, 6, 4, 2, 8)
+copy_blocks(src, dst, torch.tensor([3, 99, -7], dtype=torch.int32), torch.tensor([0, 2, 5], dtype=torch.int32))
+ref = torch.zeros_like(dst)
+ref[:, :, [0, 2, 5]] = src[:, :, [3, 4, 0]]
+out["int32_clamped"] = bool(torch.equal(dst, ref))
 print(json.dumps(out))
 """
 
@@ -125,9 +133,13 @@ def test_copy_blocks_kernel_matches_torch_indexing():
     import json
 
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert results == {"scatter_gather_f32": True, "bf16": True, "layer_slice": True, "head_window": True}, (
-        results
-    )
+    assert results == {
+        "scatter_gather_f32": True,
+        "bf16": True,
+        "layer_slice": True,
+        "head_window": True,
+        "int32_clamped": True,
+    }, results
 
 
 def test_copy_blocks_refuses_mismatched_ids_and_shapes():

@@ -24,49 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12tandem/v1/kv.proto\x12\ttandem.v1\"\xb7\x01\n\x08KVFormat\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x12\n\nhead_start\x18\x08 \x01(\r\x12\x16\n\x0emodel_kv_heads\x18\t \x01(\r\"\x82\x01\n\x0cKVRankTarget\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x13\n\x0breceiver_id\x18\x03 \x01(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12#\n\x06\x66ormat\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KVFormat\"\xb8\x02\n\x08KVTarget\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12#\n\x06\x66ormat\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KVFormat\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12)\n\ttransport\x18\t \x01(\x0e\x32\x16.tandem.v1.KVTransport\x12\x13\n\x0breceiver_id\x18\n \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x0b \x01(\r\x12-\n\x0crank_targets\x18\x0c \x03(\x0b\x32\x17.tandem.v1.KVRankTarget\"\xf5\x01\n\x07KVHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\x0c\x12#\n\x06\x66ormat\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVFormat\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12*\n\ntransports\x18\x05 \x03(\x0e\x32\x16.tandem.v1.KVTransport\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x12\n\npair_ready\x18\x07 \x01(\x08\x12\x17\n\x0fidle_timeout_ms\x18\x08 \x01(\r\x12\x0c\n\x04lane\x18\t \x01(\r\"\xa6\x01\n\x07KVBegin\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x06 \x03(\r\x12\x12\n\nhead_begin\x18\x07 \x01(\r\x12\x11\n\tnum_heads\x18\x08 \x01(\r\"C\n\x06KVPart\x12\x13\n\x0blayer_begin\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\"3\n\x0eKVTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x0cKVFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.tandem.v1.KVTokenLogprobB\n\n\x08_logprob\"6\n\x06KVDone\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.KVFirstToken\"\x1a\n\x05KVAck\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"@\n\x07KVAbort\x12$\n\x06reason\x18\x01 \x01(\x0e\x32\x14.tandem.v1.KVFailure\x12\x0f\n\x07message\x18\x02 \x01(\t\"O\n\x07KVError\x12\"\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x14.tandem.v1.KVFailure\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\" \n\x0bKVNcclSetup\x12\x11\n\tunique_id\x18\x01 \x01(\x0c\"E\n\x0bKVIpcExport\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"i\n\x0bKVPairSetup\x12&\n\x04nccl\x18\x01 \x01(\x0b\x32\x16.tandem.v1.KVNcclSetupH\x00\x12*\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x16.tandem.v1.KVIpcExportH\x00\x42\x06\n\x04kind\"\x10\n\x0eKVPairSetupAck\"\x91\x03\n\x07KVFrame\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.tandem.v1.KVHelloH\x00\x12#\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVBeginH\x00\x12,\n\npair_setup\x18\x04 \x01(\x0b\x32\x16.tandem.v1.KVPairSetupH\x00\x12\x33\n\x0epair_setup_ack\x18\x05 \x01(\x0b\x32\x19.tandem.v1.KVPairSetupAckH\x00\x12!\n\x04part\x18\x06 \x01(\x0b\x32\x11.tandem.v1.KVPartH\x00\x12!\n\x04\x64one\x18\x08 \x01(\x0b\x32\x11.tandem.v1.KVDoneH\x00\x12\x1f\n\x03\x61\x63k\x18\t \x01(\x0b\x32\x10.tandem.v1.KVAckH\x00\x12#\n\x05\x61\x62ort\x18\n \x01(\x0b\x32\x12.tandem.v1.KVAbortH\x00\x12#\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x12.tandem.v1.KVErrorH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08R\x08\x62\x65gin_okR\npart_ready*s\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_TCP\x10\x01\x12\x15\n\x11KV_TRANSPORT_NCCL\x10\x02\x12\x19\n\x15KV_TRANSPORT_CUDA_IPC\x10\x03*\xf7\x04\n\tKVFailure\x12\x1a\n\x16KV_FAILURE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_FAILURE_LAYOUT_MISMATCH\x10\x01\x12!\n\x1dKV_FAILURE_TRANSPORT_MISMATCH\x10\x02\x12\x1d\n\x19KV_FAILURE_PROTOCOL_ERROR\x10\x03\x12\x1d\n\x19KV_FAILURE_UNKNOWN_HANDLE\x10\x04\x12\x1c\n\x18KV_FAILURE_HANDLE_REUSED\x10\x05\x12\x1e\n\x1aKV_FAILURE_HANDLE_MISMATCH\x10\x06\x12\x1a\n\x16KV_FAILURE_HANDLE_BUSY\x10\x07\x12\"\n\x1eKV_FAILURE_DESCRIPTOR_MISMATCH\x10\x08\x12\x1c\n\x18KV_FAILURE_LEASE_EXPIRED\x10\t\x12\x1d\n\x19KV_FAILURE_SENDER_ABORTED\x10\n\x12\x1f\n\x1bKV_FAILURE_RECEIVER_ABORTED\x10\x0b\x12 \n\x1cKV_FAILURE_DEADLINE_EXCEEDED\x10\x0c\x12\x1d\n\x19KV_FAILURE_CONNECT_FAILED\x10\r\x12\x1e\n\x1aKV_FAILURE_CONNECTION_LOST\x10\x0e\x12 \n\x1cKV_FAILURE_PAIR_SETUP_FAILED\x10\x0f\x12\x1e\n\x1aKV_FAILURE_TRANSPORT_ERROR\x10\x10\x12\x1c\n\x18KV_FAILURE_RECEIVER_BUSY\x10\x11\x12\x17\n\x13KV_FAILURE_SHUTDOWN\x10\x12\x12\x17\n\x13KV_FAILURE_INTERNAL\x10\x13\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12tandem/v1/kv.proto\x12\ttandem.v1\"\xb7\x01\n\x08KVFormat\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x12\n\nhead_start\x18\x08 \x01(\r\x12\x16\n\x0emodel_kv_heads\x18\t \x01(\r\"\x82\x01\n\x0cKVRankTarget\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x13\n\x0breceiver_id\x18\x03 \x01(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12#\n\x06\x66ormat\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KVFormat\"\xdb\x02\n\x08KVTarget\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12#\n\x06\x66ormat\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KVFormat\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12)\n\ttransport\x18\t \x01(\x0e\x32\x16.tandem.v1.KVTransport\x12\x13\n\x0breceiver_id\x18\n \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x0b \x01(\r\x12-\n\x0crank_targets\x18\x0c \x03(\x0b\x32\x17.tandem.v1.KVRankTarget\x12!\n\x05\x61rmed\x18\r \x01(\x0b\x32\x12.tandem.v1.KVArmed\">\n\x07KVArmed\x12\x11\n\tsender_id\x18\x01 \x01(\x0c\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\"\xf5\x01\n\x07KVHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\x0c\x12#\n\x06\x66ormat\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVFormat\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12*\n\ntransports\x18\x05 \x03(\x0e\x32\x16.tandem.v1.KVTransport\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x12\n\npair_ready\x18\x07 \x01(\x08\x12\x17\n\x0fidle_timeout_ms\x18\x08 \x01(\r\x12\x0c\n\x04lane\x18\t \x01(\r\"\xc0\x01\n\x07KVBegin\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x06 \x03(\r\x12\x12\n\nhead_begin\x18\x07 \x01(\r\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x18\n\x10\x61rmed_generation\x18\t \x01(\r\"C\n\x06KVPart\x12\x13\n\x0blayer_begin\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\"3\n\x0eKVTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x0cKVFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.tandem.v1.KVTokenLogprobB\n\n\x08_logprob\"6\n\x06KVDone\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.KVFirstToken\"\x1a\n\x05KVAck\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"@\n\x07KVAbort\x12$\n\x06reason\x18\x01 \x01(\x0e\x32\x14.tandem.v1.KVFailure\x12\x0f\n\x07message\x18\x02 \x01(\t\"O\n\x07KVError\x12\"\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x14.tandem.v1.KVFailure\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\" \n\x0bKVNcclSetup\x12\x11\n\tunique_id\x18\x01 \x01(\x0c\"E\n\x0bKVIpcExport\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"i\n\x0bKVPairSetup\x12&\n\x04nccl\x18\x01 \x01(\x0b\x32\x16.tandem.v1.KVNcclSetupH\x00\x12*\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x16.tandem.v1.KVIpcExportH\x00\x42\x06\n\x04kind\"9\n\x0eKVPairSetupAck\x12\'\n\x08\x64oorbell\x18\x01 \x01(\x0b\x32\x15.tandem.v1.KVDoorbell\"?\n\nKVDoorbell\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\"\x91\x03\n\x07KVFrame\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.tandem.v1.KVHelloH\x00\x12#\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVBeginH\x00\x12,\n\npair_setup\x18\x04 \x01(\x0b\x32\x16.tandem.v1.KVPairSetupH\x00\x12\x33\n\x0epair_setup_ack\x18\x05 \x01(\x0b\x32\x19.tandem.v1.KVPairSetupAckH\x00\x12!\n\x04part\x18\x06 \x01(\x0b\x32\x11.tandem.v1.KVPartH\x00\x12!\n\x04\x64one\x18\x08 \x01(\x0b\x32\x11.tandem.v1.KVDoneH\x00\x12\x1f\n\x03\x61\x63k\x18\t \x01(\x0b\x32\x10.tandem.v1.KVAckH\x00\x12#\n\x05\x61\x62ort\x18\n \x01(\x0b\x32\x12.tandem.v1.KVAbortH\x00\x12#\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x12.tandem.v1.KVErrorH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08R\x08\x62\x65gin_okR\npart_ready*s\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_TCP\x10\x01\x12\x15\n\x11KV_TRANSPORT_NCCL\x10\x02\x12\x19\n\x15KV_TRANSPORT_CUDA_IPC\x10\x03*\xf7\x04\n\tKVFailure\x12\x1a\n\x16KV_FAILURE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_FAILURE_LAYOUT_MISMATCH\x10\x01\x12!\n\x1dKV_FAILURE_TRANSPORT_MISMATCH\x10\x02\x12\x1d\n\x19KV_FAILURE_PROTOCOL_ERROR\x10\x03\x12\x1d\n\x19KV_FAILURE_UNKNOWN_HANDLE\x10\x04\x12\x1c\n\x18KV_FAILURE_HANDLE_REUSED\x10\x05\x12\x1e\n\x1aKV_FAILURE_HANDLE_MISMATCH\x10\x06\x12\x1a\n\x16KV_FAILURE_HANDLE_BUSY\x10\x07\x12\"\n\x1eKV_FAILURE_DESCRIPTOR_MISMATCH\x10\x08\x12\x1c\n\x18KV_FAILURE_LEASE_EXPIRED\x10\t\x12\x1d\n\x19KV_FAILURE_SENDER_ABORTED\x10\n\x12\x1f\n\x1bKV_FAILURE_RECEIVER_ABORTED\x10\x0b\x12 \n\x1cKV_FAILURE_DEADLINE_EXCEEDED\x10\x0c\x12\x1d\n\x19KV_FAILURE_CONNECT_FAILED\x10\r\x12\x1e\n\x1aKV_FAILURE_CONNECTION_LOST\x10\x0e\x12 \n\x1cKV_FAILURE_PAIR_SETUP_FAILED\x10\x0f\x12\x1e\n\x1aKV_FAILURE_TRANSPORT_ERROR\x10\x10\x12\x1c\n\x18KV_FAILURE_RECEIVER_BUSY\x10\x11\x12\x17\n\x13KV_FAILURE_SHUTDOWN\x10\x12\x12\x17\n\x13KV_FAILURE_INTERNAL\x10\x13\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTRANSPORT']._serialized_start=2188
-  _globals['_KVTRANSPORT']._serialized_end=2303
-  _globals['_KVFAILURE']._serialized_start=2306
-  _globals['_KVFAILURE']._serialized_end=2937
+  _globals['_KVTRANSPORT']._serialized_start=2419
+  _globals['_KVTRANSPORT']._serialized_end=2534
+  _globals['_KVFAILURE']._serialized_start=2537
+  _globals['_KVFAILURE']._serialized_end=3168
   _globals['_KVFORMAT']._serialized_start=34
   _globals['_KVFORMAT']._serialized_end=217
   _globals['_KVRANKTARGET']._serialized_start=220
   _globals['_KVRANKTARGET']._serialized_end=350
   _globals['_KVTARGET']._serialized_start=353
-  _globals['_KVTARGET']._serialized_end=665
-  _globals['_KVHELLO']._serialized_start=668
-  _globals['_KVHELLO']._serialized_end=913
-  _globals['_KVBEGIN']._serialized_start=916
-  _globals['_KVBEGIN']._serialized_end=1082
-  _globals['_KVPART']._serialized_start=1084
-  _globals['_KVPART']._serialized_end=1151
-  _globals['_KVTOKENLOGPROB']._serialized_start=1153
-  _globals['_KVTOKENLOGPROB']._serialized_end=1204
-  _globals['_KVFIRSTTOKEN']._serialized_start=1206
-  _globals['_KVFIRSTTOKEN']._serialized_end=1321
-  _globals['_KVDONE']._serialized_start=1323
-  _globals['_KVDONE']._serialized_end=1377
-  _globals['_KVACK']._serialized_start=1379
-  _globals['_KVACK']._serialized_end=1405
-  _globals['_KVABORT']._serialized_start=1407
-  _globals['_KVABORT']._serialized_end=1471
-  _globals['_KVERROR']._serialized_start=1473
-  _globals['_KVERROR']._serialized_end=1552
-  _globals['_KVNCCLSETUP']._serialized_start=1554
-  _globals['_KVNCCLSETUP']._serialized_end=1586
-  _globals['_KVIPCEXPORT']._serialized_start=1588
-  _globals['_KVIPCEXPORT']._serialized_end=1657
-  _globals['_KVPAIRSETUP']._serialized_start=1659
-  _globals['_KVPAIRSETUP']._serialized_end=1764
-  _globals['_KVPAIRSETUPACK']._serialized_start=1766
-  _globals['_KVPAIRSETUPACK']._serialized_end=1782
-  _globals['_KVFRAME']._serialized_start=1785
-  _globals['_KVFRAME']._serialized_end=2186
+  _globals['_KVTARGET']._serialized_end=700
+  _globals['_KVARMED']._serialized_start=702
+  _globals['_KVARMED']._serialized_end=764
+  _globals['_KVHELLO']._serialized_start=767
+  _globals['_KVHELLO']._serialized_end=1012
+  _globals['_KVBEGIN']._serialized_start=1015
+  _globals['_KVBEGIN']._serialized_end=1207
+  _globals['_KVPART']._serialized_start=1209
+  _globals['_KVPART']._serialized_end=1276
+  _globals['_KVTOKENLOGPROB']._serialized_start=1278
+  _globals['_KVTOKENLOGPROB']._serialized_end=1329
+  _globals['_KVFIRSTTOKEN']._serialized_start=1331
+  _globals['_KVFIRSTTOKEN']._serialized_end=1446
+  _globals['_KVDONE']._serialized_start=1448
+  _globals['_KVDONE']._serialized_end=1502
+  _globals['_KVACK']._serialized_start=1504
+  _globals['_KVACK']._serialized_end=1530
+  _globals['_KVABORT']._serialized_start=1532
+  _globals['_KVABORT']._serialized_end=1596
+  _globals['_KVERROR']._serialized_start=1598
+  _globals['_KVERROR']._serialized_end=1677
+  _globals['_KVNCCLSETUP']._serialized_start=1679
+  _globals['_KVNCCLSETUP']._serialized_end=1711
+  _globals['_KVIPCEXPORT']._serialized_start=1713
+  _globals['_KVIPCEXPORT']._serialized_end=1782
+  _globals['_KVPAIRSETUP']._serialized_start=1784
+  _globals['_KVPAIRSETUP']._serialized_end=1889
+  _globals['_KVPAIRSETUPACK']._serialized_start=1891
+  _globals['_KVPAIRSETUPACK']._serialized_end=1948
+  _globals['_KVDOORBELL']._serialized_start=1950
+  _globals['_KVDOORBELL']._serialized_end=2013
+  _globals['_KVFRAME']._serialized_start=2016
+  _globals['_KVFRAME']._serialized_end=2417
 # @@protoc_insertion_point(module_scope)

@@ -98,7 +98,7 @@ class KVRankTarget(_message.Message):
     def __init__(self, port: _Optional[int] = ..., handle: _Optional[bytes] = ..., receiver_id: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("host", "port", "handle", "request_id", "layout_fingerprint", "format", "num_blocks", "num_tokens", "transport", "receiver_id", "lease_ttl_ms", "rank_targets")
+    __slots__ = ("host", "port", "handle", "request_id", "layout_fingerprint", "format", "num_blocks", "num_tokens", "transport", "receiver_id", "lease_ttl_ms", "rank_targets", "armed")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class KVTarget(_message.Message):
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    ARMED_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     handle: bytes
@@ -123,7 +124,18 @@ class KVTarget(_message.Message):
     receiver_id: bytes
     lease_ttl_ms: int
     rank_targets: _containers.RepeatedCompositeFieldContainer[KVRankTarget]
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., receiver_id: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., rank_targets: _Optional[_Iterable[_Union[KVRankTarget, _Mapping]]] = ...) -> None: ...
+    armed: KVArmed
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., receiver_id: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., rank_targets: _Optional[_Iterable[_Union[KVRankTarget, _Mapping]]] = ..., armed: _Optional[_Union[KVArmed, _Mapping]] = ...) -> None: ...
+
+class KVArmed(_message.Message):
+    __slots__ = ("sender_id", "slot", "generation")
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    sender_id: bytes
+    slot: int
+    generation: int
+    def __init__(self, sender_id: _Optional[bytes] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class KVHello(_message.Message):
     __slots__ = ("protocol_version", "instance_id", "format", "layout_fingerprint", "transports", "device_uuid", "pair_ready", "idle_timeout_ms", "lane")
@@ -148,7 +160,7 @@ class KVHello(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., instance_id: _Optional[bytes] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[KVTransport, str]]] = ..., device_uuid: _Optional[str] = ..., pair_ready: _Optional[bool] = ..., idle_timeout_ms: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class KVBegin(_message.Message):
-    __slots__ = ("handle", "request_id", "num_blocks", "num_tokens", "num_bytes", "src_block_ids", "head_begin", "num_heads")
+    __slots__ = ("handle", "request_id", "num_blocks", "num_tokens", "num_bytes", "src_block_ids", "head_begin", "num_heads", "armed_generation")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +169,7 @@ class KVBegin(_message.Message):
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_BEGIN_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    ARMED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     request_id: str
     num_blocks: int
@@ -165,7 +178,8 @@ class KVBegin(_message.Message):
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     head_begin: int
     num_heads: int
-    def __init__(self, handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., head_begin: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+    armed_generation: int
+    def __init__(self, handle: _Optional[bytes] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., head_begin: _Optional[int] = ..., num_heads: _Optional[int] = ..., armed_generation: _Optional[int] = ...) -> None: ...
 
 class KVPart(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "num_bytes")
@@ -250,8 +264,20 @@ class KVPairSetup(_message.Message):
     def __init__(self, nccl: _Optional[_Union[KVNcclSetup, _Mapping]] = ..., cuda_ipc: _Optional[_Union[KVIpcExport, _Mapping]] = ...) -> None: ...
 
 class KVPairSetupAck(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("doorbell",)
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    doorbell: KVDoorbell
+    def __init__(self, doorbell: _Optional[_Union[KVDoorbell, _Mapping]] = ...) -> None: ...
+
+class KVDoorbell(_message.Message):
+    __slots__ = ("shm_name", "slots", "capacity")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    slots: int
+    capacity: int
+    def __init__(self, shm_name: _Optional[str] = ..., slots: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
     __slots__ = ("hello", "begin", "pair_setup", "pair_setup_ack", "part", "done", "ack", "abort", "error")
