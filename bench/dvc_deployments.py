@@ -238,6 +238,8 @@ class Server:
                 key = f"router.loop_lag.{sample.name.rsplit('_', 1)[-1]}"
             elif component == "prefill" and sample.name in names:
                 key = names[sample.name]
+            elif component == "decode" and sample.name == "tandem_kv_transfers_armed_total":
+                key = "decode.armed"
             elif sample.name in STEP_SUMS and component != "router":
                 key = f"{component}.{STEP_SUMS[sample.name]}"
             elif sample.name == KERNEL_BUILDS and sample.labels.get("when") == "after_start":
@@ -333,7 +335,7 @@ def kv_delta(before: dict | None, after: dict | None) -> dict | None:
     }
     if not n and not phases:
         return None
-    return {"transfers": n, "mean_s": delta["seconds"] / n if n else None,
+    return {"transfers": n, "armed": delta.get("decode.armed", 0.0), "mean_s": delta["seconds"] / n if n else None,
             "mean_bytes": delta["bytes"] / n if n else None, "phases_mean_s": phases, "steps": steps,
             "steps_by_worker": steps_by_worker(before, after)}  # fmt: skip
 

@@ -71,7 +71,8 @@ def handoff_line(point: dict) -> str:
     over = f" over {', '.join(f'{k} x{n}' for k, n in pairs.items())}" if pairs else ""
     if kv["mean_s"] is None:
         return f"; phase means ms ({phases})"
-    return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over} ({phases}){gap}"
+    armed = f", {kv['armed']:.0f} of {kv['transfers']:.0f} armed" if kv.get("armed") else ""
+    return f"; KV handoff mean {kv['mean_s'] * 1e3:.2f} ms{over}{armed} ({phases}){gap}"
 
 
 def full_batch_line(point: dict) -> str:

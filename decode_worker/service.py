@@ -202,7 +202,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
         landed.admit = self._admission(request, prompt, sampling, landed)
         try:
-            lease = self._reserve(rid, prompt, sampling, ttl, transport)
+            lease = self._reserve(rid, prompt, sampling, ttl, transport, bytes(request.kv_sender_id))
         except NoRoom as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {exc}")
         except ValueError as exc:  # InvalidRequest (the engine's rules) or the lease table's own checks
@@ -265,6 +265,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         sampling: SamplingParams,
         ttl: float | None,
         transport: str | None = None,
+        sender: bytes = b"",
     ) -> Lease:
         """The request checked and its blocks taken in one call onto the engine thread (each call may wait a
         step). Not inside EngineLoop.call itself: the receiver's reserve() takes the lease table first (lock
@@ -279,6 +280,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
             return loop.call(check_and_take)
 
+        if sender and isinstance(self.receiver, KVReceiver):  # one rank: the lease may be armed
+            return self.receiver.reserve(rid, len(prompt), ttl, allocate, transport, sender=sender)
         return self.receiver.reserve(rid, len(prompt), ttl, allocate, transport)
 
     def _add_local(

@@ -324,7 +324,7 @@ class KVReceiver:
             except Exception:  # the callback is the decode worker's; log it and keep serving other leases
                 log.exception("on_result callback failed for request %r", result.request_id)
         if result.ok:
-            self._stats.record_ok(result.num_bytes, result.seconds, result.phases)
+            self._stats.record_ok(result.num_bytes, result.seconds, result.phases, result.armed)
         else:
             assert result.failure is not None
             self._stats.record_failure(result.failure)

@@ -73,6 +73,7 @@ class TransferStats:
     # receiver: connections or transfers refused before any byte landed, by reason ("tls_handshake", or the
     # lease refusal: "unknown_handle", "handle_reused", ...): what a forged or misconfigured peer shows up as
     refused: dict[str, int] = field(default_factory=dict)
+    armed_ok: int = 0  # receiver: transfers_ok that landed through a doorbell (kv_transfer.doorbell)
 
 
 class _Histogram:
@@ -107,14 +108,18 @@ class StatsRecorder:
         self._phases: dict[str, _Histogram] = {}
         self._failures: dict[FailureReason, int] = {}
         self._refused: dict[str, int] = {}
+        self._armed = 0
 
     def record_refused(self, reason: str) -> None:
         with self._lock:
             self._refused[reason] = self._refused.get(reason, 0) + 1
 
-    def record_ok(self, num_bytes: int, seconds: float, phases: dict[str, float] | None = None) -> None:
+    def record_ok(
+        self, num_bytes: int, seconds: float, phases: dict[str, float] | None = None, armed: bool = False
+    ) -> None:
         with self._lock:
             self._ok += 1
+            self._armed += armed
             self._bytes += num_bytes
             self._seconds.add(seconds)
         for name, value in (phases or {}).items():
@@ -142,4 +147,5 @@ class StatsRecorder:
                 active_transfers,
                 {name: PhaseStats(h.n, h.total, h.cumulative()) for name, h in self._phases.items()},
                 dict(self._refused),
+                self._armed,
             )

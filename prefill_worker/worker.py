@@ -98,7 +98,10 @@ class PrefillWorker(WorkerLifecycle):
         self.service = PrefillService(
             spec.worker_id, loop, self.sender, spec.prefill_timeout_s, layer_groups, split
         )
-        self.service.node = describe_node(spec.node_id, engine.runner.kv_cache, self.sender.transports)
+        sender_id = self.sender.instance_id if isinstance(self.sender, KVSender) else b""  # one rank: armable
+        self.service.node = describe_node(
+            spec.node_id, engine.runner.kv_cache, self.sender.transports, sender_id
+        )
         self._server, port, _ = start_grpc(
             spec, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, s), [SERVICE]
         )

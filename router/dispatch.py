@@ -326,7 +326,14 @@ class Dispatcher:
     async def _disaggregated(
         self, decode_handle: WorkerHandle, prefill_handle: WorkerHandle, attempt: _Attempt, transport: str
     ) -> None:
-        decode = self._open_decode(decode_handle, attempt, local_prefill=False, transport=transport)
+        sender_id, p_info, d_info = b"", prefill_handle.info, decode_handle.info
+        one_rank_each = p_info is not None and d_info is not None and max(p_info.devices, d_info.devices) <= 1
+        if transport == "cuda_ipc" and one_rank_each:  # the decode worker may arm the lease for this sender
+            assert p_info is not None
+            sender_id = p_info.kv_sender_id
+        decode = self._open_decode(
+            decode_handle, attempt, local_prefill=False, transport=transport, sender_id=sender_id
+        )
         prefill: WorkerStream | None = None
         decode_charge, prefill_charge = attempt.charges
         merger = StreamMerger()
@@ -354,11 +361,18 @@ class Dispatcher:
 
     # --- worker calls ---------------------------------------------------------------------------------
     def _open_decode(
-        self, handle: WorkerHandle, attempt: _Attempt, local_prefill: bool, transport: str = ""
+        self,
+        handle: WorkerHandle,
+        attempt: _Attempt,
+        local_prefill: bool,
+        transport: str = "",
+        sender_id: bytes = b"",
     ) -> WorkerStream:
-        """`transport`: the pair's KV transport (router.pairs; "" when the router cannot tell)."""
+        """`transport`: the pair's KV transport (router.pairs; "" when the router cannot tell). `sender_id`: the
+        prefill worker's KVSender (cuda_ipc pairs of one device each: the decode worker may arm the lease)."""
         prompt, offset = attempt.worker_input()
         message = worker_pb2.DecodeRequest(
+            kv_sender_id=sender_id,
             kv_transport=transport_number(transport),
             request_id=attempt.id,
             prompt_token_ids=prompt,

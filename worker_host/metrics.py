@@ -229,6 +229,12 @@ class WorkerCollector(Collector):
             for why, count in sorted(stats.refused.items()):
                 refused.add_metric([*self._labels, why], count)
             yield refused
+            yield self._counter(
+                "tandem_kv_transfers_armed_total",
+                "Completed KV transfers that landed through a cuda_ipc doorbell (copies queued at reservation, "
+                "started by the sender's GPU)",
+                stats.armed_ok,
+            )
         else:
             yield self._gauge("tandem_kv_transfers_active", "KV sends in progress", stats.active_transfers)
 

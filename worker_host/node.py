@@ -29,6 +29,7 @@ class WorkerNode:
     node_id: str
     kv_transports: tuple[str, ...]
     kv_gpu_uuid: str
+    kv_sender_id: bytes = b""  # a prefill worker's KVSender instance id (WorkerInfo.kv_sender_id)
 
     @property
     def kv_transport_values(self) -> list[kv_pb2.KVTransport]:
@@ -46,8 +47,11 @@ def host_identity() -> str:
     return f"host:{host}/{boot}" if boot else f"host:{host}"
 
 
-def describe_node(node_id: str, cache: torch.Tensor, held: tuple[str, ...] | None = None) -> WorkerNode:
+def describe_node(
+    node_id: str, cache: torch.Tensor, held: tuple[str, ...] | None = None, sender_id: bytes = b""
+) -> WorkerNode:
     """`node_id`: the spec's (Ray's) when set, else this host's identity. `held`: the transports the worker's
-    KVSender or KVReceiver holds; None for a worker without one."""
+    KVSender or KVReceiver holds; None for a worker without one. `sender_id`: a prefill worker's KVSender's
+    instance id."""
     transports = device_transports(cache) if held is None else held
-    return WorkerNode(node_id or host_identity(), transports, device_uuid(cache))
+    return WorkerNode(node_id or host_identity(), transports, device_uuid(cache), sender_id)

@@ -91,4 +91,5 @@ def worker_info(
         info.node_id = node.node_id
         info.kv_transports.extend(node.kv_transport_values)
         info.kv_gpu_uuid = node.kv_gpu_uuid
+        info.kv_sender_id = node.kv_sender_id
     return info

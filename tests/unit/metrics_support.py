@@ -127,7 +127,7 @@ def running_worker(tmp_path: Path, role: str, ahead: bool = False) -> Iterator[R
     loop = EngineLoop(Engine(config))
     loop.start()
     transfers = StatsRecorder()
-    transfers.record_ok(4096, 0.003, phases={"stream": 0.002})
+    transfers.record_ok(4096, 0.003, phases={"stream": 0.002}, armed=True)
     transfers.record_failure(FailureReason.LEASE_EXPIRED)
     transfers.record_refused("tls_handshake")
     spec = WorkerSpec(worker_id=f"{role}-0", role=role, engine=config)

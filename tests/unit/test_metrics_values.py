@@ -238,10 +238,12 @@ def test_transfer_stats_become_a_histogram_counters_and_the_side_gauge(tmp_path:
         reasons = {dict(ls)["reason"] for n, ls in samples(r) if n == "tandem_kv_transfer_failures_total"}
         assert reasons == {reason.name.lower() for reason in FailureReason}
         assert value(r, "tandem_kv_leases_active") == 2
+        assert value(r, "tandem_kv_transfers_armed_total") == 1  # that one landed through a doorbell
         assert "tandem_kv_transfers_active" not in {n for n, _ in samples(r)}
     with running_worker(tmp_path, "prefill") as w:
         assert value(w.metrics.registry, "tandem_kv_transfers_active") == 1
         assert "tandem_kv_leases_active" not in {n for n, _ in samples(w.metrics.registry)}
+        assert "tandem_kv_transfers_armed_total" not in {n for n, _ in samples(w.metrics.registry)}
 
 
 def test_worker_serves_metrics_over_http_until_stopped(tmp_path: Path) -> None:

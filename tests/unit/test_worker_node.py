@@ -65,9 +65,13 @@ def test_started_workers_report_their_node_and_transports_and_pair_over_tcp() ->
     with ExitStack() as stack:
         p_info = _status(stack.enter_context(_started(prefill)), worker_pb2_grpc.PrefillWorkerStub)
         d_info = _status(stack.enter_context(_started(decode)), worker_pb2_grpc.DecodeWorkerStub)
+        sender_id = prefill.sender.instance_id
     assert (p_info.node_id, d_info.node_id) == ("node-a", host_identity())
     assert list(p_info.kv_transports) == list(d_info.kv_transports) == [kv_pb2.KV_TRANSPORT_TCP]
     assert p_info.kv_gpu_uuid == d_info.kv_gpu_uuid == ""
+    # The prefill worker names its KVSender (what a cuda_ipc lease is armed for); a decode worker has none.
+    assert p_info.kv_sender_id == sender_id and len(sender_id) == 16
+    assert d_info.kv_sender_id == b""
 
     ends = pair_end(p_info), pair_end(d_info)
     assert pair_transport(["tcp"], *ends) == "tcp"

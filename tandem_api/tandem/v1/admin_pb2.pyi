@@ -123,7 +123,7 @@ class RecentLatency(_message.Message):
     def __init__(self, window_seconds: _Optional[float] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., tpot_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size", "prefix_cache_version", "cached_block_hashes", "cached_prompt_tokens_total", "indexed_prefix_blocks", "node_id", "kv_transports", "kv_gpu_uuid", "busy_seconds_total", "devices")
+    __slots__ = ("worker_id", "role", "address", "state", "kv_blocks_used", "kv_blocks_total", "running_requests", "waiting_requests", "active_leases", "last_heartbeat_age_seconds", "queued_prefill_tokens", "model", "layout_fingerprint", "requests_total", "kv_block_size", "prefix_cache_version", "cached_block_hashes", "cached_prompt_tokens_total", "indexed_prefix_blocks", "node_id", "kv_transports", "kv_gpu_uuid", "busy_seconds_total", "devices", "kv_sender_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class WorkerInfo(_message.Message):
     KV_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    KV_SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -172,4 +173,5 @@ class WorkerInfo(_message.Message):
     kv_gpu_uuid: str
     busy_seconds_total: float
     devices: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., active_leases: _Optional[int] = ..., last_heartbeat_age_seconds: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., requests_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_version: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., cached_prompt_tokens_total: _Optional[int] = ..., indexed_prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., kv_transports: _Optional[_Iterable[_Union[_kv_pb2.KVTransport, str]]] = ..., kv_gpu_uuid: _Optional[str] = ..., busy_seconds_total: _Optional[float] = ..., devices: _Optional[int] = ...) -> None: ...
+    kv_sender_id: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., active_leases: _Optional[int] = ..., last_heartbeat_age_seconds: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., requests_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_version: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., cached_prompt_tokens_total: _Optional[int] = ..., indexed_prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., kv_transports: _Optional[_Iterable[_Union[_kv_pb2.KVTransport, str]]] = ..., kv_gpu_uuid: _Optional[str] = ..., busy_seconds_total: _Optional[float] = ..., devices: _Optional[int] = ..., kv_sender_id: _Optional[bytes] = ...) -> None: ...

@@ -86,7 +86,7 @@ class TransferDone(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "local_prefill", "lease_ttl_ms", "output_offset", "priority", "kv_transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "local_prefill", "lease_ttl_ms", "output_offset", "priority", "kv_transport", "kv_sender_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class DecodeRequest(_message.Message):
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
@@ -103,7 +104,8 @@ class DecodeRequest(_message.Message):
     output_offset: int
     priority: PriorityClass
     kv_transport: _kv_pb2.KVTransport
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., output_offset: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransport, str]] = ...) -> None: ...
+    kv_sender_id: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., output_offset: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransport, str]] = ..., kv_sender_id: _Optional[bytes] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reserved", "tokens", "finished")
