@@ -36,6 +36,8 @@ BOTH = "-both"
 NO_STREAM = "-nostream"
 # Any name + ONE_LANE: nccl transfers to one decode worker take turns (transfer.nccl_lanes 1, as before lanes).
 ONE_LANE = "-1lane"
+# Any name + NO_ARM: no cuda_ipc lease is armed behind a doorbell (transfer.doorbell_slots 0, as before them).
+NO_ARM = "-noarm"
 # Any name + SPILL: prompts spill onto their decode worker while the prefill workers' queues are long
 # (router.local_prefill_spill_tokens SPILL_TOKENS: about three 2-4k-token prompts waiting).
 SPILL = "-spill"
@@ -139,7 +141,7 @@ def _prefill_graphs(name: str, config: dict, tokens: int) -> dict:
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, FP8,
-    IPC, BOTH, NO_STREAM, ONE_LANE, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, LAUNCH_MARGIN, STREAM_INTERVAL, ROUTERS
+    IPC, BOTH, NO_STREAM, ONE_LANE, NO_ARM, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, LAUNCH_MARGIN, STREAM_INTERVAL, ROUTERS
     and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the
     deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
@@ -170,6 +172,9 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
     if name.endswith(ONE_LANE):
         config = _named_config(name.removesuffix(ONE_LANE), slo)
         return dict(config, transfer=dict(config.get("transfer", {}), nccl_lanes=1))
+    if name.endswith(NO_ARM):
+        config = _named_config(name.removesuffix(NO_ARM), slo)
+        return dict(config, transfer=dict(config.get("transfer", {}), doorbell_slots=0))
     interval = STREAM_INTERVAL.fullmatch(name)
     if interval is not None:
         config = _named_config(interval["base"], slo)
@@ -234,7 +239,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {NO_ARM}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

@@ -89,6 +89,7 @@ they were before the chart knew the key. */ -}}
 {{- $_ := set $transfer "pair_setup_timeout_s" $v.transfer.pairSetupTimeoutSeconds -}}
 {{- $_ := set $transfer "layer_groups" (int $v.transfer.layerGroups) -}}
 {{- $_ := set $transfer "nccl_lanes" (int $v.transfer.ncclLanes) -}}
+{{- $_ := set $transfer "doorbell_slots" (int $v.transfer.doorbellSlots) -}}
 {{- $routers := list (printf "%s.%s.svc:%d" (include "tandem.routerHeadlessName" .) .Release.Namespace (int $v.router.grpcPort)) -}}
 {{- $controller := dict "routers" $routers "restart_limit" (int $v.controller.restartLimit) -}}
 {{- $_ := set $controller "health_interval_s" $v.controller.healthIntervalSeconds -}}
