@@ -103,6 +103,19 @@ class KVSender:
         timeout_s (default config.transfer_timeout_s) bounds everything from now to the receiver's ack.
         `heads`: only these heads move (one piece of a handoff between tensor-parallel workers of different
         sizes); None: the whole cache into the whole of the receiver's."""
+        handle = self._handle(target, src_block_ids, num_tokens, timeout_s, heads)
+        self._submit(handle)
+        return handle
+
+    def _handle(
+        self,
+        target: kv_pb2.KVTarget,
+        src_block_ids: Sequence[int],
+        num_tokens: int,
+        timeout_s: float | None,
+        heads: HeadWindow | None,
+    ) -> SendHandle:
+        """A checked SendHandle, armed when the target's doorbell is ours; not yet running."""
         ids = self._check_blocks(src_block_ids, num_tokens)
         if heads is not None:
             if not isinstance(heads, HeadWindow):
@@ -115,12 +128,14 @@ class KVSender:
             raise TypeError(f"target: expected a KVTarget protobuf, got {type(target).__name__}")
         handle = SendHandle(target, ids, num_tokens, self.layout.num_layers, timeout, heads)
         self._take_doorbell(handle)
+        return handle
+
+    def _submit(self, handle: SendHandle) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVSender is closed")
             self._active += 1
             self._executor.submit(self._run, handle)
-        return handle
 
     def _take_doorbell(self, handle: SendHandle) -> None:
         """A cuda_ipc target armed for us by a receiver we are paired with: write our ids into its slot now, and
@@ -155,9 +170,12 @@ class KVSender:
         None when they are complete (e.g. the first token was already copied to the host). `heads`: as open()."""
         if not isinstance(first_token, FirstToken):
             raise TypeError(f"first_token: expected FirstToken, got {type(first_token).__name__}")
-        handle = self.open(target, src_block_ids, num_tokens, timeout_s, heads)
+        handle = self._handle(target, src_block_ids, num_tokens, timeout_s, heads)
+        # Queued before the transfer thread starts: an armed transfer's doorbell rings first, without waiting for
+        # that thread to let go of the interpreter lock.
         handle.send_layers(0, self.layout.num_layers, ready)
         handle.finish(first_token)
+        self._submit(handle)
         return handle
 
     def stats(self) -> TransferStats:
