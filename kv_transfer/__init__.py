@@ -5,8 +5,8 @@ router; results arrive through `poll()` or `on_result`. Prefill side: `KVSender.
 `SendHandle` (non-blocking), blocks released through `on_release`. Transports: tcp, nccl, cuda_ipc
 (`TransferConfig.kinds`: one per worker for now; `transport.device_transports`: what a cache could use).
 Module map: config, contracts (leases, results, reasons), frames (wire), pairing, leases (ownership), receiver
-+ receive_session, sender + send_handle + send_session, transport (seam), tcp, nccl, cuda_ipc, cuda_events (GPU
-waits), stats.
++ receive_session, sender + send_handle + send_session, transport (seam), tcp, nccl, cuda_ipc, doorbell (cuda_ipc
+copies queued at reservation and started by the sender's GPU), cuda_events (GPU waits), stats.
 """
 
 from __future__ import annotations

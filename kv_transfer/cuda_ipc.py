@@ -21,8 +21,11 @@ run; rows repeat every K|V plane:
 Doorbells (kv_transfer.doorbell): a receiver reserving for a sender it is paired with may arm the lease, queueing
 its copies on its GPU behind a slot of the pair's doorbell page; that sender then rings the slot from its GPU
 as each layer group is ready and never waits on the host. Without a doorbell: the sender's `ready` event is
-waited on the host before KVPart goes out, since the receiver copies as soon as it reads it. The receiver queues each part's copies as its frame arrives and waits once, at KVDone, for the last. Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as
-long as the prefill worker); a mapping stays open until the receiver closes.
+waited on the host before KVPart goes out, since the receiver copies as soon as it reads it. The receiver
+queues each part's copies as its frame arrives and waits once, at KVDone, for the last.
+
+Caveat: the mapping assumes the sender's cache outlives its transfers (it does: the cache lives as long as the
+prefill worker); a mapping stays open until the receiver closes.
 """
 
 from __future__ import annotations
@@ -133,13 +136,16 @@ class IpcSenderTransport(SenderTransport):
         ops = doorbell.mem_ops()
         if ops is None or not self._ops.raw:
             return
-        page = None
+        page = pinned = None
         try:
             bind_device(self._device)
             page = Page.open(message.shm_name, Geometry(message.slots, message.capacity))
-            bell = _SenderBell(PinnedPage(page, ops), ops.new_stream(self._device))
-        except (OSError, ValueError, TransferFailed) as exc:
-            if page is not None:
+            pinned = PinnedPage(page, ops)
+            bell = _SenderBell(pinned, ops.new_stream(self._device))
+        except Exception as exc:  # a doorbell is an optimization: the pair works without one
+            if pinned is not None:
+                pinned.close()
+            elif page is not None:
                 page.close()
             log.warning("KV doorbell of a cuda_ipc pair not usable, sending unarmed: %s", exc)
             return
@@ -323,7 +329,7 @@ class IpcReceiverTransport(ReceiverTransport):
                     streams[0],
                 )
             streams[0].synchronize()
-        except (OSError, ValueError, TransferFailed) as exc:
+        except Exception as exc:  # a doorbell is an optimization: the pair works without one
             for stream in streams:
                 ops.destroy_stream(stream)
             if pinned is not None:

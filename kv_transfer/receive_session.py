@@ -196,9 +196,7 @@ class ReceiveSession:
         self.armed = False
         armed = self.core.take_armed(lease.handle)
         if armed is not None:  # from here a failure releases the chain before the blocks are freed
-            ipc = self._transport()
-            assert isinstance(ipc, IpcReceiverTransport), "only cuda_ipc leases are armed"
-            self.sink = ipc.armed_sink(armed)
+            self.sink = self._ipc().armed_sink(armed)
         self._check_begin(begin, lease)
         self.src_block_ids = tuple(begin.src_block_ids)
         if armed is not None:
@@ -236,9 +234,12 @@ class ReceiveSession:
     def _check_armed(self, armed: Armed, begin: kv_pb2.KVBegin, peer_id: bytes) -> None:
         """Keep the armed chain when this sender rang it with the ids it names; else end it (the sender did not
         arm: the frames drive the copies)."""
-        ipc = self._transport()
-        assert isinstance(ipc, IpcReceiverTransport)
-        if armed.peer_id == peer_id and begin.armed_generation == armed.generation:
+        ipc = self._ipc()
+        if (
+            self.kind == "cuda_ipc"
+            and armed.peer_id == peer_id
+            and begin.armed_generation == armed.generation
+        ):
             ids = armed.src_ids()
             if ids.tolist() != list(self.src_block_ids):
                 raise TransferFailed(
@@ -248,9 +249,9 @@ class ReceiveSession:
             ipc.check_source_ids(peer_id, self.src_block_ids)
             self.armed = True
             return
-        self.sink = None
-        if not ipc.release(armed, reusable=armed.peer_id == peer_id):
+        if not ipc.release(armed, reusable=armed.peer_id == peer_id):  # the sink stays: the blocks are kept
             raise TransferFailed(FailureReason.INTERNAL, "an armed KV copy did not end")
+        self.sink = None
 
     def _serve(self, peer_id: bytes) -> None:
         """Take the parts up to KVDone. Besides `stream` (claim to KVDone read) the phases split this thread's
@@ -282,6 +283,12 @@ class ReceiveSession:
     def _layout(self) -> KVLayout:
         """The layout of what the claimed transfer moves: our cache, or the window of its heads."""
         return window_layout(self.core.layout, self.heads)
+
+    def _ipc(self) -> IpcReceiverTransport:
+        """The cuda_ipc transport, which armed the lease (whatever transport this connection is)."""
+        ipc = self.core.transports.get("cuda_ipc")
+        assert isinstance(ipc, IpcReceiverTransport), "only a receiver holding cuda_ipc arms leases"
+        return ipc
 
     def _transport(self) -> ReceiverTransport:
         assert self.transport is not None, "set by the handshake"
