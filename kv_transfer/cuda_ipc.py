@@ -349,7 +349,7 @@ class IpcReceiverTransport(ReceiverTransport):
         with self._lock:
             bell, mapping = self._bells.get(peer_id), self._mappings.get(peer_id)
         ops = doorbell.mem_ops()
-        if bell is None or mapping is None or ops is None:
+        if bell is None or bell.stopped or mapping is None or ops is None:
             return None
         geometry, n = bell.page.page.geometry, len(block_ids)
         if not 0 < n <= geometry.capacity or (taken := bell.slots.take()) is None:
@@ -385,6 +385,16 @@ class IpcReceiverTransport(ReceiverTransport):
         with self._lock:
             self._outstanding[(peer_id, slot)] = armed
         return armed
+
+    def stop_arming(self, peer_id: bytes) -> None:
+        """The sender left an armed slot unused (it could not open or pin the page): arm nothing more for it, so
+        that its transfers are not copied twice (the released chain's copy, then the frames')."""
+        with self._lock:
+            bell = self._bells.get(peer_id)
+            if bell is None or bell.stopped:
+                return
+            bell.stopped = True
+        log.warning("a cuda_ipc sender does not take up its doorbell: its leases go unarmed from now on")
 
     def release(self, armed: Armed, reusable: bool) -> bool:
         """End an armed lease's chain and wait for its copies (kv_transfer.doorbell.release); the slot is armed
@@ -578,6 +588,7 @@ class _ReceiverBell:
     page: PinnedPage
     slots: SlotTable
     streams: list[Any]  # one per slot, each the driver's own (kv_transfer.doorbell)
+    stopped: bool = False  # its sender does not take slots up: arm nothing more (stop_arming)
 
 
 class _ArmedSink(PartSink):

@@ -249,6 +249,8 @@ class ReceiveSession:
             ipc.check_source_ids(peer_id, self.src_block_ids)
             self.armed = True
             return
+        if armed.peer_id == peer_id and self.kind == "cuda_ipc" and not begin.armed_generation:
+            ipc.stop_arming(peer_id)  # the sender it was armed for left it unused
         if not ipc.release(armed, reusable=armed.peer_id == peer_id):  # the sink stays: the blocks are kept
             raise TransferFailed(FailureReason.INTERNAL, "an armed KV copy did not end")
         self.sink = None

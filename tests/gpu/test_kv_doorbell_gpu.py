@@ -108,6 +108,15 @@ def test_armed_leases_land_intact_and_unarmed_ones_still_do(peer):
         assert sent["ok"] and result.ok and not result.armed, (sent, result)
         assert checksum(cache, lease.block_ids) == sent["checksum"]
         alloc.free(lease.block_ids)
+        # The sender the lease was armed for left the slot unused (as one that cannot open the page would):
+        # nothing more is armed for it, so its transfers are not copied twice.
+        lease = receiver.reserve("after-unused", 16, sender=sender_id)
+        assert not receiver.target(lease).HasField("armed")
+        sent = _send(conn, receiver, lease, "all")
+        (result,) = wait_results(receiver)
+        assert sent["ok"] and result.ok and not result.armed
+        assert checksum(cache, lease.block_ids) == sent["checksum"]
+        alloc.free(lease.block_ids)
         assert alloc.all_free
 
 
