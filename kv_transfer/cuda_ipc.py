@@ -379,7 +379,7 @@ class IpcReceiverTransport(ReceiverTransport):
         except Exception as exc:  # a part of the chain may be queued: end it, and never use the slot again
             page.words[geometry.bell(slot)] = doorbell.bell_value(generation, doorbell.ALL_LAYERS)
             stream.synchronize()
-            bell.slots.put(slot, reusable=False)
+            bell.slots.retire(slot)
             log.warning("arming a KV lease failed, it goes unarmed: %s: %s", type(exc).__name__, exc)
             return None
         with self._lock:
@@ -397,16 +397,19 @@ class IpcReceiverTransport(ReceiverTransport):
         log.warning("a cuda_ipc sender does not take up its doorbell: its leases go unarmed from now on")
 
     def release(self, armed: Armed, reusable: bool) -> bool:
-        """End an armed lease's chain and wait for its copies (kv_transfer.doorbell.release); the slot is armed
-        again only if `reusable` (its sender can no longer write into it). False: the copies did not end."""
+        """End an armed lease's chain and wait for its copies (kv_transfer.doorbell.release). The slot is free
+        again at once if `reusable` (its sender can no longer write into it), else after a quarantine
+        (doorbell.SlotTable). False: the copies did not end (the slot is retired)."""
         ended = doorbell.release(armed)
-        self._settle(armed, reusable and ended)
+        self._settle(armed, "free" if ended and reusable else "quarantine" if ended else "retire")
         return ended
 
-    def _settle(self, armed: Armed, reusable: bool) -> None:
+    def _settle(self, armed: Armed, how: str) -> None:
         with self._lock:
             self._outstanding.pop((armed.peer_id, armed.slot), None)
-        armed.slots.put(armed.slot, reusable)
+        {"free": armed.slots.put, "quarantine": armed.slots.quarantine, "retire": armed.slots.retire}[how](
+            armed.slot
+        )
 
     def armed_sink(self, armed: Armed) -> PartSink:
         return _ArmedSink(self, armed)
@@ -603,7 +606,7 @@ class _ArmedSink(PartSink):
 
     def finish(self, watch: Watch, conn: FrameConnection) -> None:
         doorbell.wait_landed(self._armed, watch)
-        self._t._settle(self._armed, reusable=True)
+        self._t._settle(self._armed, "free")
 
     def abandon(self) -> None:
         # The sender claimed the lease, so it wrote its ids before KVBegin: the slot may be armed again.

@@ -28,8 +28,8 @@ armed waits until that lease's sender rings or the lease ends. A slot's stream i
 never taken from torch's stream pool (a pooled stream is shared: work queued behind an armed wait would wait
 for the sender).
 
-A slot whose lease ended before any sender claimed it is not armed again for that pair (its sender may still
-write ids into it); `SlotTable.tainted` counts them, and a pair set up again gets a fresh page.
+A slot whose lease ended before any sender claimed it rests for QUARANTINE_S before it is armed again (its
+sender may still write ids into it: SlotTable says how a late write is caught).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ SPIN_S = 30e-6  # a landing wait polls without sleeping this long, then every PO
 POLL_S = 20e-6
 SLOW_POLL_S = 250e-6  # after SLOW_AFTER_S: a copy this long is not waited for finely
 SLOW_AFTER_S = 0.02
+QUARANTINE_S = 60.0  # a slot whose lease ended unclaimed is armed again after this (SlotTable)
 RELEASE_TIMEOUT_S = 10.0  # a released chain's copies end within a copy's time; past this something is broken
 
 
@@ -264,17 +265,30 @@ class PinnedPage:
 
 
 class SlotTable:
-    """The receiver's slots of one page: which are free and each one's generation. Thread-safe."""
+    """The receiver's slots of one page: which are free and each one's generation. Thread-safe.
 
-    def __init__(self, slots: int) -> None:
+    A slot goes back free once its lease landed or its claimed transfer failed (its sender wrote its ids before
+    KVBegin). One whose lease ended before any claim is quarantined for QUARANTINE_S: its sender may still be
+    about to write ids and ring (a send that started as the lease was cancelled). A stale write after that is
+    caught, not copied silently: the receiver checks the slot's ids against KVBegin's at the claim and again
+    after the copies, and fails the transfer on a difference. A slot whose chain did not end is retired."""
+
+    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._free = list(range(slots - 1, -1, -1))
+        self._held: list[tuple[float, int]] = []  # (free again at, slot)
         self._generation = [0] * slots
-        self.tainted = 0
+        self.quarantined = 0  # slots ever quarantined
+        self.retired = 0
 
     def take(self) -> tuple[int, int] | None:
         """(slot, generation) of a free slot, or None when none is free (the lease goes unarmed)."""
         with self._lock:
+            if self._held:
+                now = self._clock()
+                self._free[:0] = [slot for at, slot in self._held if at <= now]  # taken after the others
+                self._held = [(at, slot) for at, slot in self._held if at > now]
             while self._free:
                 slot = self._free.pop()
                 if self._generation[slot] < MAX_GENERATION:
@@ -282,12 +296,18 @@ class SlotTable:
                     return slot, self._generation[slot]
             return None
 
-    def put(self, slot: int, reusable: bool) -> None:
+    def put(self, slot: int) -> None:
         with self._lock:
-            if reusable:
-                self._free.append(slot)
-            else:
-                self.tainted += 1
+            self._free.append(slot)
+
+    def quarantine(self, slot: int) -> None:
+        with self._lock:
+            self._held.append((self._clock() + QUARANTINE_S, slot))
+            self.quarantined += 1
+
+    def retire(self, slot: int) -> None:
+        with self._lock:
+            self.retired += 1
 
     @property
     def free(self) -> int:

@@ -66,6 +66,7 @@ class ReceiveSession:
         self.src_block_ids: tuple[int, ...] = ()
         self.heads: tuple[int, int] | None = None  # the claimed window of our cache's heads; None: all
         self.armed = False  # the claimed transfer's copies run behind a doorbell (kv_transfer.doorbell)
+        self.armed_chain: Armed | None = None
         self.phases: dict[str, float] = {}
         self.watch = Watch(
             time.monotonic() + core.config.connect_timeout_s,
@@ -193,7 +194,7 @@ class ReceiveSession:
         lease = self.core.table.claim(bytes(begin.handle), begin.request_id, self.heads)
         self.lease, self.claimed_at = lease, time.monotonic()
         self.phases = {"claim": self.claimed_at - started}
-        self.armed = False
+        self.armed, self.armed_chain = False, None
         armed = self.core.take_armed(lease.handle)
         if armed is not None:  # from here a failure releases the chain before the blocks are freed
             self.sink = self._ipc().armed_sink(armed)
@@ -247,7 +248,7 @@ class ReceiveSession:
                     f"request {begin.request_id!r}: the doorbell slot's block ids differ from KVBegin's",
                 )
             ipc.check_source_ids(peer_id, self.src_block_ids)
-            self.armed = True
+            self.armed, self.armed_chain = True, armed
             return
         if armed.peer_id == peer_id and self.kind == "cuda_ipc" and not begin.armed_generation:
             ipc.stop_arming(peer_id)  # the sender it was armed for left it unused
@@ -348,6 +349,10 @@ class ReceiveSession:
         assert self.sink is not None
         self.sink.finish(self.watch, self.conn)
         self.sink = None  # every write completed
+        if self.armed_chain is not None and self.armed_chain.src_ids().tolist() != list(self.src_block_ids):
+            raise TransferFailed(  # a stale sender of the slot's last lease wrote into it meanwhile
+                FailureReason.DESCRIPTOR_MISMATCH, "the doorbell slot's block ids changed during the copies"
+            )
         count = None if self.heads is None else self.heads[1]
         claimed = self.lease
         lease = self.core.table.land(claimed.handle, count)  # raises a cancellation that came first

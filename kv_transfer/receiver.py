@@ -158,7 +158,7 @@ class KVReceiver:
 
     def _disarm(self, lease: Lease) -> bool:
         """Before an unclaimed lease's blocks are freed: end its armed chain, if any. Its sender may still write
-        ids into the slot (it may hold the KVTarget), so the slot is not armed again."""
+        ids into the slot (it may hold the KVTarget), so the slot rests in quarantine first."""
         armed = self._take_armed(lease.handle)
         if armed is None:
             return True

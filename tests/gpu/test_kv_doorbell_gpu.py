@@ -1,7 +1,7 @@
 """cuda_ipc leases armed behind a doorbell (kv_transfer.doorbell), between two processes: the parent receives
 and arms, a spawned child runs a real KVSender. Bytes identical whether the sender rings all layers at once or
 group by group; a lease armed for another sender lands through its frames; an armed lease that ends before any
-sender claimed it gives back every block and leaves the next lease armable.
+sender claimed it gives back every block, and its slot rests before it is armed again.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_armed_leases_land_intact_and_unarmed_ones_still_do(peer):
         assert alloc.all_free
 
 
-def test_an_armed_lease_that_ends_unclaimed_frees_its_blocks_and_its_slot_is_not_armed_again(peer):
+def test_an_armed_lease_that_ends_unclaimed_frees_its_blocks_and_its_slot_rests(peer):
     conn, sender_id = peer
     cache, alloc = make_cache(5, devices("cuda_ipc")[0]), FreeList(4)
     with KVReceiver(layout_of(), cache, alloc, config("cuda_ipc", doorbell_slots=1)) as receiver:
@@ -140,7 +140,7 @@ def test_an_armed_lease_that_ends_unclaimed_frees_its_blocks_and_its_slot_is_not
         others = [b for b in range(NUM_BLOCKS) if b not in lease.block_ids and b != 0]
         assert checksum(cache, others) == checksum(before, others)
 
-        # Its slot is not armed again (its sender might still write into it): the next lease goes unarmed.
+        # Its slot rests in quarantine (its sender might still write into it): the next lease goes unarmed.
         lease = receiver.reserve("after", 48, sender=sender_id)
         assert not receiver.target(lease).HasField("armed")
         sent = _send(conn, receiver, lease, "groups")

@@ -1,6 +1,6 @@
 """kv_transfer.doorbell's host side, which needs no GPU: where a page's words are, the shared memory both
 processes map (a write through one mapping is seen through the other), and the receiver's slot table (a slot
-whose lease ended unclaimed is never handed out again, generations only grow)."""
+whose lease ended unclaimed rests before it is handed out again, generations only grow)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kv_transfer.doorbell import (
     BELL_STEP,
     LINE_WORDS,
     MAX_GENERATION,
+    QUARANTINE_S,
     Geometry,
     Page,
     SlotTable,
@@ -68,18 +69,26 @@ def test_only_pages_this_project_names_are_opened():
         Page.open("psm_other", Geometry(1, 1))
 
 
-def test_slots_are_handed_out_once_and_a_tainted_one_never_again():
-    table = SlotTable(2)
-    a, b = table.take(), table.take()
-    assert a is not None and b is not None and {a[0], b[0]} == {0, 1}
+def test_slots_are_handed_out_once_quarantined_ones_rest_and_retired_ones_never_return():
+    now = [0.0]
+    table = SlotTable(3, clock=lambda: now[0])
+    a, b, c = table.take(), table.take(), table.take()
+    assert a is not None and b is not None and c is not None and {a[0], b[0], c[0]} == {0, 1, 2}
     assert table.take() is None  # none free: the lease goes unarmed
-    table.put(a[0], reusable=True)
+    table.put(a[0])
     again = table.take()
     assert again == (a[0], a[1] + 1)  # the same slot, the next generation
-    table.put(again[0], reusable=True)
-    table.put(b[0], reusable=False)
-    assert table.tainted == 1 and table.free == 1
-    assert [table.take(), table.take()] == [(a[0], a[1] + 2), None]
+    table.quarantine(b[0])  # its lease ended unclaimed: its sender may still write into it
+    table.retire(c[0])  # its chain did not end
+    assert table.take() is None
+    now[0] = QUARANTINE_S - 1.0
+    assert table.take() is None
+    now[0] = QUARANTINE_S
+    assert table.take() == (b[0], b[1] + 1)
+    table.put(again[0])
+    assert table.take() == (again[0], again[1] + 1)
+    assert table.take() is None  # the retired slot never comes back
+    assert (table.quarantined, table.retired) == (1, 1)
 
 
 def test_a_slot_retires_before_its_bells_overflow_32_bits():
@@ -87,7 +96,7 @@ def test_a_slot_retires_before_its_bells_overflow_32_bits():
     table._generation[0] = MAX_GENERATION - 1
     slot, generation = table.take()
     assert generation == MAX_GENERATION and bell_value(generation, ALL_LAYERS) < 2**32
-    table.put(slot, reusable=True)
+    table.put(slot)
     assert table.take() is None
 
 
