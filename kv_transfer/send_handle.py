@@ -95,8 +95,8 @@ class SendHandle:
         if self._ring is not None:
             try:  # from the GPU, behind `ready`: the receiver's copies start when these layers are written
                 self._ring(layer_end, ready)
-            except TransferFailed as exc:  # the receiver's chain then waits: KVAbort makes it end it
-                self.abort(f"ringing the receiver's doorbell failed: {exc.message}")
+            except Exception as exc:  # never into the caller (an engine step); KVAbort ends the receiver's chain
+                self.abort(f"ringing the receiver's doorbell failed: {type(exc).__name__}: {exc}")
         self._queue.put(PartRequest(layer_begin, layer_end, ready))
 
     def finish(self, first_token: FirstToken) -> None:
