@@ -250,6 +250,46 @@ def test_send_range_and_count_checks_keep_ownership_with_the_caller():
     assert released == []  # nothing was taken over
 
 
+def test_before_free_runs_before_a_failed_lease_s_blocks_return_and_can_keep_them():
+    alloc, clock, asked = FreeList(16), ManualClock(), []
+
+    def before_free(lease) -> bool:  # a receiver ending an armed chain: False when it did not end
+        asked.append((lease.request_id, len(alloc.free_ids)))
+        return lease.request_id != "stuck"
+
+    table = LeaseTable(LAYOUT, alloc, lambda *a: None, clock=clock, before_free=before_free)
+    ok = table.reserve("ok", 8, ttl_s=5)
+    stuck = table.reserve("stuck", 8, ttl_s=5)
+    held = len(alloc.free_ids)
+    table.cancel("ok", TransferFailed(FailureReason.RECEIVER_ABORTED, "x"))
+    assert asked == [("ok", held)] and len(alloc.free_ids) == held + len(
+        ok.block_ids
+    )  # asked first, then freed
+    clock.now += 6
+    table.expire()
+    assert asked[-1][0] == "stuck" and not set(stuck.block_ids) & set(alloc.free_ids)  # kept out for good
+    assert not table.active(stuck.handle)
+
+
+def test_an_armed_handle_rings_each_group_s_end_and_a_failed_ring_aborts_instead_of_raising():
+    rung: list[tuple[int, object]] = []
+    handle = SendHandle(kv_pb2.KVTarget(request_id="r"), (1,), 4, num_layers=4, timeout_s=10)
+    handle.arm((3, 7), lambda end, ready: rung.append((end, ready)))
+    handle.send_layers(0, 1, "event-a")
+    handle.send_layers(1, 4)
+    assert rung == [(1, "event-a"), (4, None)] and handle.cancellation() is None
+
+    def broken(end: int, ready: object) -> None:
+        raise RuntimeError("cuStreamWriteValue32: CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    handle = SendHandle(kv_pb2.KVTarget(request_id="r"), (1,), 4, num_layers=4, timeout_s=10)
+    handle.arm((3, 7), broken)
+    handle.send_layers(0, 4)  # the caller (a prefill step) never sees it
+    failure = handle.cancellation()
+    assert failure is not None and failure.reason is FailureReason.SENDER_ABORTED
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in failure.message
+
+
 def test_layer_groups_must_tile_the_layers():
     handle = SendHandle(kv_pb2.KVTarget(request_id="r"), (1,), 4, num_layers=4, timeout_s=10)
     handle.send_layers(0, 2)
