@@ -320,12 +320,12 @@ class IpcReceiverTransport(ReceiverTransport):
                 mapping = self._mappings[peer_id]
             geometry = page.geometry
             with torch.cuda.stream(streams[0]):  # block 0 (padding only) onto our block 0
-                copy_blocks(
-                    mapping.source.layers(0, 1),
-                    self._cache_ptr.layers(0, 1),
+                self._pull(
+                    mapping,
+                    0,
+                    1,
                     pinned.ids_pointer(geometry.src(0), 1),
                     pinned.ids_pointer(geometry.dst(0), 1),
-                    self._ops,
                     streams[0],
                 )
             streams[0].synchronize()
@@ -362,14 +362,7 @@ class IpcReceiverTransport(ReceiverTransport):
         dst_ids = bell.page.ids_pointer(geometry.dst(slot), n)
 
         def copy(begin: int, end: int) -> None:
-            copy_blocks(
-                mapping.source.layers(begin, end),
-                self._cache_ptr.layers(begin, end),
-                src_ids,
-                dst_ids,
-                self._ops,
-                stream,
-            )
+            self._pull(mapping, begin, end, src_ids, dst_ids, stream)
 
         armed = Armed(peer_id, slot, generation, n, num_bytes, bell.page, bell.slots, stream)
         bind_device(self._device)
@@ -476,14 +469,7 @@ class IpcReceiverTransport(ReceiverTransport):
                 dst_ids = self._ops.ids(self._dst_ids, job.block_ids)
                 l0, l1 = job.layer_begin, job.layer_end
                 with torch.cuda.stream(self._stream):
-                    copy_blocks(
-                        mapping.source.layers(l0, l1),
-                        self._cache_ptr.layers(l0, l1),
-                        src_ids,
-                        dst_ids,
-                        self._ops,
-                        self._stream,
-                    )
+                    self._pull(mapping, l0, l1, src_ids, dst_ids, self._stream)
             copied = self._timer()
             self._ops.record(copied, self._stream)
         except Exception as exc:
@@ -491,6 +477,18 @@ class IpcReceiverTransport(ReceiverTransport):
                 FailureReason.TRANSPORT_ERROR, f"CUDA copy: {type(exc).__name__}: {exc}"
             ) from None
         return _Copy(started, copied, job.num_bytes, self._clock.expect(job.num_bytes))
+
+    def _pull(self, mapping: _Mapping, begin: int, end: int, src_ids: Any, dst_ids: Any, stream: Any) -> None:
+        """Queue on `stream` (the current one) the copy of layers [begin, end) of the sender's blocks src_ids
+        into ours, dst_ids, reading its mapped cache over NVLink (kv_transfer.block_copy)."""
+        copy_blocks(
+            mapping.source.layers(begin, end),
+            self._cache_ptr.layers(begin, end),
+            src_ids,
+            dst_ids,
+            self._ops,
+            stream,
+        )
 
     def _timer(self) -> Any:
         with self._lock:

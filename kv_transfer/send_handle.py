@@ -95,7 +95,9 @@ class SendHandle:
         if self._ring is not None:
             try:  # from the GPU, behind `ready`: the receiver's copies start when these layers are written
                 self._ring(layer_end, ready)
-            except Exception as exc:  # never into the caller (an engine step); KVAbort ends the receiver's chain
+            except (
+                Exception
+            ) as exc:  # never into the caller (an engine step); KVAbort ends the receiver's chain
                 self.abort(f"ringing the receiver's doorbell failed: {type(exc).__name__}: {exc}")
         self._queue.put(PartRequest(layer_begin, layer_end, ready))
 
