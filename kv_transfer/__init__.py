@@ -6,7 +6,7 @@ router; results arrive through `poll()` or `on_result`. Prefill side: `KVSender.
 (`TransferConfig.kinds`: one per worker for now; `transport.device_transports`: what a cache could use).
 Module map: config, contracts (leases, results, reasons), frames (wire), pairing, leases (ownership), receiver
 + receive_session, sender + send_handle + send_session, transport (seam), tcp, nccl, cuda_ipc, doorbell (cuda_ipc
-copies queued at reservation and started by the sender's GPU), cuda_events (GPU waits), stats.
+copies queued at reservation and started by the sender's GPU) + ipc_bells (its pages per pair), cuda_events (GPU waits), stats.
 """
 
 from __future__ import annotations

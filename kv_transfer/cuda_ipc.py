@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 
-from kv_transfer import doorbell
 from kv_transfer.block_copy import DevicePointer, cache_pointer, copy_blocks
 from kv_transfer.config import TransferConfig
 from kv_transfer.contracts import FailureReason, TransferFailed
 from kv_transfer.cuda_events import CopyClock, bind_device, require_cuda, wait_event
-from kv_transfer.doorbell import Armed, Geometry, Page, PinnedPage, SlotTable
+from kv_transfer.doorbell import Armed
 from kv_transfer.frames import FrameConnection, Watch, expect
 from kv_transfer.gpu_ops import IdsPool, gpu_ops, transfer_stream
+from kv_transfer.ipc_bells import ReceiverBells, SenderBells
 from kv_transfer.transport import PartJob, PartSink, ReceiverTransport, SenderTransport, part_frame
 from model_runtime.config import ConfigError
 from model_runtime.kv_layout import KVLayout
@@ -101,14 +101,6 @@ def block_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, in
     return runs
 
 
-@dataclass
-class _SenderBell:
-    """A receiver's doorbell page as its sender holds it: pinned for our GPU, rung from our own stream."""
-
-    page: PinnedPage
-    stream: Any
-
-
 class IpcSenderTransport(SenderTransport):
     def __init__(self, layout: KVLayout, cache: torch.Tensor, config: TransferConfig) -> None:
         self._device = require_cuda(cache, "cuda_ipc")
@@ -116,8 +108,7 @@ class IpcSenderTransport(SenderTransport):
         self._cache = cache
         self._export: kv_pb2.KVIpcExport | None = None
         self._lock = threading.Lock()
-        self._bells: dict[bytes, _SenderBell] = {}
-        self._ops = gpu_ops()
+        self.bells = SenderBells(self._device, gpu_ops())  # receivers' doorbell pages (kv_transfer.ipc_bells)
 
     def ensure_pair(
         self, peer_id: bytes, peer_ready: bool, conn: FrameConnection, watch: Watch, since: float
@@ -128,58 +119,7 @@ class IpcSenderTransport(SenderTransport):
         conn.send_frame(kv_pb2.KVFrame(pair_setup=setup), watch)
         ack = expect(conn.read_frame(watch), "pair_setup_ack", FailureReason.PAIR_SETUP_FAILED)
         if ack.pair_setup_ack.HasField("doorbell"):
-            self._open_bell(peer_id, ack.pair_setup_ack.doorbell)
-
-    def _open_bell(self, peer_id: bytes, message: kv_pb2.KVDoorbell) -> None:
-        """Pin the receiver's doorbell page; without it (no driver support, a page we cannot open) this pair's
-        armed targets are sent as unarmed ones."""
-        ops = doorbell.mem_ops()
-        if ops is None or not self._ops.raw:
-            return
-        page = pinned = None
-        try:
-            bind_device(self._device)
-            page = Page.open(message.shm_name, Geometry(message.slots, message.capacity))
-            pinned = PinnedPage(page, ops)
-            bell = _SenderBell(pinned, ops.new_stream(self._device))
-        except Exception as exc:  # a doorbell is an optimization: the pair works without one
-            if pinned is not None:
-                pinned.close()
-            elif page is not None:
-                page.close()
-            log.warning("KV doorbell of a cuda_ipc pair not usable, sending unarmed: %s", exc)
-            return
-        with self._lock:
-            old = self._bells.pop(peer_id, None)
-            self._bells[peer_id] = bell
-        if old is not None:
-            old.page.close()
-
-    def honor(self, peer_id: bytes, armed: kv_pb2.KVArmed, block_ids: tuple[int, ...]) -> int:
-        """Write our block ids into the armed slot of this pair's page: the generation the transfer then rings,
-        or 0 when it cannot (no page for this pair, a slot or id count out of its range)."""
-        with self._lock:
-            bell = self._bells.get(peer_id)
-        if bell is None or armed.generation < 1 or armed.generation > doorbell.MAX_GENERATION:
-            return 0
-        geometry = bell.page.page.geometry
-        if armed.slot >= geometry.slots or len(block_ids) > geometry.capacity:
-            return 0
-        bell.page.page.write_ids(geometry.src(armed.slot), block_ids)
-        return armed.generation
-
-    def ring(self, peer_id: bytes, slot: int, generation: int, layer_end: int, ready: Any) -> None:
-        """Ring the slot from our GPU once layers [0, layer_end) are written (behind `ready`, a CUDA event, or
-        at once for None): no host wait."""
-        with self._lock:
-            bell = self._bells.get(peer_id)
-        ops = doorbell.mem_ops()
-        if bell is None or ops is None:
-            raise TransferFailed(FailureReason.INTERNAL, "an armed transfer lost its doorbell")
-        if ready is not None:
-            self._ops.wait(bell.stream, ready)
-        address = bell.page.address(bell.page.page.geometry.bell(slot))
-        ops.write(bell.stream.cuda_stream, address, doorbell.bell_value(generation, layer_end))
+            self.bells.open(peer_id, ack.pair_setup_ack.doorbell)
 
     def _exported(self) -> kv_pb2.KVIpcExport:
         with self._lock:
@@ -200,14 +140,7 @@ class IpcSenderTransport(SenderTransport):
             return self._export
 
     def close(self) -> None:
-        ops = doorbell.mem_ops()
-        with self._lock:
-            bells, self._bells = list(self._bells.values()), {}
-        for bell in bells:  # rings still queued write into the page: let them land first
-            bell.stream.synchronize()
-            if ops is not None:
-                ops.destroy_stream(bell.stream)
-            bell.page.close()
+        self.bells.close()
 
     def send_part(self, job: PartJob) -> None:
         if job.armed is not None:
@@ -259,10 +192,14 @@ class IpcReceiverTransport(ReceiverTransport):
         self._setup_lock = threading.Lock()
         self._mappings: dict[bytes, _Mapping] = {}
         self._retired: list[_Mapping] = []
-        self._doorbell = (config.doorbell_slots, config.doorbell_capacity)
-        self._group_ends = group_ends(layout.num_layers, max(1, config.layer_groups))
-        self._bells: dict[bytes, _ReceiverBell] = {}
-        self._outstanding: dict[tuple[bytes, int], Armed] = {}  # armed and not yet landed or released
+        # Doorbell pages by pair and the leases armed on them (kv_transfer.ipc_bells).
+        self.bells = ReceiverBells(
+            self._device,
+            self._ops,
+            config.doorbell_slots,
+            config.doorbell_capacity,
+            group_ends(layout.num_layers, max(1, config.layer_groups)),
+        )
 
     def pair_ready(self, peer_id: bytes) -> bool:
         with self._lock:
@@ -288,124 +225,17 @@ class IpcReceiverTransport(ReceiverTransport):
                     if old is not None:  # a copy may still use it: close it with the receiver, not now
                         self._retired.append(old)
             with self._lock:
-                bell = self._bells.get(peer_id)
-            if bell is None:
-                bell = self._new_bell(peer_id)
-        ack = kv_pb2.KVPairSetupAck()
-        if bell is not None:
-            geometry = bell.page.page.geometry
-            ack.doorbell.CopyFrom(
-                kv_pb2.KVDoorbell(
-                    shm_name=bell.page.page.name, slots=geometry.slots, capacity=geometry.capacity
-                )
-            )
-        conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=ack), watch)
-
-    # --- doorbells (kv_transfer.doorbell) ---------------------------------------------------------------
-    def _new_bell(self, peer_id: bytes) -> _ReceiverBell | None:
-        """This pair's doorbell page, its slots' streams, and the copy kernel loaded (its first launch must not
-        come after an armed wait: kv_transfer.doorbell); None when doorbells are off or cannot work here."""
-        slots, capacity = self._doorbell
-        ops = doorbell.mem_ops()
-        if slots == 0 or ops is None or not self._ops.raw:
-            return None
-        page = pinned = None
-        streams: list[Any] = []
-        try:
-            bind_device(self._device)
-            page = Page.create(Geometry(slots, capacity))
-            pinned = PinnedPage(page, ops)
-            streams = [ops.new_stream(self._device) for _ in range(slots)]
-            with self._lock:
                 mapping = self._mappings[peer_id]
-            geometry = page.geometry
-            with torch.cuda.stream(streams[0]):  # block 0 (padding only) onto our block 0
-                self._pull(
-                    mapping,
-                    0,
-                    1,
-                    pinned.ids_pointer(geometry.src(0), 1),
-                    pinned.ids_pointer(geometry.dst(0), 1),
-                    streams[0],
-                )
-            streams[0].synchronize()
-        except Exception as exc:  # a doorbell is an optimization: the pair works without one
-            for stream in streams:
-                ops.destroy_stream(stream)
-            if pinned is not None:
-                pinned.close()
-            elif page is not None:
-                page.close()
-            log.warning("KV doorbell for a cuda_ipc pair not set up, leases go unarmed: %s", exc)
+            bell = self.bells.pair(peer_id, functools.partial(self._pull, mapping))
+        conn.send_frame(kv_pb2.KVFrame(pair_setup_ack=kv_pb2.KVPairSetupAck(doorbell=bell)), watch)
+
+    def arm(self, peer_id: bytes, block_ids: tuple[int, ...]) -> Armed | None:
+        """Queue a lease's copies behind a free slot of this pair's doorbell (ReceiverBells.arm); None: unarmed."""
+        with self._lock:
+            mapping = self._mappings.get(peer_id)
+        if mapping is None:
             return None
-        bell = _ReceiverBell(pinned, SlotTable(slots), streams)
-        with self._lock:
-            self._bells[peer_id] = bell
-        return bell
-
-    def arm(self, peer_id: bytes, block_ids: tuple[int, ...], num_bytes: int) -> Armed | None:
-        """Queue a lease's copies behind a free slot of this pair's doorbell; None when the pair has no
-        doorbell, no free slot, or the lease is longer than a slot holds (the lease then goes unarmed)."""
-        with self._lock:
-            bell, mapping = self._bells.get(peer_id), self._mappings.get(peer_id)
-        ops = doorbell.mem_ops()
-        if bell is None or bell.stopped or mapping is None or ops is None:
-            return None
-        geometry, n = bell.page.page.geometry, len(block_ids)
-        if not 0 < n <= geometry.capacity or (taken := bell.slots.take()) is None:
-            return None
-        slot, generation = taken
-        page, stream = bell.page.page, bell.streams[slot]
-        page.write_ids(geometry.dst(slot), block_ids)
-        page.write_ids(geometry.src(slot), [0] * n)  # until the sender writes its own: block 0, padding
-        src_ids = bell.page.ids_pointer(geometry.src(slot), n)
-        dst_ids = bell.page.ids_pointer(geometry.dst(slot), n)
-
-        def copy(begin: int, end: int) -> None:
-            self._pull(mapping, begin, end, src_ids, dst_ids, stream)
-
-        armed = Armed(peer_id, slot, generation, n, num_bytes, bell.page, bell.slots, stream)
-        bind_device(self._device)
-        try:
-            with torch.cuda.stream(stream):
-                doorbell.queue_chain(ops, bell.page, stream, slot, generation, self._group_ends, copy)
-        except Exception as exc:  # a part of the chain may be queued: end it, and never use the slot again
-            page.words[geometry.bell(slot)] = doorbell.bell_value(generation, doorbell.ALL_LAYERS)
-            stream.synchronize()
-            bell.slots.retire(slot)
-            log.warning("arming a KV lease failed, it goes unarmed: %s: %s", type(exc).__name__, exc)
-            return None
-        with self._lock:
-            self._outstanding[(peer_id, slot)] = armed
-        return armed
-
-    def stop_arming(self, peer_id: bytes) -> None:
-        """The sender left an armed slot unused (it could not open or pin the page): arm nothing more for it, so
-        that its transfers are not copied twice (the released chain's copy, then the frames')."""
-        with self._lock:
-            bell = self._bells.get(peer_id)
-            if bell is None or bell.stopped:
-                return
-            bell.stopped = True
-        log.warning("a cuda_ipc sender does not take up its doorbell: its leases go unarmed from now on")
-
-    def release(self, armed: Armed, reusable: bool) -> bool:
-        """End an armed lease's chain and wait for its copies (kv_transfer.doorbell.release). The slot is free
-        again at once if `reusable` (its sender can no longer write into it), else after a quarantine
-        (doorbell.SlotTable). False: the copies did not end (the slot is retired)."""
-        ended = doorbell.release(armed)
-        self._settle(armed, "free" if ended and reusable else "quarantine" if ended else "retire")
-        return ended
-
-    def _settle(self, armed: Armed, how: str) -> None:
-        with self._lock:
-            self._outstanding.pop((armed.peer_id, armed.slot), None)
-        {"free": armed.slots.put, "quarantine": armed.slots.quarantine, "retire": armed.slots.retire}[how](
-            armed.slot
-        )
-
-    def armed_sink(self, armed: Armed) -> PartSink:
-        return _ArmedSink(self, armed)
+        return self.bells.arm(peer_id, block_ids, functools.partial(self._pull, mapping))
 
     def _open(self, export: kv_pb2.KVIpcExport) -> _Mapping:
         try:
@@ -529,19 +359,7 @@ class IpcReceiverTransport(ReceiverTransport):
             )
 
     def close(self) -> None:
-        with self._lock:
-            outstanding = list(self._outstanding.values())
-        for armed in outstanding:  # no armed wait may outlive its page
-            self.release(armed, reusable=False)
-        ops = doorbell.mem_ops()
-        with self._lock:
-            bells, self._bells = list(self._bells.values()), {}
-        for bell in bells:
-            for stream in bell.streams:
-                stream.synchronize()
-                if ops is not None:
-                    ops.destroy_stream(stream)
-            bell.page.close()
+        self.bells.close()  # first: no armed wait may outlive its page, nor a copy its mapping
         runtime = _runtime()
         with self._lock:
             mappings = [*self._mappings.values(), *self._retired]
@@ -582,34 +400,6 @@ class _IpcSink(PartSink):
         self._t._stream.synchronize()  # local copies always finish: no write pending on return
         copies, self._copies = self._copies, []
         self._t._done(copies, learn=False)
-
-
-@dataclass
-class _ReceiverBell:
-    page: PinnedPage
-    slots: SlotTable
-    streams: list[Any]  # one per slot, each the driver's own (kv_transfer.doorbell)
-    stopped: bool = False  # its sender does not take slots up: arm nothing more (stop_arming)
-
-
-class _ArmedSink(PartSink):
-    """An armed lease's transfer: its copies were queued at reservation and run as the sender rings; the parts'
-    frames only account for the layers (the session checks that every layer was announced)."""
-
-    def __init__(self, transport: IpcReceiverTransport, armed: Armed) -> None:
-        self._t, self._armed = transport, armed
-
-    def part(self, job: PartJob) -> None:
-        pass
-
-    def finish(self, watch: Watch, conn: FrameConnection) -> None:
-        doorbell.wait_landed(self._armed, watch)
-        self._t._settle(self._armed, "free")
-
-    def abandon(self) -> None:
-        # The sender claimed the lease, so it wrote its ids before KVBegin: the slot may be armed again.
-        if not self._t.release(self._armed, reusable=True):
-            raise TransferFailed(FailureReason.INTERNAL, "an armed KV copy did not end")
 
 
 class _IpcDrain(PartSink):

@@ -323,7 +323,6 @@ class Armed:
     slot: int
     generation: int
     num_blocks: int
-    num_bytes: int
     page: PinnedPage
     slots: SlotTable
     stream: Any  # the slot's stream
@@ -333,8 +332,10 @@ class Armed:
         words = self.page.page.words
         return words is not None and int(words[self.page.page.geometry.done(self.slot)]) == self.generation
 
-    def src_ids(self) -> Any:
-        return self.page.page.read_ids(self.page.page.geometry.src(self.slot), self.num_blocks)
+    def holds(self, src_ids: tuple[int, ...]) -> bool:
+        """Whether the slot's source ids are `src_ids` (what KVBegin says the sender wrote)."""
+        page = self.page.page
+        return page.read_ids(page.geometry.src(self.slot), self.num_blocks).tolist() == list(src_ids)
 
 
 def wait_landed(armed: Armed, watch: Watch) -> None:
@@ -351,7 +352,7 @@ def wait_landed(armed: Armed, watch: Watch) -> None:
         time.sleep(POLL_S if waited < SLOW_AFTER_S else SLOW_POLL_S)
 
 
-def release(armed: Armed, ops: MemOps | None = None) -> bool:
+def release(armed: Armed) -> bool:
     """End an armed chain that may still wait: ring every layer of its generation from here, then wait until
     its copies ended. False if they did not within RELEASE_TIMEOUT_S (then its blocks must not be reused)."""
     page = armed.page.page

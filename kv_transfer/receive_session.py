@@ -65,7 +65,7 @@ class ReceiveSession:
         self.claimed_at = 0.0
         self.src_block_ids: tuple[int, ...] = ()
         self.heads: tuple[int, int] | None = None  # the claimed window of our cache's heads; None: all
-        self.armed = False  # the claimed transfer's copies run behind a doorbell (kv_transfer.doorbell)
+        # The claimed transfer's copies, when they run behind a doorbell (kv_transfer.doorbell).
         self.armed_chain: Armed | None = None
         self.phases: dict[str, float] = {}
         self.watch = Watch(
@@ -194,10 +194,10 @@ class ReceiveSession:
         lease = self.core.table.claim(bytes(begin.handle), begin.request_id, self.heads)
         self.lease, self.claimed_at = lease, time.monotonic()
         self.phases = {"claim": self.claimed_at - started}
-        self.armed, self.armed_chain = False, None
+        self.armed_chain = None
         armed = self.core.take_armed(lease.handle)
         if armed is not None:  # from here a failure releases the chain before the blocks are freed
-            self.sink = self._ipc().armed_sink(armed)
+            self.sink = self._ipc().bells.sink(armed)
         self._check_begin(begin, lease)
         self.src_block_ids = tuple(begin.src_block_ids)
         if armed is not None:
@@ -241,18 +241,19 @@ class ReceiveSession:
             and armed.peer_id == peer_id
             and begin.armed_generation == armed.generation
         ):
-            ids = armed.src_ids()
-            if ids.tolist() != list(self.src_block_ids):
+            if not armed.holds(self.src_block_ids):
                 raise TransferFailed(
                     FailureReason.DESCRIPTOR_MISMATCH,
                     f"request {begin.request_id!r}: the doorbell slot's block ids differ from KVBegin's",
                 )
             ipc.check_source_ids(peer_id, self.src_block_ids)
-            self.armed, self.armed_chain = True, armed
+            self.armed_chain = armed
             return
         if armed.peer_id == peer_id and self.kind == "cuda_ipc" and not begin.armed_generation:
-            ipc.stop_arming(peer_id)  # the sender it was armed for left it unused
-        if not ipc.release(armed, reusable=armed.peer_id == peer_id):  # the sink stays: the blocks are kept
+            ipc.bells.stop_arming(peer_id)  # the sender it was armed for left it unused
+        if not ipc.bells.release(
+            armed, reusable=armed.peer_id == peer_id
+        ):  # the sink stays: the blocks are kept
             raise TransferFailed(FailureReason.INTERNAL, "an armed KV copy did not end")
         self.sink = None
 
@@ -349,7 +350,7 @@ class ReceiveSession:
         assert self.sink is not None
         self.sink.finish(self.watch, self.conn)
         self.sink = None  # every write completed
-        if self.armed_chain is not None and self.armed_chain.src_ids().tolist() != list(self.src_block_ids):
+        if self.armed_chain is not None and not self.armed_chain.holds(self.src_block_ids):
             raise TransferFailed(  # a stale sender of the slot's last lease wrote into it meanwhile
                 FailureReason.DESCRIPTOR_MISMATCH, "the doorbell slot's block ids changed during the copies"
             )
@@ -374,7 +375,7 @@ class ReceiveSession:
                 seconds=seconds,
                 phases=dict(self.phases),
                 landed_at=self.claimed_at + seconds,
-                armed=self.armed,
+                armed=self.armed_chain is not None,
             )
         )
         self._ack(lease, self._layout().bytes_per_block * len(lease.block_ids))

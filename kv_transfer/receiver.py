@@ -146,8 +146,7 @@ class KVReceiver:
         with self._arm_lock:  # against _disarm: a lease that ended already is not armed
             if not self._table.active(lease.handle):
                 return
-            num_bytes = self.layout.bytes_per_block * len(lease.block_ids)
-            armed = ipc.arm(sender, lease.block_ids, num_bytes)
+            armed = ipc.arm(sender, lease.block_ids)
             if armed is not None:
                 self._armed[lease.handle] = armed
 
@@ -164,7 +163,7 @@ class KVReceiver:
             return True
         ipc = self._transports["cuda_ipc"]
         assert isinstance(ipc, IpcReceiverTransport)
-        return ipc.release(armed, reusable=False)
+        return ipc.bells.release(armed, reusable=False)
 
     def target(self, lease: Lease) -> kv_pb2.KVTarget:
         """The KVTarget that tells a sender where and under which handle to ship this lease's blocks."""

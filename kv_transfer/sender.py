@@ -149,11 +149,11 @@ class KVSender:
             or handle.heads is not None
         ):
             return
-        generation = ipc.honor(target.receiver_id, target.armed, handle.src_block_ids)
+        generation = ipc.bells.honor(target.receiver_id, target.armed, handle.src_block_ids)
         if generation:
             handle.arm(
                 (target.armed.slot, generation),
-                functools.partial(ipc.ring, target.receiver_id, target.armed.slot, generation),
+                functools.partial(ipc.bells.ring, target.receiver_id, target.armed.slot, generation),
             )
 
     def send(
