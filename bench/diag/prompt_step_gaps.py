@@ -129,7 +129,7 @@ def count_syncs(load: Load, steps: int, cuda: bool) -> tuple[int, list[tuple[str
     if not cuda:
         return load.until_prompt_steps(steps), []
 
-    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
         found[repo_line(traceback.extract_stack()[:-1])] += 1
 
     saved = warnings.showwarning
@@ -204,16 +204,13 @@ class Frames:
     def line_at(self, tid: object, t: float) -> str:
         """The innermost repository frame open at t on thread tid."""
         starts, events = self.by_tid.get(tid, ([], []))
-        best: dict | None = None
-        # Frames open at t started before it; scan back over a bounded window (frames nest, the innermost
-        # started last).
+        # Frames open at t started before it; scan back over a bounded window (frames nest, so the first open
+        # one found, the latest started, is the innermost).
         i = bisect.bisect_right(starts, t)
         for e in reversed(events[max(0, i - 4000) : i]):
             if e["ts"] + e["dur"] >= t and _in_repo(e["name"]):
-                if best is None or e["ts"] > best["ts"]:
-                    best = e
-                    break
-        return _label(best["name"]) if best else "(no repository frame)"
+                return _label(e["name"])
+        return "(no repository frame)"
 
 
 def _in_repo(name: str) -> bool:
@@ -229,7 +226,9 @@ def _label(name: str) -> str:
     return name.replace(str(REPO) + "/", "")
 
 
-def attribute(doc: dict, min_gap_us: float) -> tuple[list[tuple[str, float, int]], list[tuple[str, str, float, int]]]:
+def attribute(
+    doc: dict, min_gap_us: float
+) -> tuple[list[tuple[str, float, int]], list[tuple[str, str, float, int]]]:
     """Each gap charged to the line that launched the activity after it; runtime calls of SLOW_CALL_US or more
     that overlap a gap, by line and call."""
     _, _, gaps = gpu_gaps(doc, min_gap_us)
@@ -287,13 +286,17 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--num-prompts", type=int, default=None, help="default 500 (smoke 12)")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192 (smoke 64)")
-    p.add_argument("--after", type=int, default=None, help="prompt steps before measuring (default 30; smoke 2)")
+    p.add_argument(
+        "--after", type=int, default=None, help="prompt steps before measuring (default 30; smoke 2)"
+    )
     p.add_argument("--sync-steps", type=int, default=3)
     p.add_argument("--trace-steps", type=int, default=2)
     p.add_argument("--min-gap-us", type=float, default=5.0)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, float32, no graphs")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/prompt_step_gaps_<gpu>.json)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/prompt_step_gaps_<gpu>.json)"
+    )
     args = p.parse_args(argv)
     where = gpu.RunDevice.for_mode(args.smoke)
     cuda = where.device.startswith("cuda")
@@ -314,7 +317,9 @@ def main(argv: list[str] | None = None) -> Path:
     prompts = gpu.random_prompts(n, shape.input_len, engine.model_config.vocab_size, seed=shape.input_len)
     load = Load(engine, shape, prompts, concurrency(engine, shape, n))
     load.until_prompt_steps(after)
-    gpu.log(f"{args.variant} {shape.key}: {load.prompt_steps} prompt steps ran, {engine.scheduler.num_running} running")
+    gpu.log(
+        f"{args.variant} {shape.key}: {load.prompt_steps} prompt steps ran, {engine.scheduler.num_running} running"
+    )
     ran, syncs = count_syncs(load, args.sync_steps, cuda)
     print(f"\nsynchronizing calls over {ran} steps ({args.sync_steps} with prompt chunks), by line:")
     for line, count in syncs[: args.top]:
@@ -324,14 +329,18 @@ def main(argv: list[str] | None = None) -> Path:
     out = gpu.result_path(args.out, "prompt_step_gaps", where.device, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
     running = engine.scheduler.num_running
-    light_doc, light_steps = trace(load, args.trace_steps, cpu=False, path=out.with_suffix(".gpu.trace.json.gz"))
+    light_doc, light_steps = trace(
+        load, args.trace_steps, cpu=False, path=out.with_suffix(".gpu.trace.json.gz")
+    )
     light = summarize(light_doc, light_steps, args.min_gap_us, attribute_lines=False)
     print_summary(f"GPU activity only ({running} running)", light, args.top)
     del light_doc
     running = engine.scheduler.num_running
     full_doc, full_steps = trace(load, args.trace_steps, cpu=True, path=out.with_suffix(".trace.json.gz"))
     full = summarize(full_doc, full_steps, args.min_gap_us, attribute_lines=True)
-    print_summary(f"with CPU ops and Python stacks ({running} running; host overhead lengthens gaps)", full, args.top)
+    print_summary(
+        f"with CPU ops and Python stacks ({running} running; host overhead lengthens gaps)", full, args.top
+    )
     load.finish()
     doc = {
         "benchmark": "GPU gaps inside steps with prompt chunks, and their host causes",

@@ -42,6 +42,7 @@ from model_runtime.attention.base import (
     read_kv,
     slot_rows,
 )
+from model_runtime.attention.triton_gather import gather_fp8_kv
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,12 @@ def group_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys and values (see the module docstring); gathered from an FP8 cache, they are
     dequantized with their rows' scales (kv_scale), so a chunk with a cached prefix reads every key as the
-    decode kernel does."""
+    decode kernel does (one Triton launch for both, attention.triton_gather)."""
     slots = group.context_slots
     if slots is None:
         return group.rows.take(k), group.rows.take(v)
+    if kv_scale is not None:
+        return gather_fp8_kv(k_cache, v_cache, kv_scale, slots, k.dtype)
 
     def rows(pages: torch.Tensor) -> torch.Tensor:
         return slot_rows(pages, slots)

@@ -45,6 +45,25 @@ def test_store_writes_the_codes_and_scales_of_the_torch_store() -> None:
     assert not kc.float().isnan().any() and bool((peaks == 448.0).all())
 
 
+def test_triton_gather_of_fp8_rows_is_torchs_bit_for_bit() -> None:
+    """The gather a chunk over a cached prefix attends to (attention.triton_gather): cached rows of every
+    magnitude, by slots in any order and repeated, dequantized into bfloat16 exactly as the torch gather
+    (base.read_kv by slot) rounds them, on the Llama-3-8B head shape."""
+    from model_runtime.attention.base import read_kv, slot_rows
+    from model_runtime.attention.triton_gather import gather_fp8_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, b, h, d = 40, 16, 8, 128
+    magnitude = torch.logspace(-4, 4, n * b, device="cuda").view(n, b, 1, 1)
+    pages = [torch.randn(n, b, h, d, device="cuda", generator=gen) * magnitude for _ in range(2)]
+    kc, vc, scales = fp8_pages(pages[0].to(torch.bfloat16), pages[1].to(torch.bfloat16))
+    slots = torch.randint(0, n * b, (3000,), device="cuda", generator=gen)
+    got = gather_fp8_kv(kc, vc, scales, slots, torch.bfloat16)
+    for i, (cache, rows) in enumerate(zip((kc, vc), got)):
+        want = read_kv(cache, scales, i, torch.bfloat16, lambda p: slot_rows(p, slots))
+        assert rows.dtype == torch.bfloat16 and torch.equal(rows.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("max_registers", [168, None], ids=["regs168", "regs-free"])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("segments", [1, 8])

@@ -180,6 +180,40 @@ def _case_store_fp8() -> tuple[bool, str]:
     return ok, f"codes byte-equal: {same}, scales equal: {same_scales}, zero row {zero_row}, peaks 448 {full}"
 
 
+def _case_gather_fp8() -> tuple[bool, str]:
+    """The Triton gather of cached rows out of an FP8 cache (attention.triton_gather, what a chunk over a cached
+    prefix attends to) against the torch gather and dequantization (base.read_kv by slot), for slots in any
+    order, repeated, across blocks and at both ends of one, pages spanning 1e-3 .. 1e3 per row (the scales
+    differ by rows and heads). In float32 (the product is exact) bit for bit. In bfloat16 within one unit in
+    the last place: the interpreter's float32 -> bfloat16 conversion truncates where the GPU's rounds to
+    nearest even, so the bit-for-bit bfloat16 check is the GPU test's
+    (tests/gpu/test_fp8_kv_gpu.py::test_triton_gather_of_fp8_rows_is_torchs_bit_for_bit)."""
+    from model_runtime.attention.base import read_kv, slot_rows
+    from model_runtime.attention.triton_gather import gather_fp8_kv
+
+    gen = torch.Generator().manual_seed(11)
+    n, b, h, d = 6, 4, 3, 24
+    magnitude = 10.0 ** torch.randint(-3, 4, (n, b, h, 1), generator=gen).float()
+    kc, vc, scales = _fp8_caches(
+        torch.randn(n, b, h, d, generator=gen) * magnitude, torch.randn(n, b, h, d, generator=gen) * magnitude
+    )
+    slots = torch.tensor([5, 0, 23, 23, 4, 7, 12, 3, 20, 9], dtype=torch.int64)
+
+    def torch_rows(dtype: torch.dtype) -> list[torch.Tensor]:
+        return [
+            read_kv(p, scales, i, dtype, lambda pages: slot_rows(pages, slots))
+            for i, p in enumerate((kc, vc))
+        ]
+
+    exact, got32 = torch_rows(torch.float32), gather_fp8_kv(kc, vc, scales, slots, torch.float32)
+    same32 = all(torch.equal(g, w) and g.shape == w.shape for g, w in zip(got32, exact))
+    got16 = gather_fp8_kv(kc, vc, scales, slots, torch.bfloat16)
+    ulp = [2.0 ** (torch.floor(torch.log2(w.abs().clamp(min=1e-30))) - 7) for w in exact]
+    near16 = all(bool(((g.float() - w).abs() <= u).all()) for g, w, u in zip(got16, exact, ulp))
+    ok = same32 and near16 and got16[0].dtype == torch.bfloat16 and bool(exact[0].abs().max() > 100)
+    return ok, f"float32 equal {same32}, bfloat16 within one ulp {near16}"
+
+
 def _case_quantize_rows() -> tuple[bool, str]:
     """The FP8 activation kernel (quantization.act_quant) against the torch ops it replaces: each row's scale is
     its max / 448, codes byte-equal, a zero row all zero. Rows of 2500 (three iterations of the kernel's block,
@@ -308,6 +342,7 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     # decodes first, then a chunk over a prefix, then a fresh prompt (the scheduler's order): slices
     "backend_fp8_decode_prefix_fresh": _backend_case([9, 21, 20, 7], [1, 1, 4, 7], fp8=True),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
+    "fp8_cache_rows_gather_as_torch": _case_gather_fp8,
 }
 
 
