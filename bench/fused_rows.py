@@ -2,7 +2,9 @@
 bytes' roofline and against the unfused kernel, on the GPU, at decode batches and prefill chunk sizes: the kernel
 that holds a whole row in one program's registers (model_runtime.fused.triton_ops.launch_silu_mul_fp8) at
 several warp counts. (Runs 59-60 also timed two passes over column chunks, the second re-reading gate and up from
-L2, at 67b1abe: slower than the row kernel at every size, so removed; docs/performance.md.)
+L2, at 67b1abe: slower than the row kernel at every size, so removed; docs/performance.md. Run 78 timed the row
+kernel multiplying by the scale's reciprocal beside the one dividing each element: 147 against 223 us at 8,192
+rows, 4.5 codes in a million one step apart; the multiply is the kernel since.)
 
     python3 bench/fused_rows.py [--rows 32,300,512,2048,8192] [--width 14336] [--reps 20] [--out PATH]
     python3 bench/fused_rows.py --smoke      # CPU (Triton's interpreter): every variant's bytes, times nothing

@@ -64,11 +64,12 @@ def _rms_norm_kernel(
 @triton.jit
 def _store_fp8_row(y, codes_ptr, scale_ptr, cols, mask):
     """A whole row y (float32) as e4m3 codes under its own scale: max|y| / 448 (at least _FP8_MIN_SCALE), then
-    y / scale by IEEE division, rounded to nearest even. act_quant's arithmetic, which gives torch's bytes on a
-    GPU (torch divides by the scalar 448 as a multiplication by its reciprocal, as this `/` compiles)."""
+    y times the scale's reciprocal (an IEEE division, once a row), rounded to nearest even. act_quant's
+    arithmetic, which gives torch's bytes on a GPU (torch divides by the scalar 448 as a multiplication by its
+    reciprocal, as this `/` compiles; fused/fp8_rows.py says why a multiply per element, not a division)."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
     tl.store(scale_ptr, scale)
-    codes = tl.clamp(tl.math.div_rn(y, scale), -_FP8_MAX, _FP8_MAX)
+    codes = tl.clamp(y * tl.math.div_rn(1.0, scale), -_FP8_MAX, _FP8_MAX)
     tl.store(codes_ptr + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
 
 

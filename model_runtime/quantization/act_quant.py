@@ -1,13 +1,14 @@
 """Per-token FP8 quantization of activations, one Triton kernel: x [T, K] -> (codes [T, K] e4m3, scales [T, 1]).
 
-    scale[t] = max(max_k |x[t, k]| / 448, tiny)        codes[t, k] = e4m3(clamp(x[t, k] / scale[t], +-448))
+    scale[t] = max(max_k |x[t, k]| / 448, tiny)        codes[t, k] = e4m3(clamp(x[t, k] * (1 / scale[t]), +-448))
 
 The same arithmetic in torch ops (model_runtime.quantization.fp8.quantize_rows_torch) is five kernels (abs, amax, the division, clamp, the
 cast) with float32 temporaries of the whole [T, K] activation between them; a decode step runs it before each
 of a layer's four FP8 projections, so on an 8B model it added 640 small kernels to a step. The kernel is one
 program per token that reads its row twice (the maximum, then the codes; the second read comes from L2) and
-writes one byte per element and one scale. The division is IEEE round-to-nearest (div_rn), as torch's, and the
-cast rounds to nearest even, so its codes are torch's.
+writes one byte per element and one scale. The row's reciprocal is an IEEE round-to-nearest division (div_rn),
+as torch's `1.0 / scales`, each element is multiplied by it (fused/fp8_rows.py says why not a division per
+element), and the cast rounds to nearest even, so its codes are torch's.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ def _quantize_rows_kernel(
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, 0) / MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
+    inverse = tl.math.div_rn(1.0, scale)
     q_row = q_ptr + row * stride_q
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -MAX, MAX)
+        q = tl.clamp(x * inverse, -MAX, MAX)
         tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
