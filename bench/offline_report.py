@@ -73,12 +73,16 @@ def print_prompt_split(rows: list[dict]) -> None:
     timed = [r for r in rows if r["steps"].get("prefill_timed_steps") and r["steps"]["prefill_steps"]]
     if not timed:
         return
-    print("steps with prompt chunks, ms per step: wall of all; GPU and idle of those that sampled (timed)")
-    head = ("steps", "timed", "wall", "gpu", "idle")
+    print(
+        "steps with prompt chunks, ms per step: wall of all; GPU and idle of those that sampled (timed); "
+        "inputs = from the step before's sampler to this step's inputs on the device"
+    )
+    head = ("steps", "timed", "wall", "gpu", "idle", "inputs")
     print(f"{'variant':>12} {'shape':>10} " + " ".join(f"{h:>8}" for h in head))
     for r in timed:
         s = r["steps"]
         n, k = s["prefill_steps"], s["prefill_timed_steps"]
         cells = [str(n), str(k), f"{1e3 * s['prefill_s'] / n:.2f}"]
-        cells += [f"{1e3 * s[key] / k:.2f}" for key in ("prefill_gpu_s", "prefill_gpu_idle_s")]
+        keys = ("prefill_gpu_s", "prefill_gpu_idle_s", "prefill_input_wait_s")
+        cells += [f"{1e3 * s.get(key, 0.0) / k:.2f}" for key in keys]
         print(f"{r['variant']:>12} {r['shape']:>10} " + " ".join(f"{c:>8}" for c in cells))

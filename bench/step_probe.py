@@ -27,7 +27,12 @@ class StepSplit:
     even cost per step from a few long ones. Steps with prompt chunks get the same GPU span and idle time
     (`prefill_gpu_s`, `prefill_gpu_idle_s`) for those that sampled (`prefill_timed_steps`: a step whose every
     chunk is part of a longer prompt runs no sampler to end its span), so a prompt step that waits on the host
-    shows as wall time above its GPU time."""
+    shows as wall time above its GPU time. `prefill_input_wait_s` adds up, for those steps, the time from the
+    previous launch's sampler to the moment this launch's inputs were on the device (the copies of an eager
+    step's host batch, runner._upload): near the copies' own few microseconds when the host enqueued them while
+    the step before still ran, longer by whatever the GPU waited for the host to build and send them. The
+    idle time cannot show that wait: a launch's first event is recorded before its inputs are built.
+    """
 
     prefill_steps: int = 0
     prefill_s: float = 0.0
@@ -45,6 +50,7 @@ class StepSplit:
     prefill_timed_steps: int = 0
     prefill_gpu_s: float = 0.0
     prefill_gpu_idle_s: float = 0.0
+    prefill_input_wait_s: float = 0.0
 
 
 @dataclass
@@ -54,6 +60,7 @@ class _Launch:
 
     start: torch.cuda.Event
     end: torch.cuda.Event | None = None
+    inputs: torch.cuda.Event | None = None  # after the eager inputs' copies were enqueued (runner._upload)
 
 
 class StepProbe:
@@ -76,8 +83,8 @@ class StepProbe:
         self._marks: dict[str, float] = {}
         self._cuda = engine.runner.device.type == "cuda"
         self._launches: deque[_Launch] = deque()  # GPU: per runner.execute, oldest first, until its record
-        # GPU: every launch that came back with its record, in order, not yet read: (start, end or None, decode)
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event | None, bool]] = []
+        # GPU: every launch that came back with its record, in order, not yet read, and whether it decoded
+        self._timed: list[tuple[_Launch, bool]] = []
         self._previous_end: torch.cuda.Event | None = None  # the sampler of the last launch read
         self._decode_walls: list[float] = []
         self._sampler = engine.sampler
@@ -87,6 +94,7 @@ class StepProbe:
     def _wrap(self) -> None:
         engine, marks = self.engine, self._marks
         execute, sampler, advance = engine.runner.execute, engine.sampler, engine.scheduler.advance
+        upload = engine.runner._upload
 
         def timed_execute(*args, **kwargs):
             if self._cuda:
@@ -95,6 +103,14 @@ class StepProbe:
                 self._launches.append(_Launch(start))
             marks["launch"] = time.perf_counter()
             return execute(*args, **kwargs)
+
+        def timed_upload(*args, **kwargs):
+            inputs = upload(*args, **kwargs)
+            if self._launches:  # the copies of the latest launch's inputs are enqueued
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self._launches[-1].inputs = event
+            return inputs
 
         def timed_sampler(*args, **kwargs):
             result = sampler(*args, **kwargs)
@@ -111,6 +127,7 @@ class StepProbe:
 
         # setattr: instance attributes over the methods, which mypy would refuse as assignments
         setattr(engine.runner, "execute", timed_execute)  # noqa: B010
+        setattr(engine.runner, "_upload", timed_upload)  # noqa: B010
         setattr(engine, "sampler", timed_sampler)  # noqa: B010
         setattr(engine.scheduler, "advance", timed_advance)  # noqa: B010
 
@@ -118,7 +135,8 @@ class StepProbe:
         """Adds the GPU time (and the idle time before it) of every launch that has completed, by kind, in launch
         order, up to the first one still running (all of them if `wait`)."""
         done, s = 0, self.split
-        for start, end, decode in self._timed:
+        for launch, decode in self._timed:
+            start, end = launch.start, launch.end
             if end is not None:
                 if wait:
                     end.synchronize()
@@ -126,13 +144,16 @@ class StepProbe:
                     break
             if end is not None:
                 gpu = start.elapsed_time(end) / 1e3
-                idle = 0.0
+                idle = inputs = 0.0
                 if self._previous_end is not None:
                     idle = max(0.0, self._previous_end.elapsed_time(start) / 1e3)
+                    if launch.inputs is not None:
+                        inputs = max(0.0, self._previous_end.elapsed_time(launch.inputs) / 1e3)
                 if decode:
                     s.decode_gpu_s, s.decode_gpu_idle_s = s.decode_gpu_s + gpu, s.decode_gpu_idle_s + idle
                 else:
                     s.prefill_gpu_s, s.prefill_gpu_idle_s = s.prefill_gpu_s + gpu, s.prefill_gpu_idle_s + idle
+                    s.prefill_input_wait_s += inputs
                     s.prefill_timed_steps += 1
             self._previous_end = end
             done += 1
@@ -148,7 +169,7 @@ class StepProbe:
             return outputs
         if self._launches:  # the launch whose record this is
             launch = self._launches.popleft()
-            self._timed.append((launch.start, launch.end, not record.num_prefill))
+            self._timed.append((launch, not record.num_prefill))
         self._read_events(wait=False)
         s.peak_running = max(s.peak_running, record.batch_size)
         s.preempted += record.num_preempted
@@ -178,6 +199,7 @@ class StepProbe:
             self.split.decode_wall_max_s = walls.max
         if self._wrapped:
             vars(self.engine.runner).pop("execute")  # the class's methods show through again
+            vars(self.engine.runner).pop("_upload")
             vars(self.engine.scheduler).pop("advance")
             setattr(self.engine, "sampler", self._sampler)  # noqa: B010
             self._wrapped = False

@@ -66,6 +66,7 @@ class GapSummary:
     busy_us: float = 0.0  # kernels, copies and memsets (overlaps counted once)
     gaps_us: float = 0.0  # gaps of at least min_gap_us
     gaps: int = 0
+    by_next: list[tuple[str, float, int]] = field(default_factory=list)  # (GPU activity after, us, gaps)
     by_line: list[tuple[str, float, int]] = field(default_factory=list)  # (line, us, gaps), most first
     slow_calls: list[tuple[str, str, float, int]] = field(default_factory=list)  # (line, call, us, count)
 
@@ -260,6 +261,12 @@ def attribute(
 def summarize(doc: dict, steps: int, min_gap_us: float, attribute_lines: bool) -> GapSummary:
     span, busy, gaps = gpu_gaps(doc, min_gap_us)
     out = GapSummary(steps, span, busy, sum(g for _, g, _ in gaps), len(gaps))
+    by_next: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for _, length, after in gaps:
+        name = after.get("name", "?")
+        by_next[name if len(name) <= 60 else name[:57] + "..."][0] += length
+        by_next[name if len(name) <= 60 else name[:57] + "..."][1] += 1
+    out.by_next = sorted(((k, v[0], int(v[1])) for k, v in by_next.items()), key=lambda r: -r[1])
     if attribute_lines:
         out.by_line, out.slow_calls = attribute(doc, min_gap_us)
     return out
@@ -269,6 +276,12 @@ def print_summary(title: str, s: GapSummary, top: int) -> None:
     per = max(s.steps, 1)
     print(f"\n{title}: {s.steps} steps, per step: GPU span {s.span_us / per / 1e3:.2f} ms, busy "
           f"{s.busy_us / per / 1e3:.2f} ms, {s.gaps / per:.0f} gaps >= the threshold, {s.gaps_us / per / 1e3:.2f} ms")  # fmt: skip
+    if s.by_next:
+        print(
+            "  gap time by the GPU activity after it (ms per step, gaps; a copy from the host starts a step):"
+        )
+        for name, us, n in s.by_next[:top]:
+            print(f"    {us / per / 1e3:8.3f} {n:6d}  {name}")
     if s.by_line:
         print("  gap time by the line that launched the work after it (ms per step, gaps):")
         for line, us, n in s.by_line[:top]:
