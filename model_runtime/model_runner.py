@@ -202,6 +202,7 @@ class ModelRunner:
             self.prefill_graphs.capture(progress.prefill)
         # No chunk is longer than the step budget, nor than a sequence may be.
         self._warm_prompt_attention(backend, min(max_num_batched_tokens, max_model_len), on_phase)
+        self._warm_fp8_gather(backend)
 
     def _warm_prompt_attention(
         self, backend: AttentionBackend, max_tokens: int, on_phase: Callable[[str], None] | None
@@ -225,6 +226,19 @@ class ModelRunner:
         del qkv
         if built:
             log.info("prefill attention: %d cuDNN plans in %.1f s", built, time.perf_counter() - t0)
+
+    def _warm_fp8_gather(self, backend: AttentionBackend) -> None:
+        """Builds the Triton gather that a chunk over a cached prefix reads an FP8 cache with
+        (attention.triton_gather): no start-up step runs such a chunk, and built mid-run it would hold up the
+        first one. One variant serves every layer and step: its integer arguments are the cache's strides."""
+        from model_runtime.attention.triton_backend import TritonAttention
+        from model_runtime.attention.triton_gather import gather_fp8_kv
+
+        if not (self._on_cuda and isinstance(backend, TritonAttention)) or self.kv_scales is None:
+            return
+        slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dtype = self.model.embed_tokens.weight.dtype
+        gather_fp8_kv(self.kv_pages[0, 0], self.kv_pages[0, 1], self.kv_scales[0], slots, dtype)
 
     def _make_prefill_graphs(self, max_tokens: int, progress: _GraphProgress) -> PrefillGraphs | None:
         """Built (not yet captured) before the decode graphs, so that the progress counts both."""

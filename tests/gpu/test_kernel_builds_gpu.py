@@ -4,8 +4,10 @@ An engine builds its kernels while it starts (the decode graphs' capture runs ea
 variant first met mid-run holds up that step for a compile of 0.4-1.0 s (one H200, docs/performance.md). This
 drives an engine through what varies from step to step once it serves: a single sequence and 16 of them (the
 lm_head's row count), mixed prefill-and-decode steps on the eager path whose block tables grow past 16 columns
-(256 tokens), prompts of every length from 17 to 300 tokens, logprobs on some, in bf16 and with FP8 weights and
-cache. The first request alone is counted apart from the rest: it is the first prefill a started worker runs.
+(256 tokens), prompts of every length from 17 to 300 tokens, two arriving together beyond the step budget (the
+second's rest attends over its cached first chunk: with an FP8 cache, attention.triton_gather's kernel),
+logprobs on some, in bf16 and with FP8 weights and cache. The first request alone is counted apart from the rest: it is the first prefill
+a started worker runs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def test_an_engine_builds_no_kernel_once_it_has_started(tmp_path, quantization, 
         )
         engine.add_request(f"r{j}", [(5 * i + j) % 90 + 5 for i in range(n)], params)
         engine.step()  # arrivals between steps: prefill chunks share eager steps with running decodes
+    _run(engine)
+    for j in range(2):  # 800 tokens arrive at once for a 512-token step: the second prompt's rest is a chunk
+        engine.add_request(f"split-{j}", [(7 * i + j) % 90 + 5 for i in range(400)], greedy)
     _run(engine)
     for batch in (16, 17, 1):
         for j in range(batch):
