@@ -94,13 +94,19 @@ def perplexity(runner: ModelRunner, ids: list[int]) -> float:
     return math.exp(nll / count)
 
 
-def main() -> None:
+def smollm2_and_texts() -> tuple[ModelSource, ModelConfig, dict[str, list[int]]]:
+    """The embedded SmolLM2-135M's source and config, and the two texts' token ids ("short": the test's fixed
+    text, "long": lighthouse.txt)."""
     source = resolve_model("smollm2-135m-instruct")
     model = load_model_config(source)
     tokenizer = LLM(
         config=EngineConfig(model="smollm2-135m-instruct", device=DeviceConfig(device="cpu"))
     ).tokenizer
-    texts = {"short": tokenizer.encode(TEXT), "long": tokenizer.encode(LONG_TEXT)}
+    return source, model, {"short": tokenizer.encode(TEXT), "long": tokenizer.encode(LONG_TEXT)}
+
+
+def main() -> None:
+    source, model, texts = smollm2_and_texts()
     base = {name: perplexity(build(source, model, "none", None), ids) for name, ids in texts.items()}
     print(f"float32: {base}", flush=True)
     rows = [("fp8", "fp8", None), ("rotated, unquantized", "none", random_orthogonal(model.hidden_size, 0))]

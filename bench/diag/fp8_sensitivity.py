@@ -48,13 +48,11 @@ from contextlib import contextmanager
 
 import torch
 
-from bench.diag.fp8_rotation import LONG_TEXT, build, perplexity
-from model_runtime.config import DeviceConfig, EngineConfig, ModelConfig
-from model_runtime.llm import LLM
+from bench.diag.fp8_rotation import build, perplexity, smollm2_and_texts
+from model_runtime.config import ModelConfig
 from model_runtime.model_runner import ModelRunner
 from model_runtime.quantization.fp8 import FP8Linear, dequantize_fp8, quantize_fp8, quantize_fp8_groups
-from model_runtime.weights import ModelSource, load_model_config, load_weights, resolve_model
-from tests.model.test_fp8_weights import TEXT
+from model_runtime.weights import ModelSource, load_weights
 
 KINDS = {"qkv": "attn", "o_proj": "attn", "gate_up": "mlp", "down": "mlp"}
 
@@ -112,12 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=6)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    source = resolve_model("smollm2-135m-instruct")
-    model = load_model_config(source)
-    tokenizer = LLM(
-        config=EngineConfig(model="smollm2-135m-instruct", device=DeviceConfig(device="cpu"))
-    ).tokenizer
-    texts = {"short": tokenizer.encode(TEXT), "long": tokenizer.encode(LONG_TEXT)}
+    source, model, texts = smollm2_and_texts()
     weight_errors(source, model)
     base_runner = build(source, model, "none", None)
     base = {name: perplexity(base_runner, ids) for name, ids in texts.items()}
