@@ -21,15 +21,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequantize_row(pages_ptr, scale_ptr, out_ptr, page_at, scale_at, out_at, head_ok, mask):
-    """One cached row's codes [H, D] times their per-head scales, rounded once into out's dtype."""
-    scale = tl.load(scale_ptr + scale_at, mask=head_ok, other=0.0).to(tl.float32)
-    codes = tl.load(pages_ptr + page_at, mask=mask, other=0.0).to(tl.float32)
-    rows = (codes * scale[:, None]).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + out_at, rows, mask=mask)
-
-
-@triton.jit
 def _gather_fp8_kv_kernel(
     k_pages_ptr,
     v_pages_ptr,
@@ -38,9 +29,12 @@ def _gather_fp8_kv_kernel(
     slot_ptr,
     k_out_ptr,
     v_out_ptr,
-    stride_n,
-    stride_b,
-    stride_h,
+    stride_kn,
+    stride_kb,
+    stride_kh,
+    stride_vn,
+    stride_vb,
+    stride_vh,
     stride_sn,
     stride_sb,
     stride_sh,
@@ -60,11 +54,30 @@ def _gather_fp8_kv_kernel(
     d = tl.arange(0, BLOCK_D)
     head_ok = h < NUM_HEADS
     mask = head_ok[:, None] & (d[None, :] < HEAD_DIM)
-    page_at = block * stride_n + offset * stride_b + h[:, None] * stride_h + d[None, :]
     scale_at = block * stride_sn + offset * stride_sb + h * stride_sh
     out_at = row * stride_ot + h[:, None] * stride_oh + d[None, :]
-    _dequantize_row(k_pages_ptr, k_scale_ptr, k_out_ptr, page_at, scale_at, out_at, head_ok, mask)
-    _dequantize_row(v_pages_ptr, v_scale_ptr, v_out_ptr, page_at, scale_at, out_at, head_ok, mask)
+    k_scale = tl.load(k_scale_ptr + scale_at, mask=head_ok, other=0.0).to(tl.float32)
+    k = tl.load(
+        k_pages_ptr + block * stride_kn + offset * stride_kb + h[:, None] * stride_kh + d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(
+        k_out_ptr + out_at,
+        (k * k_scale[:, None]).to(k_out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+        mask=mask,
+    )
+    v_scale = tl.load(v_scale_ptr + scale_at, mask=head_ok, other=0.0).to(tl.float32)
+    v = tl.load(
+        v_pages_ptr + block * stride_vn + offset * stride_vb + h[:, None] * stride_vh + d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(
+        v_out_ptr + out_at,
+        (v * v_scale[:, None]).to(v_out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+        mask=mask,
+    )
 
 
 def gather_fp8_kv(
@@ -91,6 +104,7 @@ def gather_fp8_kv(
         _gather_fp8_kv_kernel[(slots.shape[0],)](
             k_pages, v_pages, kv_scale[0], kv_scale[1], slots, k_out, v_out,
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
             kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3),
             k_out.stride(0), k_out.stride(1),
             PAGE=b, NUM_HEADS=heads, HEAD_DIM=head_dim,
