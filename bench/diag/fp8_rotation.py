@@ -69,14 +69,27 @@ def rotate(weights: dict[str, torch.Tensor], num_layers: int, q: torch.Tensor) -
             weights[p + writer + ".weight"] = (q.T @ weights[p + writer + ".weight"].double()).float()
 
 
-def build(source: ModelSource, model: ModelConfig, quantization: str, q: torch.Tensor | None) -> ModelRunner:
-    weights = load_weights(source, model, torch.float32, "cpu", None)
+def build(
+    source: ModelSource,
+    model: ModelConfig,
+    quantization: str,
+    q: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
+) -> ModelRunner:
+    """A CPU runner of the model in `dtype` (weights, activations and cache), quantized as asked (FP8 computed
+    as a Hopper computes it), its residual stream turned by q when given."""
+    weights = load_weights(source, model, dtype, "cpu", None)
     if q is not None:
         rotate(weights, model.num_layers, q)
         model = dataclasses.replace(model, tie_word_embeddings=False)
     quantize_weights(weights, quantization)
     layout = KVLayout(
-        model.num_layers, model.num_kv_heads, model.head_dim, tp_ranks.BLOCK_SIZE, 256, "float32"
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
+        tp_ranks.BLOCK_SIZE,
+        256,
+        str(dtype).split(".")[-1],
     )
     runner = ModelRunner(model, weights, layout, "cpu", TorchAttention(), 512, quantization=quantization)
     if quantization != "none":
