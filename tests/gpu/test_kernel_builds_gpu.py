@@ -6,8 +6,8 @@ drives an engine through what varies from step to step once it serves: a single 
 lm_head's row count), mixed prefill-and-decode steps on the eager path whose block tables grow past 16 columns
 (256 tokens), prompts of every length from 17 to 300 tokens, two arriving together beyond the step budget (the
 second's rest attends over its cached first chunk: with an FP8 cache, attention.triton_gather's kernel),
-logprobs on some, in bf16 and with FP8 weights and cache. The first request alone is counted apart from the rest: it is the first prefill
-a started worker runs.
+logprobs on some, in bf16 and with FP8 weights and cache. The first request alone is counted apart from the
+rest: it is the first prefill a started worker runs.
 """
 
 from __future__ import annotations
