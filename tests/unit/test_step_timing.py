@@ -123,6 +123,41 @@ def test_the_probe_times_each_launch_as_the_step_its_record_came_back_with(tiny_
     assert 0 < split.decode_wall_p50_s <= split.decode_wall_p90_s <= split.decode_wall_max_s <= split.decode_s
 
 
+def test_the_probe_times_a_prompt_steps_inputs_landing_apart_from_its_launch(tiny_model, monkeypatch):
+    """The inputs column: a prompt step whose host batch takes 0.5 s to build and send (after its first event is
+    recorded, so the idle time before its launch cannot show it) counts those 0.5 s from the step before's
+    sampler to its inputs on the device; the idle time stays below them."""
+    monkeypatch.setattr(step_probe.torch.cuda, "Event", _ClockEvent)
+    engine = build_engine(
+        tiny_model, RunDevice.for_mode(smoke=True), SchedulerConfig(8, 64, max_model_len=64), 0.9
+    )
+    upload, slow = engine.runner._upload, []
+
+    def slow_upload(batch):
+        if slow:
+            time.sleep(0.5)
+        return upload(batch)
+
+    setattr(engine.runner, "_upload", slow_upload)  # noqa: B010 (the probe wraps it, and its close() drops it)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(2, 8, engine.model_config.vocab_size, seed=1)
+    probe = step_probe.StepProbe(engine)
+    probe._cuda = True  # the GPU path, on the CPU
+    engine.add_request("first", prompts[0], greedy)
+    probe.step()  # the first prompt step: no step before it, nothing to count
+    engine.add_request("second", prompts[1], greedy)
+    slow.append(True)
+    probe.step()  # the second prompt beside the first's decode: a prompt step, its inputs 0.5 s late
+    slow.clear()
+    while engine.has_unfinished():
+        probe.step()
+    probe.close()
+    split = probe.split
+    assert split.prefill_steps == 2 and split.prefill_timed_steps == 2
+    assert split.prefill_input_wait_s >= 0.5
+    assert split.prefill_gpu_idle_s < 0.5 <= split.prefill_input_wait_s <= split.prefill_s
+
+
 def test_host_step_splits_each_decode_step_into_the_models_time_and_the_hosts(tmp_path):
     from bench import host_step
 
