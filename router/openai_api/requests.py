@@ -5,14 +5,18 @@ length, the model) is the shared pipeline's (router.validation), so both front d
 
     POST /v1/completions       prompt (a string, or token ids; a list of one of either), max_tokens
     POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
-    both                       model, temperature, top_p, seed, stop, n (1 only), user (ignored), stream,
+    both                       model, temperature, top_p, seed, stop, n (1-64), user (ignored), stream,
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
                                true, with top_logprobs), and vLLM's extensions top_k, ignore_eos,
                                stop_token_ids and return_token_ids
 
 Unknown fields are ignored, as OpenAI's API does; known fields that would change the output in a way Tandem
-cannot honour (echo, suffix, best_of > 1, penalties, logit_bias, tools, a JSON response_format, n > 1) are a
-400 that says so, never silently dropped.
+cannot honour (echo, suffix, best_of > 1, penalties, logit_bias, tools, a JSON response_format) are a 400
+that says so, never silently dropped.
+
+n > 1 choices run as n requests of their own through the pipeline (each admitted, placed and counted as one),
+with ids `<id>-<i>`; with a seed, choice i samples with seed + i, so that the choices differ and each is the
+output a request with that seed alone would get. Without a seed they sample independently; greedy, they agree.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from router.openai_api.errors import bad_request
 from tandem_api.tandem.v1 import generate_pb2
 
 _NUMBER = (int, float)
+MAX_CHOICES = 64  # n: each choice holds a place in admission as a request of its own
+_SEED_RANGE = 2**63  # GenerateRequest's seed: [0, 2^63)
 # Roles OpenAI clients send that the chat templates know by another name.
 _ROLE_ALIASES = {"developer": "system"}
 # Known fields Tandem does not implement, and the value that means "not used".
@@ -52,10 +58,26 @@ class OpenAIRequest:
     logprobs: int | None  # top-n alternatives per token (0: the chosen token's only); None: no logprobs
     return_token_ids: bool  # vLLM's extension: token ids in each choice (and the prompt's in the response)
     max_tokens_field: str  # the name the client used, for error messages
+    n: int = 1  # choices: requests of their own (choice_messages)
 
     @property
     def request_id(self) -> str:
         return self.message.request_id
+
+    def choice_messages(self) -> list[generate_pb2.GenerateRequest]:
+        """One internal request per choice: the message itself for n = 1, else copies with ids `<id>-<i>` and,
+        when a seed is set, seed + i (mod 2^63)."""
+        if self.n == 1:
+            return [self.message]
+        messages = []
+        for i in range(self.n):
+            choice = generate_pb2.GenerateRequest()
+            choice.CopyFrom(self.message)
+            choice.request_id = f"{self.message.request_id}-{i}"
+            if self.message.sampling.HasField("seed"):
+                choice.sampling.seed = (self.message.sampling.seed + i) % _SEED_RANGE
+            messages.append(choice)
+        return messages
 
 
 def parse_completion(body: Mapping[str, Any]) -> OpenAIRequest:
@@ -90,9 +112,6 @@ def _common(body: Mapping[str, Any], chat: bool) -> generate_pb2.GenerateRequest
     if model:
         message.model = model
     _optional(body, "user", str)  # accepted for compatibility; the router keeps no per-user state
-    n = _optional(body, "n", int)
-    if n is not None and n != 1:
-        raise bad_request("n", f"only 1 choice per request is supported, got {n}; send {n} requests instead")
     sampling = message.sampling
     for name, kind in (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("seed", int)):
         value = _optional(body, name, kind)
@@ -129,6 +148,9 @@ def _finish(
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad_request("stream_options.include_usage", f"must be a boolean, got {_kind(include_usage)}")
+    n = _optional(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise bad_request("n", f"must be an integer in [1, {MAX_CHOICES}], got {n}")
     return OpenAIRequest(
         message=message,
         chat=chat,
@@ -137,6 +159,7 @@ def _finish(
         logprobs=logprobs,
         return_token_ids=bool(_optional(body, "return_token_ids", bool)),
         max_tokens_field=max_tokens_field,
+        n=n or 1,
     )
 
 

@@ -4,6 +4,9 @@
                finish_reason, then (stream_options.include_usage) a chunk with no choices and the usage
     otherwise  one "text_completion" / "chat.completion" object once the Final arrived
 
+With n choices there is one Answer per choice (its `index`); their chunks interleave in one stream as their
+tokens come, and `whole_response` / `usage_chunk` join them: the prompt counted once, the completions summed.
+
 Logprobs carry token strings as OpenAI's do; a token that is part of a multi-byte character reads as the
 replacement character, and chat's `bytes` field gives its UTF-8 bytes as the tokenizer decodes it.
 """
@@ -28,8 +31,19 @@ FINISH_REASONS = {
 class Answer:
     """Builds one request's OpenAI objects from its GenerateResponse messages, in order."""
 
-    def __init__(self, request: OpenAIRequest, model: str, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        request: OpenAIRequest,
+        model: str,
+        tokenizer: Tokenizer,
+        index: int = 0,
+        usage_chunk: bool = True,
+    ) -> None:
+        """`index`: the choice's; `usage_chunk`: whether last_chunks ends with the usage chunk (when asked for);
+        with several choices the stream's one usage chunk comes from `usage_chunk` after all of them."""
         self.request = request
+        self.index = index
+        self._usage_chunk = usage_chunk
         self._model = model
         self._tokenizer = tokenizer
         self._created = int(time.time())
@@ -44,7 +58,7 @@ class Answer:
     # --- streaming ------------------------------------------------------------------------------------
     def chunk(self, delta: generate_pb2.Delta) -> dict[str, Any]:
         """The chunk for one Delta (sent even when its text is held back: the client sees every step)."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.request.chat:
             body = {"content": delta.text}
             if self._chunks_sent == 0:
@@ -60,18 +74,17 @@ class Answer:
 
     def last_chunks(self, final: generate_pb2.Final) -> list[dict[str, Any]]:
         """The chunk with the finish_reason, and the usage chunk when asked for."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.request.chat:
             choice["delta"] = {"role": "assistant", "content": ""} if self._chunks_sent == 0 else {}
         else:
             choice["text"] = ""
         choice["logprobs"] = None
         choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
+        self.final = final
         chunks = [self._chunk([choice])]
-        if self.request.include_usage:
-            usage_chunk = self._chunk([])
-            usage_chunk["usage"] = usage(final.usage)
-            chunks.append(usage_chunk)
+        if self.request.include_usage and self._usage_chunk:
+            chunks.append(usage_chunk([self]))
         return chunks
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,11 +111,13 @@ class Answer:
 
     def whole(self) -> dict[str, Any]:
         """The whole response, once add_final had the Final."""
-        final = self.final
-        if final is None:  # the pipeline returns only after dispatch wrote the Final
-            raise RuntimeError("the request ended without a Final message")
+        return whole_response([self])
+
+    def choice(self) -> dict[str, Any]:
+        """This choice of the whole response, once add_final had the Final."""
+        final = self._final()
         text = "".join(self._text)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.request.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -110,18 +125,14 @@ class Answer:
         self._offset = 0
         choice["logprobs"] = self._logprobs_of(self._logprobs)
         choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
-        response: dict[str, Any] = {
-            "id": self.request.request_id,
-            "object": self._object,
-            "created": self._created,
-            "model": self._model,
-            "choices": [choice],
-            "usage": usage(final.usage),
-        }
         if self.request.return_token_ids:
             choice["token_ids"] = self._token_ids
-            response["prompt_token_ids"] = list(final.prompt_token_ids)
-        return response
+        return choice
+
+    def _final(self) -> generate_pb2.Final:
+        if self.final is None:  # the pipeline returns only after dispatch wrote the Final
+            raise RuntimeError("the request ended without a Final message")
+        return self.final
 
     # --- logprobs -------------------------------------------------------------------------------------
     def _logprobs_of(self, entries: Sequence[generate_pb2.TokenLogprob]) -> dict[str, Any] | None:
@@ -157,6 +168,39 @@ class Answer:
 
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def whole_response(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The one response of a request's choices (answers in choice order, each with its Final)."""
+    first = answers[0]
+    response: dict[str, Any] = {
+        "id": first.request.request_id,
+        "object": first._object,
+        "created": first._created,
+        "model": first._model,
+        "choices": [answer.choice() for answer in answers],
+        "usage": joined_usage(answers),
+    }
+    if first.request.return_token_ids:
+        response["prompt_token_ids"] = list(first._final().prompt_token_ids)
+    return response
+
+
+def usage_chunk(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The stream's last chunk (stream_options.include_usage): no choices, the usage of them all."""
+    chunk = answers[0]._chunk([])
+    chunk["usage"] = joined_usage(answers)
+    return chunk
+
+
+def joined_usage(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The choices share one prompt: it counts once (its cached tokens as the first choice found them), their
+    completions add up."""
+    finals = [answer._final().usage for answer in answers]
+    joined = generate_pb2.Usage()
+    joined.CopyFrom(finals[0])
+    joined.completion_tokens = sum(u.completion_tokens for u in finals)
+    return usage(joined)
 
 
 def usage(message: generate_pb2.Usage) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`OpenAIServer`: the OpenAI-compatible HTTP API, an aiohttp application on the router's event loop.
 
-    POST /v1/completions, POST /v1/chat/completions    -> the shared request pipeline (router.pipeline)
+    POST /v1/completions, POST /v1/chat/completions    -> the shared request pipeline (router.pipeline); n > 1
+                                                          choices run as requests of their own, at once
     GET  /v1/models, GET /v1/models/{id}               -> the served model
     GET  /health                                       -> 200 while a request could be placed, else 503
 
@@ -38,8 +39,8 @@ from aiohttp import web
 from router.errors import ClientGone, RouterError
 from router.openai_api.errors import ApiError, bad_request, from_router_error
 from router.openai_api.requests import OpenAIRequest, parse_chat, parse_completion
-from router.openai_api.responses import Answer
-from router.pipeline import Protocol, RequestPipeline
+from router.openai_api.responses import Answer, usage_chunk, whole_response
+from router.pipeline import Admitted, Protocol, RequestPipeline
 from tandem_api.tandem.v1 import generate_pb2
 
 log = logging.getLogger(__name__)
@@ -154,15 +155,16 @@ class OpenAIServer:
             self._pipeline.reject(grpc.StatusCode.INVALID_ARGUMENT, Protocol.HTTP)
             raise
         deadline = asyncio.get_running_loop().time() + timeout
-        try:
-            admitted = self._pipeline.admit(parsed.message, Protocol.HTTP, request.headers.get(AUTHORIZATION))
-        except RouterError as exc:
-            raise from_router_error(exc, parsed.chat, parsed.max_tokens_field) from None
-        answer = Answer(parsed, self._pipeline.model.id, self._pipeline.model.tokenizer)
+        admitted = self._admit(parsed, request.headers.get(AUTHORIZATION))
+        model = self._pipeline.model
+        several = parsed.n > 1
+        answers = [
+            Answer(parsed, model.id, model.tokenizer, i, usage_chunk=not several) for i in range(parsed.n)
+        ]
         stream = EventStream(request)
-        write = self._streaming(answer, stream) if parsed.stream else self._collecting(answer)
+        writes = [self._streaming(a, stream) if parsed.stream else self._collecting(a) for a in answers]
         try:
-            await self._pipeline.run(admitted, deadline, write)
+            await self._run_all(admitted, deadline, writes)
         except ClientGone:
             return stream.response  # the pipeline counted it as cancelled; nobody reads what we would send
         except RouterError as exc:
@@ -173,8 +175,45 @@ class OpenAIServer:
                 await stream.send(error.body())
             return stream.response
         if parsed.stream:
+            if several and parsed.include_usage:
+                with contextlib.suppress(ClientGone):
+                    await stream.send(usage_chunk(answers))
             return await stream.done()
-        return web.json_response(answer.whole(), dumps=_dumps_str)
+        return web.json_response(whole_response(answers), dumps=_dumps_str)
+
+    def _admit(self, parsed: OpenAIRequest, authorization: str | None) -> list[Admitted]:
+        """Every choice's request admitted, or none (those admitted before a refusal give their places back)."""
+        admitted: list[Admitted] = []
+        try:
+            for message in parsed.choice_messages():
+                admitted.append(self._pipeline.admit(message, Protocol.HTTP, authorization))
+        except RouterError as exc:
+            for a in admitted:
+                a.close()
+            raise from_router_error(exc, parsed.chat, parsed.max_tokens_field) from None
+        return admitted
+
+    async def _run_all(
+        self,
+        admitted: list[Admitted],
+        deadline: float,
+        writes: list[Callable[[generate_pb2.GenerateResponse], Awaitable[None]]],
+    ) -> None:
+        """Run the choices' requests at once; the first to fail (or a client gone) cancels the others and is
+        raised. One choice runs in this task, as a request without choices did."""
+        if len(admitted) == 1:
+            await self._pipeline.run(admitted[0], deadline, writes[0])
+            return
+        tasks = [asyncio.ensure_future(self._pipeline.run(a, deadline, w)) for a, w in zip(admitted, writes)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # a failure, or this handler cancelled (the client left): the rest stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:  # in choice order: the first choice's error is the one reported
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
 
     def _streaming(
         self, answer: Answer, stream: EventStream
@@ -216,11 +255,13 @@ class OpenAIServer:
 
 class EventStream:
     """Server-sent events: `data: <json>\\n\\n` per event, `data: [DONE]\\n\\n` at the end. Headers go out
-    with the first event; a failed write means the client left (ClientGone)."""
+    with the first event; a failed write means the client left (ClientGone). Writes go one at a time: the
+    choices of one request write from tasks of their own."""
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self.response = web.StreamResponse(headers=_SSE_HEADERS)
+        self._lock = asyncio.Lock()
 
     @property
     def started(self) -> bool:
@@ -238,12 +279,13 @@ class EventStream:
         return self.response
 
     async def _write(self, data: bytes) -> None:
-        try:
-            if not self.response.prepared:
-                await self.response.prepare(self._request)
-            await self.response.write(data)
-        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
-            raise ClientGone(str(exc)) from None
+        async with self._lock:
+            try:
+                if not self.response.prepared:
+                    await self.response.prepare(self._request)
+                await self.response.write(data)
+            except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
+                raise ClientGone(str(exc)) from None
 
 
 @web.middleware

@@ -101,6 +101,50 @@ def test_completions_equal_the_grpc_api_token_for_token(cluster: ServeProcess, a
         assert usage.usage.completion_tokens == len(want.token_ids)
 
 
+def test_n_choices_are_the_requests_each_would_be_alone(cluster: ServeProcess, api: openai.OpenAI) -> None:
+    """n > 1: greedy, every choice is the n = 1 completion; with a seed and temperature, choice i is what a
+    request with seed + i gets alone (chat, streamed: each choice's chunks carry its index and end with its
+    finish_reason, then one usage chunk); the usage counts the prompt once and adds the completions; and
+    nothing is left held afterwards."""
+    prompt, sampled = PROMPTS[2], {"temperature": 0.9, "top_p": 0.95, "max_tokens": 8}
+    one = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+    three = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.text for c in three.choices] == [one.choices[0].text] * 3
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    seeded = api.completions.create(model=MODEL, prompt=prompt, seed=7, n=2, **sampled)
+    alone = [api.completions.create(model=MODEL, prompt=prompt, seed=7 + i, **sampled) for i in range(2)]
+    assert [c.text for c in seeded.choices] == [a.choices[0].text for a in alone]
+
+    texts, finishes, usages = ["", ""], [None, None], []
+    stream = api.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        seed=11,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        **sampled,
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    alone_chat = [
+        api.chat.completions.create(model=MODEL, messages=CHAT, seed=11 + i, **sampled) for i in range(2)
+    ]
+    assert texts == [a.choices[0].message.content for a in alone_chat]
+    assert finishes == [a.choices[0].finish_reason for a in alone_chat]
+    (usage,) = usages
+    assert usage.prompt_tokens == alone_chat[0].usage.prompt_tokens
+    assert usage.completion_tokens == sum(a.usage.completion_tokens for a in alone_chat)
+    wait_until(lambda: idle(cluster.address), 10.0, "every KV block, lease and sequence to be released")
+
+
 def test_chat_equals_the_grpc_api_async_streaming_or_not(cluster: ServeProcess) -> None:
     async def both() -> tuple[Any, Any, list[Any]]:
         async with AsyncClient(cluster.address) as client:  # the SDK takes the same plain dicts
@@ -165,7 +209,7 @@ BAD = [  # (request body, status, start of the message)
         404,
         "model: unknown model 'gpt-9'; serving 'smollm2-135m-instruct'",
     ),
-    ({"prompt": "hi", "n": 3}, 400, "n: only 1 choice per request is supported"),
+    ({"prompt": "hi", "n": 100}, 400, "n: must be an integer in [1, 64], got 100"),
     ({"prompt": 42}, 400, "prompt: must be a string or a list of token ids, got an integer"),
     ({"prompt": "x" * 10_000_000}, 413, "the request body is too large"),
 ]

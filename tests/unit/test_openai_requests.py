@@ -48,6 +48,19 @@ def test_a_chat_takes_text_parts_the_developer_role_and_max_completion_tokens_fi
     assert r.message.request_id.startswith("chatcmpl-")
 
 
+def test_n_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
+    r = parse_completion({"prompt": "hi", "n": 3, "seed": 2**63 - 2, "max_tokens": 5, "stream": True})
+    messages = r.choice_messages()
+    assert r.n == 3 and [m.request_id for m in messages] == [f"{r.request_id}-{i}" for i in range(3)]
+    assert [m.sampling.seed for m in messages] == [2**63 - 2, 2**63 - 1, 0]  # within [0, 2^63)
+    assert all(m.text == "hi" and m.sampling.max_tokens == 5 for m in messages)
+    assert r.message.sampling.seed == 2**63 - 2  # the copies are copies
+    unseeded = parse_chat({"messages": [{"role": "user", "content": "a"}], "n": 2}).choice_messages()
+    assert not any(m.sampling.HasField("seed") for m in unseeded)
+    one = parse_completion({"prompt": "hi"})
+    assert one.n == 1 and one.choice_messages() == [one.message]
+
+
 @pytest.mark.parametrize(
     ("parse", "body", "param", "message"),
     [
@@ -56,7 +69,9 @@ def test_a_chat_takes_text_parts_the_developer_role_and_max_completion_tokens_fi
         (parse_completion, {"prompt": "a", "max_tokens": 1.5}, "max_tokens", "must be an integer, got a number"),
         (parse_completion, {"prompt": "a", "max_tokens": 0}, "max_tokens", "must be an integer >= 1, got 0"),
         (parse_completion, {"prompt": "a", "seed": -1}, "seed", "-1 is out of range"),
-        (parse_completion, {"prompt": "a", "n": 2}, "n", "only 1 choice per request is supported"),
+        (parse_completion, {"prompt": "a", "n": 0}, "n", "must be an integer in [1, 64], got 0"),
+        (parse_completion, {"prompt": "a", "n": 65}, "n", "must be an integer in [1, 64], got 65"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "n": 1.0}, "n", "must be an integer"),
         (parse_completion, {"prompt": "a", "echo": True}, "echo", "is not supported"),
         (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
         (parse_completion, {"prompt": "a", "stop": [1]}, "stop", "must be a string or a list of strings"),
