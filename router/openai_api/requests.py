@@ -3,7 +3,7 @@
 Only types and OpenAI-specific rules are checked here; every value rule (ranges, the vocabulary, the prompt's
 length, the model) is the shared pipeline's (router.validation), so both front doors accept the same requests.
 
-    POST /v1/completions       prompt (a string, or token ids; a list of one of either), max_tokens
+    POST /v1/completions       prompt (a string, or token ids; or a list of prompts, each either), max_tokens
     POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
     both                       model, temperature, top_p, seed, stop, n (1-64), user (ignored), stream,
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
@@ -17,10 +17,13 @@ that says so, never silently dropped.
 n > 1 choices run as n requests of their own through the pipeline (each admitted, placed and counted as one),
 with ids `<id>-<i>`; with a seed, choice i samples with seed + i, so that the choices differ and each is the
 output a request with that seed alone would get. Without a seed they sample independently; greedy, they agree.
+A completions request with a list of k prompts (as evaluation harnesses send them) is k * n choices the same
+way, choice p * n + j being prompt p's j-th; k * n is at most MAX_CHOICES.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,35 +61,59 @@ class OpenAIRequest:
     logprobs: int | None  # top-n alternatives per token (0: the chosen token's only); None: no logprobs
     return_token_ids: bool  # vLLM's extension: token ids in each choice (and the prompt's in the response)
     max_tokens_field: str  # the name the client used, for error messages
-    n: int = 1  # choices: requests of their own (choice_messages)
+    n: int = 1  # choices per prompt: requests of their own (choice_messages)
+    # completions with a list of prompts: the requests of prompts 1.. (`message` holds prompt 0)
+    more_prompts: tuple[generate_pb2.GenerateRequest, ...] = ()
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 + len(self.more_prompts)
 
     @property
     def request_id(self) -> str:
         return self.message.request_id
 
     def choice_messages(self) -> list[generate_pb2.GenerateRequest]:
-        """One internal request per choice: the message itself for n = 1, else copies with ids `<id>-<i>` and,
-        when a seed is set, seed + i (mod 2^63)."""
-        if self.n == 1:
+        """One internal request per choice: the message itself for one prompt and n = 1, else copies with ids
+        `<id>-<p * n + j>` (prompt p's j-th choice) and, when a seed is set, seed + j (mod 2^63)."""
+        if self.n == 1 and not self.more_prompts:
             return [self.message]
         messages = []
-        for i in range(self.n):
-            choice = generate_pb2.GenerateRequest()
-            choice.CopyFrom(self.message)
-            choice.request_id = f"{self.message.request_id}-{i}"
-            if self.message.sampling.HasField("seed"):
-                choice.sampling.seed = (self.message.sampling.seed + i) % _SEED_RANGE
-            messages.append(choice)
+        for p, prompt in enumerate((self.message, *self.more_prompts)):
+            for j in range(self.n):
+                choice = generate_pb2.GenerateRequest()
+                choice.CopyFrom(prompt)
+                choice.request_id = f"{self.message.request_id}-{p * self.n + j}"
+                if prompt.sampling.HasField("seed"):
+                    choice.sampling.seed = (prompt.sampling.seed + j) % _SEED_RANGE
+                messages.append(choice)
         return messages
 
 
 def parse_completion(body: Mapping[str, Any]) -> OpenAIRequest:
     message = _common(body, chat=False)
-    _prompt(body.get("prompt"), message)
+    prompts = _prompts(body.get("prompt"))
     _check_unsupported(body)
     logprobs = _optional(body, "logprobs", int)
     max_tokens_field = _max_tokens(body, message, ("max_tokens",))
-    return _finish(body, message, chat=False, logprobs=logprobs, max_tokens_field=max_tokens_field)
+    request = _finish(body, message, chat=False, logprobs=logprobs, max_tokens_field=max_tokens_field)
+    if len(prompts) * request.n > MAX_CHOICES:
+        raise bad_request(
+            "prompt", f"{len(prompts)} prompts x n = {request.n} make more than {MAX_CHOICES} choices"
+        )
+    messages = []
+    for i, prompt in enumerate(prompts):
+        one = message if i == 0 else generate_pb2.GenerateRequest()
+        if i:
+            one.CopyFrom(message)
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            one.text = prompt
+        else:
+            one.ClearField("token_ids")
+            _set_repeated(one.token_ids.ids, prompt, where)
+        messages.append(one)
+    return dataclasses.replace(request, more_prompts=tuple(messages[1:]))
 
 
 def parse_chat(body: Mapping[str, Any]) -> OpenAIRequest:
@@ -177,22 +204,18 @@ def _max_tokens(
     return names[0]
 
 
-def _prompt(prompt: Any, message: generate_pb2.GenerateRequest) -> None:
-    """A string or a list of token ids; a list holding one of either is the same prompt."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        message.text = prompt
-        return
-    if isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
-        _set_repeated(message.token_ids.ids, prompt, "prompt")
-        return
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A string or a list of token ids, or a non-empty list of prompts, each either (a list of one is the same
+    as the one)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt)):
+        return [prompt]
     if prompt is None:
         raise bad_request("prompt", "is required")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(
-            "prompt", f"batches of {len(prompt)} prompts are not supported; send one per request"
-        )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        for i, p in enumerate(prompt):
+            if not isinstance(p, str) and not (p and all(_is_int(t) for t in p)):
+                raise bad_request(f"prompt[{i}]", f"must be a string or a list of token ids, got {_kind(p)}")
+        return list(prompt)
     raise bad_request("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
 
 

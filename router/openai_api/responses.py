@@ -4,8 +4,10 @@
                finish_reason, then (stream_options.include_usage) a chunk with no choices and the usage
     otherwise  one "text_completion" / "chat.completion" object once the Final arrived
 
-With n choices there is one Answer per choice (its `index`); their chunks interleave in one stream as their
-tokens come, and `whole_response` / `usage_chunk` join them: the prompt counted once, the completions summed.
+With several choices (n > 1, or a list of prompts) there is one Answer per choice (its `index`); their chunks
+interleave in one stream as their tokens come, and `whole_response` / `usage_chunk` join them: each prompt
+counted once, the completions summed. With several prompts and return_token_ids each choice carries its
+prompt's `prompt_token_ids`.
 
 Logprobs carry token strings as OpenAI's do; a token that is part of a multi-byte character reads as the
 replacement character, and chat's `bytes` field gives its UTF-8 bytes as the tokenizer decodes it.
@@ -127,6 +129,8 @@ class Answer:
         choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
         if self.request.return_token_ids:
             choice["token_ids"] = self._token_ids
+            if self.request.more_prompts:
+                choice["prompt_token_ids"] = list(final.prompt_token_ids)
         return choice
 
     def _final(self) -> generate_pb2.Final:
@@ -181,7 +185,7 @@ def whole_response(answers: Sequence[Answer]) -> dict[str, Any]:
         "choices": [answer.choice() for answer in answers],
         "usage": joined_usage(answers),
     }
-    if first.request.return_token_ids:
+    if first.request.return_token_ids and not first.request.more_prompts:
         response["prompt_token_ids"] = list(first._final().prompt_token_ids)
     return response
 
@@ -194,12 +198,15 @@ def usage_chunk(answers: Sequence[Answer]) -> dict[str, Any]:
 
 
 def joined_usage(answers: Sequence[Answer]) -> dict[str, Any]:
-    """The choices share one prompt: it counts once (its cached tokens as the first choice found them), their
-    completions add up."""
+    """The n choices of a prompt share it: each prompt counts once (its cached tokens as its first choice found
+    them), every choice's completion adds up."""
     finals = [answer._final().usage for answer in answers]
-    joined = generate_pb2.Usage()
-    joined.CopyFrom(finals[0])
-    joined.completion_tokens = sum(u.completion_tokens for u in finals)
+    firsts = finals[:: answers[0].request.n]  # choice p * n is prompt p's first
+    joined = generate_pb2.Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in firsts),
+        completion_tokens=sum(u.completion_tokens for u in finals),
+        cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts),
+    )
     return usage(joined)
 
 

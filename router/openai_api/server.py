@@ -1,7 +1,8 @@
 """`OpenAIServer`: the OpenAI-compatible HTTP API, an aiohttp application on the router's event loop.
 
     POST /v1/completions, POST /v1/chat/completions    -> the shared request pipeline (router.pipeline); n > 1
-                                                          choices run as requests of their own, at once
+                                                          choices (and a list of prompts) run as requests of
+                                                          their own, at once
     GET  /v1/models, GET /v1/models/{id}               -> the served model
     GET  /health                                       -> 200 while a request could be placed, else 503
 
@@ -157,9 +158,10 @@ class OpenAIServer:
         deadline = asyncio.get_running_loop().time() + timeout
         admitted = self._admit(parsed, request.headers.get(AUTHORIZATION))
         model = self._pipeline.model
-        several = parsed.n > 1
+        choices = parsed.n * parsed.num_prompts
+        several = choices > 1
         answers = [
-            Answer(parsed, model.id, model.tokenizer, i, usage_chunk=not several) for i in range(parsed.n)
+            Answer(parsed, model.id, model.tokenizer, i, usage_chunk=not several) for i in range(choices)
         ]
         stream = EventStream(request)
         writes = [self._streaming(a, stream) if parsed.stream else self._collecting(a) for a in answers]

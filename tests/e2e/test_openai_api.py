@@ -145,6 +145,28 @@ def test_n_choices_are_the_requests_each_would_be_alone(cluster: ServeProcess, a
     wait_until(lambda: idle(cluster.address), 10.0, "every KV block, lease and sequence to be released")
 
 
+def test_a_list_of_prompts_is_the_requests_each_prompt_would_be(
+    cluster: ServeProcess, api: openai.OpenAI
+) -> None:
+    """/v1/completions with a list of prompts (as evaluation harnesses send them): choice p is prompt p's own
+    completion, token for token, and the usage adds up the prompts and the completions."""
+    prompts = PROMPTS[:2]
+    batch = api.completions.create(
+        model=MODEL, prompt=prompts, temperature=0, max_tokens=8, extra_body=TOKEN_IDS
+    )
+    alone = [
+        api.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8, extra_body=TOKEN_IDS)
+        for p in prompts
+    ]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert [c.model_extra["prompt_token_ids"] for c in batch.choices] == [
+        a.model_extra["prompt_token_ids"] for a in alone
+    ]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
 def test_chat_equals_the_grpc_api_async_streaming_or_not(cluster: ServeProcess) -> None:
     async def both() -> tuple[Any, Any, list[Any]]:
         async with AsyncClient(cluster.address) as client:  # the SDK takes the same plain dicts

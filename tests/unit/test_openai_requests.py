@@ -61,6 +61,19 @@ def test_n_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
     assert one.n == 1 and one.choice_messages() == [one.message]
 
 
+def test_a_list_of_prompts_is_each_prompts_n_choices_in_order() -> None:
+    r = parse_completion({"prompt": ["ab", [5, 6]], "n": 2, "seed": 9, "max_tokens": 3})
+    messages = r.choice_messages()
+    assert r.num_prompts == 2 and [m.request_id for m in messages] == [
+        f"{r.request_id}-{i}" for i in range(4)
+    ]
+    inputs = [m.text if m.WhichOneof("input") == "text" else list(m.token_ids.ids) for m in messages]
+    assert inputs == ["ab", "ab", [5, 6], [5, 6]]
+    assert [m.sampling.seed for m in messages] == [9, 10, 9, 10]  # choice j of any prompt: seed + j
+    assert all(m.sampling.max_tokens == 3 for m in messages)
+    assert parse_completion({"prompt": [[1, 2]]}).num_prompts == 1  # a list of one prompt is that prompt
+
+
 @pytest.mark.parametrize(
     ("parse", "body", "param", "message"),
     [
@@ -71,6 +84,9 @@ def test_n_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
         (parse_completion, {"prompt": "a", "seed": -1}, "seed", "-1 is out of range"),
         (parse_completion, {"prompt": "a", "n": 0}, "n", "must be an integer in [1, 64], got 0"),
         (parse_completion, {"prompt": "a", "n": 65}, "n", "must be an integer in [1, 64], got 65"),
+        (parse_completion, {"prompt": ["a"] * 33, "n": 2}, "prompt", "33 prompts x n = 2 make more than 64"),
+        (parse_completion, {"prompt": ["a", []]}, "prompt[1]", "must be a string or a list of token ids"),
+        (parse_completion, {"prompt": ["a", [1, -2]]}, "prompt[1]", "token id -2 is outside the vocabulary"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "n": 1.0}, "n", "must be an integer"),
         (parse_completion, {"prompt": "a", "echo": True}, "echo", "is not supported"),
         (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
