@@ -150,3 +150,32 @@ def test_a_failure_after_the_stream_began_is_its_last_event(make) -> None:
         for chunk in api.completions.create(model=MODEL, prompt="hi", max_tokens=20, stream=True):
             seen.append(chunk.choices[0].text)
     assert seen, "the stream began before the worker failed"
+
+
+def test_n_choices_are_admitted_all_or_none_and_a_disconnect_cancels_every_one(make) -> None:
+    """n choices are n requests: over the router's room they are refused together (429) and the ones admitted
+    before the refusal give their places back; within it they run at once; a client that leaves a stream of
+    two choices cancels both choices' worker calls."""
+    harness = pair(make(step_s=0.2, max_inflight=2, max_queue=0))
+    api = client(harness)
+    with pytest.raises(openai.RateLimitError):
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
+    two = api.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2)  # both places are free again
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 4
+
+    async def leave_early() -> None:
+        async with openai.AsyncOpenAI(
+            base_url=harness.router.http_address + "/v1", api_key="unused", max_retries=0
+        ) as api:
+            events = await api.completions.create(model=MODEL, prompt="hi", max_tokens=40, n=2, stream=True)
+            await events.__anext__()
+            await events.close()
+
+    asyncio.run(leave_early())
+
+    def cancelled_choices() -> set[str]:  # a worker call's id: <request id>-<choice>#<attempt>
+        return {rid.split("#")[0].rsplit("-", 1)[-1] for rid in fakes_cancelled(harness)}
+
+    wait_until(lambda: cancelled_choices() >= {"0", "1"}, 3.0, "both choices' worker calls to be cancelled")
+    assert cancelled_choices() == {"0", "1"}
+    wait_until(lambda: all(worker.active == 0 for worker in harness.workers), 3.0, "every worker call to end")
