@@ -36,6 +36,12 @@ def print_table(doc: dict) -> None:
         f"goal: bf16 60% of TensorRT-LLM FP8 on one H100 (trt-llm); FP8 weights + KV 75% of it and {SPEEDUP_GOAL}x bf16"
     )
     print("x bf16: over this run's bf16 row; -ahead variants over bf16-ahead's when it ran")
+    settings = doc["settings"]
+    if settings.get("profile_decode") or settings.get("profile_prefill"):
+        print(
+            "profiled: the torch profiler's hooks stay in the process after its steps and slow what follows "
+            "(one H200, run 75: 10-17% fewer tok/s); compare these rates only with other profiled runs"
+        )
     print_decode_split(doc["tandem"])
     for key in ("skipped", "errors"):
         if doc[key]:
