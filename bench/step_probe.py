@@ -95,6 +95,9 @@ class StepProbe:
         engine, marks = self.engine, self._marks
         execute, sampler, advance = engine.runner.execute, engine.sampler, engine.scheduler.advance
         upload = engine.runner._upload
+        self._own_upload = vars(engine.runner).get(
+            "_upload"
+        )  # an instance's own wrapper, put back by close()
 
         def timed_execute(*args, **kwargs):
             if self._cuda:
@@ -200,6 +203,8 @@ class StepProbe:
         if self._wrapped:
             vars(self.engine.runner).pop("execute")  # the class's methods show through again
             vars(self.engine.runner).pop("_upload")
+            if self._own_upload is not None:
+                setattr(self.engine.runner, "_upload", self._own_upload)  # noqa: B010
             vars(self.engine.scheduler).pop("advance")
             setattr(self.engine, "sampler", self._sampler)  # noqa: B010
             self._wrapped = False

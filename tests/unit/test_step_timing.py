@@ -138,7 +138,7 @@ def test_the_probe_times_a_prompt_steps_inputs_landing_apart_from_its_launch(tin
             time.sleep(0.5)
         return upload(batch)
 
-    setattr(engine.runner, "_upload", slow_upload)  # noqa: B010 (the probe wraps it, and its close() drops it)
+    setattr(engine.runner, "_upload", slow_upload)  # noqa: B010 (the probe wraps it; close() puts it back)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompts = random_prompts(2, 8, engine.model_config.vocab_size, seed=1)
     probe = step_probe.StepProbe(engine)
@@ -156,6 +156,7 @@ def test_the_probe_times_a_prompt_steps_inputs_landing_apart_from_its_launch(tin
     assert split.prefill_steps == 2 and split.prefill_timed_steps == 2
     assert split.prefill_input_wait_s >= 0.5
     assert split.prefill_gpu_idle_s < 0.5 <= split.prefill_input_wait_s <= split.prefill_s
+    assert vars(engine.runner)["_upload"] is slow_upload  # close() gave the runner its own wrapper back
 
 
 def test_host_step_splits_each_decode_step_into_the_models_time_and_the_hosts(tmp_path):
