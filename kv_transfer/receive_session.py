@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kv_transfer.config import TransferConfig
-from kv_transfer.contracts import FailureReason, FirstToken, Lease, TransferFailed, TransferResult
+from kv_transfer.contracts import FailureReason, Lease, TransferFailed, TransferResult
 from kv_transfer.cuda_ipc import IpcReceiverTransport
+from kv_transfer.descriptors import begin_window, check_begin, first_token_of
 from kv_transfer.doorbell import Armed
 from kv_transfer.frames import FrameConnection, Watch, error_frame, expect, frame_failure
 from kv_transfer.leases import LeaseTable
@@ -160,7 +161,7 @@ class ReceiveSession:
         )
         covered: set[int] = set()
         try:
-            heads = _window(layout, begin)
+            heads = begin_window(layout, begin)
         except TransferFailed:
             return False
         while (frame := self.conn.read_frame(watch)).WhichOneof("body") == "part":
@@ -185,7 +186,7 @@ class ReceiveSession:
 
     def _claim(self, begin: kv_pb2.KVBegin, peer_id: bytes) -> None:
         started = time.monotonic()
-        self.heads = _window(self.core.layout, begin)
+        self.heads = begin_window(self.core.layout, begin)
         if self.heads is not None and self.kind == "cuda_ipc":
             raise TransferFailed(
                 FailureReason.TRANSPORT_MISMATCH,
@@ -198,7 +199,7 @@ class ReceiveSession:
         armed = self.core.take_armed(lease.handle)
         if armed is not None:  # from here a failure releases the chain before the blocks are freed
             self.sink = self._ipc().bells.sink(armed)
-        self._check_begin(begin, lease)
+        check_begin(begin, lease, self.kind, self._layout())
         self.src_block_ids = tuple(begin.src_block_ids)
         if armed is not None:
             self._check_armed(armed, begin, peer_id)
@@ -209,28 +210,6 @@ class ReceiveSession:
             f"lease of {lease.request_id!r}",
             cancelled=lambda: table.cancellation(handle) or self.core.shutdown(),
         )
-
-    def _check_begin(self, begin: kv_pb2.KVBegin, lease: Lease) -> None:
-        if lease.transport != self.kind:  # the sender connected over another transport than the lease names
-            raise TransferFailed(
-                FailureReason.TRANSPORT_MISMATCH,
-                f"request {lease.request_id!r}: its lease is for {lease.transport}, this connection is {self.kind}",
-            )
-        n = len(lease.block_ids)
-        expected_bytes = self._layout().bytes_per_block * n
-        problems = []
-        if begin.num_blocks != n:
-            problems.append(f"num_blocks: lease={n} sender={begin.num_blocks}")
-        if begin.num_tokens != lease.num_tokens:
-            problems.append(f"num_tokens: lease={lease.num_tokens} sender={begin.num_tokens}")
-        if begin.num_bytes != expected_bytes:
-            problems.append(f"num_bytes: lease={expected_bytes} sender={begin.num_bytes}")
-        if self.kind == "cuda_ipc" and len(begin.src_block_ids) != n:
-            problems.append(f"src_block_ids: {len(begin.src_block_ids)} ids for {n} blocks")
-        if problems:
-            raise TransferFailed(
-                FailureReason.DESCRIPTOR_MISMATCH, f"request {lease.request_id!r}: " + "; ".join(problems)
-            )
 
     def _check_armed(self, armed: Armed, begin: kv_pb2.KVBegin, peer_id: bytes) -> None:
         """Keep the armed chain when this sender rang it with the ids it names; else end it (the sender did not
@@ -346,7 +325,7 @@ class ReceiveSession:
             raise TransferFailed(
                 FailureReason.DESCRIPTOR_MISMATCH, f"KVDone with {missing} layers not received"
             )
-        first = _first_token(done)
+        first = first_token_of(done)
         assert self.sink is not None
         self.sink.finish(self.watch, self.conn)
         self.sink = None  # every write completed
@@ -419,34 +398,3 @@ class ReceiveSession:
                 sent = False
         if sent:  # let the frame reach the sender before the socket goes: drain what it still sends
             self.conn.close(grace_s=grace)
-
-
-def _window(layout: KVLayout, begin: kv_pb2.KVBegin) -> tuple[int, int] | None:
-    """The heads a KVBegin fills, (begin, count) in our cache, or None for every head."""
-    if begin.num_heads == 0 or (begin.head_begin == 0 and begin.num_heads == layout.num_kv_heads):
-        return None
-    try:
-        layout.head_window(begin.head_begin, begin.num_heads)
-    except ValueError as exc:
-        raise TransferFailed(
-            FailureReason.DESCRIPTOR_MISMATCH, f"request {begin.request_id!r}: {exc}"
-        ) from None
-    return begin.head_begin, begin.num_heads
-
-
-def _first_token(done: kv_pb2.KVDone) -> FirstToken:
-    if not done.HasField("first_token"):
-        raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, "KVDone carries no first token")
-    try:
-        return first_token_from_message(done.first_token)
-    except ValueError as exc:
-        raise TransferFailed(FailureReason.DESCRIPTOR_MISMATCH, str(exc)) from None
-
-
-def first_token_from_message(token: kv_pb2.KVFirstToken) -> FirstToken:
-    """The KVFirstToken on the wire as a FirstToken (ValueError for a negative id)."""
-    return FirstToken(
-        token.token_id,
-        token.logprob if token.HasField("logprob") else None,
-        tuple((t.token_id, t.logprob) for t in token.top_logprobs),
-    )

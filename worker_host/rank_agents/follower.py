@@ -24,8 +24,8 @@ from kv_transfer import (
     TransferResult,
 )
 from kv_transfer.config import TransferConfig
+from kv_transfer.descriptors import first_token_from_message
 from kv_transfer.pairing import format_message
-from kv_transfer.receive_session import first_token_from_message
 from kv_transfer.send_handle import SendHandle
 from kv_transfer.sharded import pieces
 from model_runtime.kv_layout import KVLayout
