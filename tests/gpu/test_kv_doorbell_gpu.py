@@ -67,6 +67,17 @@ def _send(conn, receiver: KVReceiver, lease, mode: str, target: kv_pb2.KVTarget 
     return conn.recv()
 
 
+def _lands(conn, receiver: KVReceiver, cache, alloc, lease, mode: str, armed: bool, target=None):
+    """Sends `lease`'s blocks and waits for its result: it landed, armed or not as `armed` says, with the
+    sender's bytes in the lease's blocks, which then go back to `alloc`. Returns the result."""
+    sent = _send(conn, receiver, lease, mode, target)
+    (result,) = wait_results(receiver)
+    assert sent["ok"] and result.ok and bool(result.armed) == armed, (sent, result)
+    assert checksum(cache, lease.block_ids) == sent["checksum"]
+    alloc.free(lease.block_ids)
+    return result
+
+
 def test_armed_leases_land_intact_and_unarmed_ones_still_do(peer):
     conn, sender_id = peer
     cache, alloc = make_cache(99, devices("cuda_ipc")[0]), FreeList(3)
@@ -83,12 +94,7 @@ def test_armed_leases_land_intact_and_unarmed_ones_still_do(peer):
             lease = receiver.reserve(f"armed-{i}", tokens, sender=sender_id)
             target = receiver.target(lease)
             assert target.HasField("armed") and target.armed.sender_id == sender_id
-            sent = _send(conn, receiver, lease, mode)
-            (result,) = wait_results(receiver)
-            assert sent["ok"] and result.ok and result.armed, (sent, result)
-            assert result.first_token == FIRST
-            assert checksum(cache, lease.block_ids) == sent["checksum"]
-            alloc.free(lease.block_ids)
+            assert _lands(conn, receiver, cache, alloc, lease, mode, armed=True).first_token == FIRST
 
         # No pair with that sender: not armed at all.
         lease = receiver.reserve("unknown", 48, sender=secrets.token_bytes(16))
@@ -103,20 +109,12 @@ def test_armed_leases_land_intact_and_unarmed_ones_still_do(peer):
         lease = receiver.reserve("other", 48, sender=sender_id)
         target = receiver.target(lease)
         target.armed.sender_id = secrets.token_bytes(16)
-        sent = _send(conn, receiver, lease, "groups", target)
-        (result,) = wait_results(receiver)
-        assert sent["ok"] and result.ok and not result.armed, (sent, result)
-        assert checksum(cache, lease.block_ids) == sent["checksum"]
-        alloc.free(lease.block_ids)
+        _lands(conn, receiver, cache, alloc, lease, "groups", armed=False, target=target)
         # The sender the lease was armed for left the slot unused (as one that cannot open the page would):
         # nothing more is armed for it, so its transfers are not copied twice.
         lease = receiver.reserve("after-unused", 16, sender=sender_id)
         assert not receiver.target(lease).HasField("armed")
-        sent = _send(conn, receiver, lease, "all")
-        (result,) = wait_results(receiver)
-        assert sent["ok"] and result.ok and not result.armed
-        assert checksum(cache, lease.block_ids) == sent["checksum"]
-        alloc.free(lease.block_ids)
+        _lands(conn, receiver, cache, alloc, lease, "all", armed=False)
         assert alloc.all_free
 
 
@@ -143,8 +141,4 @@ def test_an_armed_lease_that_ends_unclaimed_frees_its_blocks_and_its_slot_rests(
         # Its slot rests in quarantine (its sender might still write into it): the next lease goes unarmed.
         lease = receiver.reserve("after", 48, sender=sender_id)
         assert not receiver.target(lease).HasField("armed")
-        sent = _send(conn, receiver, lease, "groups")
-        (result,) = wait_results(receiver)
-        assert sent["ok"] and result.ok and not result.armed
-        assert checksum(cache, lease.block_ids) == sent["checksum"]
-        alloc.free(lease.block_ids)
+        _lands(conn, receiver, cache, alloc, lease, "groups", armed=False)
