@@ -17,8 +17,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 # cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8", "fp8_group")
-# scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses)
-LATE_LAUNCH_MARGIN_S = 0.0015
+# scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses).
+# 0 since runs 87-88 (2x H200, docs/performance.md): against 1.5 ms it let more landed requests into the next
+# decode step (first -> second token 1.4-2.0 ms shorter at 4 req/s) at 1-3% of held launches missing, TPOT unchanged.
+LATE_LAUNCH_MARGIN_S = 0.0
 LATE_LAUNCH_MAX_MARGIN_S = 0.006
 
 
