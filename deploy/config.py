@@ -29,7 +29,7 @@ from deploy.autoscaler.settings import AutoscalerSettings, parse_autoscaler
 from deploy.router_settings import RouterSettings, is_int, parse_router
 from deploy.tls import TLSSettings, parse_tls
 from kv_transfer import TransferConfig
-from model_runtime.config import ConfigError, EngineConfig, dataclass_from_dict
+from model_runtime.config import DECODE_LATE_LAUNCH_MARGIN_S, ConfigError, EngineConfig, dataclass_from_dict
 from model_runtime.roles import WorkerRole
 
 MODES = ("disaggregated", "colocated")
@@ -265,6 +265,10 @@ def _pool(data: Any, where: str, model: str, default_replicas: int) -> PoolSetti
     engine = EngineConfig.from_dict({**engine_data, "model": model}, f"{where}.engine")
     if where in ("colocated", "decode") and _ahead_by_default(engine_data, engine):
         engine = replace(engine, scheduler=replace(engine.scheduler, async_scheduling=True))
+    if where == "decode" and not _said(engine_data, "late_launch_margin_s"):
+        engine = replace(
+            engine, scheduler=replace(engine.scheduler, late_launch_margin_s=DECODE_LATE_LAUNCH_MARGIN_S)
+        )
     return PoolSettings(
         replicas=data.get("replicas", default_replicas),
         num_gpus=data.get("num_gpus", 0.0),
@@ -283,9 +287,13 @@ def _ahead_by_default(engine_data: dict, engine: EngineConfig) -> bool:
     workers on 4x H200 the prefill-heavy capacity went from 20 to at least 28 req/s and the gap between a
     client's first and second token shrank (docs/performance.md, "Step-ahead scheduling" and "Decode workers
     scheduling ahead")."""
+    return not _said(engine_data, "async_scheduling") and engine.parallel.tensor_parallel_size == 1
+
+
+def _said(engine_data: dict, key: str) -> bool:
+    """Whether a pool's engine section sets scheduler.<key> itself."""
     scheduler = engine_data.get("scheduler")
-    said = isinstance(scheduler, dict) and "async_scheduling" in scheduler
-    return not said and engine.parallel.tensor_parallel_size == 1
+    return isinstance(scheduler, dict) and key in scheduler
 
 
 def load_config(path: str | Path | None) -> DeployConfig:

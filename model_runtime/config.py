@@ -17,10 +17,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 # cache.dtype: a model dtype, or FP8 e4m3 with a bfloat16 scale per token and KV head (model_runtime.kv_quant).
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
 QUANTIZATIONS = ("none", "fp8", "fp8_group")
-# scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses).
-# 0 since runs 87-88 (2x H200, docs/performance.md): against 1.5 ms it let more landed requests into the next
-# decode step (first -> second token 1.4-2.0 ms shorter at 4 req/s) at 1-3% of held launches missing, TPOT unchanged.
-LATE_LAUNCH_MARGIN_S = 0.0
+# scheduler.late_launch_margin_s: its default and the most the launch clock's margin may grow to (after misses)
+LATE_LAUNCH_MARGIN_S = 0.0015
+# ... and a disaggregated decode worker's default (deploy.config), since runs 87-89 (docs/performance.md, "Issue 13
+# on one commit"): there 0 let landed requests into the next step sooner at no cost to TPOT, while a colocated
+# worker at 10 req/s of decode-heavy traffic ran a 17% longer TPOT p50 at 0 than at 1.5 ms (one run).
+DECODE_LATE_LAUNCH_MARGIN_S = 0.0
 LATE_LAUNCH_MAX_MARGIN_S = 0.006
 
 

@@ -14,7 +14,7 @@ from bench.dvc_deployments import pair_delta, smoke_config
 from bench.dvc_names import config_gpus, deployment_config
 from bench.dvc_summary import autoscaler_comparison, pair_transports, prefix_comparison
 from deploy.config import parse_config
-from model_runtime.config import LATE_LAUNCH_MARGIN_S, ConfigError
+from model_runtime.config import DECODE_LATE_LAUNCH_MARGIN_S, LATE_LAUNCH_MARGIN_S, ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -326,8 +326,20 @@ def test_lm_sets_the_late_launch_margin_of_the_workers_that_launch_late() -> Non
     disagg = parse_config(deployment_config("disagg-1p1d-lm500"))
     assert disagg.decode.engine.scheduler.late_launch_margin_s == pytest.approx(0.0005)
     assert disagg.prefill.engine.scheduler.late_launch_margin_s == LATE_LAUNCH_MARGIN_S  # the default
-    colocated = parse_config(deployment_config("colocated-2-lm2500")).colocated
-    assert colocated.engine.scheduler.late_launch_margin_s == pytest.approx(0.0025)
+    plain = parse_config(deployment_config("disagg-1p1d"))  # decode workers default to their own margin
+    assert (
+        plain.decode.engine.scheduler.late_launch_margin_s
+        == DECODE_LATE_LAUNCH_MARGIN_S
+        != LATE_LAUNCH_MARGIN_S
+    )
+    assert plain.prefill.engine.scheduler.late_launch_margin_s == LATE_LAUNCH_MARGIN_S
+    assert parse_config(deployment_config("colocated-2")).colocated.engine.scheduler.late_launch_margin_s == (
+        LATE_LAUNCH_MARGIN_S
+    )
+    colocated = parse_config(deployment_config("colocated-2-lm0")).colocated
+    assert colocated.engine.scheduler.late_launch_margin_s == 0.0
+    late = parse_config(deployment_config("disagg-1p1d-lm1500"))  # a decode pool that says so keeps its own
+    assert late.decode.engine.scheduler.late_launch_margin_s == pytest.approx(0.0015)
     with pytest.raises(ConfigError, match=r"scheduler\.late_launch_margin_s: must be seconds in"):
         parse_config(deployment_config("disagg-1p1d-lm9000"))
 
