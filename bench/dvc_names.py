@@ -82,7 +82,8 @@ SCHEDULER_SUFFIXES = (
     (EARLY, "late_launch", False),
 )
 # A name whose colocated or decode workers launch late + "-lmN": the launch clock's margin is N microseconds
-# (scheduler.late_launch_margin_s; default 1500, 0 on decode workers since runs 87-89), for the A/B of a smaller lead on the decode worker.
+# (scheduler.late_launch_margin_s; default 1500, 0 on decode workers since runs 87-89), for the A/B of a smaller
+# lead on the decode worker.
 LAUNCH_MARGIN = re.compile(r"(?P<base>.+)-lm(?P<us>[0-9]+)")
 # Any name + "-rN" (N in 2-8): tandem serve runs N router processes (router.processes), and the bench's clients
 # take them in turn (with --client-processes, each process its own): one router relays about 10k tokens/s.

@@ -297,8 +297,10 @@ def _said(engine_data: dict, key: str) -> bool:
 
 
 def load_config(path: str | Path | None) -> DeployConfig:
-    if path is None:
-        return DeployConfig()
+    if (
+        path is None
+    ):  # the defaults of an empty file, per-pool ones included (DeployConfig() has only the fields')
+        return parse_config({})
     p = Path(path)
     try:
         text = p.read_text()
