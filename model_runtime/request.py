@@ -14,6 +14,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 
 class SamplingError(ValueError):
@@ -24,6 +25,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+# logit_bias: at most this many token ids a request, each bias within +-MAX_LOGIT_BIAS (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # (token id, bias) pairs, one per id, added to those logits before the token is chosen (greedy or sampled);
+    # the logprobs returned stay the model's own (model_runtime.sampler)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        def bad(name: str, msg: str) -> None:
+        def bad(name: str, msg: str) -> NoReturn:
             raise SamplingError(f"{name}: {msg}")
 
         if (
@@ -70,6 +77,23 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(self.logit_bias)}")
+        seen: set[int] = set()
+        for entry in self.logit_bias:
+            token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                bad("logit_bias", f"token ids must be non-negative integers, got {entry!r}")
+            if token in seen:
+                bad("logit_bias", f"token id {token} appears twice")
+            seen.add(token)
+            if (
+                not isinstance(bias, (int, float))
+                or isinstance(bias, bool)
+                or not math.isfinite(bias)
+                or abs(bias) > MAX_LOGIT_BIAS
+            ):
+                bad("logit_bias", f"token {token}: the bias must be a number in [-100, 100], got {bias!r}")
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +108,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise SamplingError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                raise SamplingError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
 class Priority(enum.Enum):

@@ -2,11 +2,14 @@
 
 Per row, in the order Hugging Face and vLLM use:
 
-    logits -float32-> / temperature -> top-k mask -> top-p mask -> softmax -> argmax(probs / Exp(1) noise)
+    logits -float32-> + logit_bias -> / temperature -> top-k mask -> top-p mask -> softmax -> argmax(probs / Exp(1))
        \\-> log_softmax of the raw logits -> logprob of the chosen token, top-n (id, logprob) pairs
 
 Choices, each deliberate:
-- Greedy: temperature < MIN_TEMPERATURE (0 included) takes argmax of the raw logits, the first index on ties.
+- logit_bias (a request's token id -> bias pairs) is added before anything else, so greedy rows take the argmax
+  of the biased logits and sampled rows sample from them, as OpenAI and vLLM apply it. It is one scatter-add over
+  the flattened pairs of every row that has any, no per-row loop.
+- Greedy: temperature < MIN_TEMPERATURE (0 included) takes argmax of the (biased) logits, the first index on ties.
   Dividing by a smaller temperature could overflow float32 into inf - inf = nan.
 - Top-k ties: every token whose scaled logit equals the k-th largest value is kept, so more than k may survive.
   The mask then depends only on the values, never on the tie order of a sort. k larger than the vocabulary keeps
@@ -84,6 +87,9 @@ class SamplingTensors:
     all_greedy: bool
     max_top_k: int  # 0 when no row uses top-k
     any_top_p: bool
+    # logit_bias of every row that has one, flattened: (rows [E] int64, token ids [E] int64, biases [E] float32);
+    # None when no row has any
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -128,7 +134,23 @@ class SamplingTensors:
             all_greedy=all(greedy),
             max_top_k=max((k for k, s in zip(top_ks, sampled) if s and k < vocab_size), default=0),
             any_top_p=any(p.top_p < 1 for p, s in zip(params, sampled) if s),
+            bias=_bias(params, device),
         )
+
+
+def _bias(
+    params: Sequence[SamplingParams], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    if not entries:
+        return None
+    rows, tokens, biases = zip(*entries)
+    ids = torch.tensor([rows, tokens], dtype=torch.int64)
+    values = torch.tensor(biases, dtype=torch.float32)
+    if torch.device(device).type == "cuda":
+        ids, values = ids.pin_memory(), values.pin_memory()
+    ids, values = ids.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    return ids[0], ids[1], values
 
 
 def _to_device(rows: list[list[float]], device: torch.device | str) -> torch.Tensor:
@@ -219,11 +241,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         self._check(logits, tensors)
         logits32 = logits.float()
-        greedy_ids = logits32.argmax(dim=-1)
+        chosen_from = logits32  # what the token is chosen from: the logits with each row's logit_bias added
+        if tensors.bias is not None:
+            rows, tokens, biases = tensors.bias
+            chosen_from = logits32.index_put((rows, tokens), biases, accumulate=True)
+        greedy_ids = chosen_from.argmax(dim=-1)
         if tensors.all_greedy:
             sampled = greedy_ids
         else:
-            random_ids = self._sample_random(logits32, tensors)
+            random_ids = self._sample_random(chosen_from, tensors)
             sampled = torch.where(tensors.greedy, greedy_ids, random_ids)
         max_n = tensors.max_num_logprobs
         logprobs = None if max_n is None else compute_logprobs(logits32, sampled, max_n)

@@ -147,6 +147,7 @@ def engine_sampling(sampling: SamplingParams) -> worker_pb2.EngineSampling:
         max_tokens=sampling.max_tokens,
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        logit_bias=dict(sampling.logit_bias),
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -189,6 +190,7 @@ def _sampling(
             stop_token_ids=tuple(message.stop_token_ids),
             ignore_eos=message.ignore_eos,
             logprobs=message.logprobs if message.HasField("logprobs") else None,
+            logit_bias=tuple(sorted(message.logit_bias.items())),
         )
         params.check_vocab(model.vocab_size)
     except SamplingError as exc:

@@ -97,6 +97,7 @@ class SamplingFields(TypedDict, total=False):
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: int
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,17 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # token id -> bias in [-100, 100] added to its logit before each token is chosen; a mapping is accepted and
+    # kept as (id, bias) pairs
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept a single stop string and lists for convenience; store tuples so the value stays hashable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in pairs))
 
 
 class FinishReason(enum.StrEnum):

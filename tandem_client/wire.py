@@ -61,7 +61,9 @@ def sampling_to_proto(sampling: Sampling) -> generate_pb2.SamplingParams:
         if value is None or value == () or value is False:
             continue
         try:
-            if isinstance(value, tuple):
+            if field.name == "logit_bias":
+                message.logit_bias.update(dict(value))
+            elif isinstance(value, tuple):
                 getattr(message, field.name).extend(value)
             else:
                 setattr(message, field.name, value)

@@ -24,6 +24,7 @@ def sampling_from_proto(msg: worker_pb2.EngineSampling) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -31,7 +31,16 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 # gRPC field paths (router.validation) -> the JSON fields of a completion or chat request.
-_SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs")
+_SAMPLING_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "logit_bias",
+)
 _PATH = re.compile(r"^(?P<path>[a-z_]+(?:\.[a-z_]+)*(?:\[\d+\](?:\.[a-z_]+)?)?): (?P<rest>.*)$", re.DOTALL)
 
 

@@ -7,11 +7,11 @@ length, the model) is the shared pipeline's (router.validation), so both front d
     POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
     both                       model, temperature, top_p, seed, stop, n (1-64), user (ignored), stream,
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
-                               true, with top_logprobs), and vLLM's extensions top_k, ignore_eos,
-                               stop_token_ids and return_token_ids
+                               true, with top_logprobs), logit_bias ({"token id": bias}), and vLLM's
+                               extensions top_k, ignore_eos, stop_token_ids and return_token_ids
 
 Unknown fields are ignored, as OpenAI's API does; known fields that would change the output in a way Tandem
-cannot honour (echo, suffix, best_of > 1, penalties, logit_bias, tools, a JSON response_format) are a 400
+cannot honour (echo, suffix, best_of > 1, penalties, tools, a JSON response_format) are a 400
 that says so, never silently dropped.
 
 n > 1 choices run as n requests of their own through the pipeline (each admitted, placed and counted as one),
@@ -44,7 +44,6 @@ _UNSUPPORTED = {
     "best_of": (1,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
 }
@@ -157,7 +156,22 @@ def _common(body: Mapping[str, Any], chat: bool) -> generate_pb2.GenerateRequest
             raise bad_request("stop_token_ids", "must be a list of integers")
         _set_repeated(sampling.stop_token_ids, ids, "stop_token_ids")
     sampling.ignore_eos = bool(_optional(body, "ignore_eos", bool))
+    _logit_bias(body, sampling)
     return message
+
+
+def _logit_bias(body: Mapping[str, Any], sampling: generate_pb2.SamplingParams) -> None:
+    """logit_bias: {"token id": bias}, the ids as JSON object keys (strings of digits). The range of each bias
+    and the vocabulary are the pipeline's checks."""
+    bias = _optional(body, "logit_bias", dict)
+    for key, value in (bias or {}).items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise bad_request("logit_bias", f"keys must be token ids (strings of digits), got {key!r}")
+        if not isinstance(value, _NUMBER) or isinstance(value, bool):
+            raise bad_request("logit_bias", f"token {key}: the bias must be a number, got {_kind(value)}")
+        if int(key) >= 2**32:
+            raise bad_request("logit_bias", f"token id {key} is outside the vocabulary")
+        sampling.logit_bias[int(key)] = float(value)
 
 
 def _finish(

@@ -101,6 +101,37 @@ def test_completions_equal_the_grpc_api_token_for_token(cluster: ServeProcess, a
         assert usage.usage.completion_tokens == len(want.token_ids)
 
 
+def test_logit_bias_reaches_both_workers_through_both_front_doors(
+    cluster: ServeProcess, api: openai.OpenAI
+) -> None:
+    """The prefill worker samples the first token and the decode worker the rest: a bias that bans tokens or
+    forces one shows in every position, the same over gRPC and HTTP; an id past the vocabulary is a 400."""
+    prompt, forced_id = PROMPTS[0], 1234
+    with Client(cluster.address) as client:
+        plain = client.generate(prompt, temperature=0, max_tokens=12)
+        banned = {plain.token_ids[0]: -100.0, plain.token_ids[2]: -100.0}
+        biased = client.generate(prompt, temperature=0, max_tokens=12, logit_bias=banned)
+        forced = client.generate(prompt, temperature=0, max_tokens=6, logit_bias={forced_id: 100.0})
+    assert biased.token_ids[0] != plain.token_ids[0]
+    assert not set(banned) & set(biased.token_ids), (plain.token_ids, biased.token_ids)
+    assert forced.token_ids == (forced_id,) * 6
+    over_http = api.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=12,
+        logit_bias={str(k): v for k, v in banned.items()},  # type: ignore[misc]
+        extra_body=TOKEN_IDS,
+    )
+    assert over_http.choices[0].model_extra["token_ids"] == list(biased.token_ids)
+    status, body = http(
+        cluster.http_address + "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": prompt, "logit_bias": {"49152": 1}}).encode(),
+    )
+    assert (status, body["error"]["param"]) == (400, "logit_bias"), body
+    assert "token id 49152 is outside the vocabulary [0, 49152)" in body["error"]["message"]
+
+
 def test_n_choices_are_the_requests_each_would_be_alone(cluster: ServeProcess, api: openai.OpenAI) -> None:
     """n > 1: greedy, every choice is the n = 1 completion; with a seed and temperature, choice i is what a
     request with seed + i gets alone (chat, streamed: each choice's chunks carry its index and end with its

@@ -21,8 +21,14 @@ class Reference:
 
 @torch.inference_mode()
 def hf_greedy(
-    model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None,
+    **processors: object,
 ) -> Reference:
+    """`processors`: generate()'s logits-processor arguments (e.g. sequence_bias); the tie margins are then taken
+    from the processed scores, which the choice was made on."""
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
         input_ids,
@@ -32,11 +38,13 @@ def hf_greedy(
         eos_token_id=eos_token_id,
         pad_token_id=0,
         output_logits=True,
+        output_scores=True,
         return_dict_in_generate=True,
+        **processors,
     )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     gaps = []
-    for logits in out.logits:
+    for logits in out.scores if processors else out.logits:
         top = torch.topk(logits[0].float(), 2).values
         gaps.append(float(top[0] - top[1]))
     return Reference(tokens, gaps)

@@ -81,6 +81,42 @@ def test_tiny_gguf_q8_q4_1_matches_transformers(tmp_path, arch):
     check_against_hf(ref_model, llm, random_prompts(6, tiny_vocab_size(), seed=7), f"gguf-{arch}")
 
 
+def test_logit_bias_matches_transformers_sequence_bias(tmp_path):
+    """Greedy with a logit_bias per request equals transformers' generate with the same biases as
+    single-token sequence_bias, in one batch with requests that have none; and the bias changes the tokens."""
+    path = write_tiny_hf(tmp_path, "llama", initializer_range=SHARP_INIT)
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), cpu_config(str(path)))
+    vocab = tiny_vocab_size()
+    prompts = random_prompts(6, vocab, seed=21)
+    plain = run_ours(llm, prompts)
+    rng = random.Random(5)
+    biases: list[dict[int, float]] = []
+    for i, tokens in enumerate(plain):
+        if i % 3 == 2:
+            biases.append({})  # rows without a bias share the batch
+            continue
+        # Ban the unbiased run's first two tokens, push two random ones up and one down by a few logits.
+        bias = {tokens[0]: -100.0, tokens[1]: -100.0}
+        bias.update({rng.randrange(3, vocab): rng.choice((2.5, 4.0)) for _ in range(2)})
+        bias[rng.randrange(3, vocab)] = -3.0
+        biases.append(bias)
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, logit_bias=tuple(sorted(b.items()))) for b in biases
+    ]
+    ours = [c.token_ids for c in llm.generate([PromptInput(token_ids=tuple(p)) for p in prompts], params)]
+    for i, (prompt, bias, tokens) in enumerate(zip(prompts, biases, ours)):
+        extra = {"sequence_bias": {(t,): b for t, b in bias.items()}} if bias else {}
+        ref = hf_greedy(ref_model, prompt, MAX_NEW, EOS_ID, **extra)
+        assert_greedy_match(tokens, ref, f"logit_bias prompt {i}")
+        if bias:
+            banned = [t for t, b in bias.items() if b == -100.0]
+            assert not set(banned) & set(tokens), f"prompt {i}: a banned token was chosen: {tokens}"
+            assert tokens != plain[i]
+        else:
+            assert tokens == plain[i]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = write_tiny_hf(tmp_path_factory.mktemp("batch"), "llama", initializer_range=SHARP_INIT)

@@ -34,6 +34,7 @@ from tandem_client import (
     WorkerState,
     wire,
 )
+from tandem_client.wire import build_request
 from tests.loopback import free_port
 from tests.unit.sdk_server import EchoGeneration, FixedAdmin
 
@@ -135,6 +136,15 @@ def test_bad_arguments_fail_before_any_rpc(client: Client) -> None:
         client.generate("a", max_tokens=-3)
     with pytest.raises(InvalidArgument, match="request_id"):
         client.generate("a", request_id="x" * 129)
+    with pytest.raises(InvalidArgument, match=r"sampling\.logit_bias"):
+        client.generate("a", logit_bias={"5": 1.0})  # type: ignore[dict-item]
+
+
+def test_logit_bias_goes_as_a_map_whether_given_as_a_mapping_or_as_pairs() -> None:
+    assert Sampling(logit_bias={5: -100.0, 2: 1.5}) == Sampling(logit_bias=((5, -100.0), (2, 1.5)))
+    request = build_request(Prompt(text="a"), Sampling(logit_bias={5: -100.0, 2: 1.5}))
+    assert dict(request.sampling.logit_bias) == {5: -100.0, 2: 1.5}
+    assert not build_request(Prompt(text="a"), Sampling()).sampling.logit_bias
 
 
 def test_closing_the_stream_cancels_the_rpc_on_the_server(server, client: Client) -> None:

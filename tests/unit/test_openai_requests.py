@@ -90,6 +90,13 @@ def test_a_list_of_prompts_is_each_prompts_n_choices_in_order() -> None:
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "n": 1.0}, "n", "must be an integer"),
         (parse_completion, {"prompt": "a", "echo": True}, "echo", "is not supported"),
         (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
+        (parse_completion, {"prompt": "a", "logit_bias": [1]}, "logit_bias", "must be an object"),
+        (parse_completion, {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+        (parse_completion, {"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias", "keys must be token ids"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"5": "up"}}, "logit_bias",
+         "token 5: the bias must be a number, got a string"),
+        (parse_completion, {"prompt": "a", "logit_bias": {"4294967296": 1}}, "logit_bias",
+         "token id 4294967296 is outside the vocabulary"),
         (parse_completion, {"prompt": "a", "stop": [1]}, "stop", "must be a string or a list of strings"),
         (parse_completion, {"prompt": [-1]}, "prompt", "token id -1 is outside the vocabulary"),
         (parse_completion, {}, "prompt", "is required"),
@@ -138,6 +145,19 @@ def test_router_errors_map_to_openai_statuses(code, details, chat, status, param
     assert set(body) == {"message", "type", "param", "code"}
     retry = error.headers().get("Retry-After")
     assert retry == ("1" if status in (429, 503) else None)
+
+
+def test_logit_bias_reaches_the_internal_request_by_token_id() -> None:
+    request = parse_completion({"prompt": "a", "logit_bias": {"5": -100, "17": 2.5}})
+    assert dict(request.message.sampling.logit_bias) == {5: -100.0, 17: 2.5}
+    assert not parse_completion({"prompt": "a", "logit_bias": {}}).message.sampling.logit_bias
+
+
+def test_a_bias_out_of_range_is_the_pipelines_400_naming_logit_bias() -> None:
+    details = "sampling.logit_bias: token 5: the bias must be a number in [-100, 100], got 200.0"
+    error = from_router_error(RouterError(grpc.StatusCode.INVALID_ARGUMENT, details), False)
+    assert (error.status, error.param) == (400, "logit_bias")
+    assert error.message == details.removeprefix("sampling.")
 
 
 def test_the_max_tokens_field_the_client_used_is_the_one_named() -> None:

@@ -21,6 +21,7 @@ from router.errors import RouterError
 from router.model import ServedModel
 from router.validation import engine_sampling, validate_request
 from tandem_api.tandem.v1 import generate_pb2
+from worker_host.convert import sampling_from_proto
 
 pytestmark = pytest.mark.unit
 
@@ -89,6 +90,15 @@ def _ids(*ids: int) -> generate_pb2.GenerateRequest:
         (_request(stop=["s"] * (MAX_STOP_STRINGS + 1)), f"sampling.stop: at most {MAX_STOP_STRINGS}"),
         (_request(stop_token_ids=[VOCAB]), f"sampling.stop_token_ids: {VOCAB} is outside the vocabulary"),
         (_request(logprobs=21), "sampling.logprobs: must be an integer in [0, 20]"),
+        (
+            _request(logit_bias={VOCAB: 1.0}),
+            f"sampling.logit_bias: token id {VOCAB} is outside the vocabulary",
+        ),
+        (
+            _request(logit_bias={5: 100.5}),
+            "sampling.logit_bias: token 5: the bias must be a number in [-100, 100]",
+        ),
+        (_request(logit_bias={5: float("inf")}), "sampling.logit_bias: token 5:"),
         (generate_pb2.GenerateRequest(text="hello", request_id=""), "request_id: must be 1..128 characters"),
         (generate_pb2.GenerateRequest(text="hello", request_id="r" * 129), "request_id: must be 1..128"),
         (
@@ -160,10 +170,12 @@ def test_given_sampling_fields_are_kept() -> None:
         stop_token_ids=[6],
         ignore_eos=True,
         logprobs=0,
+        logit_bias={9: -100.0, 4: 2.5},
     )
     s = validate_request(message, MODEL, CONFIG).sampling
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens) == (0.0, 0.5, -1, 7, CONTEXT - 1)
     assert (s.stop, s.stop_token_ids, s.ignore_eos, s.logprobs) == (("b",), (6,), True, 0)
+    assert s.logit_bias == ((4, 2.5), (9, -100.0))
 
 
 def test_request_id_is_echoed_or_generated_uniquely() -> None:
@@ -182,7 +194,12 @@ def test_engine_sampling_carries_every_resolved_value() -> None:
     assert engine.seed == 3 and engine.HasField("logprobs") and engine.logprobs == 2
     assert engine.max_tokens == 16 and not engine.ignore_eos
     unseeded = engine_sampling(validate_request(_request("a"), MODEL, CONFIG).sampling)
-    assert not unseeded.HasField("seed") and not unseeded.HasField("logprobs")
+    assert not unseeded.HasField("seed") and not unseeded.HasField("logprobs") and not unseeded.logit_bias
+    biased = validate_request(_request("a", logit_bias={3: -100.0, 8: 1.5}), MODEL, CONFIG).sampling
+    assert dict(engine_sampling(biased).logit_bias) == {3: -100.0, 8: 1.5}
+    assert (
+        sampling_from_proto(engine_sampling(biased)).logit_bias == biased.logit_bias
+    )  # what the workers get
 
 
 @pytest.mark.parametrize(

@@ -295,11 +295,63 @@ def test_logprobs_count_clamped_to_vocab() -> None:
         ("max_tokens", {"max_tokens": 0}),
         ("seed", {"seed": -1}),
         ("stop", {"stop": ("",)}),
+        ("logit_bias", {"logit_bias": ((5, 101.0),)}),
+        ("logit_bias", {"logit_bias": ((5, float("nan")),)}),
+        ("logit_bias", {"logit_bias": ((-1, 1.0),)}),
+        ("logit_bias", {"logit_bias": ((5, 1.0), (5, 2.0))}),
+        ("logit_bias", {"logit_bias": ((5, True),)}),
+        ("logit_bias", {"logit_bias": ((5,),)}),
+        ("logit_bias", {"logit_bias": tuple((i, 1.0) for i in range(1025))}),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field: str, kwargs: dict[str, object]) -> None:
     with pytest.raises(SamplingError, match=f"^{field}:"):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_logit_bias_outside_the_vocabulary_names_the_token() -> None:
+    with pytest.raises(SamplingError, match=r"^logit_bias: token id 40 is outside the vocabulary \[0, 40\)"):
+        SamplingParams(logit_bias=((3, 1.0), (40, -1.0))).check_vocab(40)
+
+
+def test_logit_bias_is_added_before_the_choice_and_logprobs_stay_the_models() -> None:
+    rng = np.random.default_rng(4)
+    vocab = 64
+    logits = torch.tensor(rng.normal(size=(4, vocab)).astype(np.float32))
+    best = logits.argmax(dim=-1).tolist()
+    bias_rows = [
+        ((best[0], -100.0),),  # banned: the second best wins
+        (),  # no bias, beside rows that have one
+        ((7, 3.0), (9, -2.5), (best[2], -0.25)),
+        ((11, 100.0),),
+    ]
+    params = [SamplingParams(temperature=0, logprobs=2, logit_bias=b) for b in bias_rows]
+    out = Sampler()(logits, _tensors(params, vocab))
+    expected = logits.clone()
+    for row, pairs in enumerate(bias_rows):
+        for token, bias in pairs:
+            expected[row, token] += bias
+    assert out.sampled_token_ids.tolist() == expected.argmax(dim=-1).tolist()
+    assert out.sampled_token_ids.tolist()[3] == 11 and out.sampled_token_ids.tolist()[0] != best[0]
+    raw = torch.log_softmax(logits, dim=-1)  # the model's distribution, not the biased one
+    for row, (chosen, top) in enumerate(out.logprobs_lists()):
+        token = out.sampled_token_ids.tolist()[row]
+        assert chosen == pytest.approx(raw[row, token].item(), abs=1e-5)
+        assert [t for t, _ in top] == raw[row].topk(2).indices.tolist()
+
+
+def test_sampled_rows_draw_from_the_biased_distribution() -> None:
+    """Temperature 1 over four equal logits, token 0 banned and token 1 raised by ln 2: the draws follow
+    (0, 2/4, 1/4, 1/4)."""
+    vocab, draws = 4, 4000
+    logits = torch.zeros(draws, vocab)
+    params = [SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, math.log(2.0))))] * draws
+    sampled = Sampler(seed=1)(logits, _tensors(params, vocab)).sampled_token_ids
+    counts = torch.bincount(sampled, minlength=vocab).tolist()
+    assert counts[0] == 0
+    expected = [0.0, draws / 2, draws / 4, draws / 4]
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts[1:], expected[1:]))
+    assert chi2 < 13.8, (counts, chi2)  # 2 degrees of freedom, p = 0.001
 
 
 def test_sampler_rejects_mismatched_inputs() -> None:
