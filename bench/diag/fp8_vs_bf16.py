@@ -19,6 +19,17 @@ aa0548a), 205 / 890 / 1,972 tokens:
 
 Within the issue's 1% on two texts of three, not on the lighthouse story nor pooled (docs/architecture.md's
 quality note: on texts this short, one rounding against another moves perplexity by a point or two).
+
+Measured again (2026-11-29, an AMD EPYC CPU with AVX2 and no AVX-512, ea91f22; float32 the same to the digits
+above), as the code stands (activation rows multiplied by their scale's reciprocal since 321d529) and with the
+division of aa0548a put back for the run:
+
+    bf16                     +0.55%          +0.07%          -0.19%      (against float32: the CPU's bf16 differs)
+    fp8 against bf16         +0.92%          +2.94%          +2.06%      pooled +2.24%
+    ... rows divided         +2.98%          +2.76%          +1.28%      pooled +1.82%
+
+So the measure moves by about half a point with the CPU and with a rounding change that alters a few codes in a
+million; neither reaches 1%.
 """
 
 from __future__ import annotations
