@@ -3,7 +3,8 @@
 Pure (no I/O beyond reading the input file, no engine, no network), so every line is validated before any
 generation starts. A JSONL line holds exactly one of
     {"prompt": "text"} | {"messages": [{"role": ..., "content": ...}, ...]} | {"prompt_token_ids": [1, 2, ...]}
-plus optional per-line max_tokens, temperature, top_p, top_k, seed, stop (overriding the flags).
+plus optional per-line max_tokens, temperature, top_p, top_k, seed, stop, logit_bias ({"token id": bias})
+(overriding the flags).
 Ranges (top_p <= 1, ...) are the engine's or the server's to check; here: types and shapes.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from tandem_client.types import ChatMessage, Prompt, Sampling
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logit_bias")
 
 
 class InputError(ValueError):
@@ -154,7 +155,22 @@ def _sampling(record: dict[str, object], base: Sampling, where: str) -> Sampling
         temperature=_float_field(record, "temperature", base.temperature, where),
         top_p=_float_field(record, "top_p", base.top_p, where),
         stop=_stop(record["stop"], where) if "stop" in record else base.stop,
+        logit_bias=_logit_bias(record["logit_bias"], where) if "logit_bias" in record else base.logit_bias,
     )
+
+
+def _logit_bias(value: object, where: str) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as the OpenAI API takes it (JSON object keys are strings); ranges are the engine's."""
+    if not isinstance(value, dict):
+        raise InputError(f'{where}: logit_bias: must be an object {{"token id": bias}}, got {value!r}')
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InputError(f"{where}: logit_bias: keys must be token ids (strings of digits), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InputError(f"{where}: logit_bias: token {key}: the bias must be a number, got {bias!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _int_field(record: dict[str, object], key: str, default: int | None, where: str) -> int | None:

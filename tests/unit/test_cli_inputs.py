@@ -85,6 +85,12 @@ def test_chat_flag_wraps_plain_prompts() -> None:
         ('{"prompt": "a", "top_p": NaN}', r"line 2: top_p: must be a finite number"),
         ('{"prompt": "a", "stop": [""]}', r"line 2: stop: must be a non-empty string or a list"),
         ('{"prompt": "a", "stop": 3}', r"line 2: stop"),
+        ('{"prompt": "a", "logit_bias": [1]}', r"line 2: logit_bias: must be an object"),
+        ('{"prompt": "a", "logit_bias": {"x": 1}}', r"line 2: logit_bias: keys must be token ids"),
+        (
+            '{"prompt": "a", "logit_bias": {"5": "up"}}',
+            r"line 2: logit_bias: token 5: the bias must be a number",
+        ),
     ],
 )
 def test_bad_lines_name_the_line_and_key(line: str, expected: str) -> None:
@@ -129,6 +135,16 @@ def test_line_fields_override_flags_in_sampling_params() -> None:
     assert engine_sampling(item.sampling) == SamplingParams(
         temperature=1.0, top_k=9, max_tokens=64, stop=("y", "z")
     )
+
+
+def test_a_lines_logit_bias_reaches_sampling_params_and_its_range_errors_name_the_line() -> None:
+    (item,) = parse_jsonl(['{"prompt": "a", "logit_bias": {"7": -100, "3": 2.5}}'], BASE)
+    assert engine_sampling(item.sampling).logit_bias == ((7, -100.0), (3, 2.5))
+    items = _parse('{"prompt": "a"}', '{"prompt": "b", "logit_bias": {"7": 200}}')
+    with pytest.raises(
+        InputError, match=r"^line 2: logit_bias: token 7: the bias must be a number in \[-100, 100\]"
+    ):
+        prepare(items)
 
 
 def test_engine_range_errors_name_the_line() -> None:
