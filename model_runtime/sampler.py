@@ -7,7 +7,7 @@ Per row, in the order Hugging Face and vLLM use:
 
 Choices, each deliberate:
 - logit_bias (a request's token id -> bias pairs) is added before anything else, so greedy rows take the argmax
-  of the biased logits and sampled rows sample from them, as OpenAI and vLLM apply it. It is one scatter-add over
+  of the biased logits and sampled rows sample from them, as OpenAI and vLLM apply it. It is one index_add_ over
   the flattened pairs of every row that has any, no per-row loop.
 - Greedy: temperature < MIN_TEMPERATURE (0 included) takes argmax of the (biased) logits, the first index on ties.
   Dividing by a smaller temperature could overflow float32 into inf - inf = nan.
@@ -87,9 +87,9 @@ class SamplingTensors:
     all_greedy: bool
     max_top_k: int  # 0 when no row uses top-k
     any_top_p: bool
-    # logit_bias of every row that has one, flattened: (rows [E] int64, token ids [E] int64, biases [E] float32);
+    # logit_bias of every row that has one, flattened: (row * vocab_size + token id [E] int64, bias [E] float32);
     # None when no row has any
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -134,23 +134,24 @@ class SamplingTensors:
             all_greedy=all(greedy),
             max_top_k=max((k for k, s in zip(top_ks, sampled) if s and k < vocab_size), default=0),
             any_top_p=any(p.top_p < 1 for p, s in zip(params, sampled) if s),
-            bias=_bias(params, device),
+            bias=_bias(params, vocab_size, device),
         )
 
 
 def _bias(
-    params: Sequence[SamplingParams], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    entries = [
+        (row * vocab_size + token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias
+    ]
     if not entries:
         return None
-    rows, tokens, biases = zip(*entries)
-    ids = torch.tensor([rows, tokens], dtype=torch.int64)
+    flat, biases = zip(*entries)
+    ids = torch.tensor(flat, dtype=torch.int64)
     values = torch.tensor(biases, dtype=torch.float32)
     if torch.device(device).type == "cuda":
         ids, values = ids.pin_memory(), values.pin_memory()
-    ids, values = ids.to(device, non_blocking=True), values.to(device, non_blocking=True)
-    return ids[0], ids[1], values
+    return ids.to(device, non_blocking=True), values.to(device, non_blocking=True)
 
 
 def _to_device(rows: list[list[float]], device: torch.device | str) -> torch.Tensor:
@@ -242,9 +243,10 @@ class Sampler:
         self._check(logits, tensors)
         logits32 = logits.float()
         chosen_from = logits32  # what the token is chosen from: the logits with each row's logit_bias added
-        if tensors.bias is not None:
-            rows, tokens, biases = tensors.bias
-            chosen_from = logits32.index_put((rows, tokens), biases, accumulate=True)
+        if tensors.bias is not None:  # one index_add_ (atomics on a GPU: no sort, no sync) over a copy
+            flat, biases = tensors.bias
+            chosen_from = logits32.clone()
+            chosen_from.view(-1).index_add_(0, flat, biases)
         greedy_ids = chosen_from.argmax(dim=-1)
         if tensors.all_greedy:
             sampled = greedy_ids

@@ -382,7 +382,7 @@ def test_empty_batch() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
     vocab = 32_000
-    logits = torch.randn(6, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = torch.randn(8, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     logits[4] = logits[0]  # same request content twice: same seed, same step -> same token
     params = [
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3, logprobs=5),
@@ -391,12 +391,14 @@ def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
         SamplingParams(temperature=1.2, top_k=1000, seed=4),
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3, logprobs=5),
         SamplingParams(),
+        SamplingParams(temperature=0.0, logit_bias=((123, 100.0), (5, -3.0))),  # forced, greedy
+        SamplingParams(temperature=0.9, seed=5, logit_bias=((77, 100.0),)),  # forced, sampled
     ]
     sampler = Sampler("cuda", seed=0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tensors = SamplingTensors.from_params(params, [7] * 6, vocab, "cuda")
+        tensors = SamplingTensors.from_params(params, [7] * len(params), vocab, "cuda")
         out = sampler(logits.bfloat16(), tensors)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -404,5 +406,6 @@ def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
     assert out.sampled_token_ids.dtype == torch.int64
     assert ids[1] == logits.bfloat16().float()[1].argmax().item()
     assert ids[0] == ids[4]
+    assert ids[6:] == [123, 77]
     alone = sampler(logits[:1].bfloat16(), SamplingTensors.from_params(params[:1], [7], vocab, "cuda"))
     assert alone.sampled_token_ids.tolist() == [ids[0]]
