@@ -26,7 +26,10 @@ def test_a_run_freezes_what_exists_and_thaws_it_after_unless_it_was_frozen_alrea
         frozen = gc.get_freeze_count()
         with frozen_while_running():
             pass
-        assert gc.get_freeze_count() == frozen  # the worker's freeze is left as it was
+        # The worker's freeze is left as it was: not thawed (0) nor frozen again (more). A frozen object may still
+        # die meanwhile (another thread of the test process drops its last reference), so the count may fall a
+        # little: a clean clone's run saw 605,374 of 605,376.
+        assert 0.99 * frozen <= gc.get_freeze_count() <= frozen
     finally:
         thaw()
     assert gc.get_freeze_count() == 0
