@@ -315,15 +315,17 @@ def test_under_overload_interactive_requests_keep_their_ttft_while_batch_request
     make: Callable[..., RouterHarness],
 ) -> None:
     """Two classes with numbers: a backlog of batch requests several times the router's slots, and interactive
-    requests arriving behind it. Each request holds a slot for about 5 fake decode steps (0.1 s), so an
-    interactive request waits for at most one slot to free, while the batch backlog drains at 2 per 0.1 s."""
+    requests arriving behind it. A batch request holds a slot for about 10 fake decode steps (0.2 s), so an
+    interactive one (5 steps) waits for at most one slot to free, while the batch backlog drains at 2 per 0.2 s:
+    slow enough that the backlog builds even when the 24 submissions straggle over most of a second (a clean
+    clone's run on 2 busy cores never saw 16 queued when each held a slot for 0.1 s)."""
     keys = [{"name": "alpha", "secret": ALPHA}, {"name": "nightly", "secret": NIGHTLY, "priority": "batch"}]
     harness = make(keys, step_s=0.02, max_inflight=2, max_queue=64)
     alpha, nightly = sdk(harness, ALPHA), sdk(harness, NIGHTLY)
     pool = ThreadPoolExecutor(max_workers=24)
     try:
-        backlog = [pool.submit(nightly.generate, "hi", max_tokens=5, timeout=60) for _ in range(24)]
-        wait_until(lambda: harness.status().router.queued_requests >= 16, what="a batch backlog")
+        backlog = [pool.submit(nightly.generate, "hi", max_tokens=10, timeout=60) for _ in range(24)]
+        wait_until(lambda: harness.status().router.queued_requests >= 12, what="a batch backlog")
         interactive = [alpha.generate("hi", max_tokens=5).timings for _ in range(6)]  # one after another
         batch = [f.result(timeout=60).timings for f in backlog]
     finally:
