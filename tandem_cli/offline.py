@@ -6,7 +6,7 @@ never pay for it and the SDK's dependencies stay grpc + protobuf.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tandem_cli.inputs import GenerationInput, InputError
@@ -46,7 +46,7 @@ def engine_sampling(sampling: Sampling) -> SamplingParams:
         stop_token_ids=sampling.stop_token_ids,
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
-        logit_bias=tuple(bias.items() if isinstance(bias := sampling.logit_bias, Mapping) else bias),
+        logit_bias=tuple(dict(sampling.logit_bias).items()),  # Sampling keeps (id, bias) pairs
     )
 
 
