@@ -161,6 +161,34 @@ def test_runs_from_several_directories_make_one_summary_and_a_deployment_in_two_
         load_runs("prefill-heavy", [four, two])
 
 
+def test_a_sweep_split_over_two_calls_is_merged_and_runs_that_differ_are_refused(tmp_path: Path) -> None:
+    """The 2-GPU half of issue 20 ran 4-12 req/s in one device call and 14-20 in the next, same commit and card:
+    one sweep, whose capacity only the merged points show (100% up to 16, 40% at 18)."""
+    low, high = tmp_path / "low", tmp_path / "high"
+    low.mkdir()
+    high.mkdir()
+
+    def write(directory: Path, port: int, commit: str, *points: dict) -> None:
+        run = _run(2, *points)
+        run.update(commit=commit, slo={}, config={"mode": "colocated", "router": {"port": port, "max_queue": 9}})
+        (directory / "colocated_prefill-heavy.json").write_text(json.dumps(run))
+
+    write(low, 50051, "c1", _point(4, 1.0, 1.0), _point(12, 1.0, 0.95))
+    write(high, 50099, "c1", _point(16, 0.95, 0.5), _point(14, 1.0, 0.9), _point(18, 0.4, 0.0))
+    merged = load_runs("prefill-heavy", [low, high])["colocated"]
+    assert [p["settings"]["rate"] for p in merged["points"]] == [4, 12, 14, 16, 18]
+    row = _summarize({"colocated": merged}, tmp_path)
+    assert row["colocated"]["capacity_rps"] == 16.0
+    assert row["colocated"]["capacity_rps_interactive"] == 14.0
+
+    write(high, 50099, "c2", _point(16, 0.95, 0.5))  # another commit: not the same sweep
+    with pytest.raises(ValueError, match=r"is in both .* \(different commit\)"):
+        load_runs("prefill-heavy", [low, high])
+    write(high, 50099, "c1", _point(12, 0.5, 0.0))  # a rate both ran: which one counts is not for us to pick
+    with pytest.raises(ValueError, match=r"both ran \[12\] req/s"):
+        load_runs("prefill-heavy", [low, high])
+
+
 def test_include_is_for_summaries_only_and_must_exist(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--include", str(tmp_path)])
