@@ -413,7 +413,10 @@ def load_runs(name: str, dirs: list[Path]) -> dict[str, dict]:
                     raise ValueError(
                         f"{dep} {name} is in both {seen[dep]} and {path} ({why}); include one of them"
                     )
-                runs[dep] = {**runs[dep], "points": sorted([*runs[dep]["points"], *run["points"]], key=_point_key)}
+                runs[dep] = {
+                    **runs[dep],
+                    "points": sorted([*runs[dep]["points"], *run["points"]], key=_point_key),
+                }
                 continue
             seen[dep], runs[dep] = path, run
     return runs

@@ -170,7 +170,9 @@ def test_a_sweep_split_over_two_calls_is_merged_and_runs_that_differ_are_refused
 
     def write(directory: Path, port: int, commit: str, *points: dict) -> None:
         run = _run(2, *points)
-        run.update(commit=commit, slo={}, config={"mode": "colocated", "router": {"port": port, "max_queue": 9}})
+        run.update(
+            commit=commit, slo={}, config={"mode": "colocated", "router": {"port": port, "max_queue": 9}}
+        )
         (directory / "colocated_prefill-heavy.json").write_text(json.dumps(run))
 
     write(low, 50051, "c1", _point(4, 1.0, 1.0), _point(12, 1.0, 0.95))
