@@ -79,6 +79,14 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeat for several)"
     )
     p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit before sampling (repeat for several; an --input "
+        "line's own logit_bias replaces them for that line)",
+    )
+    p.add_argument(
         "--logprobs", type=int, metavar="N", help="return chosen-token logprobs and the top N alternatives"
     )
     p.add_argument("--chat", action="store_true", help="send plain prompts as a user message of a chat")
@@ -152,6 +160,7 @@ def _collect_inputs(args: argparse.Namespace) -> list[GenerationInput]:
         seed=args.seed,
         stop=args.stop,
         logprobs=args.logprobs,
+        logit_bias=args.logit_bias,
     )
     if args.input is not None:
         return read_jsonl(args.input, base, chat=args.chat)

@@ -55,8 +55,10 @@ def sampling_from_flags(
     seed: int | None = None,
     stop: Sequence[str] = (),
     logprobs: int | None = None,
+    logit_bias: Sequence[str] = (),
 ) -> Sampling:
-    """The command line's sampling; `tandem generate` defaults to greedy so results reproduce."""
+    """The command line's sampling; `tandem generate` defaults to greedy so results reproduce. `logit_bias`:
+    the --logit-bias flags as given, each ID=BIAS."""
     return Sampling(
         temperature=temperature,
         top_p=top_p,
@@ -65,7 +67,21 @@ def sampling_from_flags(
         max_tokens=max_tokens,
         stop=tuple(stop),
         logprobs=logprobs,
+        logit_bias=tuple(_logit_bias_flag(flag) for flag in logit_bias),
     )
+
+
+def _logit_bias_flag(flag: str) -> tuple[int, float]:
+    """One --logit-bias ID=BIAS as a (token id, bias) pair; the range is the engine's to check."""
+    token, sep, bias = flag.partition("=")
+    token, bias = token.strip(), bias.strip()
+    if not sep or not (token.isascii() and token.isdigit()):
+        raise InputError(f"--logit-bias: must be TOKEN_ID=BIAS with a token id of digits, got {flag!r}")
+    try:
+        value = float(bias)
+    except ValueError:
+        raise InputError(f"--logit-bias {flag}: the bias must be a number, got {bias!r}") from None
+    return int(token), value
 
 
 def prompt_from_text(text: str, chat: bool) -> Prompt:

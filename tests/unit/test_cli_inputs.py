@@ -16,7 +16,14 @@ import pytest
 from model_runtime.request import ChatMessage as EngineChatMessage
 from model_runtime.request import Completion, PromptInput, SamplingParams
 from tandem_cli.cli import main as cli_main
-from tandem_cli.inputs import InputError, parse_jsonl, prompt_from_text, read_jsonl, sampling_from_flags
+from tandem_cli.inputs import (
+    GenerationInput,
+    InputError,
+    parse_jsonl,
+    prompt_from_text,
+    read_jsonl,
+    sampling_from_flags,
+)
 from tandem_cli.offline import engine_prompt, engine_sampling, prepare, record_from_completion
 from tandem_cli.output import OutputRecord, write_atomic
 from tandem_client.types import ChatMessage, Prompt, Sampling
@@ -147,6 +154,18 @@ def test_a_lines_logit_bias_reaches_sampling_params_and_its_range_errors_name_th
         prepare(items)
 
 
+def test_logit_bias_flags_reach_sampling_params_and_a_lines_own_replaces_them() -> None:
+    base = sampling_from_flags(max_tokens=8, temperature=0.0, logit_bias=["7=-100", " 3 = 2.5 "])
+    assert engine_sampling(base).logit_bias == ((7, -100.0), (3, 2.5))
+    kept, replaced = parse_jsonl(['{"prompt": "a"}', '{"prompt": "b", "logit_bias": {"9": 1}}'], base)
+    assert engine_sampling(kept.sampling).logit_bias == ((7, -100.0), (3, 2.5))
+    assert engine_sampling(replaced.sampling).logit_bias == ((9, 1.0),)
+    out_of_range = sampling_from_flags(max_tokens=8, temperature=0.0, logit_bias=["7=200"])
+    # the engine's range, named without a line: it came from the command line
+    with pytest.raises(InputError, match=r"^logit_bias: token 7: the bias must be a number in \[-100, 100\]"):
+        prepare([GenerationInput(0, Prompt(text="a"), out_of_range)])
+
+
 def test_engine_range_errors_name_the_line() -> None:
     items = _parse('{"prompt": "a"}', '{"prompt": "b"}', '{"prompt": "c", "top_p": 1.5}')
     with pytest.raises(InputError, match=r"^line 3: top_p: must be in \(0, 1\]"):
@@ -235,6 +254,16 @@ def test_offline_range_error_is_reported_before_loading_the_model(tmp_path, caps
         (["generate", "--offline", "--timeout", "4", "hi"], "--timeout applies to server mode only"),
         (["generate", "--server", UNREACHABLE, "--logprobs", "-1", "hi"], "sampling.logprobs"),
         (["generate", "--server", UNREACHABLE, ""], "PROMPT: must not be empty"),
+        (
+            ["generate", "--server", UNREACHABLE, "--logit-bias", "x=1", "hi"],
+            "--logit-bias: must be TOKEN_ID=BIAS",
+        ),
+        (
+            ["generate", "--server", UNREACHABLE, "--logit-bias", "5", "hi"],
+            "--logit-bias: must be TOKEN_ID=BIAS",
+        ),
+        (["generate", "--server", UNREACHABLE, "--logit-bias", "5=up", "hi"], "the bias must be a number"),
+        (["generate", "--offline", "--model", "no-such-model", "--logit-bias", "5=200", "hi"], "[-100, 100]"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(capsys, argv, expected) -> None:
