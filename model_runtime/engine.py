@@ -27,10 +27,10 @@ from model_runtime.detokenizer import IncrementalDetokenizer
 from model_runtime.layer_stream import LayerListener, LayerStreams
 from model_runtime.output import OutputTracker, TokenRules, TokenTracker
 from model_runtime.parallel.group import TPGroup
-from model_runtime.request import Priority, Request, RequestStatus, SamplingParams
+from model_runtime.request import Priority, Request, RequestStatus, SamplingParams, generated_tokens
 from model_runtime.request_rules import InvalidRequest, RequestLimits
 from model_runtime.runner_setup import build_runner
-from model_runtime.sampler import Sampler, SamplerOutput, SamplingTensors, TokenLogprobs
+from model_runtime.sampler import PendingIds, Sampler, SamplerOutput, SamplingTensors, TokenLogprobs
 from model_runtime.scheduler import Scheduler
 from model_runtime.startup import StartupProgress
 from model_runtime.step_ahead import AheadStepper
@@ -305,13 +305,21 @@ class Engine:
         the one in flight ends (scheduler.late_launch, model_runtime.launch_clock); None: call it now."""
         return self._ahead.launch_at() if self._ahead is not None else None
 
-    def _run_sampler(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits."""
+    def _run_sampler(
+        self, logits: torch.Tensor, requests: list[Request], pending: PendingIds | None = None
+    ) -> SamplerOutput:
+        """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits.
+        `pending`: the pending tokens' ids on the device (step-ahead), which penalties count."""
+        penalized = any(r.sampling.penalized for r in requests)
         tensors = SamplingTensors.from_params(
             [r.sampling for r in requests],
             [r.output_offset + r.num_output_tokens for r in requests],
             self.model_config.vocab_size,
             logits.device,
+            generated=[generated_tokens(r) if r.sampling.penalized else () for r in requests]
+            if penalized
+            else None,
+            pending=pending if penalized else None,
         )
         return self.sampler(logits, tensors)
 

@@ -28,6 +28,8 @@ MAX_SEED = 2**63 - 1
 # logit_bias: at most this many token ids a request, each bias within +-MAX_LOGIT_BIAS (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0
+# presence_penalty and frequency_penalty: OpenAI's range
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class SamplingParams:
     # (token id, bias) pairs, one per id, added to those logits before the token is chosen (greedy or sampled);
     # the logprobs returned stay the model's own (model_runtime.sampler)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties on the tokens generated so far (the prompt's do not count), subtracted from their logits
+    # before the token is chosen: presence_penalty once for every token that appeared, frequency_penalty times
+    # the number of times it appeared (model_runtime.sampler); each in [-2, 2], 0 is off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> NoReturn:
@@ -94,6 +101,20 @@ class SamplingParams:
                 or abs(bias) > MAX_LOGIT_BIAS
             ):
                 bad("logit_bias", f"token {token}: the bias must be a number in [-100, 100], got {bias!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or abs(value) > MAX_PENALTY
+            ):
+                bad(name, f"must be a number in [-2, 2], got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence or frequency penalty applies."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -192,6 +213,13 @@ class Request:
 
 # A request's output token whose value a step in flight is still sampling (Scheduler.append_pending/resolve).
 PENDING_TOKEN = -1
+
+
+def generated_tokens(request: Request) -> list[int]:
+    """The tokens `request` generated so far that the host knows, in order: a resumed request's tokens already
+    sent (the last output_offset of its prompt) and its own outputs, less a pending one (step-ahead)."""
+    resumed = request.prompt_token_ids[len(request.prompt_token_ids) - request.output_offset :]
+    return [*resumed, *(t for t in request.output_token_ids if t != PENDING_TOKEN)]
 
 
 @dataclass(slots=True)  # not frozen: one per sequence per step (see engine.StepOutput); nothing mutates it

@@ -2,13 +2,18 @@
 
 Per row, in the order Hugging Face and vLLM use:
 
-    logits -float32-> + logit_bias -> / temperature -> top-k mask -> top-p mask -> softmax -> argmax(probs / Exp(1))
+    logits -float32-> + logit_bias - penalties -> / temperature -> top-k -> top-p -> softmax -> argmax(probs / Exp(1))
        \\-> log_softmax of the raw logits -> logprob of the chosen token, top-n (id, logprob) pairs
 
 Choices, each deliberate:
 - logit_bias (a request's token id -> bias pairs) is added before anything else, so greedy rows take the argmax
   of the biased logits and sampled rows sample from them, as OpenAI and vLLM apply it. It is one index_add_ over
   the flattened pairs of every row that has any, no per-row loop.
+- presence_penalty and frequency_penalty (OpenAI's): a row's logit of token t loses frequency_penalty x c(t) +
+  presence_penalty x [c(t) > 0], c(t) the times t was generated so far (the prompt's tokens do not count; a
+  resumed request's tokens already sent do). The counts are built on the device for the penalized rows only:
+  one index_add_ of the generated ids the host knows, and one of the ids still on the device (a step-ahead
+  engine's pending token, Penalties.pending), so they need no host sync either.
 - Greedy: temperature < MIN_TEMPERATURE (0 included) takes argmax of the (biased) logits, the first index on ties.
   Dividing by a smaller temperature could overflow float32 into inf - inf = nan.
 - Top-k ties: every token whose scaled logit equals the k-th largest value is kept, so more than k may survive.
@@ -90,6 +95,7 @@ class SamplingTensors:
     # logit_bias of every row that has one, flattened: (row * vocab_size + token id [E] int64, bias [E] float32);
     # None when no row has any
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None  # None when no row has a presence or frequency penalty
 
     @property
     def batch_size(self) -> int:
@@ -108,8 +114,12 @@ class SamplingTensors:
         output_indices: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        generated: Sequence[Sequence[int]] | None = None,
+        pending: PendingIds | None = None,
     ) -> SamplingTensors:
-        """Row i samples output token `output_indices[i]` (its request's num_output_tokens) under params[i]."""
+        """Row i samples output token `output_indices[i]` (its request's num_output_tokens) under params[i].
+        `generated[i]`: the tokens row i generated so far that the host knows (read only for penalized rows);
+        `pending`: those still on the device (a step-ahead engine's pending tokens)."""
         if len(params) != len(output_indices):
             raise SamplingError(f"output_indices: {len(output_indices)} entries for {len(params)} rows")
         if vocab_size < 1:
@@ -135,7 +145,81 @@ class SamplingTensors:
             max_top_k=max((k for k, s in zip(top_ks, sampled) if s and k < vocab_size), default=0),
             any_top_p=any(p.top_p < 1 for p, s in zip(params, sampled) if s),
             bias=_bias(params, vocab_size, device),
+            penalties=Penalties.build(params, generated, pending, vocab_size, device),
         )
+
+
+@dataclass(frozen=True)
+class PendingIds:
+    """Generated tokens the host does not have yet: row rows[j]'s is values[j] (int64, on the device)."""
+
+    rows: tuple[int, ...]
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The penalized rows of a step and what their counts are built from (module docstring)."""
+
+    rows: torch.Tensor  # [R] int64: the penalized sampler rows
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    known: (
+        torch.Tensor
+    )  # [E] int64: local row * vocab_size + token id, one entry per generated token the host knows
+    pending: torch.Tensor | None  # [P] int64 on the device: local row * vocab_size + pending token id
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generated: Sequence[Sequence[int]] | None,
+        pending: PendingIds | None,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> Penalties | None:
+        rows = [i for i, p in enumerate(params) if p.penalized]
+        if not rows:
+            return None
+        if generated is None or len(generated) != len(params):
+            raise SamplingError("penalties: the generated tokens of every row are needed for penalized rows")
+        local = {row: j for j, row in enumerate(rows)}
+        known = [j * vocab_size + t for j, row in enumerate(rows) for t in generated[row]]
+        per_row = _to_device(
+            [[float(r) for r in rows], [float(params[r].presence_penalty) for r in rows],
+             [float(params[r].frequency_penalty) for r in rows]],
+            device,
+        )  # fmt: skip
+        known_ids = torch.tensor(known, dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            known_ids = known_ids.pin_memory()
+        pending_flat = None
+        if pending is not None:
+            picked = [(j, local[row]) for j, row in enumerate(pending.rows) if row in local]
+            if picked:
+                host = torch.tensor([[j for j, _ in picked], [r for _, r in picked]], dtype=torch.int64)
+                if torch.device(device).type == "cuda":
+                    host = host.pin_memory()
+                where = host.to(device, non_blocking=True)
+                pending_flat = where[1] * vocab_size + pending.values.index_select(0, where[0])
+        return cls(
+            rows=per_row[0].long(),
+            presence=per_row[1],
+            frequency=per_row[2],
+            known=known_ids.to(device, non_blocking=True),
+            pending=pending_flat,
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Subtract each penalized row's penalties from `logits` [B, V] in place."""
+        vocab = logits.shape[1]
+        counts = torch.zeros(self.rows.shape[0], vocab, dtype=torch.float32, device=logits.device)
+        flat = counts.view(-1)
+        for ids in (self.known, self.pending):
+            if ids is not None and ids.numel():
+                flat.index_add_(0, ids, torch.ones(ids.shape[0], dtype=torch.float32, device=logits.device))
+        penalty = counts * self.frequency.unsqueeze(1) + (counts > 0).float() * self.presence.unsqueeze(1)
+        logits.index_add_(0, self.rows, penalty.neg_())
 
 
 def _bias(
@@ -242,11 +326,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         self._check(logits, tensors)
         logits32 = logits.float()
-        chosen_from = logits32  # what the token is chosen from: the logits with each row's logit_bias added
-        if tensors.bias is not None:  # one index_add_ (atomics on a GPU: no sort, no sync) over a copy
-            flat, biases = tensors.bias
+        chosen_from = (
+            logits32  # what the token is chosen from: logits + each row's logit_bias - its penalties
+        )
+        if tensors.bias is not None or tensors.penalties is not None:
             chosen_from = logits32.clone()
+        if tensors.bias is not None:  # one index_add_ (atomics on a GPU: no sort, no sync) over the copy
+            flat, biases = tensors.bias
             chosen_from.view(-1).index_add_(0, flat, biases)
+        if tensors.penalties is not None:
+            tensors.penalties.apply(chosen_from)
         greedy_ids = chosen_from.argmax(dim=-1)
         if tensors.all_greedy:
             sampled = greedy_ids

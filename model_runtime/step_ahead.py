@@ -32,7 +32,7 @@ import torch
 
 from model_runtime.launch_clock import MARGIN_S, LaunchClock
 from model_runtime.request import PENDING_TOKEN, Request, ScheduledChunk, SchedulerOutput
-from model_runtime.sampler import LogprobsTensors, SamplerOutput, TokenLogprobs
+from model_runtime.sampler import LogprobsTensors, PendingIds, SamplerOutput, TokenLogprobs
 from model_runtime.step_record import StepRecord, first_tokens
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class AheadStepper:
         scheduler: Scheduler,
         runner: ModelRunner,
         pool: BlockPool,
-        sample: Callable[[torch.Tensor, list[Request]], SamplerOutput],
+        sample: Callable[[torch.Tensor, list[Request], PendingIds | None], SamplerOutput],
         emit: Callable[[Request, int, TokenLogprobs | None], StepOutput],
         max_num_seqs: int,
         fence_frees: bool,
@@ -272,7 +272,8 @@ class AheadStepper:
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
             return InFlight(out, sampled, None, None, planned, self._launches)
-        result = self._sample(logits, [c.request for c in sampled])
+        requests = [c.request for c in sampled]
+        result = self._sample(logits, requests, _pending_ids(requests, previous))
         host = self._sampled_ids.start(result, timed=began is not None)
         return InFlight(out, sampled, result, host, planned, self._launches, began)
 
@@ -291,3 +292,23 @@ class AheadStepper:
         self._waited = self._launches
         self._pool.fence = None
         self._pool.release_fenced()
+
+
+def _pending_ids(requests: list[Request], previous: InFlight | None) -> PendingIds | None:
+    """For the penalized rows of a step: their pending tokens, read on the device from `previous`'s sampled ids
+    (a penalty counts every generated token, and the host does not have these yet). None when no row needs it."""
+    if previous is None or previous.result is None or not any(r.sampling.penalized for r in requests):
+        return None
+    index = {chunk.request.request_id: i for i, chunk in enumerate(previous.sampled)}
+    rows, sources = [], []
+    for row, request in enumerate(requests):
+        source = index.get(request.request_id)
+        outputs = request.output_token_ids
+        if request.sampling.penalized and source is not None and outputs and outputs[-1] == PENDING_TOKEN:
+            rows.append(row)
+            sources.append(source)
+    if not rows:
+        return None
+    ids = previous.result.sampled_token_ids
+    host = torch.tensor(sources, dtype=torch.int64, pin_memory=ids.is_cuda)
+    return PendingIds(tuple(rows), ids.index_select(0, host.to(ids.device, non_blocking=True)))

@@ -148,6 +148,8 @@ def engine_sampling(sampling: SamplingParams) -> worker_pb2.EngineSampling:
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logit_bias=dict(sampling.logit_bias),
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -191,6 +193,8 @@ def _sampling(
             ignore_eos=message.ignore_eos,
             logprobs=message.logprobs if message.HasField("logprobs") else None,
             logit_bias=tuple(sorted(message.logit_bias.items())),
+            presence_penalty=message.presence_penalty,
+            frequency_penalty=message.frequency_penalty,
         )
         params.check_vocab(model.vocab_size)
     except SamplingError as exc:

@@ -87,6 +87,18 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "line's own logit_bias replaces them for that line)",
     )
     p.add_argument(
+        "--presence-penalty",
+        type=float,
+        metavar="P",
+        help="subtract P (-2 to 2) from the logit of every token already generated",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        metavar="F",
+        help="subtract F (-2 to 2) times the number of times a token was generated from its logit",
+    )
+    p.add_argument(
         "--logprobs", type=int, metavar="N", help="return chosen-token logprobs and the top N alternatives"
     )
     p.add_argument("--chat", action="store_true", help="send plain prompts as a user message of a chat")
@@ -95,7 +107,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--input",
         metavar="FILE.jsonl",
         help='one request per line: {"prompt"|"messages"|"prompt_token_ids": ...} plus optional '
-        "max_tokens, temperature, top_p, top_k, seed, stop, logit_bias",
+        "max_tokens, temperature, top_p, top_k, seed, stop, logit_bias, presence_penalty, frequency_penalty",
     )
     p.add_argument("--output", metavar="FILE.jsonl", help="write the JSON lines to FILE (atomically)")
     p.add_argument(
@@ -161,6 +173,8 @@ def _collect_inputs(args: argparse.Namespace) -> list[GenerationInput]:
         stop=args.stop,
         logprobs=args.logprobs,
         logit_bias=args.logit_bias,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     if args.input is not None:
         return read_jsonl(args.input, base, chat=args.chat)

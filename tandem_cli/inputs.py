@@ -3,8 +3,8 @@
 Pure (no I/O beyond reading the input file, no engine, no network), so every line is validated before any
 generation starts. A JSONL line holds exactly one of
     {"prompt": "text"} | {"messages": [{"role": ..., "content": ...}, ...]} | {"prompt_token_ids": [1, 2, ...]}
-plus optional per-line max_tokens, temperature, top_p, top_k, seed, stop, logit_bias ({"token id": bias})
-(overriding the flags).
+plus optional per-line max_tokens, temperature, top_p, top_k, seed, stop, logit_bias ({"token id": bias}),
+presence_penalty and frequency_penalty (overriding the flags).
 Ranges (top_p <= 1, ...) are the engine's or the server's to check; here: types and shapes.
 """
 
@@ -19,7 +19,17 @@ from dataclasses import dataclass, replace
 from tandem_client.types import ChatMessage, Prompt, Sampling
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logit_bias")
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 class InputError(ValueError):
@@ -56,6 +66,8 @@ def sampling_from_flags(
     stop: Sequence[str] = (),
     logprobs: int | None = None,
     logit_bias: Sequence[str] = (),
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
 ) -> Sampling:
     """The command line's sampling; `tandem generate` defaults to greedy so results reproduce. `logit_bias`:
     the --logit-bias flags as given, each ID=BIAS."""
@@ -68,6 +80,8 @@ def sampling_from_flags(
         stop=tuple(stop),
         logprobs=logprobs,
         logit_bias=tuple(_logit_bias_flag(flag) for flag in logit_bias),
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
 
 
@@ -170,6 +184,8 @@ def _sampling(record: dict[str, object], base: Sampling, where: str) -> Sampling
         seed=_int_field(record, "seed", base.seed, where),
         temperature=_float_field(record, "temperature", base.temperature, where),
         top_p=_float_field(record, "top_p", base.top_p, where),
+        presence_penalty=_float_field(record, "presence_penalty", base.presence_penalty, where),
+        frequency_penalty=_float_field(record, "frequency_penalty", base.frequency_penalty, where),
         stop=_stop(record["stop"], where) if "stop" in record else base.stop,
         logit_bias=_logit_bias(record["logit_bias"], where) if "logit_bias" in record else base.logit_bias,
     )

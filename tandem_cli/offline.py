@@ -47,6 +47,8 @@ def engine_sampling(sampling: Sampling) -> SamplingParams:
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
         logit_bias=tuple(dict(sampling.logit_bias).items()),  # Sampling keeps (id, bias) pairs
+        presence_penalty=sampling.presence_penalty or 0.0,
+        frequency_penalty=sampling.frequency_penalty or 0.0,
     )
 
 

@@ -98,6 +98,8 @@ class SamplingFields(TypedDict, total=False):
     ignore_eos: bool
     logprobs: int
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...]
+    presence_penalty: float
+    frequency_penalty: float
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class Sampling:
     # token id -> bias in [-100, 100] added to its logit before each token is chosen; a mapping is accepted and
     # kept as (id, bias) pairs
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties on the tokens generated so far, each in [-2, 2] (None: 0, off)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string and lists for convenience; store tuples so the value stays hashable.

@@ -25,6 +25,8 @@ def sampling_from_proto(msg: worker_pb2.EngineSampling) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
     )
 
 

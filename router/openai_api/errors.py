@@ -40,6 +40,8 @@ _SAMPLING_PARAMS = (
     "stop_token_ids",
     "logprobs",
     "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
 )
 _PATH = re.compile(r"^(?P<path>[a-z_]+(?:\.[a-z_]+)*(?:\[\d+\](?:\.[a-z_]+)?)?): (?P<rest>.*)$", re.DOTALL)
 

@@ -7,12 +7,13 @@ length, the model) is the shared pipeline's (router.validation), so both front d
     POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
     both                       model, temperature, top_p, seed, stop, n (1-64), user (ignored), stream,
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
-                               true, with top_logprobs), logit_bias ({"token id": bias}), and vLLM's
-                               extensions top_k, ignore_eos, stop_token_ids and return_token_ids
+                               true, with top_logprobs), logit_bias ({"token id": bias}), presence_penalty and
+                               frequency_penalty (each in [-2, 2]), and vLLM's extensions top_k, ignore_eos,
+                               stop_token_ids and return_token_ids
 
 Unknown fields are ignored, as OpenAI's API does; known fields that would change the output in a way Tandem
-cannot honour (echo, suffix, best_of > 1, penalties, tools, a JSON response_format) are a 400
-that says so, never silently dropped.
+cannot honour (echo, suffix, best_of > 1, tools, a JSON response_format) are a 400 that says so, never
+silently dropped.
 
 n > 1 choices run as n requests of their own through the pipeline (each admitted, placed and counted as one),
 with ids `<id>-<i>`; with a seed, choice i samples with seed + i, so that the choices differ and each is the
@@ -42,8 +43,6 @@ _UNSUPPORTED = {
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
     "tools": ([],),
     "functions": ([],),
 }
@@ -139,7 +138,9 @@ def _common(body: Mapping[str, Any], chat: bool) -> generate_pb2.GenerateRequest
         message.model = model
     _optional(body, "user", str)  # accepted for compatibility; the router keeps no per-user state
     sampling = message.sampling
-    for name, kind in (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("seed", int)):
+    numbers = (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("seed", int))
+    penalties = (("presence_penalty", _NUMBER), ("frequency_penalty", _NUMBER))
+    for name, kind in (*numbers, *penalties):
         value = _optional(body, name, kind)
         if value is not None:
             _set(sampling, name, value)

@@ -166,6 +166,23 @@ def test_logit_bias_flags_reach_sampling_params_and_a_lines_own_replaces_them() 
         prepare([GenerationInput(0, Prompt(text="a"), out_of_range)])
 
 
+def test_penalty_flags_and_line_fields_reach_sampling_params() -> None:
+    base = sampling_from_flags(max_tokens=8, temperature=0.0, presence_penalty=0.5, frequency_penalty=1.0)
+    kept, replaced = parse_jsonl(['{"prompt": "a"}', '{"prompt": "b", "frequency_penalty": -2}'], base)
+    assert (
+        engine_sampling(kept.sampling).presence_penalty,
+        engine_sampling(kept.sampling).frequency_penalty,
+    ) == (
+        0.5,
+        1.0,
+    )
+    assert engine_sampling(replaced.sampling).frequency_penalty == -2.0
+    unset = engine_sampling(sampling_from_flags(max_tokens=8, temperature=0.0))
+    assert (unset.presence_penalty, unset.frequency_penalty) == (0.0, 0.0)
+    with pytest.raises(InputError, match=r"line 1: presence_penalty: must be a finite number, got 'some'"):
+        _parse('{"prompt": "a", "presence_penalty": "some"}')
+
+
 def test_engine_range_errors_name_the_line() -> None:
     items = _parse('{"prompt": "a"}', '{"prompt": "b"}', '{"prompt": "c", "top_p": 1.5}')
     with pytest.raises(InputError, match=r"^line 3: top_p: must be in \(0, 1\]"):

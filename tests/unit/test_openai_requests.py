@@ -89,7 +89,9 @@ def test_a_list_of_prompts_is_each_prompts_n_choices_in_order() -> None:
         (parse_completion, {"prompt": ["a", [1, -2]]}, "prompt[1]", "token id -2 is outside the vocabulary"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "n": 1.0}, "n", "must be an integer"),
         (parse_completion, {"prompt": "a", "echo": True}, "echo", "is not supported"),
-        (parse_completion, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
+        (parse_completion, {"prompt": "a", "presence_penalty": "a lot"}, "presence_penalty", "must be a number"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "frequency_penalty": True},
+         "frequency_penalty", "must be a number, got a boolean"),
         (parse_completion, {"prompt": "a", "logit_bias": [1]}, "logit_bias", "must be an object"),
         (parse_completion, {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
         (parse_completion, {"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias", "keys must be token ids"),
@@ -158,6 +160,19 @@ def test_a_bias_out_of_range_is_the_pipelines_400_naming_logit_bias() -> None:
     error = from_router_error(RouterError(grpc.StatusCode.INVALID_ARGUMENT, details), False)
     assert (error.status, error.param) == (400, "logit_bias")
     assert error.message == details.removeprefix("sampling.")
+
+
+def test_penalties_reach_the_internal_request_and_their_range_is_the_pipelines_400() -> None:
+    request = parse_chat(
+        {"messages": [{"role": "user", "content": "a"}], "presence_penalty": 0.5, "frequency_penalty": -1}
+    )
+    assert (request.message.sampling.presence_penalty, request.message.sampling.frequency_penalty) == (
+        0.5,
+        -1.0,
+    )
+    details = "sampling.frequency_penalty: must be a number in [-2, 2], got 3.0"
+    error = from_router_error(RouterError(grpc.StatusCode.INVALID_ARGUMENT, details), True)
+    assert (error.status, error.param) == (400, "frequency_penalty")
 
 
 def test_the_max_tokens_field_the_client_used_is_the_one_named() -> None:

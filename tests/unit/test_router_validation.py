@@ -3,6 +3,7 @@ out with the prompt tokenized and every sampling value resolved. Uses a tiny wor
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def _ids(*ids: int) -> generate_pb2.GenerateRequest:
             "sampling.logit_bias: token 5: the bias must be a number in [-100, 100]",
         ),
         (_request(logit_bias={5: float("inf")}), "sampling.logit_bias: token 5:"),
+        (_request(presence_penalty=2.5), "sampling.presence_penalty: must be a number in [-2, 2], got 2.5"),
+        (_request(frequency_penalty=float("nan")), "sampling.frequency_penalty: must be a number in [-2, 2]"),
         (generate_pb2.GenerateRequest(text="hello", request_id=""), "request_id: must be 1..128 characters"),
         (generate_pb2.GenerateRequest(text="hello", request_id="r" * 129), "request_id: must be 1..128"),
         (
@@ -200,6 +203,12 @@ def test_engine_sampling_carries_every_resolved_value() -> None:
     assert (
         sampling_from_proto(engine_sampling(biased)).logit_bias == biased.logit_bias
     )  # what the workers get
+    penalized = validate_request(
+        _request("a", presence_penalty=0.5, frequency_penalty=-1.25), MODEL, CONFIG
+    ).sampling
+    assert (penalized.presence_penalty, penalized.frequency_penalty) == (0.5, -1.25)
+    # every field the workers need arrives, stop strings excepted (the router applies them)
+    assert sampling_from_proto(engine_sampling(penalized)) == dataclasses.replace(penalized, stop=())
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 
 from model_runtime.request import SamplingError, SamplingParams
 from model_runtime.sampler import (
+    PendingIds,
     Sampler,
     SamplingTensors,
     apply_top_k,
@@ -340,6 +341,47 @@ def test_logit_bias_is_added_before_the_choice_and_logprobs_stay_the_models() ->
         assert [t for t, _ in top] == raw[row].topk(2).indices.tolist()
 
 
+def test_penalties_count_generated_tokens_once_each_with_the_pending_ones_and_logprobs_stay_the_models() -> (
+    None
+):
+    """Row 0 generated 5, 5, 7 and has 7 pending on the device: 5 and 7 count twice, each penalized for presence
+    once. Row 1 (no penalty) is untouched although it has a pending token too; row 2's pending token is new."""
+    rng = np.random.default_rng(9)
+    vocab = 16
+    logits = torch.tensor(rng.normal(size=(3, vocab)).astype(np.float32))
+    logits[0, 5] = logits[0].max() + 1.0  # the raw favourite, which the penalties must push below another
+    logits[1, 3] = logits[1].max() + 1.0  # generated and pending in row 1, which has no penalty: still chosen
+    logits[2, 9] = logits[2].max() - 1.0  # a negative presence penalty of 2 lifts it to the top
+    params = [
+        SamplingParams(temperature=0, logprobs=1, presence_penalty=0.5, frequency_penalty=1.25),
+        SamplingParams(temperature=0, logprobs=1),
+        SamplingParams(temperature=0, logprobs=1, presence_penalty=-2.0),
+    ]
+    generated = [[5, 5, 7], [3], [1]]
+    pending = PendingIds(rows=(0, 1, 2), values=torch.tensor([7, 3, 9]))
+    out = Sampler()(logits, SamplingTensors.from_params(params, [4, 2, 2], vocab, "cpu", generated, pending))
+    expected = logits.clone()
+    expected[0, 5] -= 2 * 1.25 + 0.5
+    expected[0, 7] -= 2 * 1.25 + 0.5
+    expected[2, 1] += 2.0
+    expected[2, 9] += 2.0
+    ids = out.sampled_token_ids.tolist()
+    assert ids == expected.argmax(dim=-1).tolist()
+    assert ids[0] != 5 and ids[1] == 3 and ids[2] == 9
+    raw = torch.log_softmax(logits, dim=-1)  # the model's distribution, not the penalized one
+    for row, (chosen, _) in enumerate(out.logprobs_lists()):
+        assert chosen == pytest.approx(raw[row, ids[row]].item(), abs=1e-5)
+
+
+def test_penalized_rows_need_their_generated_tokens() -> None:
+    with pytest.raises(SamplingError, match="penalties: the generated tokens of every row"):
+        SamplingTensors.from_params([SamplingParams(frequency_penalty=1.0)], [0], 8, "cpu")
+    with pytest.raises(SamplingError, match=r"^presence_penalty: must be a number in \[-2, 2\]"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(SamplingError, match=r"^frequency_penalty: must be a number in \[-2, 2\]"):
+        SamplingParams(frequency_penalty=float("nan"))
+
+
 def test_sampled_rows_draw_from_the_biased_distribution() -> None:
     """Temperature 1 over four equal logits, token 0 banned and token 1 raised by ln 2: the draws follow
     (0, 2/4, 1/4, 1/4)."""
@@ -382,8 +424,11 @@ def test_empty_batch() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
     vocab = 32_000
-    logits = torch.randn(8, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = torch.randn(9, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     logits[4] = logits[0]  # same request content twice: same seed, same step -> same token
+    logits[8, 9] = (
+        logits[8].max() + 1.0
+    )  # the favourite of a row that generated it (once known, once pending)
     params = [
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3, logprobs=5),
         SamplingParams(temperature=0.0),
@@ -393,12 +438,17 @@ def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
         SamplingParams(),
         SamplingParams(temperature=0.0, logit_bias=((123, 100.0), (5, -3.0))),  # forced, greedy
         SamplingParams(temperature=0.9, seed=5, logit_bias=((77, 100.0),)),  # forced, sampled
+        SamplingParams(temperature=0.0, frequency_penalty=2.0),  # penalized away from its favourite
     ]
     sampler = Sampler("cuda", seed=0)
+    pending_on_device = torch.tensor([9], device="cuda")  # a step-ahead engine's pending token
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tensors = SamplingTensors.from_params(params, [7] * len(params), vocab, "cuda")
+        generated = [[]] * 8 + [[9]]
+        tensors = SamplingTensors.from_params(
+            params, [7] * len(params), vocab, "cuda", generated, PendingIds((8,), pending_on_device)
+        )
         out = sampler(logits.bfloat16(), tensors)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -406,6 +456,9 @@ def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
     assert out.sampled_token_ids.dtype == torch.int64
     assert ids[1] == logits.bfloat16().float()[1].argmax().item()
     assert ids[0] == ids[4]
-    assert ids[6:] == [123, 77]
+    assert ids[6:8] == [123, 77]
+    penalized = logits.bfloat16().float()[8]
+    penalized[9] -= 4.0
+    assert ids[8] == penalized.argmax().item() != 9
     alone = sampler(logits[:1].bfloat16(), SamplingTensors.from_params(params[:1], [7], vocab, "cuda"))
     assert alone.sampled_token_ids.tolist() == [ids[0]]
