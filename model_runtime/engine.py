@@ -310,16 +310,16 @@ class Engine:
     ) -> SamplerOutput:
         """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits.
         `pending`: the pending tokens' ids on the device (step-ahead), which penalties count."""
-        penalized = any(r.sampling.penalized for r in requests)
+        generated = None
+        if any(r.sampling.penalized for r in requests):
+            generated = [generated_tokens(r) if r.sampling.penalized else () for r in requests]
         tensors = SamplingTensors.from_params(
             [r.sampling for r in requests],
             [r.output_offset + r.num_output_tokens for r in requests],
             self.model_config.vocab_size,
             logits.device,
-            generated=[generated_tokens(r) if r.sampling.penalized else () for r in requests]
-            if penalized
-            else None,
-            pending=pending if penalized else None,
+            generated=generated,
+            pending=pending if generated is not None else None,
         )
         return self.sampler(logits, tensors)
 

@@ -164,9 +164,8 @@ class Penalties:
     rows: torch.Tensor  # [R] int64: the penalized sampler rows
     presence: torch.Tensor  # [R] float32
     frequency: torch.Tensor  # [R] float32
-    known: (
-        torch.Tensor
-    )  # [E] int64: local row * vocab_size + token id, one entry per generated token the host knows
+    # [E] int64: local row * vocab_size + token id, one entry per generated token the host knows
+    known: torch.Tensor
     pending: torch.Tensor | None  # [P] int64 on the device: local row * vocab_size + pending token id
 
     @classmethod
@@ -326,9 +325,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         self._check(logits, tensors)
         logits32 = logits.float()
-        chosen_from = (
-            logits32  # what the token is chosen from: logits + each row's logit_bias - its penalties
-        )
+        # what the token is chosen from: the logits + each row's logit_bias - its penalties
+        chosen_from = logits32
         if tensors.bias is not None or tensors.penalties is not None:
             chosen_from = logits32.clone()
         if tensors.bias is not None:  # one index_add_ (atomics on a GPU: no sort, no sync) over the copy
