@@ -28,8 +28,9 @@ MAX_SEED = 2**63 - 1
 # logit_bias: at most this many token ids a request, each bias within +-MAX_LOGIT_BIAS (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0
-# presence_penalty and frequency_penalty: OpenAI's range
+# presence_penalty and frequency_penalty: OpenAI's range; repetition_penalty: (0, MAX_REPETITION_PENALTY]
 MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class SamplingParams:
     # the number of times it appeared (model_runtime.sampler); each in [-2, 2], 0 is off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's and transformers' repetition penalty on every token of the prompt and the output so far: a positive
+    # logit is divided by it, a negative one multiplied; 1 is off
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> NoReturn:
@@ -110,11 +114,19 @@ class SamplingParams:
                 or abs(value) > MAX_PENALTY
             ):
                 bad(name, f"must be a number in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if (
+            not isinstance(rep, (int, float))
+            or isinstance(rep, bool)
+            or not math.isfinite(rep)
+            or not 0 < rep <= MAX_REPETITION_PENALTY
+        ):
+            bad("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}], got {rep!r}")
 
     @property
     def penalized(self) -> bool:
-        """Whether a presence or frequency penalty applies."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Whether a presence, frequency or repetition penalty applies."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -9,11 +9,13 @@ Choices, each deliberate:
 - logit_bias (a request's token id -> bias pairs) is added before anything else, so greedy rows take the argmax
   of the biased logits and sampled rows sample from them, as OpenAI and vLLM apply it. It is one index_add_ over
   the flattened pairs of every row that has any, no per-row loop.
-- presence_penalty and frequency_penalty (OpenAI's): a row's logit of token t loses frequency_penalty x c(t) +
-  presence_penalty x [c(t) > 0], c(t) the times t was generated so far (the prompt's tokens do not count; a
-  resumed request's tokens already sent do). The counts are built on the device for the penalized rows only:
-  one index_add_ of the generated ids the host knows, and one of the ids still on the device (a step-ahead
-  engine's pending token, Penalties.pending), so they need no host sync either.
+- repetition_penalty (vLLM's and transformers'), then presence_penalty and frequency_penalty (OpenAI's), in
+  vLLM's order: a row's logit of a token that appears in its prompt or output so far is divided by
+  repetition_penalty when positive and multiplied by it when not; then the logit of token t loses
+  frequency_penalty x c(t) + presence_penalty x [c(t) > 0], c(t) the times t was generated so far (the prompt's
+  tokens do not count; a resumed request's tokens already sent do). Counts and the seen mask are built on the
+  device for the penalized rows only: an index_add_ of the ids the host knows, and one of the ids still on the
+  device (a step-ahead engine's pending token, Penalties.pending), so they need no host sync either.
 - Greedy: temperature < MIN_TEMPERATURE (0 included) takes argmax of the (biased) logits, the first index on ties.
   Dividing by a smaller temperature could overflow float32 into inf - inf = nan.
 - Top-k ties: every token whose scaled logit equals the k-th largest value is kept, so more than k may survive.
@@ -116,10 +118,12 @@ class SamplingTensors:
         device: torch.device | str,
         generated: Sequence[Sequence[int]] | None = None,
         pending: PendingIds | None = None,
+        prompts: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
         """Row i samples output token `output_indices[i]` (its request's num_output_tokens) under params[i].
         `generated[i]`: the tokens row i generated so far that the host knows (read only for penalized rows);
-        `pending`: those still on the device (a step-ahead engine's pending tokens)."""
+        `pending`: those still on the device (a step-ahead engine's pending tokens); `prompts[i]`: row i's prompt
+        (read only for rows with a repetition penalty)."""
         if len(params) != len(output_indices):
             raise SamplingError(f"output_indices: {len(output_indices)} entries for {len(params)} rows")
         if vocab_size < 1:
@@ -145,7 +149,7 @@ class SamplingTensors:
             max_top_k=max((k for k, s in zip(top_ks, sampled) if s and k < vocab_size), default=0),
             any_top_p=any(p.top_p < 1 for p, s in zip(params, sampled) if s),
             bias=_bias(params, vocab_size, device),
-            penalties=Penalties.build(params, generated, pending, vocab_size, device),
+            penalties=Penalties.build(params, generated, pending, prompts, vocab_size, device),
         )
 
 
@@ -167,6 +171,8 @@ class Penalties:
     # [E] int64: local row * vocab_size + token id, one entry per generated token the host knows
     known: torch.Tensor
     pending: torch.Tensor | None  # [P] int64 on the device: local row * vocab_size + pending token id
+    repetition: torch.Tensor | None = None  # [R] float32 (1: none); None when no row has one
+    seen: torch.Tensor | None = None  # [S] int64: local row * vocab_size + each prompt token the host knows
 
     @classmethod
     def build(
@@ -174,6 +180,7 @@ class Penalties:
         params: Sequence[SamplingParams],
         generated: Sequence[Sequence[int]] | None,
         pending: PendingIds | None,
+        prompts: Sequence[Sequence[int]] | None,
         vocab_size: int,
         device: torch.device | str,
     ) -> Penalties | None:
@@ -182,16 +189,22 @@ class Penalties:
             return None
         if generated is None or len(generated) != len(params):
             raise SamplingError("penalties: the generated tokens of every row are needed for penalized rows")
+        repeating = [j for j, row in enumerate(rows) if params[row].repetition_penalty != 1]
+        if repeating and (prompts is None or len(prompts) != len(params)):
+            raise SamplingError("penalties: the prompt of every row is needed for a repetition penalty")
         local = {row: j for j, row in enumerate(rows)}
         known = [j * vocab_size + t for j, row in enumerate(rows) for t in generated[row]]
         per_row = _to_device(
             [[float(r) for r in rows], [float(params[r].presence_penalty) for r in rows],
-             [float(params[r].frequency_penalty) for r in rows]],
+             [float(params[r].frequency_penalty) for r in rows],
+             [float(params[r].repetition_penalty) for r in rows]],
             device,
         )  # fmt: skip
-        known_ids = torch.tensor(known, dtype=torch.int64)
-        if torch.device(device).type == "cuda":
-            known_ids = known_ids.pin_memory()
+        known_ids = _host_ids(known, device)
+        seen_ids = None
+        if repeating:
+            assert prompts is not None  # checked above
+            seen_ids = _host_ids([j * vocab_size + t for j in repeating for t in prompts[rows[j]]], device)
         pending_flat = None
         if pending is not None:
             picked = [(j, local[row]) for j, row in enumerate(pending.rows) if row in local]
@@ -205,20 +218,38 @@ class Penalties:
             rows=per_row[0].long(),
             presence=per_row[1],
             frequency=per_row[2],
-            known=known_ids.to(device, non_blocking=True),
+            known=known_ids,
             pending=pending_flat,
+            repetition=per_row[3] if repeating else None,
+            seen=seen_ids,
         )
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Subtract each penalized row's penalties from `logits` [B, V] in place."""
+        """Apply each penalized row's penalties to `logits` [B, V] in place."""
         vocab = logits.shape[1]
         counts = torch.zeros(self.rows.shape[0], vocab, dtype=torch.float32, device=logits.device)
         flat = counts.view(-1)
         for ids in (self.known, self.pending):
             if ids is not None and ids.numel():
                 flat.index_add_(0, ids, torch.ones(ids.shape[0], dtype=torch.float32, device=logits.device))
+        if self.repetition is not None:  # seen: generated (counts > 0) or in the prompt
+            seen = counts > 0
+            if self.seen is not None and self.seen.numel():
+                seen.view(-1).index_fill_(0, self.seen, True)
+            rows = logits.index_select(0, self.rows)
+            factor = self.repetition.unsqueeze(1)
+            repeated = torch.where(rows > 0, rows / factor, rows * factor)
+            logits.index_copy_(0, self.rows, torch.where(seen, repeated, rows))
         penalty = counts * self.frequency.unsqueeze(1) + (counts > 0).float() * self.presence.unsqueeze(1)
         logits.index_add_(0, self.rows, penalty.neg_())
+
+
+def _host_ids(ids: list[int], device: torch.device | str) -> torch.Tensor:
+    """int64 ids on `device` in one copy, pinned and non-blocking on a GPU (no sync)."""
+    host = torch.tensor(ids, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _bias(

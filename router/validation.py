@@ -151,6 +151,8 @@ def engine_sampling(sampling: SamplingParams) -> worker_pb2.EngineSampling:
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
     )
+    if sampling.repetition_penalty != 1:
+        message.repetition_penalty = sampling.repetition_penalty
     if sampling.seed is not None:
         message.seed = sampling.seed
     if sampling.logprobs is not None:
@@ -195,6 +197,7 @@ def _sampling(
             logit_bias=tuple(sorted(message.logit_bias.items())),
             presence_penalty=message.presence_penalty,
             frequency_penalty=message.frequency_penalty,
+            repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
         )
         params.check_vocab(model.vocab_size)
     except SamplingError as exc:

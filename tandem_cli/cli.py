@@ -99,6 +99,13 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         help="subtract F (-2 to 2) times the number of times a token was generated from its logit",
     )
     p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        metavar="R",
+        help="divide (multiply, if negative) by R (0 to 10; 1 is off) the logit of every token in the prompt "
+        "or already generated",
+    )
+    p.add_argument(
         "--logprobs", type=int, metavar="N", help="return chosen-token logprobs and the top N alternatives"
     )
     p.add_argument("--chat", action="store_true", help="send plain prompts as a user message of a chat")
@@ -107,7 +114,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--input",
         metavar="FILE.jsonl",
         help='one request per line: {"prompt"|"messages"|"prompt_token_ids": ...} plus optional '
-        "max_tokens, temperature, top_p, top_k, seed, stop, logit_bias, presence_penalty, frequency_penalty",
+        "max_tokens, temperature, top_p, top_k, seed, stop, logit_bias, presence_penalty, frequency_penalty, repetition_penalty",
     )
     p.add_argument("--output", metavar="FILE.jsonl", help="write the JSON lines to FILE (atomically)")
     p.add_argument(
@@ -175,6 +182,7 @@ def _collect_inputs(args: argparse.Namespace) -> list[GenerationInput]:
         logit_bias=args.logit_bias,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     if args.input is not None:
         return read_jsonl(args.input, base, chat=args.chat)

@@ -4,7 +4,7 @@ Pure (no I/O beyond reading the input file, no engine, no network), so every lin
 generation starts. A JSONL line holds exactly one of
     {"prompt": "text"} | {"messages": [{"role": ..., "content": ...}, ...]} | {"prompt_token_ids": [1, 2, ...]}
 plus optional per-line max_tokens, temperature, top_p, top_k, seed, stop, logit_bias ({"token id": bias}),
-presence_penalty and frequency_penalty (overriding the flags).
+presence_penalty, frequency_penalty and repetition_penalty (overriding the flags).
 Ranges (top_p <= 1, ...) are the engine's or the server's to check; here: types and shapes.
 """
 
@@ -29,6 +29,7 @@ SAMPLING_KEYS = (
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
 )
 
 
@@ -68,6 +69,7 @@ def sampling_from_flags(
     logit_bias: Sequence[str] = (),
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> Sampling:
     """The command line's sampling; `tandem generate` defaults to greedy so results reproduce. `logit_bias`:
     the --logit-bias flags as given, each ID=BIAS."""
@@ -82,6 +84,7 @@ def sampling_from_flags(
         logit_bias=tuple(_logit_bias_flag(flag) for flag in logit_bias),
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
     )
 
 
@@ -186,6 +189,7 @@ def _sampling(record: dict[str, object], base: Sampling, where: str) -> Sampling
         top_p=_float_field(record, "top_p", base.top_p, where),
         presence_penalty=_float_field(record, "presence_penalty", base.presence_penalty, where),
         frequency_penalty=_float_field(record, "frequency_penalty", base.frequency_penalty, where),
+        repetition_penalty=_float_field(record, "repetition_penalty", base.repetition_penalty, where),
         stop=_stop(record["stop"], where) if "stop" in record else base.stop,
         logit_bias=_logit_bias(record["logit_bias"], where) if "logit_bias" in record else base.logit_bias,
     )

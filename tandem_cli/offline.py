@@ -49,6 +49,7 @@ def engine_sampling(sampling: Sampling) -> SamplingParams:
         logit_bias=tuple(dict(sampling.logit_bias).items()),  # Sampling keeps (id, bias) pairs
         presence_penalty=sampling.presence_penalty or 0.0,
         frequency_penalty=sampling.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty,
     )
 
 

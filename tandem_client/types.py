@@ -100,6 +100,7 @@ class SamplingFields(TypedDict, total=False):
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...]
     presence_penalty: float
     frequency_penalty: float
+    repetition_penalty: float
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class Sampling:
     # OpenAI's penalties on the tokens generated so far, each in [-2, 2] (None: 0, off)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM's repetition penalty on the prompt's and the output's tokens, in (0, 10] (None: 1, off)
+    repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string and lists for convenience; store tuples so the value stays hashable.

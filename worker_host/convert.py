@@ -27,6 +27,7 @@ def sampling_from_proto(msg: worker_pb2.EngineSampling) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
     )
 
 

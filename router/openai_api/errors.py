@@ -42,6 +42,7 @@ _SAMPLING_PARAMS = (
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
 )
 _PATH = re.compile(r"^(?P<path>[a-z_]+(?:\.[a-z_]+)*(?:\[\d+\](?:\.[a-z_]+)?)?): (?P<rest>.*)$", re.DOTALL)
 

@@ -9,7 +9,7 @@ length, the model) is the shared pipeline's (router.validation), so both front d
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
                                true, with top_logprobs), logit_bias ({"token id": bias}), presence_penalty and
                                frequency_penalty (each in [-2, 2]), and vLLM's extensions top_k, ignore_eos,
-                               stop_token_ids and return_token_ids
+                               stop_token_ids, repetition_penalty and return_token_ids
 
 Unknown fields are ignored, as OpenAI's API does; known fields that would change the output in a way Tandem
 cannot honour (echo, suffix, best_of > 1, tools, a JSON response_format) are a 400 that says so, never
@@ -139,7 +139,11 @@ def _common(body: Mapping[str, Any], chat: bool) -> generate_pb2.GenerateRequest
     _optional(body, "user", str)  # accepted for compatibility; the router keeps no per-user state
     sampling = message.sampling
     numbers = (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("seed", int))
-    penalties = (("presence_penalty", _NUMBER), ("frequency_penalty", _NUMBER))
+    penalties = (
+        ("presence_penalty", _NUMBER),
+        ("frequency_penalty", _NUMBER),
+        ("repetition_penalty", _NUMBER),
+    )
     for name, kind in (*numbers, *penalties):
         value = _optional(body, name, kind)
         if value is not None:

@@ -133,11 +133,24 @@ def test_logit_bias_reaches_both_workers_through_both_front_doors(
 
 
 def test_penalties_over_http_are_the_grpc_apis(cluster: ServeProcess, api: openai.OpenAI) -> None:
-    """presence_penalty and frequency_penalty give the same tokens through both front doors; out of range, a 400
-    naming the field."""
+    """presence_penalty, frequency_penalty and vLLM's repetition_penalty give the same tokens through both front
+    doors; out of range, a 400 naming the field."""
     prompt, penalties = PROMPTS[1], {"presence_penalty": -0.5, "frequency_penalty": 1.5}
     with Client(cluster.address) as client:
-        grpc_tokens = client.generate(prompt, temperature=0, max_tokens=12, **penalties).token_ids
+        grpc_tokens = client.generate(
+            prompt, temperature=0, max_tokens=12, repetition_penalty=1.2, **penalties
+        ).token_ids
+        chat_tokens = client.generate(
+            messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=12, **penalties
+        ).token_ids
+    completion = api.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=12,
+        extra_body={**TOKEN_IDS, "repetition_penalty": 1.2},
+        **penalties,
+    )
     chat = api.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
@@ -146,21 +159,18 @@ def test_penalties_over_http_are_the_grpc_apis(cluster: ServeProcess, api: opena
         extra_body=TOKEN_IDS,
         **penalties,
     )
-    with Client(cluster.address) as client:
-        chat_tokens = client.generate(
-            messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=12, **penalties
-        ).token_ids
-    completion = api.completions.create(
-        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, extra_body=TOKEN_IDS, **penalties
-    )
     assert completion.choices[0].model_extra["token_ids"] == list(grpc_tokens)
     assert chat.choices[0].model_extra["token_ids"] == list(chat_tokens)
-    status, body = http(
-        cluster.http_address + "/v1/completions",
-        json.dumps({"model": MODEL, "prompt": prompt, "frequency_penalty": 2.5}).encode(),
-    )
-    assert (status, body["error"]["param"]) == (400, "frequency_penalty"), body
-    assert "must be a number in [-2, 2], got 2.5" in body["error"]["message"]
+    for field, value, message in (
+        ("frequency_penalty", 2.5, "must be a number in [-2, 2], got 2.5"),
+        ("repetition_penalty", 0, "must be a number in (0, 10], got 0.0"),
+    ):
+        status, body = http(
+            cluster.http_address + "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": prompt, field: value}).encode(),
+        )
+        assert (status, body["error"]["param"]) == (400, field), body
+        assert message in body["error"]["message"]
 
 
 def test_n_choices_are_the_requests_each_would_be_alone(cluster: ServeProcess, api: openai.OpenAI) -> None:

@@ -127,11 +127,18 @@ def test_seeded_sampling_equals_the_offline_engine(cluster, offline):
 
 
 def test_penalties_equal_the_offline_engine(cluster, offline):
-    """Presence and frequency penalties over a prefill worker's first token and a decode worker's rest (it runs
+    """Presence, frequency and repetition penalties over a prefill worker's first token (the repetition penalty
+    acts on it through the prompt's tokens) and a decode worker's rest (it runs
     ahead: its counts include the token still pending on its device) give the offline engine's tokens; and they
     act: some outputs differ from the unpenalized ones."""
     texts = prompts(6, seed=3)
-    params = {"temperature": 0, "max_tokens": 16, "presence_penalty": 0.6, "frequency_penalty": 1.2}
+    params = {
+        "temperature": 0,
+        "max_tokens": 16,
+        "presence_penalty": 0.6,
+        "frequency_penalty": 1.2,
+        "repetition_penalty": 1.1,
+    }
     served = asyncio.run(_generate_all(cluster.address, texts, **params))
     expected = offline.generate([PromptInput(text=t) for t in texts], SamplingParams(**params))
     assert [list(s.token_ids) for s in served] == [e.token_ids for e in expected]

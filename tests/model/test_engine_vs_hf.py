@@ -160,6 +160,27 @@ def test_presence_and_frequency_penalties_match_the_formula_on_transformers_logi
     assert ours[0] != plain[0]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "ahead"])
+def test_repetition_penalty_matches_transformers(tmp_path, ahead):
+    """Greedy with a repetition penalty (over the prompt and the output) equals transformers' generate with the
+    same repetition_penalty, beside an unpenalized request; a step-ahead engine counts its pending token."""
+    path = write_tiny_hf(tmp_path, "llama")
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), cpu_config(str(path), async_scheduling=ahead))
+    prompts = random_prompts(4, tiny_vocab_size(), seed=31)
+    plain = run_ours(llm, prompts)
+    penalties = [1.3, 1.0, 1.8, 0.8]  # 1.0: none; below 1 favours repeats
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, repetition_penalty=p) for p in penalties]
+    ours = [c.token_ids for c in llm.generate([PromptInput(token_ids=tuple(p)) for p in prompts], params)]
+    for i, (prompt, penalty, tokens) in enumerate(zip(prompts, penalties, ours)):
+        if penalty == 1.0:
+            assert tokens == plain[i]
+            continue
+        ref = hf_greedy(ref_model, prompt, MAX_NEW, EOS_ID, repetition_penalty=penalty)
+        assert_greedy_match(tokens, ref, f"repetition_penalty {penalty} prompt {i}")
+    assert ours[2] != plain[2]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = write_tiny_hf(tmp_path_factory.mktemp("batch"), "llama", initializer_range=SHARP_INIT)

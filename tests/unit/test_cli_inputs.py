@@ -167,7 +167,9 @@ def test_logit_bias_flags_reach_sampling_params_and_a_lines_own_replaces_them() 
 
 
 def test_penalty_flags_and_line_fields_reach_sampling_params() -> None:
-    base = sampling_from_flags(max_tokens=8, temperature=0.0, presence_penalty=0.5, frequency_penalty=1.0)
+    base = sampling_from_flags(
+        max_tokens=8, temperature=0.0, presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2
+    )
     kept, replaced = parse_jsonl(['{"prompt": "a"}', '{"prompt": "b", "frequency_penalty": -2}'], base)
     assert (
         engine_sampling(kept.sampling).presence_penalty,
@@ -177,8 +179,9 @@ def test_penalty_flags_and_line_fields_reach_sampling_params() -> None:
         1.0,
     )
     assert engine_sampling(replaced.sampling).frequency_penalty == -2.0
+    assert engine_sampling(kept.sampling).repetition_penalty == 1.2
     unset = engine_sampling(sampling_from_flags(max_tokens=8, temperature=0.0))
-    assert (unset.presence_penalty, unset.frequency_penalty) == (0.0, 0.0)
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)
     with pytest.raises(InputError, match=r"line 1: presence_penalty: must be a finite number, got 'some'"):
         _parse('{"prompt": "a", "presence_penalty": "some"}')
 

@@ -164,8 +164,15 @@ def test_a_bias_out_of_range_is_the_pipelines_400_naming_logit_bias() -> None:
 
 def test_penalties_reach_the_internal_request_and_their_range_is_the_pipelines_400() -> None:
     request = parse_chat(
-        {"messages": [{"role": "user", "content": "a"}], "presence_penalty": 0.5, "frequency_penalty": -1}
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+        }
     )
+    assert request.message.sampling.repetition_penalty == 1.2
+    assert not parse_completion({"prompt": "a"}).message.sampling.HasField("repetition_penalty")
     assert (request.message.sampling.presence_penalty, request.message.sampling.frequency_penalty) == (
         0.5,
         -1.0,

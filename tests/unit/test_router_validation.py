@@ -102,6 +102,14 @@ def _ids(*ids: int) -> generate_pb2.GenerateRequest:
         (_request(logit_bias={5: float("inf")}), "sampling.logit_bias: token 5:"),
         (_request(presence_penalty=2.5), "sampling.presence_penalty: must be a number in [-2, 2], got 2.5"),
         (_request(frequency_penalty=float("nan")), "sampling.frequency_penalty: must be a number in [-2, 2]"),
+        (
+            _request(repetition_penalty=0.0),
+            "sampling.repetition_penalty: must be a number in (0, 10], got 0.0",
+        ),
+        (
+            _request(repetition_penalty=11.0),
+            "sampling.repetition_penalty: must be a number in (0, 10], got 11.0",
+        ),
         (generate_pb2.GenerateRequest(text="hello", request_id=""), "request_id: must be 1..128 characters"),
         (generate_pb2.GenerateRequest(text="hello", request_id="r" * 129), "request_id: must be 1..128"),
         (
@@ -204,9 +212,17 @@ def test_engine_sampling_carries_every_resolved_value() -> None:
         sampling_from_proto(engine_sampling(biased)).logit_bias == biased.logit_bias
     )  # what the workers get
     penalized = validate_request(
-        _request("a", presence_penalty=0.5, frequency_penalty=-1.25), MODEL, CONFIG
+        _request("a", presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.3), MODEL, CONFIG
     ).sampling
-    assert (penalized.presence_penalty, penalized.frequency_penalty) == (0.5, -1.25)
+    assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty) == (
+        0.5,
+        -1.25,
+        1.3,
+    )
+    assert validate_request(_request("a"), MODEL, CONFIG).sampling.repetition_penalty == 1.0  # unset: off
+    assert not engine_sampling(validate_request(_request("a"), MODEL, CONFIG).sampling).HasField(
+        "repetition_penalty"
+    )
     # every field the workers need arrives, stop strings excepted (the router applies them)
     assert sampling_from_proto(engine_sampling(penalized)) == dataclasses.replace(penalized, stop=())
 

@@ -373,6 +373,34 @@ def test_penalties_count_generated_tokens_once_each_with_the_pending_ones_and_lo
         assert chosen == pytest.approx(raw[row, ids[row]].item(), abs=1e-5)
 
 
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output_tokens() -> (
+    None
+):
+    """Row 0 (penalty 2): prompt token 1 and generated token 2 (known) and 3 (pending on the device) are seen;
+    row 1 (penalty 0.5, which favours repeats) has only its prompt; row 2 has none (its tokens untouched)."""
+    logits = torch.tensor(
+        [[1.0, 4.0, -2.0, 3.0, 3.5], [2.0, -1.0, 1.5, 0.0, 1.9], [0.0, 5.0, 1.0, 2.0, 3.0]],
+        dtype=torch.float32,
+    )
+    params = [
+        SamplingParams(temperature=0, logprobs=1, repetition_penalty=2.0),
+        SamplingParams(temperature=0, repetition_penalty=0.5),
+        SamplingParams(temperature=0),
+    ]
+    pending = PendingIds(rows=(0,), values=torch.tensor([3]))
+    tensors = SamplingTensors.from_params(
+        params, [2, 0, 0], 5, "cpu", generated=[[2], [], [1]], pending=pending, prompts=[[1], [1], [4]]
+    )
+    expected = logits.clone()
+    expected[0, 1], expected[0, 2], expected[0, 3] = 4.0 / 2, -2.0 * 2, 3.0 / 2  # 4 is not seen: it wins
+    expected[1, 1] = -1.0 * 0.5
+    out = Sampler()(logits, tensors)
+    assert out.sampled_token_ids.tolist() == expected.argmax(dim=-1).tolist() == [4, 0, 1]
+    assert out.logprobs_lists()[0][0] == pytest.approx(torch.log_softmax(logits[0], -1)[4].item(), abs=1e-6)
+    with pytest.raises(SamplingError, match="penalties: the prompt of every row is needed"):
+        SamplingTensors.from_params(params, [2, 0, 0], 5, "cpu", generated=[[2], [], [1]])
+
+
 def test_penalized_rows_need_their_generated_tokens() -> None:
     with pytest.raises(SamplingError, match="penalties: the generated tokens of every row"):
         SamplingTensors.from_params([SamplingParams(frequency_penalty=1.0)], [0], 8, "cpu")
