@@ -452,11 +452,11 @@ def test_empty_batch() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
     vocab = 32_000
-    logits = torch.randn(9, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = torch.randn(10, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     logits[4] = logits[0]  # same request content twice: same seed, same step -> same token
-    logits[8, 9] = (
-        logits[8].max() + 1.0
-    )  # the favourite of a row that generated it (once known, once pending)
+    # the favourites of a row that generated its own (once known, once pending) and of one whose prompt holds it
+    logits[8, 9] = logits[8].max() + 1.0
+    logits[9, 11] = logits[9].max() + 1.0
     params = [
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3, logprobs=5),
         SamplingParams(temperature=0.0),
@@ -467,15 +467,17 @@ def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
         SamplingParams(temperature=0.0, logit_bias=((123, 100.0), (5, -3.0))),  # forced, greedy
         SamplingParams(temperature=0.9, seed=5, logit_bias=((77, 100.0),)),  # forced, sampled
         SamplingParams(temperature=0.0, frequency_penalty=2.0),  # penalized away from its favourite
+        SamplingParams(temperature=0.0, repetition_penalty=10.0),  # and this one by its prompt
     ]
     sampler = Sampler("cuda", seed=0)
     pending_on_device = torch.tensor([9], device="cuda")  # a step-ahead engine's pending token
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        generated = [[]] * 8 + [[9]]
+        generated: list[list[int]] = [[]] * 8 + [[9], []]
+        prompts: list[list[int]] = [[]] * 9 + [[11, 12]]
         tensors = SamplingTensors.from_params(
-            params, [7] * len(params), vocab, "cuda", generated, PendingIds((8,), pending_on_device)
+            params, [7] * len(params), vocab, "cuda", generated, PendingIds((8,), pending_on_device), prompts
         )
         out = sampler(logits.bfloat16(), tensors)
     finally:
@@ -488,5 +490,9 @@ def test_cuda_sampling_has_no_host_sync_and_seeds_repeat() -> None:
     penalized = logits.bfloat16().float()[8]
     penalized[9] -= 4.0
     assert ids[8] == penalized.argmax().item() != 9
+    repeated = logits.bfloat16().float()[9]
+    repeated[11] = repeated[11] / 10  # positive: the largest logit of its row
+    repeated[12] = repeated[12] / 10 if repeated[12] > 0 else repeated[12] * 10
+    assert ids[9] == repeated.argmax().item() != 11
     alone = sampler(logits[:1].bfloat16(), SamplingTensors.from_params(params[:1], [7], vocab, "cuda"))
     assert alone.sampled_token_ids.tolist() == [ids[0]]
