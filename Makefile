@@ -36,9 +36,9 @@ endif
 # on polls, deadlines and restarts. The first half (the type checks, then OWN_CLUSTERS: the e2e tests that start
 # clusters or KV peers of their own settings) runs in the foreground; the rest (unit and model tests, the e2e
 # tests on the shared standard cluster, the deploy checks) runs beside it, its output kept in .test-rest.log and
-# printed when both are done. The type checks sit in the first half because that half is the shorter one (a
-# clean clone on the 2-core box: about 15 minutes of clusters against 17 of the rest). `make typecheck pytest
-# check-deploy` runs the same one after the other. Each half
+# printed when both are done. The halves are balanced by hand to end together (a clean clone on the 2-core box
+# at 6795157: 1 + 14 minutes of type checks and clusters against 18 of the rest, before the last two
+# OWN_CLUSTERS moved over). `make typecheck pytest check-deploy` runs the same one after the other. Each half
 # has about one core, so torch in the test processes gets one intra-op thread (OMP_NUM_THREADS, unless set): two
 # threads per process only spin against the other half (the workers run one thread each already).
 test: install lint
@@ -69,7 +69,8 @@ PYTEST := $(BIN)/python -m pytest -q $(PYTEST_ARGS) --reruns 1 --reruns-delay 5 
 
 OWN_CLUSTERS := tests/e2e/test_soak.py tests/e2e/test_autoscaler.py tests/e2e/test_overload.py \
   tests/e2e/test_faults.py::TestStall tests/e2e/test_elastic_pools.py tests/e2e/test_drain.py \
-  tests/e2e/test_kv_transfer_tcp.py tests/e2e/test_multinode.py tests/e2e/test_tensor_parallel_serve.py
+  tests/e2e/test_kv_transfer_tcp.py tests/e2e/test_multinode.py tests/e2e/test_tensor_parallel_serve.py \
+  tests/e2e/test_tensor_parallel_disagg.py tests/e2e/test_ray_job.py
 NOT_OWN_CLUSTERS := $(foreach t,$(OWN_CLUSTERS),$(if $(findstring ::,$(t)),--deselect $(t),--ignore=$(t)))
 
 pytest: pytest-own-clusters pytest-rest
