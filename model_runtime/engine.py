@@ -311,10 +311,10 @@ class Engine:
         """Row i samples requests[i]'s next output token (its index counts a pending one); nothing waits.
         `pending`: the pending tokens' ids on the device (step-ahead), which penalties count."""
         generated = prompts = None
-        if any(r.sampling.penalized for r in requests):
+        if any(r.sampling.penalized for r in requests):  # one attribute a row: the common case costs no more
             generated = [generated_tokens(r) if r.sampling.penalized else () for r in requests]
-        if any(r.sampling.repetition_penalty != 1 for r in requests):
-            prompts = [r.prompt_token_ids if r.sampling.repetition_penalty != 1 else () for r in requests]
+            if any(r.sampling.repetition_penalty != 1 for r in requests):
+                prompts = [r.prompt_token_ids if r.sampling.repetition_penalty != 1 else () for r in requests]
         tensors = SamplingTensors.from_params(
             [r.sampling for r in requests],
             [r.output_offset + r.num_output_tokens for r in requests],

@@ -33,6 +33,11 @@ MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
 
 
+def _number(value: object) -> bool:
+    """A finite int or float (a bool is neither here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those."""
@@ -57,6 +62,8 @@ class SamplingParams:
     # vLLM's and transformers' repetition penalty on every token of the prompt and the output so far: a positive
     # logit is divided by it, a negative one multiplied; 1 is off
     repetition_penalty: float = 1.0
+    # whether any of the three penalties applies: read for every row of every step, so computed once here
+    penalized: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> NoReturn:
@@ -98,35 +105,17 @@ class SamplingParams:
             if token in seen:
                 bad("logit_bias", f"token id {token} appears twice")
             seen.add(token)
-            if (
-                not isinstance(bias, (int, float))
-                or isinstance(bias, bool)
-                or not math.isfinite(bias)
-                or abs(bias) > MAX_LOGIT_BIAS
-            ):
+            if not _number(bias) or abs(bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"token {token}: the bias must be a number in [-100, 100], got {bias!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if (
-                not isinstance(value, (int, float))
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or abs(value) > MAX_PENALTY
-            ):
+            if not _number(value) or abs(value) > MAX_PENALTY:
                 bad(name, f"must be a number in [-2, 2], got {value!r}")
         rep = self.repetition_penalty
-        if (
-            not isinstance(rep, (int, float))
-            or isinstance(rep, bool)
-            or not math.isfinite(rep)
-            or not 0 < rep <= MAX_REPETITION_PENALTY
-        ):
+        if not _number(rep) or not 0 < rep <= MAX_REPETITION_PENALTY:
             bad("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}], got {rep!r}")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a presence, frequency or repetition penalty applies."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        penalized = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        object.__setattr__(self, "penalized", penalized)
 
     @property
     def greedy(self) -> bool:

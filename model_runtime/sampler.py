@@ -132,7 +132,7 @@ class SamplingTensors:
         top_ks = [min(p.effective_top_k, vocab_size) or vocab_size for p in params]
         top_ps = [float(p.top_p) for p in params]
         temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
-        rows = _to_device([temps, [float(k) for k in top_ks], top_ps, [float(g) for g in greedy]], device)
+        rows = to_device([temps, [float(k) for k in top_ks], top_ps, [float(g) for g in greedy]], device)
         sampled = [not g for g in greedy]
         return cls(
             temperatures=rows[0],
@@ -192,28 +192,28 @@ class Penalties:
         repeating = [j for j, row in enumerate(rows) if params[row].repetition_penalty != 1]
         if repeating and (prompts is None or len(prompts) != len(params)):
             raise SamplingError("penalties: the prompt of every row is needed for a repetition penalty")
-        local = {row: j for j, row in enumerate(rows)}
         known = [j * vocab_size + t for j, row in enumerate(rows) for t in generated[row]]
-        per_row = _to_device(
+        per_row = to_device(
             [[float(r) for r in rows], [float(params[r].presence_penalty) for r in rows],
              [float(params[r].frequency_penalty) for r in rows],
              [float(params[r].repetition_penalty) for r in rows]],
             device,
         )  # fmt: skip
-        known_ids = _host_ids(known, device)
+        known_ids = to_device(known, device, torch.int64)
         seen_ids = None
         if repeating:
             assert prompts is not None  # checked above
-            seen_ids = _host_ids([j * vocab_size + t for j in repeating for t in prompts[rows[j]]], device)
+            seen = [j * vocab_size + t for j in repeating for t in prompts[rows[j]]]
+            seen_ids = to_device(seen, device, torch.int64)
         pending_flat = None
         if pending is not None:
-            picked = [(j, local[row]) for j, row in enumerate(pending.rows) if row in local]
-            if picked:
-                host = torch.tensor([[j for j, _ in picked], [r for _, r in picked]], dtype=torch.int64)
-                if torch.device(device).type == "cuda":
-                    host = host.pin_memory()
-                where = host.to(device, non_blocking=True)
-                pending_flat = where[1] * vocab_size + pending.values.index_select(0, where[0])
+            local = {row: j for j, row in enumerate(rows)}
+            keep = [j for j, row in enumerate(pending.rows) if row in local]
+            values = pending.values
+            if len(keep) < len(pending.rows):  # rows without a penalty: their pending ids are not counted
+                values = values.index_select(0, to_device(keep, device, torch.int64))
+            offsets = [local[pending.rows[j]] * vocab_size for j in keep]
+            pending_flat = to_device(offsets, device, torch.int64) + values if keep else None
         return cls(
             rows=per_row[0].long(),
             presence=per_row[1],
@@ -244,14 +244,6 @@ class Penalties:
         logits.index_add_(0, self.rows, penalty.neg_())
 
 
-def _host_ids(ids: list[int], device: torch.device | str) -> torch.Tensor:
-    """int64 ids on `device` in one copy, pinned and non-blocking on a GPU (no sync)."""
-    host = torch.tensor(ids, dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 def _bias(
     params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -261,20 +253,16 @@ def _bias(
     if not entries:
         return None
     flat, biases = zip(*entries)
-    ids = torch.tensor(flat, dtype=torch.int64)
-    values = torch.tensor(biases, dtype=torch.float32)
-    if torch.device(device).type == "cuda":
-        ids, values = ids.pin_memory(), values.pin_memory()
-    return ids.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    return to_device(flat, device, torch.int64), to_device(biases, device)
 
 
-def _to_device(rows: list[list[float]], device: torch.device | str) -> torch.Tensor:
-    """[len(rows), B] float32 on `device` in one copy; pinned + non_blocking so a GPU copy does not sync.
-
-    float32 holds every top-k exactly (k <= V < 2^24).
-    """
+def to_device(
+    values: Sequence[object], device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`values` (numbers, or rows of them) as one `dtype` tensor on `device` in one copy; pinned + non_blocking
+    so a GPU copy does not sync. float32 holds every top-k and row index exactly (< 2^24)."""
     device = torch.device(device)
-    host = torch.tensor(rows, dtype=torch.float32, pin_memory=device.type == "cuda")
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from model_runtime.launch_clock import MARGIN_S, LaunchClock
 from model_runtime.request import PENDING_TOKEN, Request, ScheduledChunk, SchedulerOutput
-from model_runtime.sampler import LogprobsTensors, PendingIds, SamplerOutput, TokenLogprobs
+from model_runtime.sampler import LogprobsTensors, PendingIds, SamplerOutput, TokenLogprobs, to_device
 from model_runtime.step_record import StepRecord, first_tokens
 
 if TYPE_CHECKING:
@@ -310,5 +310,4 @@ def _pending_ids(requests: list[Request], previous: InFlight | None) -> PendingI
     if not rows:
         return None
     ids = previous.result.sampled_token_ids
-    host = torch.tensor(sources, dtype=torch.int64, pin_memory=ids.is_cuda)
-    return PendingIds(tuple(rows), ids.index_select(0, host.to(ids.device, non_blocking=True)))
+    return PendingIds(tuple(rows), ids.index_select(0, to_device(sources, ids.device, torch.int64)))

@@ -114,7 +114,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--input",
         metavar="FILE.jsonl",
         help='one request per line: {"prompt"|"messages"|"prompt_token_ids": ...} plus optional '
-        "max_tokens, temperature, top_p, top_k, seed, stop, logit_bias, presence_penalty, frequency_penalty, repetition_penalty",
+        "max_tokens, temperature, top_p, top_k, seed, stop, logit_bias, presence_penalty, frequency_penalty, "
+        "repetition_penalty",
     )
     p.add_argument("--output", metavar="FILE.jsonl", help="write the JSON lines to FILE (atomically)")
     p.add_argument(

@@ -38,6 +38,16 @@ MAX_CHOICES = 64  # n: each choice holds a place in admission as a request of it
 _SEED_RANGE = 2**63  # GenerateRequest's seed: [0, 2^63)
 # Roles OpenAI clients send that the chat templates know by another name.
 _ROLE_ALIASES = {"developer": "system"}
+# Numeric sampling fields copied as they are (their ranges are the pipeline's checks).
+_SCALARS = (
+    ("temperature", _NUMBER),
+    ("top_p", _NUMBER),
+    ("top_k", int),
+    ("seed", int),
+    ("presence_penalty", _NUMBER),
+    ("frequency_penalty", _NUMBER),
+    ("repetition_penalty", _NUMBER),
+)
 # Known fields Tandem does not implement, and the value that means "not used".
 _UNSUPPORTED = {
     "echo": (False,),
@@ -138,13 +148,7 @@ def _common(body: Mapping[str, Any], chat: bool) -> generate_pb2.GenerateRequest
         message.model = model
     _optional(body, "user", str)  # accepted for compatibility; the router keeps no per-user state
     sampling = message.sampling
-    numbers = (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("seed", int))
-    penalties = (
-        ("presence_penalty", _NUMBER),
-        ("frequency_penalty", _NUMBER),
-        ("repetition_penalty", _NUMBER),
-    )
-    for name, kind in (*numbers, *penalties):
+    for name, kind in _SCALARS:
         value = _optional(body, name, kind)
         if value is not None:
             _set(sampling, name, value)
