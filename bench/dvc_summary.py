@@ -12,17 +12,26 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.dvc_cpu import SATURATED_CORES, process_label
+from bench.dvc_cpu import SATURATED_CORES
 from bench.dvc_headline import bound, doubling, doubling_table, headline, headline_table, judge, ratio_bound
 from bench.dvc_headline import goals as headline_goals
+from bench.dvc_runs import load_runs
+from bench.dvc_tables import (
+    BASES,
+    CLOSED_LOOP,
+    capacity_table,
+    closed_loop_table,
+    markdown,
+    pair_table,
+    prefix_table,
+    saturation_table,
+)
 from tandem_cli.bench import SLO
 from tandem_cli.bench.plots import LatencySamples, plot_goodput_vs_rate, plot_latency_cdfs
 from tandem_cli.bench.sweep import capacity, equal_load
 
 TARGET_SHARE = 0.90
-BASES = ("disagg", "colocated")  # the two 2-GPU configs: sized variants compare with these
 WORKLOAD_NAMES = ("prefill-heavy", "decode-heavy", "mixed", "shared-prefix", "chat", "batch")
-CLOSED_LOOP = ("batch",)  # one closed-loop run per deployment: output tokens/s, no rates
 # Issue 20's second SLO set, judged from each point's per-request latencies (slo_samples): a chat that must feel
 # instant (the sweep itself runs at --slo, the relaxed set by default).
 INTERACTIVE = SLO(ttft=0.5, tpot=0.025)
@@ -167,15 +176,6 @@ def saturated_points(points: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def saturation_table(rows: list[dict]) -> str:
-    lines = ["| workload | deployment | rate (req/s) | saturated process (cores) |", "|---|---|---|---|"]
-    for row in rows:
-        for hot in row.get("saturated", []):
-            procs = ", ".join(f"{process_label(k)} {v:.2f}" for k, v in hot.items() if k.endswith("_cores"))
-            lines.append(f"| {row['workload']} | {hot['deployment']} | {hot['rate']:g} | {procs} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
 def prefix_comparison(points: dict[str, list[dict]]) -> dict:
     """Each "<dep>-nocache" against "<dep>": TTFT p50 without / with the prefix cache at every rate both ran, and
     the share of prompt tokens the cache served. The goal holds when the ratio is >= PREFIX_TTFT_GOAL at every
@@ -242,39 +242,6 @@ def pair_transports(points: dict[str, list[dict]]) -> dict:
     return result
 
 
-def pair_table(rows: list[dict]) -> str:
-    lines = ["| workload | deployment | rate (req/s) | pairs | KV handoff mean (ms) | TTFT p50 / p90 (ms) | "
-             "first -> second token p50 (ms) | within SLO |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1e3:.1f}"
-
-    for row in rows:
-        for dep, points in row.get("pair_transports", {}).items():
-            for r in points:
-                pairs = ", ".join(f"{k} x{n}" for k, n in r["pairs"].items())
-                lines.append(
-                    f"| {row['workload']} | {dep} | {r['rate']:g} | {pairs} | {ms(r['kv_handoff_mean_s'])} | "
-                    f"{ms(r['ttft_p50'])} / {ms(r['ttft_p90'])} | {ms(r['first_itl_p50'])} | {r['slo_share']:.0%} |"
-                )
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def prefix_table(rows: list[dict]) -> str:
-    lines = ["| deployment | rate (req/s) | TTFT p50 cache off (ms) | cache on (ms) | ratio | prompt tokens cached |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for row in rows:
-        for dep, comparison in row.get("prefix_cache", {}).items():
-            for r in comparison["rates"]:
-                cached = "-" if r["cached_share"] is None else f"{r['cached_share']:.0%}"
-                mark = "" if r["off_within_slo"] else " (cache off past capacity)"
-                lines.append(
-                    f"| {dep} | {r['rate']:g}{mark} | {r['ttft_p50_off'] * 1e3:.0f} | "
-                    f"{r['ttft_p50_on'] * 1e3:.0f} | {r['ratio']:.1f}x | {cached} |"
-                )
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
 def scaling(out: dict, runs: dict[str, dict]) -> dict:
     """Each sized deployment's capacity over its 2-GPU base's (colocated-4 over colocated, disagg-3p1d over
     disagg): the "capacity grows with GPUs" check (issue 14: >= 1.8x from 2 to 4 GPUs)."""
@@ -299,81 +266,6 @@ def scaling(out: dict, runs: dict[str, dict]) -> dict:
     return result
 
 
-def capacity_table(rows: list[dict]) -> str:
-    """Every deployment's capacity (at --slo and at INTERACTIVE), per GPU, the ratio to its 2-GPU base, and the
-    GPU-seconds it spends per 1,000 output tokens at its capacity."""
-    lines = [
-        "| workload | deployment | GPUs | capacity (req/s) | per GPU | vs 2-GPU base | interactive (req/s) | "
-        "GPU-s / 1k output tokens at capacity |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        for dep, cap in row.items():
-            if not isinstance(cap, dict) or "capacity_rps" not in cap:
-                continue
-            ratio = row.get("scaling", {}).get(dep, {}).get("capacity_ratio")
-            inter, gpu_s = cap.get("capacity_rps_interactive"), cap.get("gpu_s_per_1k_tokens_at_capacity")
-            mark = {None: "", "at least": ">= ", "below": "below lowest rate: "}
-            lines.append(
-                f"| {row['workload']} | {dep} | {cap['gpus']} | {mark[cap.get('capacity_bound')]}"
-                f"{cap['capacity_rps']} | {cap['capacity_rps_per_gpu']:.2f} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
-                f"{'-' if inter is None else mark[cap.get('capacity_bound_interactive')] + str(inter)} | "
-                f"{'-' if gpu_s is None else f'{gpu_s:.2f}'} |"
-            )
-    return "\n".join(lines)
-
-
-def closed_loop_table(rows: list[dict]) -> str:
-    """Closed-loop workloads (batch): output tokens/s per deployment."""
-    lines = []
-    for row in rows:
-        if row["workload"] not in CLOSED_LOOP:
-            continue
-        for dep, r in row.items():
-            if isinstance(r, dict) and "output_tokens_per_s" in r:
-                full = r.get("full_batch_output_tokens_per_s")
-                lines.append(
-                    f"| {row['workload']} | {dep} | {r['gpus']} | {r['concurrency']} | "
-                    f"{r['output_tokens_per_s']:,.0f} | {'-' if full is None else f'{full:,.0f}'} | "
-                    f"{r['output_tokens_per_s_per_gpu']:,.0f} | {r['ttft_p90'] * 1e3:.0f} / {r['tpot_p99'] * 1e3:.0f} | "
-                    f"{every_run(r)} |"
-                )
-    if not lines:
-        return ""
-    head = ["| workload | deployment | GPUs | in flight | output tokens/s | while the batch was full | per GPU | "
-            "TTFT p90 / TPOT p99 (ms) | every run, in order |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    return "\n".join(head + lines)
-
-
-def every_run(row: dict) -> str:
-    """Each run's output tokens/s in the order they ran (rounds, then repeats), so an A/B shows its spread."""
-    return " / ".join(f"{t:,.0f}" for t in row.get("every_run_output_tokens_per_s", [])) or "-"
-
-
-def markdown(rows: list[dict]) -> str:
-    lines = ["| workload | disagg cap. (req/s/GPU) | colocated cap. (req/s/GPU) | ratio | equal load | "
-             "ITL p99 disagg / coloc (ms) | TTFT p99 disagg / coloc (ms) | KV transfer (ms) |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1e3:.0f}"
-
-    for r in rows:
-        if not set(BASES) & set(r):
-            continue  # neither 2-GPU base ran: the headline table covers the sized deployments
-        d, c, eq = r.get("disagg", {}), r.get("colocated", {}), r.get("at_equal_load", {})
-        ratio = r.get("capacity_ratio")
-        dt, ct = eq.get("disagg", {}), eq.get("colocated", {})
-        lines.append(
-            f"| {r['workload']} | {d.get('capacity_rps_per_gpu', '-')} | {c.get('capacity_rps_per_gpu', '-')} | "
-            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r.get('equal_load_rps', '-')} req/s | "
-            f"{ms(dt.get('itl_p99'))} / {ms(ct.get('itl_p99'))} | {ms(dt.get('ttft_p99'))} / "
-            f"{ms(ct.get('ttft_p99'))} | {ms(dt.get('kv_transfer_mean_s'))} |"
-        )
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
 def goal_checks(rows: list[dict]) -> dict:
     """On prefill-heavy: issue 6's targets (capacity >= 1.5x colocated, p99 ITL >= 2x lower at equal load) and
     issue 14's (a deployment on twice the GPUs serves >= 1.8x its 2-GPU base)."""
@@ -394,61 +286,6 @@ def goal_checks(rows: list[dict]) -> dict:
                                if r["workload"] in CLOSED_LOOP for dep, c in r.items()
                                if isinstance(c, dict) and c.get("gpus") == 4},
             "headline": headline_goals(rows)}  # fmt: skip
-
-
-def load_runs(name: str, dirs: list[Path]) -> dict[str, dict]:
-    """Every deployment's results file for workload `name` in `dirs` (the first is --out, the rest --include).
-    A deployment found in two of them is one sweep split over device calls when both files ran the same
-    commit, card, workload, SLO and config (apart from the router's ports and paths) at different rates: its
-    points are merged, in rate order. Anything else is refused rather than one file silently chosen."""
-    runs: dict[str, dict] = {}
-    seen: dict[str, Path] = {}
-    for d in dirs:
-        for path in sorted(d.glob(f"*_{name}.json")):
-            dep = path.name.split("_")[0]
-            run = json.loads(path.read_text())
-            if dep in seen:
-                why = _unmergeable(runs[dep], run)
-                if why:
-                    raise ValueError(
-                        f"{dep} {name} is in both {seen[dep]} and {path} ({why}); include one of them"
-                    )
-                runs[dep] = {
-                    **runs[dep],
-                    "points": sorted([*runs[dep]["points"], *run["points"]], key=_point_key),
-                }
-                continue
-            seen[dep], runs[dep] = path, run
-    return runs
-
-
-# A sweep's identity: what must agree for two files' points to be one sweep's.
-_SWEEP_KEYS = ("commit", "card", "gpus", "workload_spec", "slo", "repeats")
-# Router settings each call picks afresh (free ports, a temporary file_sd path).
-_ROUTER_ADDRESSES = ("port", "http_port", "metrics_port", "metrics_file_sd")
-
-
-def _unmergeable(a: dict, b: dict) -> str:
-    """Why two results files of one deployment and workload are not parts of one sweep ("" when they are)."""
-    for key in _SWEEP_KEYS:
-        if a.get(key) != b.get(key):
-            return f"different {key}"
-    if _config_sans_addresses(a) != _config_sans_addresses(b):
-        return "different config"
-    rates_a, rates_b = ({p["settings"].get("rate") for p in r["points"]} for r in (a, b))
-    if rates_a & rates_b:
-        return f"both ran {sorted(rates_a & rates_b)} req/s"
-    return ""
-
-
-def _config_sans_addresses(run: dict) -> dict:
-    config = dict(run.get("config") or {})
-    router = {k: v for k, v in (config.get("router") or {}).items() if k not in _ROUTER_ADDRESSES}
-    return {**config, "router": router}
-
-
-def _point_key(point: dict) -> tuple[float, int, int]:
-    return (point["settings"].get("rate") or 0.0, point.get("round") or 0, point.get("repeat") or 0)
 
 
 def summarize(slo: SLO, out_dir: Path, include: tuple[Path, ...] = ()) -> None:

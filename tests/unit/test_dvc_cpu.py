@@ -83,7 +83,8 @@ def test_the_line_names_each_process_and_warns_when_one_was_saturated() -> None:
 
 
 def test_the_summary_lists_the_points_where_a_process_was_saturated() -> None:
-    from bench.dvc_summary import saturated_points, saturation_table
+    from bench.dvc_summary import saturated_points
+    from bench.dvc_tables import saturation_table
 
     def point(rate: float, cpu: dict) -> dict:
         return {"settings": {"rate": rate}, "cpu": cpu}

@@ -11,7 +11,9 @@ import pytest
 
 from bench.dvc_args import parse_args
 from bench.dvc_headline import doubling, headline, headline_table, judge
-from bench.dvc_summary import capacity_table, goal_checks, load_runs, summarize, summarize_workload
+from bench.dvc_runs import load_runs
+from bench.dvc_summary import goal_checks, summarize, summarize_workload
+from bench.dvc_tables import capacity_table
 from tandem_cli.bench import SLO
 
 pytestmark = pytest.mark.unit

@@ -12,12 +12,12 @@ from bench.disagg_vs_colocated import ascending_sweep, refine_rates
 from bench.dvc_summary import (
     INTERACTIVE,
     capacity_at,
-    closed_loop_table,
     gpu_seconds_per_1k_tokens,
     rate_points,
     share_at,
     summarize_closed_loop,
 )
+from bench.dvc_tables import closed_loop_table
 from bench.dvc_workloads import CHAT_IDS, CHAT_SESSIONS, CHAT_TURNS, WORKLOADS, chat_trace
 
 pytestmark = pytest.mark.unit
