@@ -29,7 +29,13 @@ from model_runtime.engine import Engine, InvalidRequest, StepOutput
 from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError, SamplingParams
 from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
-from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
+from worker_host.convert import (
+    FINISH_REASONS,
+    logprob_proto,
+    priority_from_proto,
+    prompt_logprobs_proto,
+    sampling_from_proto,
+)
 from worker_host.host import OpenCalls, take_blocks
 from worker_host.node import WorkerNode
 from worker_host.rank_agents import ShardedReceiver
@@ -40,10 +46,13 @@ log = logging.getLogger(__name__)
 MAX_COALESCED = 64
 
 
-def token_batch(out: StepOutput) -> worker_pb2.TokenBatch:
+def token_batch(out: StepOutput, prompt: list[int]) -> worker_pb2.TokenBatch:
     lps = [logprob_proto(t, lp) for t, lp in zip(out.token_ids, out.logprobs or [])]
     return worker_pb2.TokenBatch(
-        token_ids=out.token_ids, logprobs=lps, num_cached_tokens=out.num_cached_tokens
+        token_ids=out.token_ids,
+        logprobs=lps,
+        num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_proto(prompt, out.prompt_logprobs),
     )
 
 
@@ -83,6 +92,7 @@ def coalesce(out: StepOutput, outputs: queue.Queue, limit: int = MAX_COALESCED) 
         token_ids=[t for o in merged for t in o.token_ids],
         text="".join(o.text for o in merged),
         logprobs=logprobs,
+        prompt_logprobs=out.prompt_logprobs,  # the first output's: later ones have none
     )
 
 
@@ -176,7 +186,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 if finished is not None:
                     yield worker_pb2.DecodeEvent(finished=finished)
                     return
-            yield from self._stream(rid, outputs, context, landed)
+            yield from self._stream(rid, prompt, outputs, context, landed)
         except CallEnded:
             return
         finally:
@@ -301,7 +311,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def _stream(
-        self, rid: str, outputs: queue.Queue, context: grpc.ServicerContext, landed: KVWait
+        self, rid: str, prompt: list[int], outputs: queue.Queue, context: grpc.ServicerContext, landed: KVWait
     ) -> Iterator:
         while True:
             out = coalesce(wait_for(outputs, context, self.loop, float("inf"), "tokens"), outputs)
@@ -309,7 +319,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 raise CallEnded()
             if landed.admitted_at and self.receiver is not None:
                 self._record_first_output(landed)
-            yield worker_pb2.DecodeEvent(tokens=token_batch(out))
+            yield worker_pb2.DecodeEvent(tokens=token_batch(out, prompt))
             if out.finish_reason is not None:
                 yield finished_event(out)
                 return

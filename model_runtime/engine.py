@@ -56,6 +56,8 @@ class StepOutput:
     num_prompt_tokens: int = 0
     # Prompt tokens this engine took from its prefix cache for the request (on every output).
     num_cached_tokens: int = 0
+    # sampling.prompt_logprobs: every prompt token's score, None for the first (its first output only)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Engine:
@@ -152,6 +154,10 @@ class Engine:
         thread."""
         self.validate(prompt_token_ids, sampling)
         _check_offset(output_offset)
+        if output_offset and sampling.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "prompt_logprobs: not for a resumed request (output_offset > 0): its prompt holds generated tokens"
+            )
         if request_id in self._trackers:
             raise InvalidRequest(f"request_id: {request_id!r} is already running")
         request = Request(
@@ -213,6 +219,7 @@ class Engine:
             output_offset=output_offset,
             priority=priority,
         )
+        request.prompt_logprobs, request.scoring_prompt = None, False  # the prefill worker scored the prompt
         request.output_token_ids.append(first_token)
         if first_logprob is not None:
             request.output_logprobs.append(first_logprob)
@@ -275,8 +282,11 @@ class Engine:
             return []
         planned = StepRecord.planned(out)
         logits = self.runner.execute(out, layer_hook=self._layer_streams.hook_for(out))
+        scores = self.runner.take_prompt_scores()
         sampled_chunks = [c for c in out.chunks if c.sample]
         tokens, logprobs = self._sample(logits, [c.request for c in sampled_chunks])
+        if scores is not None:
+            scores.store()
         self.scheduler.advance(out)
         results = []
         for chunk, token, lp in zip(sampled_chunks, tokens, logprobs):
@@ -347,6 +357,9 @@ class Engine:
         tracker = self._trackers[request.request_id]
         verdict = tracker.on_token(token)
         lps = [logprob] if logprob is not None else None
+        scores = None
+        if request.scoring_prompt:  # its first output: the prompt's scores go with it
+            scores, request.scoring_prompt = request.prompt_logprobs, False
         if verdict.finished is not None:
             self.scheduler.finish(request, verdict.finished)
             del self._trackers[request.request_id]
@@ -358,6 +371,7 @@ class Engine:
                 verdict.finished.value,
                 verdict.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
+                prompt_logprobs=scores,
             )
         if self.prefill_only:
             self.scheduler.detach(request)
@@ -370,9 +384,15 @@ class Engine:
                 kv_block_ids=tuple(request.block_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
+                prompt_logprobs=scores,
             )
         return StepOutput(
-            request.request_id, [token], verdict.text_delta, lps, num_cached_tokens=request.num_cached_tokens
+            request.request_id,
+            [token],
+            verdict.text_delta,
+            lps,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=scores,
         )
 
     def close(self) -> None:

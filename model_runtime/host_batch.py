@@ -9,7 +9,7 @@ vectorized; block tables are cached across steps (HostBlockTables), so a decode 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,7 +23,10 @@ from model_runtime.attention.base import (
 )
 from model_runtime.cuda_graphs import DecodeRows
 from model_runtime.kv_layout import NULL_BLOCK
+from model_runtime.prompt_scores import PromptSpan, plan_rows, span_of
 from model_runtime.request import Request, SchedulerOutput
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,13 @@ class HostBatch:
     logits_indices: np.ndarray  # [S] int64: the last token row of each sampling chunk
     query_lens: list[int]
     seq_lens_list: list[int]
+    # Rows whose logits score prompt tokens (model_runtime.prompt_scores; empty unless a request asked), the
+    # tokens they score and the widest top-n asked; `prompt_spans` maps them back to their requests (the lead's
+    # host only: tensor-parallel ranks receive the arrays, not the spans).
+    prompt_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    prompt_targets: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    prompt_top_n: int = 0
+    prompt_spans: tuple[PromptSpan, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -319,8 +329,13 @@ def build_host_batch(
     query_lens: list[int] = []
     needs: list[int] = []
     sample: list[bool] = []
+    spans: list[PromptSpan] = []
+    row = 0
     for chunk in out.chunks:
         req, start = chunk.request, chunk.request.num_computed_tokens
+        if req.scoring_prompt and (span := span_of(chunk, row)) is not None:
+            spans.append(span)
+        row += chunk.num_tokens
         end = start + chunk.num_tokens
         need = -(-end // block_size)
         if len(req.block_ids) < need:
@@ -345,6 +360,7 @@ def build_host_batch(
     rows = np.repeat(np.arange(len(qlens)), qlens)
     positions = np.arange(query_start[-1], dtype=np.int64) + (np.array(starts) - query_start[:-1])[rows]
     slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    prompt_rows, targets, top_n = plan_rows(spans) if spans else (_NO_ROWS, _NO_ROWS, 0)
     return HostBatch(
         token_ids=np.array(tokens, dtype=np.int64),
         positions=positions,
@@ -355,6 +371,10 @@ def build_host_batch(
         logits_indices=query_start[1:][np.array(sample, dtype=bool)] - 1,
         query_lens=query_lens,
         seq_lens_list=seq_lens.tolist(),
+        prompt_rows=prompt_rows,
+        prompt_targets=targets,
+        prompt_top_n=top_n,
+        prompt_spans=tuple(spans),
     )
 
 

@@ -64,6 +64,7 @@ class LLM:
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
         logprobs: dict[str, list] = {rid: [] for rid in ids}
         reasons: dict[str, str] = {}
+        scores: dict[str, list] = {}
         for rid, prompt_ids, sp in zip(ids, encoded, params):
             self.engine.add_request(rid, prompt_ids, sp)
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not progress, file=None)
@@ -76,6 +77,8 @@ class LLM:
                         texts[out.request_id].append(out.text)
                         if out.logprobs:
                             logprobs[out.request_id].extend(out.logprobs)
+                        if out.prompt_logprobs is not None:
+                            scores[out.request_id] = out.prompt_logprobs
                         if out.finish_reason is not None:
                             reasons[out.request_id] = out.finish_reason
                             bar.update(1)
@@ -92,6 +95,7 @@ class LLM:
                 "".join(texts[rid]),
                 reasons[rid],
                 logprobs[rid] if params[i].logprobs is not None else None,
+                scores.get(rid),
             )
             for i, rid in enumerate(ids)
         ]

@@ -38,6 +38,7 @@ from model_runtime.kv_quant import split_fp8_cache
 from model_runtime.models.llama import DecoderLayer, LlamaForCausalLM
 from model_runtime.parallel.context import TensorParallel
 from model_runtime.prefill_graphs import PiecewiseForward, PrefillGraphs
+from model_runtime.prompt_scores import PromptScores, score_rows
 from model_runtime.quantization.apply import quantize_model
 from model_runtime.request import SchedulerOutput
 from model_runtime.step_ahead import TokenFeed
@@ -181,6 +182,7 @@ class ModelRunner:
         if tensor_parallel is not None:
             tensor_parallel.shard_model(model)
         self.tensor_parallel = tensor_parallel
+        self.prompt_scores: PromptScores | None = None  # the last step's (take_prompt_scores)
         self.model = model.eval()
         self.kv_cache = torch.zeros(
             layout.cache_shape, dtype=CACHE_TORCH_DTYPES[layout.dtype], device=self.device
@@ -376,6 +378,7 @@ class ModelRunner:
             and self.graphs.can_run(batch.num_seqs)
         ):
             hidden = self.graphs.run(batch.decode_rows(), feed)
+            self._score_prompt(hidden, batch)
             if not batch.samples_every_row:
                 hidden = hidden[self._to_device(batch.logits_indices)]
             return self._logits(hidden)
@@ -387,9 +390,26 @@ class ModelRunner:
             hidden = pieces.run(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_pages, inputs.meta)
+        self._score_prompt(hidden, batch)
         if not batch.samples_every_row:
             hidden = hidden[inputs.logits_indices]
         return self._logits(hidden)
+
+    def _score_prompt(self, hidden: torch.Tensor, batch: HostBatch) -> None:
+        """The step's prompt scores (model_runtime.prompt_scores), kept for take_prompt_scores; every
+        tensor-parallel rank computes them (their logits are gathered), only the lead keeps them."""
+        if not batch.prompt_rows.size:
+            return
+        rows = self._to_device(batch.prompt_rows)
+        targets = self._to_device(batch.prompt_targets)
+        top_n = min(batch.prompt_top_n, self.config.vocab_size)
+        scores = score_rows(hidden, rows, targets, top_n, self._logits)
+        self.prompt_scores = PromptScores(batch.prompt_spans, scores)
+
+    def take_prompt_scores(self) -> PromptScores | None:
+        """The last step's prompt scores (device tensors), once; None when it scored nothing."""
+        scores, self.prompt_scores = self.prompt_scores, None
+        return scores
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)

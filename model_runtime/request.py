@@ -51,6 +51,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Score the prompt: each prompt token after the first gets its logprob under the model (and the top-n
+    # alternatives at its position), the way evaluation harnesses ask for it (model_runtime.prompt_scores).
+    # None is off; 0 the prompt token's own logprob only. A request that asks reads nothing from the prefix
+    # cache: every position must run.
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs, one per id, added to those logits before the token is chosen (greedy or sampled);
     # the logprobs returned stay the model's own (model_runtime.sampler)
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -95,6 +100,11 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        pl = self.prompt_logprobs
+        if pl is not None and (
+            not isinstance(pl, int) or isinstance(pl, bool) or not 0 <= pl <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {pl!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(self.logit_bias)}")
         seen: set[int] = set()
@@ -186,6 +196,15 @@ class Request:
     # token t with derive_step_seed(seed, output_offset + t), so a resumed stream continues the same draws.
     output_offset: int = 0
     priority: Priority = Priority.INTERACTIVE
+    # sampling.prompt_logprobs: the score of prompt token i at index i (index 0, the first token, stays None),
+    # filled as the prompt's chunks run; `scoring_prompt` until they go out with the request's first token.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    scoring_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.scoring_prompt = True
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -282,3 +301,5 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # sampling.prompt_logprobs: one entry per prompt token, None for the first (Request.prompt_logprobs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None

@@ -272,6 +272,19 @@ class LogprobsTensors:
     top_ids: torch.Tensor  # [B, N] int64, best first
     top_logprobs: torch.Tensor  # [B, N] float32
 
+    def to_host(self) -> LogprobsTensors:
+        """Pinned host copies, started without waiting (the caller records an event after them and waits on
+        it before reading); on a CPU, these tensors."""
+        if self.chosen.device.type != "cuda":
+            return self
+        return LogprobsTensors(*(_pinned_copy(t) for t in (self.chosen, self.top_ids, self.top_logprobs)))
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
 
 @dataclass(frozen=True)
 class SamplerOutput:

@@ -341,8 +341,13 @@ class Scheduler:
         """Give a waiting/preempted request its prefix-cache hits and blocks for its first chunk; 0 if none fit."""
         # Match at most the full blocks before the last token: one token must run to sample from, and the
         # blocks it writes into must be this request's own.
-        cached = self.pool.match_hashes(
-            self._block_hashes(request, 0, (request.num_tokens - 1) // self.block_size)
+        # A request that scores its prompt runs every position (model_runtime.prompt_scores).
+        cached = (
+            []
+            if request.scoring_prompt
+            else self.pool.match_hashes(
+                self._block_hashes(request, 0, (request.num_tokens - 1) // self.block_size)
+            )
         )
         num_computed = len(cached) * self.block_size
         n = min(request.num_tokens - num_computed, budget)

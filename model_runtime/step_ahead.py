@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_runtime.launch_clock import MARGIN_S, LaunchClock
+from model_runtime.prompt_scores import PromptScores
 from model_runtime.request import PENDING_TOKEN, Request, ScheduledChunk, SchedulerOutput
 from model_runtime.sampler import LogprobsTensors, PendingIds, SamplerOutput, TokenLogprobs, to_device
 from model_runtime.step_record import StepRecord, first_tokens
@@ -73,19 +74,11 @@ class SampledIds:
         ids = self._buffers[self._next][: sampled.shape[0]]
         self._next ^= 1
         ids.copy_(sampled, non_blocking=True)
-        logprobs = None
-        if result.logprobs is not None:  # small: [B] and [B, N]; pinned by torch's caching host allocator
-            lp = result.logprobs
-            logprobs = LogprobsTensors(*(_pinned_copy(t) for t in (lp.chosen, lp.top_ids, lp.top_logprobs)))
+        # small: [B] and [B, N]; pinned by torch's caching host allocator
+        logprobs = None if result.logprobs is None else result.logprobs.to_host()
         done = torch.cuda.Event(enable_timing=timed)
         done.record()
         return HostCopy(ids, logprobs, done)
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 @dataclass(frozen=True)
@@ -112,6 +105,17 @@ class InFlight:
     planned: StepRecord
     seq: int = 0  # the engine's launch count at its launch: the tag of the blocks freed while it may run
     began: torch.cuda.Event | None = None  # timed, recorded before its forward (a launch clock's step time)
+    # its prompt scores' host copies (model_runtime.prompt_scores) and the event recorded after them
+    prompt: PromptScores | None = None
+    prompt_done: torch.cuda.Event | None = None
+
+    def store_prompt_scores(self) -> None:
+        """Wait for the step's prompt scores (if it had any) and store them into their requests."""
+        if self.prompt is None:
+            return
+        if self.prompt_done is not None:
+            self.prompt_done.synchronize()
+        self.prompt.store()
 
     def gpu_seconds(self) -> float | None:
         """The step's GPU time, from before its forward to its tokens' copy, once its tokens were waited for;
@@ -229,6 +233,7 @@ class AheadStepper:
             self.steps_ahead += 1
         idle = self.clock is not None and flight.finished_on_device()  # the next launch found the GPU idle
         tokens, logprobs = flight.tokens()
+        flight.store_prompt_scores()  # before the emits: a request's first output carries them
         if self.clock is not None:
             self._time_launch(flight, launched - started, launched if idle else time.perf_counter(), idle)
         if self.fence_frees:
@@ -269,13 +274,26 @@ class AheadStepper:
             began = torch.cuda.Event(enable_timing=True)
             began.record()
         logits = self._runner.execute(out, feed=feed)
+        prompt, prompt_done = self._prompt_scores()
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
-            return InFlight(out, sampled, None, None, planned, self._launches)
+            return InFlight(out, sampled, None, None, planned, self._launches, None, prompt, prompt_done)
         requests = [c.request for c in sampled]
         result = self._sample(logits, requests, _pending_ids(requests, previous))
         host = self._sampled_ids.start(result, timed=began is not None)
-        return InFlight(out, sampled, result, host, planned, self._launches, began)
+        return InFlight(out, sampled, result, host, planned, self._launches, began, prompt, prompt_done)
+
+    def _prompt_scores(self) -> tuple[PromptScores | None, torch.cuda.Event | None]:
+        """The step's prompt scores, their copy to the host started, and an event after it (on a GPU)."""
+        scores = self._runner.take_prompt_scores()
+        if scores is None:
+            return None, None
+        host = scores.to_host()
+        done = None
+        if self._on_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return host, done
 
     def _fence_passed(self, flight: InFlight) -> None:
         """`flight`'s tokens are on the host: it and every step launched before it are done on the device (one

@@ -35,7 +35,13 @@ from model_runtime.engine_loop import EngineLoop
 from model_runtime.request import SamplingError
 from model_runtime.scheduler import RequestRejected
 from tandem_api.tandem.v1 import admin_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
-from worker_host.convert import FINISH_REASONS, logprob_proto, priority_from_proto, sampling_from_proto
+from worker_host.convert import (
+    FINISH_REASONS,
+    logprob_proto,
+    priority_from_proto,
+    prompt_logprobs_proto,
+    sampling_from_proto,
+)
 from worker_host.host import OpenCalls
 from worker_host.node import WorkerNode
 from worker_host.rank_agents import ShardedSender, ShardedSendHandle
@@ -117,7 +123,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                     held = ()  # the sender owns them now and frees them through on_release
                 elif not streamed.finished:  # the engine thread could not finish it: say why here
                     handle.finish(_kv_first_token(out))
-            yield worker_pb2.PrefillEvent(first_token=self._first_token(out))
+            yield worker_pb2.PrefillEvent(first_token=self._first_token(out, prompt))
             if handle is None:
                 return
             yield from self._await_transfer(handle, context)
@@ -134,9 +140,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             if held:
                 self.loop.call(lambda e: e.release_blocks(held))
 
-    def _first_token(self, out: StepOutput) -> worker_pb2.FirstToken:
+    def _first_token(self, out: StepOutput, prompt: list[int]) -> worker_pb2.FirstToken:
         token = out.token_ids[0]
-        msg = worker_pb2.FirstToken(token_id=token, num_cached_tokens=out.num_cached_tokens)
+        msg = worker_pb2.FirstToken(
+            token_id=token,
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs_proto(prompt, out.prompt_logprobs),
+        )
         if out.finish_reason is not None:
             msg.finish_reason = FINISH_REASONS[out.finish_reason]
             if isinstance(out.stop_reason, int):

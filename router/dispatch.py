@@ -82,6 +82,8 @@ class _Attempt:
     def sampling(self) -> worker_pb2.EngineSampling:
         message = engine_sampling(self.request.sampling)
         message.max_tokens -= self.sent  # the tokens already sent count against the request's max_tokens
+        if self.sent:  # the prompt's scores went out with the first tokens
+            message.ClearField("prompt_logprobs")
         return message
 
 

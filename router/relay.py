@@ -98,7 +98,8 @@ class Relay:
         self._first_token_finished = reason != generate_pb2.FINISH_REASON_UNSPECIFIED
         out = self.out
         out.cached_prompt_tokens = first.num_cached_tokens
-        await self._write(out.add([first.token_id], [first.logprob] if first.HasField("logprob") else []))
+        logprob = [first.logprob] if first.HasField("logprob") else []
+        await self._write(out.add([first.token_id], logprob, first.prompt_logprobs))
         if self._first_token_finished and not out.finished:  # the worker's rules ended it, ours did not
             stop = first.stop_token_id if first.HasField("stop_token_id") else None
             await self._write_if(out.end(reason, stop))
@@ -171,7 +172,7 @@ class Relay:
         else:
             token_ids = [t for b in batches for t in b.token_ids]
             logprobs = [lp for b in batches for lp in b.logprobs]
-        await self._write(self.out.add(token_ids, logprobs))
+        await self._write(self.out.add(token_ids, logprobs, batches[0].prompt_logprobs))
 
     async def _on_decode_event(self, message: Any) -> None:
         kind = message.WhichOneof("kind")

@@ -69,12 +69,21 @@ class ResponseBuilder:
         return isinstance(self.stop_reason, str)
 
     def add(
-        self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprob] = ()
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[generate_pb2.TokenLogprob] = (),
+        prompt_logprobs: Sequence[generate_pb2.TokenLogprob] = (),
     ) -> generate_pb2.GenerateResponse:
-        """The Delta for one batch of new tokens (one message per batch, even when its text is held back)."""
+        """The Delta for one batch of new tokens (one message per batch, even when its text is held back); the
+        first batch brings the prompt's scores when the request asked for them. A score-only request ends
+        there, its one sampled token dropped."""
         if self.finished:
             raise RuntimeError("tokens added after the request finished")
-        delta = generate_pb2.Delta()
+        delta = generate_pb2.Delta(prompt_logprobs=prompt_logprobs)
+        if self.request.score_only:
+            self.clock.first_token = self.clock.first_token or time.monotonic()
+            self._finish(generate_pb2.FINISH_REASON_LENGTH, None)
+            return generate_pb2.GenerateResponse(delta=delta)
         parts = []
         for i, token in enumerate(token_ids):
             verdict = self._tracker.on_token(token)

@@ -52,6 +52,7 @@ class ParsedRequest:
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     token_ids: tuple[int, ...] | None = None
+    score_only: bool = False  # max_tokens 0 with prompt_logprobs (ValidatedRequest.score_only)
 
     @property
     def input_field(self) -> str:
@@ -67,6 +68,9 @@ class ValidatedRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     priority: Priority = Priority.INTERACTIVE
+    # max_tokens 0 with prompt_logprobs: score the prompt, generate nothing (the workers sample one token, which
+    # the client never sees)
+    score_only: bool = False
 
 
 def validate_request(
@@ -83,16 +87,18 @@ def parse_request(
     _check_model(message, model)
     request_id = _request_id(message)
     sampling, given = _sampling(message.sampling, model, config)
+    score_only = given and message.sampling.max_tokens == 0
     kind = message.WhichOneof("input")
     if kind is None:
         raise invalid("input", "one of text, token_ids, chat is required")
     if kind == "text":
         if not message.text:
             raise invalid("input.text", "must not be empty")
-        return ParsedRequest(request_id, sampling, given, text=message.text)
+        return ParsedRequest(request_id, sampling, given, text=message.text, score_only=score_only)
     if kind == "token_ids":
-        return ParsedRequest(request_id, sampling, given, token_ids=_token_ids(message.token_ids, model))
-    return ParsedRequest(request_id, sampling, given, messages=_messages(message.chat))
+        ids = _token_ids(message.token_ids, model)
+        return ParsedRequest(request_id, sampling, given, token_ids=ids, score_only=score_only)
+    return ParsedRequest(request_id, sampling, given, messages=_messages(message.chat), score_only=score_only)
 
 
 def encode_prompt(parsed: ParsedRequest, tokenizer: Tokenizer) -> list[int]:
@@ -129,7 +135,7 @@ def check_lengths(
             f"{sampling.max_tokens} plus the prompt's {n} tokens exceed the model's context of {context} "
             f"tokens; at most {room}",
         )
-    return ValidatedRequest(parsed.request_id, tuple(prompt_ids), sampling)
+    return ValidatedRequest(parsed.request_id, tuple(prompt_ids), sampling, score_only=parsed.score_only)
 
 
 WORKER_PRIORITY = {
@@ -157,6 +163,8 @@ def engine_sampling(sampling: SamplingParams) -> worker_pb2.EngineSampling:
         message.seed = sampling.seed
     if sampling.logprobs is not None:
         message.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        message.prompt_logprobs = sampling.prompt_logprobs
     return message
 
 
@@ -181,15 +189,22 @@ def _request_id(message: generate_pb2.GenerateRequest) -> str:
 def _sampling(
     message: generate_pb2.SamplingParams, model: ServedModel, config: RouterConfig
 ) -> tuple[SamplingParams, bool]:
-    """SamplingParams validates the ranges; its errors name the parameter, so they get the "sampling." prefix."""
+    """SamplingParams validates the ranges; its errors name the parameter, so they get the "sampling." prefix.
+    max_tokens 0 is a request to score the prompt only (prompt_logprobs set): SamplingParams then says 1."""
     given = message.HasField("max_tokens")
+    scoring = message.HasField("prompt_logprobs")
+    if given and message.max_tokens == 0 and not scoring:
+        raise invalid(
+            "sampling.max_tokens",
+            "must be an integer >= 1, got 0 (0 only with prompt_logprobs: score the prompt)",
+        )
     try:
         params = SamplingParams(
             temperature=message.temperature if message.HasField("temperature") else DEFAULT_TEMPERATURE,
             top_p=message.top_p if message.HasField("top_p") else 1.0,
             top_k=message.top_k if message.HasField("top_k") else 0,
             seed=message.seed if message.HasField("seed") else None,
-            max_tokens=message.max_tokens if given else config.default_max_tokens,
+            max_tokens=(message.max_tokens or 1) if given else config.default_max_tokens,
             stop=tuple(message.stop),
             stop_token_ids=tuple(message.stop_token_ids),
             ignore_eos=message.ignore_eos,
@@ -198,6 +213,7 @@ def _sampling(
             presence_penalty=message.presence_penalty,
             frequency_penalty=message.frequency_penalty,
             repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
+            prompt_logprobs=message.prompt_logprobs if scoring else None,
         )
         params.check_vocab(model.vocab_size)
     except SamplingError as exc:

@@ -108,6 +108,12 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--logprobs", type=int, metavar="N", help="return chosen-token logprobs and the top N alternatives"
     )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        metavar="N",
+        help="score the prompt: each prompt token's logprob after the first, and the top N alternatives",
+    )
     p.add_argument("--chat", action="store_true", help="send plain prompts as a user message of a chat")
     p.add_argument("--json", action="store_true", help="print one JSON line per request, in input order")
     p.add_argument(
@@ -184,6 +190,7 @@ def _collect_inputs(args: argparse.Namespace) -> list[GenerationInput]:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
+        prompt_logprobs=args.prompt_logprobs,
     )
     if args.input is not None:
         return read_jsonl(args.input, base, chat=args.chat)

@@ -70,6 +70,7 @@ def sampling_from_flags(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Sampling:
     """The command line's sampling; `tandem generate` defaults to greedy so results reproduce. `logit_bias`:
     the --logit-bias flags as given, each ID=BIAS."""
@@ -85,6 +86,7 @@ def sampling_from_flags(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -15,6 +15,7 @@ from tandem_client.types import Prompt, Sampling, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from model_runtime.request import Completion, PromptInput, SamplingParams
+    from model_runtime.sampler import TokenLogprobs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -50,6 +51,7 @@ def engine_sampling(sampling: Sampling) -> SamplingParams:
         presence_penalty=sampling.presence_penalty or 0.0,
         frequency_penalty=sampling.frequency_penalty or 0.0,
         repetition_penalty=1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty,
+        prompt_logprobs=sampling.prompt_logprobs,
     )
 
 
@@ -66,19 +68,27 @@ def prepare(inputs: Sequence[GenerationInput]) -> tuple[list[PromptInput], list[
     return prompts, params
 
 
-def record_from_completion(completion: Completion, with_logprobs: bool) -> OutputRecord:
-    logprobs = None
-    if with_logprobs:
-        logprobs = tuple(
-            TokenLogprob(token_id, chosen, tuple(TopLogprob(t, lp) for t, lp in top))
-            for token_id, (chosen, top) in zip(completion.token_ids, completion.logprobs or ())
+def record_from_completion(
+    completion: Completion, with_logprobs: bool, with_prompt_logprobs: bool = False
+) -> OutputRecord:
+    def entries(ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> tuple[TokenLogprob, ...]:
+        return tuple(
+            TokenLogprob(token_id, lp[0], tuple(TopLogprob(t, v) for t, v in lp[1]))
+            for token_id, lp in zip(ids, scores)
+            if lp is not None
         )
+
+    logprobs = entries(completion.token_ids, completion.logprobs or ()) if with_logprobs else None
+    prompt_logprobs = None
+    if with_prompt_logprobs:  # the prompt's first token has no score
+        prompt_logprobs = entries(completion.prompt_token_ids[1:], (completion.prompt_logprobs or [None])[1:])
     return OutputRecord(
         prompt_token_ids=tuple(completion.prompt_token_ids),
         token_ids=tuple(completion.token_ids),
         text=completion.text,
         finish_reason=completion.finish_reason,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -101,4 +111,5 @@ def run_offline(model: str, inputs: Sequence[GenerationInput], progress: bool) -
     except ValueError as exc:  # e.g. a prompt longer than the model's context
         raise InputError(str(exc)) from None
     with_logprobs = any(p.logprobs is not None for p in params)
-    return [record_from_completion(c, with_logprobs) for c in completions]
+    with_prompt_logprobs = any(p.prompt_logprobs is not None for p in params)
+    return [record_from_completion(c, with_logprobs, with_prompt_logprobs) for c in completions]

@@ -21,19 +21,25 @@ class OutputRecord:
     finish_reason: str
     # Only when --logprobs was given: one entry per output token.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # Only when --prompt-logprobs was given: one entry per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
-    def from_result(cls, result: GenerationResult, with_logprobs: bool) -> OutputRecord:
+    def from_result(
+        cls, result: GenerationResult, with_logprobs: bool, with_prompt_logprobs: bool = False
+    ) -> OutputRecord:
         return cls(
             prompt_token_ids=result.prompt_token_ids,
             token_ids=result.token_ids,
             text=result.text,
             finish_reason=str(result.finish_reason),
             logprobs=result.logprobs if with_logprobs else None,
+            prompt_logprobs=result.prompt_logprobs if with_prompt_logprobs else None,
         )
 
     def to_json(self) -> str:
-        """{"prompt_token_ids", "token_ids", "text", "finish_reason"[, "logprobs"]} on one line."""
+        """{"prompt_token_ids", "token_ids", "text", "finish_reason"[, "logprobs"][, "prompt_logprobs"]} on one
+        line."""
         record: dict[str, object] = {
             "prompt_token_ids": list(self.prompt_token_ids),
             "token_ids": list(self.token_ids),
@@ -42,6 +48,8 @@ class OutputRecord:
         }
         if self.logprobs is not None:
             record["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [asdict(lp) for lp in self.prompt_logprobs]
         return json.dumps(record, ensure_ascii=False)
 
 

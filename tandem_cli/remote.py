@@ -90,7 +90,8 @@ async def _run_all(
     finally:
         bar.close()
     with_logprobs = any(item.sampling.logprobs is not None for item in inputs)
-    return [OutputRecord.from_result(r, with_logprobs) for r in results if r is not None]
+    with_prompt = any(item.sampling.prompt_logprobs is not None for item in inputs)
+    return [OutputRecord.from_result(r, with_logprobs, with_prompt) for r in results if r is not None]
 
 
 def stream_text(

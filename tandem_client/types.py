@@ -101,6 +101,7 @@ class SamplingFields(TypedDict, total=False):
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
+    prompt_logprobs: int
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class Sampling:
     frequency_penalty: float | None = None
     # vLLM's repetition penalty on the prompt's and the output's tokens, in (0, 10] (None: 1, off)
     repetition_penalty: float | None = None
+    # score the prompt: each prompt token after the first with its logprob and this many alternatives (0-20);
+    # max_tokens=0 then scores without generating
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string and lists for convenience; store tuples so the value stays hashable.
@@ -162,6 +166,8 @@ class GenerationDelta:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    # the first delta of a request that asked for prompt_logprobs: prompt tokens 1..n-1 (token_id is the prompt's)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,8 @@ class GenerationResult:
     logprobs: tuple[TokenLogprob, ...] = ()
     # The stop string or token id that ended generation when finish_reason is STOP, else None.
     stop_reason: str | int | None = None
+    # Sampling.prompt_logprobs: one entry per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

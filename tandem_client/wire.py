@@ -106,6 +106,7 @@ def delta_from_proto(message: generate_pb2.Delta) -> GenerationDelta:
         token_ids=tuple(message.token_ids),
         text=message.text,
         logprobs=tuple(_logprob(lp) for lp in message.logprobs),
+        prompt_logprobs=tuple(_logprob(lp) for lp in message.prompt_logprobs),
     )
 
 
@@ -116,11 +117,13 @@ class ResultBuilder:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def add(self, delta: GenerationDelta) -> None:
         self._token_ids.extend(delta.token_ids)
         self._text.append(delta.text)
         self._logprobs.extend(delta.logprobs)
+        self._prompt_logprobs = self._prompt_logprobs or delta.prompt_logprobs
 
     def finish(self, final: generate_pb2.Final) -> GenerationResult:
         if final.finish_reason not in _FINISH_REASONS:
@@ -145,6 +148,7 @@ class ResultBuilder:
             ),
             logprobs=tuple(self._logprobs),
             stop_reason=stop_reason,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
 

@@ -28,6 +28,7 @@ def sampling_from_proto(msg: worker_pb2.EngineSampling) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -44,3 +45,12 @@ def logprob_proto(token_id: int, lp: TokenLogprobs) -> generate_pb2.TokenLogprob
         logprob=chosen,
         top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top],
     )
+
+
+def prompt_logprobs_proto(
+    prompt: list[int], scores: list[TokenLogprobs | None] | None
+) -> list[generate_pb2.TokenLogprob]:
+    """A request's prompt scores (StepOutput.prompt_logprobs) as the wire has them: prompt tokens 1..n-1."""
+    if scores is None:
+        return []
+    return [logprob_proto(token, lp) for token, lp in zip(prompt[1:], scores[1:]) if lp is not None]

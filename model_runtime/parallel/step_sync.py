@@ -4,12 +4,14 @@ Only the lead schedules. Every step it publishes the HostBatch it built (model_r
 then runs it; the other ranks receive the same batch and run it too, so every rank makes the same collectives
 in the same order. Each message is a header and, for some kinds, a payload:
 
-    header   int64 [5]:  kind, then per kind:
-                         STEP     T tokens, B sequences, S sampling rows, W block-table width
+    header   int64 [7]:  kind, then per kind:
+                         STEP     T tokens, B sequences, S sampling rows, W block-table width, P prompt-scoring
+                                  rows, N their widest top-n (model_runtime.prompt_scores)
                          STOP     (nothing): the followers leave their loop
-    payload  (STEP) int64 [3T + S + 2B + 1 + B*W], in this order:
+    payload  (STEP) int64 [3T + S + 2B + 1 + B*W + 2P], in this order:
              token_ids [T] | positions [T] | slots [T] | logits_indices [S] | query_start [B+1] | seq_lens [B]
-             | block_tables [B, W] row-major       (the int32 arrays travel widened to int64)
+             | block_tables [B, W] row-major | prompt_rows [P] | prompt_targets [P]
+             (the int32 arrays travel widened to int64)
 
 query_lens and the host lists are derived from query_start and seq_lens on arrival, so a received batch is
 equal to the sent one field for field.
@@ -19,7 +21,7 @@ ring (model_runtime.parallel.shm_channel) that the followers poll: a step reache
 gloo broadcast over loopback takes 100-250 us, late enough to hold up the step's first all-reduce. One ring
 message per lead message:
 
-    int64 [6]: the header, then where the payload is (PAYLOAD_HERE / PAYLOAD_ON_GLOO) | the payload's bytes
+    int64 [8]: the header, then where the payload is (PAYLOAD_HERE / PAYLOAD_ON_GLOO) | the payload's bytes
 
 A payload larger than a slot (a step of a very long prompt batch) goes as before, as a gloo broadcast on the
 host group right after its header; the header on the ring says so, so everything stays in the order the lead
@@ -48,7 +50,7 @@ from model_runtime.parallel.shm_channel import ReaderExited, ShmReader, ShmWrite
 log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 0
-_HEADER = 5
+_HEADER = 7
 PAYLOAD_HERE, PAYLOAD_ON_GLOO = 0, 1  # a ring message's sixth word
 _FRAME_BYTES = (_HEADER + 1) * 8  # a ring message's payload starts here
 _PATH_BYTES = 1024  # the set-up broadcasts the ring's path in this many bytes (an empty path: no ring)
@@ -86,7 +88,7 @@ class StepPublisher:
             return
         self._stopped = True
         try:
-            self._send(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64), None)
+            self._send(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64), None)
         finally:
             if self._ring is not None:
                 self._ring.close()  # the followers' mappings outlive it: they still read the STOP
@@ -140,13 +142,13 @@ class StepReceiver:
     def receive(self) -> HostBatch | None:
         while True:
             header, inline = self._next()
-            kind, t, b, s, w = header
+            kind, t, b, s, w, p, _ = header
             if kind == STOP:
                 if self._ring is not None:
                     self._ring.close()
                 return None
             if kind == STEP:
-                payload = self._payload(inline, 3 * t + s + 2 * b + 1 + b * w, torch.int64)
+                payload = self._payload(inline, 3 * t + s + 2 * b + 1 + b * w + 2 * p, torch.int64)
                 return decode(torch.tensor(header, dtype=torch.int64), payload)
             raise RuntimeError(f"StepReceiver: unknown message kind {kind} from the lead rank")
 
@@ -250,7 +252,8 @@ def _unpack(row: torch.Tensor, rank: int) -> list[int]:
 def encode(batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """A step as (header, payload) int64 CPU tensors."""
     b, w = batch.block_tables.shape
-    header = [STEP, batch.num_tokens, b, int(batch.logits_indices.shape[0]), w]
+    p = int(batch.prompt_rows.shape[0])
+    header = [STEP, batch.num_tokens, b, int(batch.logits_indices.shape[0]), w, p, batch.prompt_top_n]
     parts = (
         batch.token_ids,
         batch.positions,
@@ -259,6 +262,8 @@ def encode(batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         batch.query_start,
         batch.seq_lens,
         batch.block_tables.ravel(),
+        batch.prompt_rows,
+        batch.prompt_targets,
     )
     payload = np.concatenate(parts).astype(np.int64, copy=False)
     return torch.tensor(header, dtype=torch.int64), torch.from_numpy(payload)
@@ -266,9 +271,9 @@ def encode(batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode(header: torch.Tensor, payload: torch.Tensor) -> HostBatch:
     """The HostBatch that `encode` turned into (header, payload)."""
-    _, t, b, s, w = header.tolist()
-    sizes = (t, t, t, s, b + 1, b, b * w)
-    token_ids, positions, slots, logits_indices, query_start, seq_lens, tables = np.split(
+    _, t, b, s, w, p, top_n = header.tolist()
+    sizes = (t, t, t, s, b + 1, b, b * w, p, p)
+    token_ids, positions, slots, logits_indices, query_start, seq_lens, tables, rows, targets = np.split(
         payload.numpy(), np.cumsum(sizes)[:-1]
     )
     return HostBatch(
@@ -281,4 +286,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> HostBatch:
         logits_indices=logits_indices,
         query_lens=np.diff(query_start).tolist(),
         seq_lens_list=seq_lens.tolist(),
+        prompt_rows=rows,
+        prompt_targets=targets,
+        prompt_top_n=top_n,
     )

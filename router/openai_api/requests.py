@@ -5,6 +5,8 @@ length, the model) is the shared pipeline's (router.validation), so both front d
 
     POST /v1/completions       prompt (a string, or token ids; or a list of prompts, each either), max_tokens
     POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
+    completions                echo (the prompt before the completion; with logprobs, the prompt's tokens scored
+                               too, the first with null; max_tokens 0 then scores the prompt alone)
     both                       model, temperature, top_p, seed, stop, n (1-64), user (ignored), stream,
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
                                true, with top_logprobs), logit_bias ({"token id": bias}), presence_penalty and
@@ -12,7 +14,7 @@ length, the model) is the shared pipeline's (router.validation), so both front d
                                stop_token_ids, repetition_penalty and return_token_ids
 
 Unknown fields are ignored, as OpenAI's API does; known fields that would change the output in a way Tandem
-cannot honour (echo, suffix, best_of > 1, tools, a JSON response_format) are a 400 that says so, never
+cannot honour (chat's echo, suffix, best_of > 1, tools, a JSON response_format) are a 400 that says so, never
 silently dropped.
 
 n > 1 choices run as n requests of their own through the pipeline (each admitted, placed and counted as one),
@@ -50,7 +52,6 @@ _SCALARS = (
 )
 # Known fields Tandem does not implement, and the value that means "not used".
 _UNSUPPORTED = {
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
     "tools": ([],),
@@ -70,6 +71,7 @@ class OpenAIRequest:
     return_token_ids: bool  # vLLM's extension: token ids in each choice (and the prompt's in the response)
     max_tokens_field: str  # the name the client used, for error messages
     n: int = 1  # choices per prompt: requests of their own (choice_messages)
+    echo: bool = False  # completions: the prompt comes before the completion (and its tokens' logprobs)
     # completions with a list of prompts: the requests of prompts 1.. (`message` holds prompt 0)
     more_prompts: tuple[generate_pb2.GenerateRequest, ...] = ()
 
@@ -80,6 +82,10 @@ class OpenAIRequest:
     @property
     def request_id(self) -> str:
         return self.message.request_id
+
+    def prompt_of(self, choice: int) -> generate_pb2.GenerateRequest:
+        """The request of the prompt that choice `choice` answers (choice p * n + j is prompt p's)."""
+        return (self.message, *self.more_prompts)[choice // self.n]
 
     def choice_messages(self) -> list[generate_pb2.GenerateRequest]:
         """One internal request per choice: the message itself for one prompt and n = 1, else copies with ids
@@ -103,8 +109,14 @@ def parse_completion(body: Mapping[str, Any]) -> OpenAIRequest:
     prompts = _prompts(body.get("prompt"))
     _check_unsupported(body)
     logprobs = _optional(body, "logprobs", int)
-    max_tokens_field = _max_tokens(body, message, ("max_tokens",))
+    echo = bool(_optional(body, "echo", bool))
+    max_tokens_field = _max_tokens(body, message, ("max_tokens",), allow_zero=echo)
+    score_only = message.sampling.HasField("max_tokens") and message.sampling.max_tokens == 0
+    if echo and (logprobs is not None or score_only):
+        # the prompt's scores: returned with logprobs; needed anyway to answer max_tokens 0 (score only)
+        _set(message.sampling, "prompt_logprobs", logprobs or 0, "logprobs")
     request = _finish(body, message, chat=False, logprobs=logprobs, max_tokens_field=max_tokens_field)
+    request = dataclasses.replace(request, echo=echo)
     if len(prompts) * request.n > MAX_CHOICES:
         raise bad_request(
             "prompt", f"{len(prompts)} prompts x n = {request.n} make more than {MAX_CHOICES} choices"
@@ -128,6 +140,8 @@ def parse_chat(body: Mapping[str, Any]) -> OpenAIRequest:
     message = _common(body, chat=True)
     _messages(body.get("messages"), message)
     _check_unsupported(body)
+    if _optional(body, "echo", bool):
+        raise bad_request("echo", "is not supported for chat completions (got True)")
     rf = _optional(body, "response_format", dict)
     if rf is not None and rf.get("type", "text") != "text":
         raise bad_request("response_format", f"only {{'type': 'text'}} is supported, got {rf.get('type')!r}")
@@ -214,14 +228,19 @@ def _finish(
 
 
 def _max_tokens(
-    body: Mapping[str, Any], message: generate_pb2.GenerateRequest, names: tuple[str, ...]
+    body: Mapping[str, Any],
+    message: generate_pb2.GenerateRequest,
+    names: tuple[str, ...],
+    allow_zero: bool = False,
 ) -> str:
-    """The first of `names` the client set becomes sampling.max_tokens; returns the name used."""
+    """The first of `names` the client set becomes sampling.max_tokens; returns the name used. `allow_zero`:
+    completions with echo, where 0 asks for the prompt alone."""
     for name in names:
         value = _optional(body, name, int)
         if value is not None:
-            if value < 1:
-                raise bad_request(name, f"must be an integer >= 1, got {value}")
+            if value < (0 if allow_zero else 1):
+                least = "0 (with echo)" if allow_zero else "1"
+                raise bad_request(name, f"must be an integer >= {least}, got {value}")
             _set(message.sampling, "max_tokens", value, name)
             return name
     return names[0]

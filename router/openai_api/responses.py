@@ -9,6 +9,10 @@ interleave in one stream as their tokens come, and `whole_response` / `usage_chu
 counted once, the completions summed. With several prompts and return_token_ids each choice carries its
 prompt's `prompt_token_ids`.
 
+With echo (completions) the choice's text starts with the prompt (its text as sent, or its token ids decoded),
+and with logprobs its first entries are the prompt's tokens, the first with a null logprob (nothing predicts it);
+a stream sends them in its first chunk.
+
 Logprobs carry token strings as OpenAI's do; a token that is part of a multi-byte character reads as the
 replacement character, and chat's `bytes` field gives its UTF-8 bytes as the tokenizer decodes it.
 """
@@ -56,6 +60,7 @@ class Answer:
         self._logprobs: list[generate_pb2.TokenLogprob] = []
         self.final: generate_pb2.Final | None = None  # non-streaming: kept by add_final
         self._offset = 0  # characters of completion text before the current delta (completions' text_offset)
+        self._prompt_logprobs: list[generate_pb2.TokenLogprob] = []  # echo: the first Delta's
 
     # --- streaming ------------------------------------------------------------------------------------
     def chunk(self, delta: generate_pb2.Delta) -> dict[str, Any]:
@@ -68,7 +73,10 @@ class Answer:
             choice["delta"] = body
         else:
             choice["text"] = delta.text
-        choice["logprobs"] = self._logprobs_of(delta.logprobs)
+        echoed = self.request.echo and self._chunks_sent == 0
+        if echoed:
+            choice["text"] = self._prompt_text() + delta.text
+        choice["logprobs"] = self._logprobs_of(delta.logprobs, delta.prompt_logprobs if echoed else None)
         choice["finish_reason"] = None
         if self.request.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
@@ -107,6 +115,7 @@ class Answer:
         self._text.append(delta.text)
         self._token_ids.extend(delta.token_ids)
         self._logprobs.extend(delta.logprobs)
+        self._prompt_logprobs.extend(delta.prompt_logprobs)
 
     def add_final(self, final: generate_pb2.Final) -> None:
         self.final = final
@@ -123,9 +132,11 @@ class Answer:
         if self.request.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self._prompt_text() + text if self.request.echo else text
         self._offset = 0
-        choice["logprobs"] = self._logprobs_of(self._logprobs)
+        choice["logprobs"] = self._logprobs_of(
+            self._logprobs, self._prompt_logprobs if self.request.echo else None
+        )
         choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
         if self.request.return_token_ids:
             choice["token_ids"] = self._token_ids
@@ -138,25 +149,55 @@ class Answer:
             raise RuntimeError("the request ended without a Final message")
         return self.final
 
+    # --- echo ----------------------------------------------------------------------------------------
+    def _prompt(self) -> generate_pb2.GenerateRequest:
+        return self.request.prompt_of(self.index)
+
+    def _prompt_text(self) -> str:
+        prompt = self._prompt()
+        if prompt.WhichOneof("input") == "text":
+            return prompt.text
+        return self._tokenizer.decode(list(prompt.token_ids.ids))
+
+    def _first_prompt_token(self) -> int:
+        """The prompt's first token id (the scores start at the second): as the router tokenized it."""
+        prompt = self._prompt()
+        if prompt.WhichOneof("input") == "text":
+            return self._tokenizer.encode(prompt.text)[0]
+        return prompt.token_ids.ids[0]
+
     # --- logprobs -------------------------------------------------------------------------------------
-    def _logprobs_of(self, entries: Sequence[generate_pb2.TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs_of(
+        self,
+        entries: Sequence[generate_pb2.TokenLogprob],
+        prompt: Sequence[generate_pb2.TokenLogprob] | None = None,
+    ) -> dict[str, Any] | None:
+        """`prompt`: echo's prompt scores, which come first (after the prompt's first token, unscored)."""
         if self.request.logprobs is None:
             return None
         if self.request.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
-        tokens = [self._token(e.token_id) for e in entries]
+        ids = [e.token_id for e in entries]
+        logprobs: list[float | None] = [e.logprob for e in entries]
+        tops: list[dict[str, float] | None] = [self._top(e) for e in entries]
+        if prompt is not None:
+            ids = [self._first_prompt_token(), *(e.token_id for e in prompt), *ids]
+            logprobs = [None, *(e.logprob for e in prompt), *logprobs]
+            tops = [None, *(self._top(e) for e in prompt), *tops]
+        tokens = [self._token(t) for t in ids]
         offsets = []
         for token in tokens:
             offsets.append(self._offset)
             self._offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t.token_id): t.logprob for t in e.top} for e in entries]
-            if self.request.logprobs
-            else None,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops if self.request.logprobs else None,
             "text_offset": offsets,
         }
+
+    def _top(self, entry: generate_pb2.TokenLogprob) -> dict[str, float]:
+        return {self._token(t.token_id): t.logprob for t in entry.top}
 
     def _chat_entry(self, entry: generate_pb2.TokenLogprob) -> dict[str, Any]:
         token = self._token(entry.token_id)

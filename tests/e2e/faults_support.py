@@ -15,6 +15,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
@@ -257,3 +258,12 @@ def offline_engine(
 def greedy(offline: LLM, prompt: str, max_tokens: int) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return offline.generate([PromptInput(text=prompt)], params)[0].token_ids
+
+
+def assert_prompt_scores(got, want, label: str) -> None:
+    """The service's prompt_logprobs (prompt tokens 1..n-1) against the offline engine's (index 0 None)."""
+    assert want[0] is None and len(got) == len(want) - 1, label
+    for i, (entry, (logprob, top)) in enumerate(zip(got, want[1:]), start=1):
+        assert entry.logprob == pytest.approx(logprob, abs=1e-3), f"{label}: prompt token {i}"
+        assert [t.token_id for t in entry.top][:1] == [t for t, _ in top][:1], f"{label}: token {i}'s best"
+        assert [t.logprob for t in entry.top] == pytest.approx([v for _, v in top], abs=1e-3), label

@@ -173,6 +173,54 @@ def test_penalties_over_http_are_the_grpc_apis(cluster: ServeProcess, api: opena
         assert message in body["error"]["message"]
 
 
+def test_echo_scores_the_prompt_as_the_grpc_api(cluster: ServeProcess, api: openai.OpenAI) -> None:
+    """completions with echo: the text starts with the prompt; with logprobs the prompt's tokens come first (the
+    first with null: nothing predicts it), scored as the gRPC API's prompt_logprobs, then the completion's;
+    max_tokens 0 scores the prompt alone (what evaluation harnesses send); streamed, the first chunk carries
+    the prompt. Chat has no echo, and max_tokens 0 needs it: both a 400 naming the field."""
+    prompt, url = PROMPTS[0], cluster.http_address + "/v1/completions"
+    with Client(cluster.address) as client:
+        want = client.generate(prompt, temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    n = len(want.prompt_token_ids)
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 4, "logprobs": 2, "echo": True}
+    status, whole = http(url, json.dumps(body).encode())
+    assert status == 200, whole
+    (choice,) = whole["choices"]
+    assert choice["text"] == prompt + want.text
+    lp = choice["logprobs"]
+    assert (
+        len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + len(want.token_ids)
+    )
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    scored = [e.logprob for e in want.prompt_logprobs] + [e.logprob for e in want.logprobs]
+    assert lp["token_logprobs"][1:] == pytest.approx(scored, abs=1e-3)
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+    assert "".join(lp["tokens"][:n]).endswith(prompt)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+
+    status, only = http(url, json.dumps({**body, "max_tokens": 0}).encode())
+    assert status == 200, only
+    assert only["choices"][0]["text"] == prompt and only["choices"][0]["finish_reason"] == "length"
+    assert only["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(scored[: n - 1], abs=1e-3)
+    assert (only["usage"]["prompt_tokens"], only["usage"]["completion_tokens"]) == (n, 0)
+
+    chunks = list(
+        api.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=4, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + want.text
+
+    for path, extra, param in (
+        ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 0}, "max_tokens"),
+    ):
+        status, error = http(cluster.http_address + path, json.dumps({"model": MODEL, **extra}).encode())
+        assert (status, error["error"]["param"]) == (400, param), error
+    wait_until(lambda: idle(cluster.address), 15, "every block and lease released")
+
+
 def test_n_choices_are_the_requests_each_would_be_alone(cluster: ServeProcess, api: openai.OpenAI) -> None:
     """n > 1: greedy, every choice is the n = 1 completion; with a seed and temperature, choice i is what a
     request with seed + i gets alone (chat, streamed: each choice's chunks carry its index and end with its

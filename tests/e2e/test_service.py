@@ -20,7 +20,7 @@ from model_runtime.request import ChatMessage, PromptInput, SamplingParams
 from tandem_client import AsyncClient, Client
 from tandem_client.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from tests.e2e.cluster import ServeProcess
-from tests.e2e.faults_support import offline_engine
+from tests.e2e.faults_support import assert_prompt_scores, offline_engine
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -242,6 +242,7 @@ def test_async_cancel_is_cancelled(cluster):
         ({"top_p": 1.5}, "sampling.top_p"),
         ({"token_ids": [1, 10**9]}, "input.token_ids"),
         ({"max_tokens": 0}, "sampling.max_tokens"),
+        ({"prompt_logprobs": 21}, "sampling.prompt_logprobs"),
     ],
 )
 def test_invalid_input_names_the_field_and_service_keeps_serving(cluster, kwargs, field):
@@ -333,6 +334,28 @@ def test_max_tokens_one_is_the_first_token_alone_as_offline(cluster, offline):
     for text, got, want in zip(texts, served, expected):
         _assert_same(got, want, text)
         assert got.finish_reason == "length" and got.stop_reason is None and len(got.token_ids) == 1
+    assert_all_idle(cluster.address)
+
+
+def test_prompt_logprobs_are_the_offline_engines_and_max_tokens_zero_only_scores(cluster, offline):
+    """A prefill worker scores the prompt, its FirstToken brings the scores: the first delta carries the
+    offline engine's prompt logprobs (each prompt token's own under the model, top 2 alternatives), the tokens
+    are unchanged; max_tokens 0 gives the same scores and no token; nothing is left held."""
+    texts = prompts(4, seed=9)
+    served = asyncio.run(
+        _generate_all(cluster.address, texts, temperature=0, max_tokens=4, prompt_logprobs=2)
+    )
+    scored_only = asyncio.run(_generate_all(cluster.address, texts, max_tokens=0, prompt_logprobs=2))
+    expected = offline.generate(
+        [PromptInput(text=t) for t in texts], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    )
+    for text, got, only, want in zip(texts, served, scored_only, expected):
+        _assert_same(got, want, text)
+        assert [e.token_id for e in got.prompt_logprobs] == want.prompt_token_ids[1:], text
+        assert_prompt_scores(got.prompt_logprobs, want.prompt_logprobs, text)
+        assert only.token_ids == () and only.text == "" and only.finish_reason == "length", text
+        assert (only.usage.completion_tokens, only.usage.prompt_tokens) == (0, len(want.prompt_token_ids))
+        assert_prompt_scores(only.prompt_logprobs, want.prompt_logprobs, f"{text} (max_tokens 0)")
     assert_all_idle(cluster.address)
 
 

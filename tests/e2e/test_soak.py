@@ -124,10 +124,13 @@ def test_cancel_while_prefilling(cluster):
     """Cancelled halfway to its first token: the request reached the prefill worker (its requests_total grew)
     and no token had come back, so the prompt was being computed."""
     # The first long prompt also pays one-time costs (the KV connection, allocator growth): time a warm one.
+    # On a loaded 2-core host one prompt's time varies by 2x: a cancel at a third of the faster of two warm
+    # ones that still found a token is tried again, up to three times, each a fresh request.
     ttft = min(asyncio.run(time_to_first_token(cluster.address)) for _ in range(2))
     with Client(cluster.address) as client:
         before = prefill_requests_total(client)
-        assert asyncio.run(cancel_before_first_token(cluster.address, ttft / 2)), f"TTFT {ttft:.2f}s"
+        early = any(asyncio.run(cancel_before_first_token(cluster.address, ttft / 3)) for _ in range(3))
+        assert early, f"every cancel at {ttft / 3:.2f}s found a first token (warm TTFT {ttft:.2f}s)"
         deadline = time.monotonic() + 5
         while prefill_requests_total(client) == before:
             assert time.monotonic() < deadline, "the cancelled request never reached the prefill worker"

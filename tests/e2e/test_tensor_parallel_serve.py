@@ -20,9 +20,17 @@ import pytest
 import yaml
 
 from model_runtime.llm import LLM
+from model_runtime.request import PromptInput, SamplingParams
 from tandem_client import Client, Unavailable
 from tests.e2e.cluster import ServeProcess
-from tests.e2e.faults_support import Background, assert_all_idle, greedy, offline_engine, workers
+from tests.e2e.faults_support import (
+    Background,
+    assert_all_idle,
+    assert_prompt_scores,
+    greedy,
+    offline_engine,
+    workers,
+)
 from tests.model.tiny_models import write_tiny_hf
 from tests.polling import wait_until
 
@@ -110,12 +118,24 @@ def check_greedy(address: str, offline: LLM) -> None:
             assert list(got.token_ids) == greedy(offline, prompt, MAX_TOKENS), prompt
 
 
+def check_prompt_scores(address: str, offline: LLM) -> None:
+    """The colocated worker scores the prompt across both ranks (each holds half of lm_head's vocabulary):
+    the one-device engine's prompt logprobs, with max_tokens 0."""
+    with Client(address) as client:
+        got = client.generate(PROMPTS[1], max_tokens=0, prompt_logprobs=3, timeout=60)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    (want,) = offline.generate([PromptInput(text=PROMPTS[1])], params)
+    assert got.token_ids == () and got.usage.completion_tokens == 0
+    assert_prompt_scores(got.prompt_logprobs, want.prompt_logprobs, PROMPTS[1])
+
+
 def test_a_worker_of_two_ranks_serves_one_device_tokens_and_is_replaced_whole(
     cluster: ServeProcess, offline: LLM
 ) -> None:
     assert any("RAY_ADDRESS=127.0.0.1:9 is ignored" in line for line in cluster.lines)
     assert listening_off_loopback(cluster) == []
     check_greedy(cluster.address, offline)
+    check_prompt_scores(cluster.address, offline)
     ranks = wait_until(lambda: rank_processes(cluster), 10, "rank 1's process")
     assert len(ranks) == 1, ranks
     before = workers(cluster.address)["colocated-0"]

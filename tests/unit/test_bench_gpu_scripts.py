@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import offline_throughput, offline_variants, ttft
+from bench import offline_throughput, offline_variants, prompt_scoring, ttft
 from bench.harness import (
     DeviceRates,
     ModelCost,
@@ -269,6 +269,29 @@ def test_ttft_smoke_one_prefill_step_per_prompt(tiny_model, tmp_path):
         median_s = r["median_ms"] / 1e3
         assert r["fraction_of_flop_floor"] == pytest.approx(r["floor"]["flop_s"] / median_s)
         assert r["achieved_tflops"] == pytest.approx(r["floor"]["flops"] / median_s / 1e12)
+
+
+def test_prompt_scoring_smoke_scores_every_prompt_and_counts_the_head_rows(tiny_model, tmp_path):
+    """bench/prompt_scoring.py --smoke: plain, then each --top variant, every scored request checked for a score
+    per prompt token after its first (the script raises otherwise); a scored variant's floor adds one logits row
+    per scored token."""
+    out = tmp_path / "scoring.json"
+    argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--num-prompts", "3", "--prompt-len", "20"]
+    doc = json.loads(Path(prompt_scoring.main([*argv, "--top", "0,2", "--reps", "2"])).read_text())
+    assert doc["complete"] and [r["variant"] for r in doc["rows"]] == ["plain", "top-0", "top-2"]
+    cost = ModelCost(**doc["model_cost"])
+    rates = DeviceRates(**{k: v for k, v in doc["rates"].items() if k != "matmul_n"})
+    plain, *scored = doc["rows"]
+    assert plain["vs_plain"] is None and plain["floor_s"] == pytest.approx(
+        cost.compute_s(rates, 3 * cost.prefill_flops(20), 60)
+    )
+    for row in scored:
+        head = 3 * 19 * 2 * cost.head_params
+        assert row["floor_s"] == pytest.approx(cost.compute_s(rates, 3 * cost.prefill_flops(20) + head, 60))
+        assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+        assert row["tokens_per_s"] == pytest.approx(60 / row["median_s"])
+    with pytest.raises(SystemExit, match="--top"):
+        prompt_scoring.main([*argv, "--top", "21"])
 
 
 def test_ttft_with_a_cached_prefix_counts_only_the_new_tokens(tiny_model, tmp_path):

@@ -74,6 +74,20 @@ def test_a_list_of_prompts_is_each_prompts_n_choices_in_order() -> None:
     assert parse_completion({"prompt": [[1, 2]]}).num_prompts == 1  # a list of one prompt is that prompt
 
 
+def test_echo_asks_for_the_prompts_scores_when_they_are_returned_or_alone_wanted() -> None:
+    """echo with logprobs: the prompt's scores with as many alternatives; echo with max_tokens 0: scores
+    (prompt_logprobs 0), the only way to end a request before its first token; echo alone: the text only."""
+    scored = parse_completion({"prompt": ["a", "b"], "echo": True, "logprobs": 3, "max_tokens": 2})
+    assert scored.echo and all(m.sampling.prompt_logprobs == 3 for m in scored.choice_messages())
+    alone = parse_completion({"prompt": "a", "echo": True, "max_tokens": 0})
+    assert alone.message.sampling.HasField("max_tokens") and alone.message.sampling.max_tokens == 0
+    assert alone.message.sampling.HasField("prompt_logprobs") and alone.message.sampling.prompt_logprobs == 0
+    text_only = parse_completion({"prompt": "a", "echo": True})
+    assert text_only.echo and not text_only.message.sampling.HasField("prompt_logprobs")
+    assert not parse_completion({"prompt": "a", "logprobs": 2}).message.sampling.HasField("prompt_logprobs")
+    assert scored.prompt_of(1).text == "b" and alone.prompt_of(0).text == "a"
+
+
 @pytest.mark.parametrize(
     ("parse", "body", "param", "message"),
     [
@@ -88,7 +102,12 @@ def test_a_list_of_prompts_is_each_prompts_n_choices_in_order() -> None:
         (parse_completion, {"prompt": ["a", []]}, "prompt[1]", "must be a string or a list of token ids"),
         (parse_completion, {"prompt": ["a", [1, -2]]}, "prompt[1]", "token id -2 is outside the vocabulary"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "n": 1.0}, "n", "must be an integer"),
-        (parse_completion, {"prompt": "a", "echo": True}, "echo", "is not supported"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "echo": True}, "echo",
+         "is not supported for chat completions"),
+        (parse_completion, {"prompt": "a", "echo": 1}, "echo", "must be a boolean, got an integer"),
+        (parse_completion, {"prompt": "a", "echo": True, "max_tokens": -1}, "max_tokens",
+         "must be an integer >= 0 (with echo), got -1"),
+
         (parse_completion, {"prompt": "a", "presence_penalty": "a lot"}, "presence_penalty", "must be a number"),
         (parse_chat, {"messages": [{"role": "user", "content": "a"}], "frequency_penalty": True},
          "frequency_penalty", "must be a number, got a boolean"),

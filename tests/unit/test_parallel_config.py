@@ -148,7 +148,16 @@ def test_fingerprint_names_the_shard_and_is_unchanged_without_one() -> None:
 
 
 def test_the_step_record_decodes_to_the_batch_it_encodes() -> None:
-    for batch in prefill_then_decode([[5, 6, 7, 8, 9], [3], [10, 11]]):
+    """Every field the other ranks run on, the prompt-scoring rows included (prompt_logprobs: their logits are
+    gathered across the ranks); the spans that map those rows to requests stay on the lead."""
+    prefill, decode_step = prefill_then_decode([[5, 6, 7, 8, 9], [3], [10, 11]])
+    scoring = dataclasses.replace(
+        prefill,
+        prompt_rows=np.array([0, 1, 2, 3, 6]),
+        prompt_targets=np.array([6, 7, 8, 9, 11]),
+        prompt_top_n=3,
+    )
+    for batch in (prefill, decode_step, scoring):
         header, payload = encode(batch)
         assert header.dtype == payload.dtype and payload.dim() == 1  # raw int64 only: nothing pickled
         back = decode(header, payload)

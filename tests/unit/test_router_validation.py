@@ -85,7 +85,10 @@ def _ids(*ids: int) -> generate_pb2.GenerateRequest:
         (_request(top_p=1.5), "sampling.top_p:"),
         (_request(top_k=-2), "sampling.top_k:"),
         (_request(seed=2**63), "sampling.seed: must be an integer in [0, 2^63)"),
-        (_request(max_tokens=0), "sampling.max_tokens: must be an integer >= 1"),
+        (
+            _request(max_tokens=0),
+            "sampling.max_tokens: must be an integer >= 1, got 0 (0 only with prompt_logprobs",
+        ),
         (_request(stop=[""]), "sampling.stop: each stop string must be 1..256 characters"),
         (_request(stop=["x" * 257]), "sampling.stop:"),
         (_request(stop=["s"] * (MAX_STOP_STRINGS + 1)), f"sampling.stop: at most {MAX_STOP_STRINGS}"),
@@ -110,6 +113,7 @@ def _ids(*ids: int) -> generate_pb2.GenerateRequest:
             _request(repetition_penalty=11.0),
             "sampling.repetition_penalty: must be a number in (0, 10], got 11.0",
         ),
+        (_request(prompt_logprobs=21), "sampling.prompt_logprobs: must be an integer in [0, 20], got 21"),
         (generate_pb2.GenerateRequest(text="hello", request_id=""), "request_id: must be 1..128 characters"),
         (generate_pb2.GenerateRequest(text="hello", request_id="r" * 129), "request_id: must be 1..128"),
         (
@@ -225,6 +229,20 @@ def test_engine_sampling_carries_every_resolved_value() -> None:
     )
     # every field the workers need arrives, stop strings excepted (the router applies them)
     assert sampling_from_proto(engine_sampling(penalized)) == dataclasses.replace(penalized, stop=())
+
+
+def test_max_tokens_zero_with_prompt_logprobs_scores_the_prompt_only() -> None:
+    """The workers sample one token (the engine always does) which the router drops: score_only."""
+    scored = validate_request(_request("a b", max_tokens=0, prompt_logprobs=2), MODEL, CONFIG)
+    assert scored.score_only and scored.sampling.max_tokens == 1 and scored.sampling.prompt_logprobs == 2
+    engine = engine_sampling(scored.sampling)
+    assert engine.HasField("prompt_logprobs") and engine.prompt_logprobs == 2 and engine.max_tokens == 1
+    assert sampling_from_proto(engine) == dataclasses.replace(scored.sampling, stop=())
+    both = validate_request(_request("a", max_tokens=3, prompt_logprobs=0), MODEL, CONFIG)
+    assert not both.score_only and both.sampling.prompt_logprobs == 0
+    plain = validate_request(_request("a"), MODEL, CONFIG)
+    assert not plain.score_only and plain.sampling.prompt_logprobs is None
+    assert not engine_sampling(plain.sampling).HasField("prompt_logprobs")
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ def test_outputs_that_piled_up_go_out_as_one_in_order_with_their_logprobs() -> N
     merged = coalesce(output([5], logprobs=True), q)
     assert merged.token_ids == [5, 6, 7, 8, 9] and q.empty()
     assert merged.logprobs is not None and [lp[0] for lp in merged.logprobs] == [-2.5, -3.0, -3.5, -4.0, -4.5]
-    batch = token_batch(merged)
+    batch = token_batch(merged, [])
     assert list(batch.token_ids) == [5, 6, 7, 8, 9] and [lp.token_id for lp in batch.logprobs] == [
         5,
         6,

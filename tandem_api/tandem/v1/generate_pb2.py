@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x17\n\nrequest_id\x18\x02 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x07\n\x05inputB\x08\n\x06_modelB\r\n\x0b_request_id\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf5\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"`\n\x10GenerateResponse\x12!\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x10.tandem.v1.DeltaH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.tandem.v1.FinalH\x00\x42\x06\n\x04kind\"S\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xea\x01\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\rB\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"Z\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x03 \x01(\x01\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9e\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x17\n\nrequest_id\x18\x02 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x07\n\x05inputB\x08\n\x06_modelB\r\n\x0b_request_id\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa7\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"`\n\x10GenerateResponse\x12!\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x10.tandem.v1.DeltaH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.tandem.v1.FinalH\x00\x42\x06\n\x04kind\"\x85\x01\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xea\x01\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\rB\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"Z\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x03 \x01(\x01\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9e\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1801
-  _globals['_FINISHREASON']._serialized_end=1921
+  _globals['_FINISHREASON']._serialized_start=1902
+  _globals['_FINISHREASON']._serialized_end=2022
   _globals['_GENERATEREQUEST']._serialized_start=40
   _globals['_GENERATEREQUEST']._serialized_end=280
   _globals['_TOKENIDS']._serialized_start=282
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=365
   _globals['_CHATMESSAGE']._serialized_end=409
   _globals['_SAMPLINGPARAMS']._serialized_start=412
-  _globals['_SAMPLINGPARAMS']._serialized_end=913
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=769
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=817
-  _globals['_GENERATERESPONSE']._serialized_start=915
-  _globals['_GENERATERESPONSE']._serialized_end=1011
-  _globals['_DELTA']._serialized_start=1013
-  _globals['_DELTA']._serialized_end=1096
-  _globals['_TOKENLOGPROB']._serialized_start=1098
-  _globals['_TOKENLOGPROB']._serialized_end=1183
-  _globals['_TOPLOGPROB']._serialized_start=1185
-  _globals['_TOPLOGPROB']._serialized_end=1232
-  _globals['_FINAL']._serialized_start=1235
-  _globals['_FINAL']._serialized_end=1469
-  _globals['_USAGE']._serialized_start=1471
-  _globals['_USAGE']._serialized_end=1558
-  _globals['_TIMINGS']._serialized_start=1560
-  _globals['_TIMINGS']._serialized_end=1650
-  _globals['_LISTMODELSREQUEST']._serialized_start=1652
-  _globals['_LISTMODELSREQUEST']._serialized_end=1671
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1673
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1731
-  _globals['_MODELINFO']._serialized_start=1733
-  _globals['_MODELINFO']._serialized_end=1799
-  _globals['_GENERATION']._serialized_start=1924
-  _globals['_GENERATION']._serialized_end=2082
+  _globals['_SAMPLINGPARAMS']._serialized_end=963
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=799
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=847
+  _globals['_GENERATERESPONSE']._serialized_start=965
+  _globals['_GENERATERESPONSE']._serialized_end=1061
+  _globals['_DELTA']._serialized_start=1064
+  _globals['_DELTA']._serialized_end=1197
+  _globals['_TOKENLOGPROB']._serialized_start=1199
+  _globals['_TOKENLOGPROB']._serialized_end=1284
+  _globals['_TOPLOGPROB']._serialized_start=1286
+  _globals['_TOPLOGPROB']._serialized_end=1333
+  _globals['_FINAL']._serialized_start=1336
+  _globals['_FINAL']._serialized_end=1570
+  _globals['_USAGE']._serialized_start=1572
+  _globals['_USAGE']._serialized_end=1659
+  _globals['_TIMINGS']._serialized_start=1661
+  _globals['_TIMINGS']._serialized_end=1751
+  _globals['_LISTMODELSREQUEST']._serialized_start=1753
+  _globals['_LISTMODELSREQUEST']._serialized_end=1772
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1774
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1832
+  _globals['_MODELINFO']._serialized_start=1834
+  _globals['_MODELINFO']._serialized_end=1900
+  _globals['_GENERATION']._serialized_start=2025
+  _globals['_GENERATION']._serialized_end=2183
 # @@protoc_insertion_point(module_scope)

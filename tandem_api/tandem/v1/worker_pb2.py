@@ -27,7 +27,7 @@ from tandem_api.tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 from tandem_api.tandem.v1 import kv_pb2 as tandem_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x15tandem/v1/admin.proto\x1a\x18tandem/v1/generate.proto\x1a\x12tandem/v1/kv.proto\"\xa0\x03\n\x0e\x45ngineSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.EngineSampling.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\xd3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.EngineSampling\x12#\n\x06target\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVTarget\x12\x15\n\routput_offset\x18\x05 \x01(\r\x12*\n\x08priority\x18\x06 \x01(\x0e\x32\x18.tandem.v1.PriorityClass\"v\n\x0cPrefillEvent\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x06\n\x04kind\"\xc1\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12(\n\x07logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\x03\x10\x04\"2\n\x0cTransferDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x9e\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.EngineSampling\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\x12\x15\n\routput_offset\x18\x06 \x01(\r\x12*\n\x08priority\x18\x07 \x01(\x0e\x32\x18.tandem.v1.PriorityClass\x12,\n\x0ckv_transport\x18\x08 \x01(\x0e\x32\x16.tandem.v1.KVTransport\x12\x14\n\x0ckv_sender_id\x18\t \x01(\x0c\"\x96\x01\n\x0b\x44\x65\x63odeEvent\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVTargetH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenBatchH\x00\x12-\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x19.tandem.v1.DecodeFinishedH\x00\x42\x06\n\x04kind\"e\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\x83\x01\n\x0e\x44\x65\x63odeFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rB\r\n\x0bstop_reason\"3\n\x13WorkerStatusRequest\x12\x1c\n\x14known_prefix_version\x18\x01 \x01(\x04\"k\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"K\n\tWorkerSet\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.tandem.v1.WorkerEndpoint\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x11\n\x0fSetWorkersReply*d\n\rPriorityClass\x12\x19\n\x15PRIORITY_CLASS_NORMAL\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x18\n\x14PRIORITY_CLASS_BATCH\x10\x02\x32\x91\x01\n\rPrefillWorker\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillEvent0\x01\x12?\n\x06Status\x12\x1e.tandem.v1.WorkerStatusRequest\x1a\x15.tandem.v1.WorkerInfo2\x8d\x01\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeEvent0\x01\x12?\n\x06Status\x12\x1e.tandem.v1.WorkerStatusRequest\x1a\x15.tandem.v1.WorkerInfo2O\n\rRouterControl\x12>\n\nSetWorkers\x12\x14.tandem.v1.WorkerSet\x1a\x1a.tandem.v1.SetWorkersReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x15tandem/v1/admin.proto\x1a\x18tandem/v1/generate.proto\x1a\x12tandem/v1/kv.proto\"\xd2\x03\n\x0e\x45ngineSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.EngineSampling.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xd3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.EngineSampling\x12#\n\x06target\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVTarget\x12\x15\n\routput_offset\x18\x05 \x01(\r\x12*\n\x08priority\x18\x06 \x01(\x0e\x32\x18.tandem.v1.PriorityClass\"v\n\x0cPrefillEvent\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x06\n\x04kind\"\xf3\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12(\n\x07logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\r\n\x0bstop_reasonJ\x04\x08\x03\x10\x04\"2\n\x0cTransferDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x9e\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.EngineSampling\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\x12\x15\n\routput_offset\x18\x06 \x01(\r\x12*\n\x08priority\x18\x07 \x01(\x0e\x32\x18.tandem.v1.PriorityClass\x12,\n\x0ckv_transport\x18\x08 \x01(\x0e\x32\x16.tandem.v1.KVTransport\x12\x14\n\x0ckv_sender_id\x18\t \x01(\x0c\"\x96\x01\n\x0b\x44\x65\x63odeEvent\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVTargetH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenBatchH\x00\x12-\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x19.tandem.v1.DecodeFinishedH\x00\x42\x06\n\x04kind\"\x97\x01\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x83\x01\n\x0e\x44\x65\x63odeFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rB\r\n\x0bstop_reason\"3\n\x13WorkerStatusRequest\x12\x1c\n\x14known_prefix_version\x18\x01 \x01(\x04\"k\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"K\n\tWorkerSet\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.tandem.v1.WorkerEndpoint\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x11\n\x0fSetWorkersReply*d\n\rPriorityClass\x12\x19\n\x15PRIORITY_CLASS_NORMAL\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x18\n\x14PRIORITY_CLASS_BATCH\x10\x02\x32\x91\x01\n\rPrefillWorker\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillEvent0\x01\x12?\n\x06Status\x12\x1e.tandem.v1.WorkerStatusRequest\x1a\x15.tandem.v1.WorkerInfo2\x8d\x01\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeEvent0\x01\x12?\n\x06Status\x12\x1e.tandem.v1.WorkerStatusRequest\x1a\x15.tandem.v1.WorkerInfo2O\n\rRouterControl\x12>\n\nSetWorkers\x12\x14.tandem.v1.WorkerSet\x1a\x1a.tandem.v1.SetWorkersReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,40 +36,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINESAMPLING_LOGITBIASENTRY']._loaded_options = None
   _globals['_ENGINESAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITYCLASS']._serialized_start=2044
-  _globals['_PRIORITYCLASS']._serialized_end=2144
+  _globals['_PRIORITYCLASS']._serialized_start=2195
+  _globals['_PRIORITYCLASS']._serialized_end=2295
   _globals['_ENGINESAMPLING']._serialized_start=107
-  _globals['_ENGINESAMPLING']._serialized_end=523
-  _globals['_ENGINESAMPLING_LOGITBIASENTRY']._serialized_start=430
-  _globals['_ENGINESAMPLING_LOGITBIASENTRY']._serialized_end=478
-  _globals['_PREFILLREQUEST']._serialized_start=526
-  _globals['_PREFILLREQUEST']._serialized_end=737
-  _globals['_PREFILLEVENT']._serialized_start=739
-  _globals['_PREFILLEVENT']._serialized_end=857
-  _globals['_FIRSTTOKEN']._serialized_start=860
-  _globals['_FIRSTTOKEN']._serialized_end=1053
-  _globals['_TRANSFERDONE']._serialized_start=1055
-  _globals['_TRANSFERDONE']._serialized_end=1105
-  _globals['_DECODEREQUEST']._serialized_start=1108
-  _globals['_DECODEREQUEST']._serialized_end=1394
-  _globals['_DECODEEVENT']._serialized_start=1397
-  _globals['_DECODEEVENT']._serialized_end=1547
-  _globals['_TOKENBATCH']._serialized_start=1549
-  _globals['_TOKENBATCH']._serialized_end=1650
-  _globals['_DECODEFINISHED']._serialized_start=1653
-  _globals['_DECODEFINISHED']._serialized_end=1784
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=1786
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=1837
-  _globals['_WORKERENDPOINT']._serialized_start=1839
-  _globals['_WORKERENDPOINT']._serialized_end=1946
-  _globals['_WORKERSET']._serialized_start=1948
-  _globals['_WORKERSET']._serialized_end=2023
-  _globals['_SETWORKERSREPLY']._serialized_start=2025
-  _globals['_SETWORKERSREPLY']._serialized_end=2042
-  _globals['_PREFILLWORKER']._serialized_start=2147
-  _globals['_PREFILLWORKER']._serialized_end=2292
-  _globals['_DECODEWORKER']._serialized_start=2295
-  _globals['_DECODEWORKER']._serialized_end=2436
-  _globals['_ROUTERCONTROL']._serialized_start=2438
-  _globals['_ROUTERCONTROL']._serialized_end=2517
+  _globals['_ENGINESAMPLING']._serialized_end=573
+  _globals['_ENGINESAMPLING_LOGITBIASENTRY']._serialized_start=460
+  _globals['_ENGINESAMPLING_LOGITBIASENTRY']._serialized_end=508
+  _globals['_PREFILLREQUEST']._serialized_start=576
+  _globals['_PREFILLREQUEST']._serialized_end=787
+  _globals['_PREFILLEVENT']._serialized_start=789
+  _globals['_PREFILLEVENT']._serialized_end=907
+  _globals['_FIRSTTOKEN']._serialized_start=910
+  _globals['_FIRSTTOKEN']._serialized_end=1153
+  _globals['_TRANSFERDONE']._serialized_start=1155
+  _globals['_TRANSFERDONE']._serialized_end=1205
+  _globals['_DECODEREQUEST']._serialized_start=1208
+  _globals['_DECODEREQUEST']._serialized_end=1494
+  _globals['_DECODEEVENT']._serialized_start=1497
+  _globals['_DECODEEVENT']._serialized_end=1647
+  _globals['_TOKENBATCH']._serialized_start=1650
+  _globals['_TOKENBATCH']._serialized_end=1801
+  _globals['_DECODEFINISHED']._serialized_start=1804
+  _globals['_DECODEFINISHED']._serialized_end=1935
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=1937
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=1988
+  _globals['_WORKERENDPOINT']._serialized_start=1990
+  _globals['_WORKERENDPOINT']._serialized_end=2097
+  _globals['_WORKERSET']._serialized_start=2099
+  _globals['_WORKERSET']._serialized_end=2174
+  _globals['_SETWORKERSREPLY']._serialized_start=2176
+  _globals['_SETWORKERSREPLY']._serialized_end=2193
+  _globals['_PREFILLWORKER']._serialized_start=2298
+  _globals['_PREFILLWORKER']._serialized_end=2443
+  _globals['_DECODEWORKER']._serialized_start=2446
+  _globals['_DECODEWORKER']._serialized_end=2587
+  _globals['_ROUTERCONTROL']._serialized_start=2589
+  _globals['_ROUTERCONTROL']._serialized_end=2668
 # @@protoc_insertion_point(module_scope)
