@@ -211,7 +211,9 @@ def test_completion_becomes_the_json_line() -> None:
     }
     assert with_lp["logprobs"][1] == {"token_id": 4, "logprob": -0.2, "top": []}
     scored = Completion("r", [1, 2, 5], [3], "a", "length", None, [None, (-1.5, [(7, -0.5)]), (-0.3, [])])
-    line = json.loads(record_from_completion(scored, with_logprobs=False, with_prompt_logprobs=True).to_json())
+    line = json.loads(
+        record_from_completion(scored, with_logprobs=False, with_prompt_logprobs=True).to_json()
+    )
     assert "logprobs" not in line
     assert line["prompt_logprobs"] == [  # --prompt-logprobs: prompt tokens 1..n-1, the first has no score
         {"token_id": 2, "logprob": -1.5, "top": [{"token_id": 7, "logprob": -0.5}]},
