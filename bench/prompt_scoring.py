@@ -4,7 +4,8 @@ the FLOP floor. Llama-3-8B shape (dummy:llama-3-8b), bf16, CUDA graphs on.
 
 GPU, one command (a minute or two, most of it the engine's start-up):
 
-    python3 bench/prompt_scoring.py                       # 64 prompts of 1024 tokens, top 0 and top 5
+    python3 bench/prompt_scoring.py                       # 64 prompts of 1024 tokens, top 0, 1 and 5
+    python3 bench/prompt_scoring.py --ahead               # the engine scheduling ahead, as workers run it
     python3 bench/prompt_scoring.py --smoke               # the CPU check: tiny model, seconds
 
 Each variant (plain: no scores; top-N: prompt_logprobs N) runs --reps times after one untimed warm-up run, every
@@ -99,8 +100,9 @@ def run_variant(
 
 
 def print_table(doc: dict) -> None:
+    mode = "scheduled ahead" if doc["settings"]["ahead"] else "synchronous"
     print(f"\n{doc['gpu']}: {doc['model']}, {doc['settings']['num_prompts']} prompts of "
-          f"{doc['settings']['prompt_len']} tokens, max_tokens 1")  # fmt: skip
+          f"{doc['settings']['prompt_len']} tokens, max_tokens 1, {mode}")  # fmt: skip
     print(f"{'variant':<8} {'median s':>9} {'prompt tok/s':>13} {'of floor':>9} {'x plain':>8}")
     for row in doc["rows"]:
         ratio = "-" if row["vs_plain"] is None else f"{row['vs_plain']:.3f}"
@@ -115,9 +117,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="default dummy:llama-3-8b (smoke: a tiny HF model)")
     p.add_argument("--num-prompts", type=int, help="prompts per run (default 64; smoke 4)")
     p.add_argument("--prompt-len", type=int, help="tokens per prompt (default 1024; smoke 40)")
-    p.add_argument("--top", default="0,5", help="the scored variants' prompt_logprobs, comma-separated")
+    p.add_argument("--top", default="0,1,5", help="the scored variants' prompt_logprobs, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="timed runs per variant (after one warm-up)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step budget (default 2048)")
+    p.add_argument(
+        "--ahead",
+        action="store_true",
+        help="schedule steps ahead (scheduler.async_scheduling), as workers do",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--budget-s", type=float, default=500.0, help="stop starting variants after this")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts, float32, no graphs")
@@ -150,7 +157,10 @@ def main(argv: list[str] | None = None) -> Path:
     run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
     rates = run.measure_rates(where)
     limits = SchedulerConfig(
-        min(args.num_prompts, 256), args.max_num_batched_tokens, max_model_len=args.prompt_len + 16
+        min(args.num_prompts, 256),
+        args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + 16,
+        async_scheduling=args.ahead,
     )
     build = partial(gpu.build_engine, model, where, limits, args.gpu_memory_utilization)
     engine = run.job("engine", build)

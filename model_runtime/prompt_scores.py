@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from model_runtime.request import Request, ScheduledChunk
-from model_runtime.sampler import LogprobsTensors, compute_logprobs
+from model_runtime.sampler import LogprobsTensors
 
 SLICE_ROWS = 256  # scoring rows per lm_head call: [256, vocab] float32 logits at a time
 
@@ -55,16 +55,24 @@ class PromptScores:
         """Each span's scores (on the host) into its request's prompt_logprobs, at the positions of the tokens
         they score, with each request's own top-n."""
         chosen = self.scores.chosen.tolist()
-        ids = self.scores.top_ids.tolist()
-        values = self.scores.top_logprobs.tolist()
+        widest = self.scores.top_ids.shape[1]
+        ids = self.scores.top_ids.tolist() if widest else None
+        values = self.scores.top_logprobs.tolist() if widest else None
         at = 0
         for span in self.spans:
             request = span.request
             held = request.prompt_logprobs
             if held is not None and request.scoring_prompt:  # not already sent (a recomputed chunk)
                 n = request.sampling.prompt_logprobs or 0
-                for i in range(at, at + span.count):
-                    held[span.first + i - at] = (chosen[i], list(zip(ids[i][:n], values[i][:n])))
+                end = at + span.count
+                if n and ids is not None and values is not None:
+                    entries = [
+                        (c, list(zip(i[:n], v[:n])))
+                        for c, i, v in zip(chosen[at:end], ids[at:end], values[at:end])
+                    ]
+                else:
+                    entries = [(c, []) for c in chosen[at:end]]
+                held[span.first : span.first + span.count] = entries
             at += span.count
 
 
@@ -97,7 +105,7 @@ def score_rows(
     """Each target's logprob at `rows` of `hidden` and the `top_n` best there. `logits_of(hidden_rows)` is the
     runner's lm_head (float32 logits, gathered across tensor-parallel ranks)."""
     parts = [
-        compute_logprobs(
+        _score(
             logits_of(hidden.index_select(0, rows[begin : begin + SLICE_ROWS])),
             targets[begin : begin + SLICE_ROWS],
             top_n,
@@ -111,3 +119,18 @@ def score_rows(
         top_ids=torch.cat([p.top_ids for p in parts]),
         top_logprobs=torch.cat([p.top_logprobs for p in parts]),
     )
+
+
+def _score(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> LogprobsTensors:
+    """Logprobs without the log_softmax tensor: a logprob is its logit less the row's logsumexp, and the top-n
+    logits are the top-n logprobs; two reads of the float32 logits where log_softmax writes and rereads them
+    (each row is vocab wide)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
+    if not top_n:
+        empty = logits.new_empty((logits.shape[0], 0))
+        return LogprobsTensors(chosen=chosen, top_ids=empty.long(), top_logprobs=empty)
+    # top 1 (an evaluation harness's "is the continuation greedy"): a max, one pass; topk over a vocabulary-wide
+    # row takes several
+    top = logits.max(dim=-1, keepdim=True) if top_n == 1 else logits.topk(top_n, dim=-1)
+    return LogprobsTensors(chosen=chosen, top_ids=top.indices, top_logprobs=top.values - lse.unsqueeze(1))
