@@ -211,9 +211,11 @@ class ModelRunner:
     ) -> None:
         """Builds the per-prompt prefill attention's cuDNN plans for every length a step can call it at, on
         rows laid out as the model's (attention.packed_prefill): a plan built mid-run would hold up the step."""
+        if not self._on_cuda or max_tokens < PER_PROMPT_MIN_TOKENS:
+            return  # (a CPU engine does not import the Triton backend, nor what it imports: torch._dynamo)
         from model_runtime.attention.triton_backend import TritonAttention
 
-        if not (self._on_cuda and isinstance(backend, TritonAttention)) or max_tokens < PER_PROMPT_MIN_TOKENS:
+        if not isinstance(backend, TritonAttention):
             return
         layer = self.model.layers[0]
         assert isinstance(layer, DecoderLayer)
@@ -233,10 +235,12 @@ class ModelRunner:
         """Builds the Triton gather that a chunk over a cached prefix reads an FP8 cache with
         (attention.triton_gather): no start-up step runs such a chunk, and built mid-run it would hold up the
         first one. One variant serves every layer and step: its integer arguments are the cache's strides."""
+        if not self._on_cuda or self.kv_scales is None:
+            return
         from model_runtime.attention.triton_backend import TritonAttention
         from model_runtime.attention.triton_gather import gather_fp8_kv
 
-        if not (self._on_cuda and isinstance(backend, TritonAttention)) or self.kv_scales is None:
+        if not isinstance(backend, TritonAttention):
             return
         slots = torch.zeros(1, dtype=torch.int64, device=self.device)
         dtype = self.model.embed_tokens.weight.dtype

@@ -32,7 +32,6 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from model_runtime.attention.base import (
     PER_PROMPT_BUCKET,
@@ -181,6 +180,10 @@ def padded_rows(
 def _per_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PrefillGroup, scale: float
 ) -> torch.Tensor:
+    # Imported here: torch.nn.attention.bias imports torch._dynamo (about 2 s of CPU), which only this
+    # fallback needs, and a CPU worker would otherwise pay it at start-up through the Triton backend's imports.
+    from torch.nn.attention.bias import causal_lower_right
+
     out = torch.empty_like(q)
     heads_per_kv = q.shape[1] // k.shape[1]
     qs = ks = 0
