@@ -70,7 +70,10 @@ class WorkerLifecycle:
         self.metrics_address = ""  # host:port of this worker's Prometheus /metrics
         self.stage = "starting"  # where start() is: the controller shows it while the worker loads
         self._frozen = False  # started(): the start-up's objects are out of the collector's way until stop()
-        kernel_builds.watch()  # Triton kernels built after started() are logged and counted
+        if spec.engine.device.device.startswith(
+            "cuda"
+        ):  # a CPU engine builds none (and skips importing Triton)
+            kernel_builds.watch()  # Triton kernels built after started() are logged and counted
 
     def _progress(self, stage: str) -> None:
         self.stage = stage
