@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.kv_layout import FP8_SCALE_BYTES as KV_SCALE_BYTES
+from model_runtime.weights import load_model_config, resolve_model
 
 BLOCK_SIZE = 16
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -417,6 +418,25 @@ def build_engine(
     blocks, gib = engine.layout.num_blocks, engine.layout.total_bytes / 2**30
     log(f"engine ready in {time.perf_counter() - t0:.1f} s: {blocks} KV blocks ({gib:.1f} GiB)")
     return engine
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    run: BenchRun
+    where: RunDevice
+    model: str  # what --model named, or the default for the mode
+    config: ModelConfig
+
+
+def open_run(stem: str, benchmark: str, args: Any) -> OpenedRun:
+    """The start the single-GPU engine benchmarks share: the budget (args.budget_s), the device (the GPU, or the
+    CPU with --smoke), the model (args.model; by default dummy:llama-3-8b, or with --smoke a tiny Hugging Face
+    model written for the run) and its config, and the run's JSON document."""
+    deadline = Deadline(args.budget_s)
+    where = RunDevice.for_mode(args.smoke)
+    model = args.model or (smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
+    config = load_model_config(resolve_model(model))
+    return OpenedRun(BenchRun(stem, benchmark, args, where, deadline), where, model, config)
 
 
 def smoke_model_dir() -> str:

@@ -66,7 +66,6 @@ from bench.offline_variants import (
 from bench.step_probe import StepSplit
 from model_runtime.config import ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
-from model_runtime.weights import load_model_config, resolve_model
 
 # TensorRT-LLM, FP8, one H100 (published), and the goal: >= 60 % of it in bf16 on an H100.
 REFERENCE_TOK_S = {"128/128": 28312.0, "1000/1000": 15220.0, "2048/128": 3450.0}
@@ -365,12 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    deadline = gpu.Deadline(args.budget_s)
-    where = gpu.RunDevice.for_mode(args.smoke)
     work, variants = parse_shapes(args.shapes, args.num_prompts), parse_variants(args.variants)
-    model = args.model or (gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
-    mc = load_model_config(resolve_model(model))
-    run = gpu.BenchRun("offline_throughput", BENCHMARK, args, where, deadline)
+    opened = gpu.open_run("offline_throughput", BENCHMARK, args)
+    run, where, model, mc = opened.run, opened.where, opened.model, opened.config
     run.doc.update(model=model, reference=REFERENCE, variants={}, tandem=[], transformers=[])
     rates = run.measure_rates(where)
     setup = Setup(args, where, rates, mc, gpu.ModelCost.from_config(mc, where.dtype_bytes), run)

@@ -36,7 +36,6 @@ from bench import harness as gpu
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
-from model_runtime.weights import load_model_config, resolve_model
 
 BENCHMARK = "prompt tokens/s with and without prompt logprobs, one engine, against the FLOP floor"
 
@@ -148,12 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    deadline = gpu.Deadline(args.budget_s)
-    where = gpu.RunDevice.for_mode(args.smoke)
-    model = args.model or (gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
-    mc = load_model_config(resolve_model(model))
-    run = gpu.BenchRun("prompt_scoring", BENCHMARK, args, where, deadline)
-    cost = gpu.ModelCost.from_config(mc, where.dtype_bytes)
+    opened = gpu.open_run("prompt_scoring", BENCHMARK, args)
+    run, where, model = opened.run, opened.where, opened.model
+    cost = gpu.ModelCost.from_config(opened.config, where.dtype_bytes)
     run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
     rates = run.measure_rates(where)
     limits = SchedulerConfig(

@@ -50,7 +50,6 @@ from bench.step_probe import StepProbe
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.request import SamplingParams
-from model_runtime.weights import load_model_config, resolve_model
 
 BENCHMARK = "time to first token of one random prompt vs its FLOP floor at the measured matmul rate"
 
@@ -293,11 +292,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    deadline = gpu.Deadline(args.budget_s)
-    where = gpu.RunDevice.for_mode(args.smoke)
-    model = args.model or (gpu.smoke_model_dir() if args.smoke else "dummy:llama-3-8b")
-    mc = load_model_config(resolve_model(model))
-    run = gpu.BenchRun("ttft", BENCHMARK, args, where, deadline)
+    opened = gpu.open_run("ttft", BENCHMARK, args)
+    run, where, model, mc = opened.run, opened.where, opened.model, opened.config
     v = VARIANTS[args.variant]
     cost = v.cost(mc, where.dtype_bytes)  # the weight read floor in the variant's bytes
     run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
