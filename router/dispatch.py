@@ -142,7 +142,10 @@ class Dispatcher:
         while True:
             if len(prompt.token_ids) != len(request.prompt_token_ids) + len(out.token_ids):
                 prompt = PromptHashes([*request.prompt_token_ids, *out.token_ids])  # a resume
-            work = self._work(prompt)
+            # a request that scores its prompt (before its first token) takes nothing from any prefix cache
+            work = self._work(
+                prompt, cacheable=request.sampling.prompt_logprobs is None or bool(out.token_ids)
+            )
             placement, loads = self._place(failures.avoid, full, work)
             if placement is None:
                 if not full and not self._may_wait_for_recovery(failures):
@@ -164,9 +167,10 @@ class Dispatcher:
                     ) from None
                 self._note_failure(exc, placement, out, failures, full)
 
-    def _work(self, prompt: PromptHashes) -> PromptWork:
-        """The prompt the workers would compute now, and how much of it each worker's prefix cache holds."""
-        return PromptWork(len(prompt.token_ids), self._pool.cached_tokens(prompt))
+    def _work(self, prompt: PromptHashes, cacheable: bool = True) -> PromptWork:
+        """The prompt the workers would compute now, and how much of it each worker's prefix cache holds (none
+        when not `cacheable`: the engine reads no cache for a request scoring its prompt)."""
+        return PromptWork(len(prompt.token_ids), self._pool.cached_tokens(prompt) if cacheable else {})
 
     def _place(
         self, avoid: dict[str, WorkerRole], full: set[str], work: PromptWork

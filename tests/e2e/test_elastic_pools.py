@@ -172,20 +172,25 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_the_decode_worker(clust
             what="the report",
         )
         cached = client.generate(token_ids=[*long_prompt, 1, 2, 3], max_tokens=3, temperature=0)
+        # The same prompt, scored: the engine reads no cache for it, so the router counts all 403 tokens and
+        # sends it to a prefill worker.
+        scored = client.generate(token_ids=[*long_prompt, 1, 2, 3], max_tokens=0, prompt_logprobs=0)
 
     assert len(short.token_ids) == len(first.token_ids) == len(cached.token_ids) == 3
     assert cached.usage.cached_prompt_tokens == 25 * BLOCK  # reused by the decode worker's own engine
+    assert scored.usage.cached_prompt_tokens == 0 and len(scored.prompt_logprobs) == 25 * BLOCK + 2
     assert placements("local_short") == local_before["local_short"] + 1
     assert placements("local_cached") == local_before["local_cached"] + 1
-    assert placements("prefill_worker") == local_before["prefill_worker"] + 1
-    assert tcp_pairs_on_one_node() == pairs_before + 1  # the one request that crossed a pair
-    # Only the long prompt reached a prefill worker; all three ran on the decode worker.
+    assert placements("prefill_worker") == local_before["prefill_worker"] + 2
+    # a pair each for the long prompt and the scored one (its first token ends it: no KV moves)
+    assert tcp_pairs_on_one_node() == pairs_before + 2
+    # Only the long prompt and the scored one reached a prefill worker; the other three ran on the decode worker.
     view = wait_until(
         lambda: (v := workers(cluster.address))["decode-0"].requests_total == before["decode-0"] + 3 and v,
         timeout_s=20,
         what="three requests on decode-0",
     )
-    assert sum(view[w].requests_total - before[w] for w in before if w.startswith("prefill")) == 1, view
+    assert sum(view[w].requests_total - before[w] for w in before if w.startswith("prefill")) == 2, view
 
 
 def tandem(*args: str) -> str:
