@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import ModelCost, measure_matmul_tflops
+from bench.floors import ModelCost
+from bench.harness import measure_matmul_tflops
 from bench.step_profile import print_profile, profile_step
 from model_runtime.attention.triton_backend import TritonAttention
 from model_runtime.fused.select import make_fused_ops

@@ -27,7 +27,7 @@ dummy:llama-3-8b, CUDA graphs, cache from the memory planner), then transformers
   fits in the KV cache), topped up as requests finish so the scheduler never preempts (--admit-all adds all N
   at once and lets it preempt). Output tok/s = N * output_len / wall time, split into steps that ran any
   prefill and pure decode steps. Every request must get exactly output_len tokens or the run fails.
-- Ceiling: harness.throughput_floor for the same N and B at the measured rates; fraction = tok/s / ceiling.
+- Ceiling: floors.throughput_floor for the same N and B at the measured rates; fraction = tok/s / ceiling.
   The published TensorRT-LLM FP8 H100 numbers, the 60 % bf16 goal and the FP8 goals are stored alongside.
 - transformers: LlamaForCausalLM of the same shape, random init made directly in bf16 on the GPU; static
   batches 256,128,64,32,16,8, the largest that runs (OOM caught) is timed for up to 3 batches or 30 s.
@@ -51,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import floors
 from bench import harness as gpu
 from bench.offline_drive import PROGRESS_EVERY_S, Shape, concurrency, drive, warm_up
 from bench.offline_report import print_table
@@ -106,7 +107,7 @@ class Setup:  # what every job reads
     where: gpu.RunDevice
     rates: gpu.DeviceRates
     model_config: ModelConfig
-    cost: gpu.ModelCost  # the variant's (transformers: the model dtype's)
+    cost: floors.ModelCost  # the variant's (transformers: the model dtype's)
     run: gpu.BenchRun
     variant: Variant = BF16  # the engine Tandem's jobs run
 
@@ -123,7 +124,7 @@ class TandemRow:
     wall_s: float
     output_tok_s: float
     steps: StepSplit
-    ceiling: gpu.ThroughputFloor
+    ceiling: floors.ThroughputFloor
     fraction_of_ceiling: float
     reference_tok_s: float | None
     goal_tok_s: float | None  # the bf16 goal: bf16 rows only
@@ -152,7 +153,7 @@ def run_tandem_shape(engine: Engine, shape: Shape, num_prompts: int, setup: Setu
             f"{shape.key}: {len(wrong)} requests without {shape.output_len} tokens: {wrong[:3]}"
         )
     rate = sum(counts) / wall
-    ceiling = gpu.throughput_floor(
+    ceiling = floors.throughput_floor(
         setup.cost, setup.rates, num_prompts, shape.input_len, shape.output_len, batch
     )
     goal = GOAL_TOK_S.get(shape.key) if setup.variant.baseline else None
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> Path:
     run, where, model, mc = opened.run, opened.where, opened.model, opened.config
     run.doc.update(model=model, reference=REFERENCE, variants={}, tandem=[], transformers=[])
     rates = run.measure_rates(where)
-    setup = Setup(args, where, rates, mc, gpu.ModelCost.from_config(mc, where.dtype_bytes), run)
+    setup = Setup(args, where, rates, mc, floors.ModelCost.from_config(mc, where.dtype_bytes), run)
     run.doc["model_cost"] = dataclasses.asdict(setup.cost)
     run.save()
     for variant in [] if args.skip_tandem else variants:

@@ -1,7 +1,7 @@
 """The engine variants bench/offline_throughput.py runs (--variants): which FP8 parts each turns on, the bytes its
 ceiling counts, and how its rows compare with the bf16 rows of the same run (issue 19's goals).
 
-    variant       device.quantization  cache.dtype   the ceiling's decode bytes (harness.ModelCost)
+    variant       device.quantization  cache.dtype   the ceiling's decode bytes (floors.ModelCost)
     bf16          none                 model dtype   every weight but the embedding table, K and V: model dtype
     fp8-weights   fp8                  model dtype   projections 1 byte an element + a float32 scale a row
     fp8-kv        none                 fp8_e4m3      K and V 1 byte an element
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.harness import ModelCost
+from bench.floors import ModelCost
 from model_runtime.config import ModelConfig
 
 # Issue 19: FP8 weights + FP8 KV >= 75% of TensorRT-LLM's published FP8 H100 numbers (28,312 / 15,220 / 3,450

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import floors
 from bench import harness as gpu
 from model_runtime.config import SchedulerConfig
 from model_runtime.engine import Engine
@@ -74,7 +75,11 @@ def run_batch(engine: Engine, prompts: list[list[int]], scored: int | None, tag:
 
 
 def run_variant(
-    engine: Engine, scored: int | None, args: argparse.Namespace, rates: gpu.DeviceRates, cost: gpu.ModelCost
+    engine: Engine,
+    scored: int | None,
+    args: argparse.Namespace,
+    rates: gpu.DeviceRates,
+    cost: floors.ModelCost,
 ) -> ScoringRow:
     name = "plain" if scored is None else f"top-{scored}"
     vocab = engine.model_config.vocab_size
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     opened = gpu.open_run("prompt_scoring", BENCHMARK, args)
     run, where, model = opened.run, opened.where, opened.model
-    cost = gpu.ModelCost.from_config(opened.config, where.dtype_bytes)
+    cost = floors.ModelCost.from_config(opened.config, where.dtype_bytes)
     run.doc.update(model=model, model_cost=dataclasses.asdict(cost), rows=[])
     rates = run.measure_rates(where)
     limits = SchedulerConfig(

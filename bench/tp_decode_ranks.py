@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from bench.decode_step import BLOCK_SIZE, blocks_needed, copy_bandwidth_gbps, decode_step, weight_bytes_read
-from bench.harness import ModelCost, measure_matmul_tflops, median_seconds
+from bench.floors import ModelCost
+from bench.harness import measure_matmul_tflops, median_seconds
 from bench.tp_timeline import follow_timed, lead_step, write_lead_times
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from model_runtime.parallel.group import TPGroup, close_tp_group, init_tp_group

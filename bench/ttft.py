@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import floors
 from bench import harness as gpu
 from bench.offline_variants import VARIANTS
 from bench.step_probe import StepProbe
@@ -62,7 +63,7 @@ class TTFTFloor:
     floor_s: float  # the larger of the two
 
 
-def ttft_floor(cost: gpu.ModelCost, rates: gpu.DeviceRates, prompt_len: int, cached: int = 0) -> TTFTFloor:
+def ttft_floor(cost: floors.ModelCost, rates: gpu.DeviceRates, prompt_len: int, cached: int = 0) -> TTFTFloor:
     """The prompt's FLOPs (its uncached tokens) at the matmul rates (FP8 projections' at the FP8 rate where it
     was measured), and reading every weight once at the HBM rate."""
     flops = cost.prefill_flops(prompt_len, cached)
@@ -209,7 +210,7 @@ def start_background(engine: Engine, n: int, max_model_len: int) -> None:
 @dataclass(frozen=True)
 class Setup:
     rates: gpu.DeviceRates
-    cost: gpu.ModelCost
+    cost: floors.ModelCost
     run: gpu.BenchRun
 
 

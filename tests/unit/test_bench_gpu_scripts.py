@@ -13,11 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import offline_throughput, offline_variants, prompt_scoring, ttft
-from bench.harness import (
-    DeviceRates,
-    ModelCost,
-    throughput_floor,
-)
+from bench.floors import ModelCost, throughput_floor
+from bench.harness import DeviceRates
 from bench.ttft import ttft_floor
 from model_runtime.config import ModelConfig
 from model_runtime.weights import load_model_config, resolve_model
