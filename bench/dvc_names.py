@@ -61,6 +61,10 @@ PREFILL_BUDGET_RANGE = (256, 16384)
 # 20-50 us each: docs/performance.md, "piecewise prefill graphs").
 PREFILL_GRAPHS = re.compile(r"(?P<base>.+)-pg(?P<tokens>[0-9]+)")
 PREFILL_GRAPHS_MAX = 8192
+# Any name + "-dgN": every pool's device.decode_gather_tokens N: in a step with prompt chunks, decode rows whose
+# contexts total at most N tokens are attended with the chunks over gathered contexts (default 8192); "-dg0"
+# leaves them to the paged decode kernel, as before (the A/B of docs/performance.md, "Mixed steps are host-bound").
+DECODE_GATHER = re.compile(r"(?P<base>.+)-dg(?P<tokens>[0-9]+)")
 # Any name + "-siN": the router gathers N decode tokens per client message (router.stream_interval), for points
 # where the `tandem serve` process (router) ran saturated.
 STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
@@ -142,7 +146,8 @@ def _prefill_graphs(name: str, config: dict, tokens: int) -> dict:
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, FP8,
-    IPC, BOTH, NO_STREAM, ONE_LANE, NO_ARM, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, LAUNCH_MARGIN, STREAM_INTERVAL, ROUTERS
+    IPC, BOTH, NO_STREAM, ONE_LANE, NO_ARM, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, DECODE_GATHER, LAUNCH_MARGIN,
+    STREAM_INTERVAL, ROUTERS
     and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the
     deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
@@ -188,6 +193,13 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
             raise ValueError(f"{name}: -lmN is for deployments with colocated or decode workers")
         engine = config[pool].setdefault("engine", {})
         engine["scheduler"] = dict(engine.get("scheduler", {}), late_launch_margin_s=int(margin["us"]) / 1e6)
+        return config
+    gather = DECODE_GATHER.fullmatch(name)
+    if gather is not None:
+        config = _named_config(gather["base"], slo)
+        for pool in (p for p in POOLS if p in config):
+            engine = config[pool].setdefault("engine", {})
+            engine["device"] = dict(engine.get("device", {}), decode_gather_tokens=int(gather["tokens"]))
         return config
     graphs = PREFILL_GRAPHS.fullmatch(name)
     if graphs is not None:
@@ -240,7 +252,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {NO_ARM}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {NO_ARM}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -dgN (decode rows gathered with prompt chunks up to N context tokens), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

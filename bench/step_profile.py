@@ -27,6 +27,7 @@ class StepProfile:
     kernel_us: float  # summed kernel time per step; step_us - kernel_us is idle GPU (launch gaps, host)
     kernels_per_step: float
     top: list[KernelTime]
+    host_top: list[KernelTime] | None = None  # host ops by self CPU time per step (share of the step's wall)
 
 
 def profile_step(fn: Callable[[], object], reps: int = 20, top: int = 15) -> StepProfile:
@@ -48,13 +49,26 @@ def profile_step(fn: Callable[[], object], reps: int = 20, top: int = 15) -> Ste
             entry[1] += event.device_time_total
     kernel_us = sum(t for _, t in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    step_us = start.elapsed_time(end) * 1e3 / reps
+    host = sorted(
+        (a for a in prof.key_averages() if a.self_cpu_time_total > 0), key=lambda a: -a.self_cpu_time_total
+    )[:top]
     return StepProfile(
-        step_us=start.elapsed_time(end) * 1e3 / reps,
+        step_us=step_us,
         kernel_us=kernel_us / reps,
         kernels_per_step=sum(n for n, _ in totals.values()) / reps,
         top=[
             KernelTime(name, n / reps, t / reps, t / kernel_us if kernel_us else 0.0)
             for name, (n, t) in ranked
+        ],
+        host_top=[
+            KernelTime(
+                _short(a.key),
+                a.count / reps,
+                a.self_cpu_time_total / reps,
+                a.self_cpu_time_total / reps / step_us,
+            )
+            for a in host
         ],
     )
 
@@ -69,3 +83,7 @@ def print_profile(title: str, p: StepProfile) -> None:
     )
     for k in p.top:
         print(f"  {k.us_per_step:8.1f} us {100 * k.share:5.1f}% x{k.calls_per_step:5.0f}  {k.name}")
+    if p.host_top:
+        print("  host, self CPU time per step (share of the step's wall time):")
+        for k in p.host_top:
+            print(f"  {k.us_per_step:8.1f} us {100 * k.share:5.1f}% x{k.calls_per_step:5.0f}  {k.name}")

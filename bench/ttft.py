@@ -26,6 +26,10 @@ is a colocated worker of bench-colocated.yaml at 1-2 req/s, without its threads)
 weights, KV cache and FP8 accumulation; with FP8 weights the floor counts the projections' FLOPs at the FP8
 matmul rate measured in the same run (8192^3 e4m3, torch._scaled_mm), attention's and lm_head's at bf16's.
 `--variant fp8 --profile` names where an FP8 prefill's time goes (issue 19).
+--decode-gather on,off times every length twice on the same engine: with --background's decodes attended in
+the prompt's FlashAttention call over their gathered contexts (device.decode_gather_tokens, the default: on)
+and in the paged decode kernel (off), the runner's setting switched between them; each mode draws its own
+prompts, so the second is not served from the first's cache. With --profile, one profile per mode.
 Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
 Exit status 1 when a length raised (traceback on stderr, message in the JSON's "errors").
 """
@@ -86,6 +90,7 @@ class TTFTRow:
     fraction_of_floor: float  # max(flop, weight-read) floor / median TTFT
     achieved_tflops: float  # prompt FLOPs / median TTFT
     cached_prefix: int = 0  # tokens before prompt_len that the prefix cache held (--cached-prefix)
+    decode_gather: str = "on"  # the background decodes gathered with the prompt (on) or in the decode kernel
 
 
 def ttft_once(
@@ -115,9 +120,14 @@ def ttft_once(
     return seconds, s.prefill_steps + s.decode_steps, s.prefill_s + s.decode_s
 
 
-def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup: Setup) -> TTFTRow:
+def run_length(
+    engine: Engine, prompt_len: int, args: argparse.Namespace, setup: Setup, mode: str = "on"
+) -> TTFTRow:
+    """One length's reps. `mode`: --decode-gather's, which the caller has set on the runner; it draws its own
+    prompts (a second mode's would otherwise be the first's, whole in the prefix cache)."""
     vocab = engine.model_config.vocab_size
-    prompts = gpu.random_prompts(args.warmup + args.reps, prompt_len, vocab, seed=prompt_len)
+    seed = prompt_len + (0 if mode == "on" else 1_000_003)
+    prompts = gpu.random_prompts(args.warmup + args.reps, prompt_len, vocab, seed=seed)
     prefix = gpu.random_prompts(1, args.cached_prefix, vocab, seed=7)[0] if args.cached_prefix else []
     prompts = [prefix + p for p in prompts]
     gpu.log(
@@ -125,7 +135,7 @@ def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup:
     )
     deadline = setup.run.deadline
     results = [
-        ttft_once(engine, p, f"ttft-{prompt_len}-{i}", deadline, args.cached_prefix if i else 0)
+        ttft_once(engine, p, f"ttft-{prompt_len}-{mode}-{i}", deadline, args.cached_prefix if i else 0)
         for i, p in enumerate(prompts)
     ]
     timed = results[args.warmup :]
@@ -145,6 +155,7 @@ def run_length(engine: Engine, prompt_len: int, args: argparse.Namespace, setup:
         fraction_of_floor=floor.floor_s / median,
         achieved_tflops=floor.flops / median / 1e12,
         cached_prefix=args.cached_prefix,
+        decode_gather=mode,
     )
 
 
@@ -221,14 +232,15 @@ def print_table(doc: dict) -> None:
         f"matmul {rates.get('matmul_tflops', 0):.4g} TFLOP/s"
     )
     print(
-        f"{'prompt':>7} {'ttft ms':>8} {'step ms':>8} {'flop floor':>10} {'% flop':>6} {'read floor':>10} {'TFLOP/s':>8} steps"
+        f"{'prompt':>7} {'cached':>6} {'gather':>6} {'ttft ms':>8} {'step ms':>8} {'flop floor':>10} {'% flop':>6} "
+        f"{'read floor':>10} {'TFLOP/s':>8} steps"
     )
     for r in doc["rows"]:
         f = r["floor"]
         print(
-            f"{r['prompt_len']:>7} {r['median_ms']:>8.2f} {r['step_ms']:>8.2f} {1e3 * f['flop_s']:>10.2f} "
-            f"{r['fraction_of_flop_floor']:>6.0%} {1e3 * f['weight_read_s']:>10.2f} {r['achieved_tflops']:>8.1f} "
-            f"{r['steps_to_first_token']}"
+            f"{r['prompt_len']:>7} {r['cached_prefix']:>6} {r['decode_gather']:>6} {r['median_ms']:>8.2f} "
+            f"{r['step_ms']:>8.2f} {1e3 * f['flop_s']:>10.2f} {r['fraction_of_flop_floor']:>6.0%} "
+            f"{1e3 * f['weight_read_s']:>10.2f} {r['achieved_tflops']:>8.1f} {r['steps_to_first_token']}"
         )
     for key in ("skipped", "errors"):
         if doc[key]:
@@ -276,6 +288,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=sorted(VARIANTS),
         help="weights, KV cache and FP8 accumulation as bench/offline_variants.py names them (default bf16)",
     )
+    p.add_argument(
+        "--decode-gather",
+        default="on",
+        help="comma-separated modes timed per length on one engine: on (--background's decodes attended with "
+        "the prompt over gathered contexts, device.decode_gather_tokens, the default), off (the decode kernel)",
+    )
     p.add_argument("--out", help="JSON path (default bench/results/ttft_<gpu>.json)")
     args = p.parse_args(argv)
     args.prompt_lens = args.prompt_lens or ("16,32" if args.smoke else "2048")
@@ -288,6 +306,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cached_prefix < 0 or (args.cached_prefix and args.warmup < 1):
         raise SystemExit("--cached-prefix: needs >= 0 tokens, and --warmup >= 1 to cache them first")
     args.lens = lens
+    args.gather_modes = [m.strip() for m in args.decode_gather.split(",") if m.strip()]
+    modes = args.gather_modes
+    if not modes or set(modes) - {"on", "off"} or len(set(modes)) < len(modes):
+        raise SystemExit(f"--decode-gather: on and/or off, each once, got {args.decode_gather!r}")
     return args
 
 
@@ -307,6 +329,11 @@ def main(argv: list[str] | None = None) -> Path:
         args.max_num_batched_tokens or total,
         max_model_len=args.max_model_len or total + 16,
     )
+    if args.background and (limits.max_model_len or 0) <= BACKGROUND_PROMPT + 1:
+        raise SystemExit(
+            f"--background: the model length {limits.max_model_len} leaves the background requests no room to "
+            f"decode past their {BACKGROUND_PROMPT}-token prompts: pass a larger --max-model-len"
+        )
     run.doc.update(variant=v.name)
     build = partial(
         gpu.build_engine, model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0,
@@ -316,21 +343,37 @@ def main(argv: list[str] | None = None) -> Path:
     noise = BusyThreads(args.busy_threads) if args.busy_threads else None
     if engine is not None and args.background:
         start_background(engine, args.background, limits.max_model_len or total + 16)
+    gather = engine.runner.decode_gather_tokens if engine is not None else 0
+    run.doc["decode_gather_tokens"] = gather
+
+    def set_mode(mode: str) -> None:
+        assert engine is not None
+        engine.runner.decode_gather_tokens = gather if mode == "on" else 0
+
     for prompt_len in args.lens:
         if engine is None:  # the engine job failed or was skipped (recorded)
             break
-        row = run.job(f"ttft {prompt_len}", partial(run_length, engine, prompt_len, args, setup))
-        if row is not None:
-            run.doc["rows"].append(dataclasses.asdict(row))
-            run.save()
-            gpu.log(
-                f"ttft {prompt_len}: {row.median_ms:.2f} ms, {row.fraction_of_flop_floor:.0%} of FLOP floor"
-            )
+        for mode in args.gather_modes:
+            set_mode(mode)
+            name = f"ttft {prompt_len}" + (f" gather {mode}" if len(args.gather_modes) > 1 else "")
+            row = run.job(name, partial(run_length, engine, prompt_len, args, setup, mode))
+            if row is not None:
+                run.doc["rows"].append(dataclasses.asdict(row))
+                run.save()
+                gpu.log(f"{name}: {row.median_ms:.2f} ms, {row.fraction_of_flop_floor:.0%} of FLOP floor")
     if noise is not None:
         noise.stop()
     if args.profile and engine is not None and not args.smoke:
-        run.doc["profile"] = run.job("profile", partial(profile_prefill, engine, longest, args.cached_prefix))
+        profiles = {}
+        for mode in args.gather_modes:  # one profile per --decode-gather mode
+            set_mode(mode)
+            profiles[mode] = run.job(
+                f"profile gather {mode}", partial(profile_prefill, engine, longest, args.cached_prefix)
+            )
+        run.doc["profile"] = profiles if len(profiles) > 1 else profiles[args.gather_modes[0]]
         run.save()
+    if engine is not None:
+        set_mode("on")
     print_table(run.doc)
     run.finish()
     return run.path

@@ -216,6 +216,16 @@ class SchedulerConfig:
         )
 
 
+# In an eager step with prompt chunks, decode rows whose contexts total at most this many tokens join the
+# cached group (device.decode_gather_tokens): their contexts are gathered and attended in the group's one
+# FlashAttention-2 call instead of the paged decode kernel. Such a step is host-bound: the decode kernel's two
+# Triton launches and their inputs cost 130-230 us of host time a layer (4-7 ms a step for a 32-layer model;
+# two H200 machines, bench/diag/mixed_host_cost.py; docs/performance.md, "Mixed steps are host-bound"), where
+# the gather and the larger call cost the GPU, by the bytes they move, about 5 us per 1,000 context tokens a
+# layer for Llama-3-8B. Past this many tokens the GPU's extra work would outgrow the host's saving.
+DECODE_GATHER_MAX_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the engine runs. `device='auto'` picks cuda when present; dtype None picks bf16 on GPU, fp32 on CPU."""
@@ -241,6 +251,11 @@ class DeviceConfig:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
+    # In a step with prompt chunks, decode rows whose contexts total at most this many tokens are attended in
+    # the chunks' FlashAttention call over contexts gathered from the cache, instead of the paged decode kernel,
+    # whose launches cost more host time than the gather costs the GPU (DECODE_GATHER_MAX_TOKENS above; Triton
+    # backend). 0: never.
+    decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -248,6 +263,11 @@ class DeviceConfig:
             self.prefill_graph_tokens >= 0,
             "device.prefill_graph_tokens",
             f"must be >= 0 (0 turns the prefill graphs off), got {self.prefill_graph_tokens}",
+        )
+        _require(
+            isinstance(self.decode_gather_tokens, int) and self.decode_gather_tokens >= 0,
+            "device.decode_gather_tokens",
+            f"must be an integer >= 0 (0: never), got {self.decode_gather_tokens!r}",
         )
         _require(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

@@ -66,11 +66,12 @@ class HostBatch:
     def samples_every_row(self) -> bool:
         return int(self.logits_indices.shape[0]) == self.num_tokens
 
-    def mixed_plan(self, block_size: int) -> HostMixedPlan | None:
-        """The prefill / decode split of a step with a chunk of more than one token (None for decode-only)."""
+    def mixed_plan(self, block_size: int, decode_gather_tokens: int = 0) -> HostMixedPlan | None:
+        """The prefill / decode split of a step with a chunk of more than one token (None for decode-only);
+        `decode_gather_tokens`: see mixed_plan."""
         if self.decode_only:
             return None
-        return mixed_plan(self.query_lens, self.seq_lens, self.block_tables, block_size)
+        return mixed_plan(self.query_lens, self.seq_lens, self.block_tables, block_size, decode_gather_tokens)
 
     def decode_rows(self) -> DecodeRows:
         if not self.decode_only:
@@ -180,11 +181,16 @@ class HostMixedPlan:
 
 
 def mixed_plan(
-    query_lens: list[int], seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int
+    query_lens: list[int],
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    decode_gather_tokens: int = 0,
 ) -> HostMixedPlan:
     """The split of a step's B chunks (query_lens, seq_lens [B], block_tables [B, W]) into prompt chunks by
     group (attention.base.MixedPlan) and single-token decode chunks; chunks with no query or no context are
-    padding and in none of them."""
+    padding and in none of them. Decode chunks whose contexts total at most `decode_gather_tokens` join the
+    cached group (config.DECODE_GATHER_MAX_TOKENS says why; 0: never)."""
     qlens = np.asarray(query_lens, dtype=np.int64)
     slens = np.asarray(seq_lens, dtype=np.int64)
     live = (qlens > 0) & (slens > 0)
@@ -194,7 +200,9 @@ def mixed_plan(
     long_fresh = fresh & (qlens >= PER_PROMPT_MIN_TOKENS)
     if int(long_fresh.sum()) > PER_PROMPT_MAX_CHUNKS:
         long_fresh[:] = False
-    dec = np.flatnonzero(live & (qlens == 1))
+    single = live & (qlens == 1)
+    gathered = single if 0 < int(slens[single].sum()) <= decode_gather_tokens else np.zeros_like(single)
+    dec = np.flatnonzero(single & ~gathered)
 
     def group(chunks: np.ndarray, gather: bool) -> HostPrefillGroup | None:
         if len(chunks) == 0:
@@ -219,7 +227,7 @@ def mixed_plan(
     return HostMixedPlan(
         long_fresh=group(np.flatnonzero(long_fresh), gather=False),
         fresh=group(np.flatnonzero(fresh & ~long_fresh), gather=False),
-        cached=group(np.flatnonzero(prompt & ~fresh), gather=True),
+        cached=group(np.flatnonzero((prompt & ~fresh) | gathered), gather=True),
         decode_rows=HostRows.of(starts[dec]) if len(dec) else None,
         decode_seqs=dec.astype(np.int64) if len(dec) else None,
         num_rows=int(qlens.sum()),

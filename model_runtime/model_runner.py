@@ -194,6 +194,8 @@ class ModelRunner:
             )
             model.use_kv_scales(self.kv_scales)
         self._on_cuda = self.device.type == "cuda"
+        # A mixed step's decode rows that join its cached group (config.DECODE_GATHER_MAX_TOKENS).
+        self.decode_gather_tokens = backend.decode_gather_tokens
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=2 * max_num_seqs)
         use_graphs = self._on_cuda and not enforce_eager
         pieces = prefill_graph_tokens if use_graphs else 0
@@ -296,7 +298,7 @@ class ModelRunner:
         """Two copies: one int64 buffer (ids, positions, slots, logits rows, the mixed plan's indices), one
         int32 (query starts, seq lens, block tables, the plan's cumulative lengths); the tensors the model
         sees are views into them."""
-        plan = batch.mixed_plan(self.layout.block_size)
+        plan = batch.mixed_plan(self.layout.block_size, self.decode_gather_tokens)
         i64_parts = [batch.token_ids, batch.positions, batch.slots, batch.logits_indices]
         i32_parts = [batch.query_start, batch.seq_lens, batch.block_tables]
         own64, own32 = len(i64_parts), len(i32_parts)

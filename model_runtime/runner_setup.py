@@ -83,7 +83,9 @@ def build_runner(
         weights,
         layout,
         device,
-        make_attention_backend(config.device.attention_backend, device),
+        make_attention_backend(
+            config.device.attention_backend, device, decode_gather_tokens=config.device.decode_gather_tokens
+        ),
         max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
         enforce_eager=config.device.enforce_eager,

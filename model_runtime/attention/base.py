@@ -96,9 +96,11 @@ class MixedPlan:
                      one attention call per chunk over its own fresh rows
         fresh        the other chunks without a cached prefix: one variable-length call over their fresh rows
         cached       chunks with a cached prefix: one variable-length call over their contexts, gathered from
-                     the cache by slot (a chunk's own new keys included: the store has written them there)
+                     the cache by slot (a chunk's own new keys included: the store has written them there);
+                     and single-token chunks (decode rows) whose contexts are short enough in total
+                     (config.DECODE_GATHER_MAX_TOKENS)
 
-    Single-token chunks run through the paged decode kernel (decode_rows, decode_seqs [Sd] their sequence
+    Other single-token chunks run through the paged decode kernel (decode_rows, decode_seqs [Sd] their sequence
     index). `covered`: every row of the step is in one of them (no padding rows, which must stay zero).
     """
 
@@ -155,6 +157,9 @@ class AttentionBackend(ABC):
     """Paged attention over one layer's cache. Implementations: torch reference (CPU), Triton (GPU)."""
 
     name: str = "abstract"
+    # Decode rows of a step with prompt chunks may join its cached group up to this many context tokens
+    # (config.DECODE_GATHER_MAX_TOKENS); only a backend that reads MixedPlan sets it.
+    decode_gather_tokens: int = 0
 
     @abstractmethod
     def forward(

@@ -12,6 +12,8 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
     q_len == 1  -> one decode-kernel launch over those sequences
   Rows that are contiguous in the step (the scheduler puts running sequences first, new prompts after them)
   are read and written as slices; the decode kernel writes straight into its rows of the output.
+  Decode rows with short contexts in total join the cached group instead (config.
+  DECODE_GATHER_MAX_TOKENS: the decode kernel's launches cost more host time than their gather costs the GPU).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from model_runtime.attention.decode_plan import (
 from model_runtime.attention.packed_prefill import PackedPrefill, group_kv
 from model_runtime.attention.triton_decode import decode_attention
 from model_runtime.attention.triton_store import store_kv_triton
+from model_runtime.config import DECODE_GATHER_MAX_TOKENS
 
 # Programs per SM the decode grid aims for when it picks a segment count (see choose_num_segments).
 PROGRAMS_PER_SM = 4
@@ -44,12 +47,19 @@ class TritonAttention(AttentionBackend):
     """Paged attention with Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
 
     `num_segments` fixes the split-KV count (a power of two <= 64); None picks it from the batch shape.
+    `decode_gather_tokens`: a mixed step's decode rows join its cached group up to this many context tokens in
+    total (device.decode_gather_tokens; 0: never).
     One instance serves every layer of a model: its decode scratch is shared and reused.
     """
 
     name = "triton"
 
-    def __init__(self, num_segments: int | None = None, tuning: DecodeTuning | None = None) -> None:
+    def __init__(
+        self,
+        num_segments: int | None = None,
+        tuning: DecodeTuning | None = None,
+        decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS,
+    ) -> None:
         if num_segments is not None and not (
             1 <= num_segments <= MAX_SEGMENTS and num_segments & (num_segments - 1) == 0
         ):
@@ -61,6 +71,7 @@ class TritonAttention(AttentionBackend):
         self.tuning = tuning or DecodeTuning()
         self.workspace = DecodeWorkspace()
         self.prefill = PackedPrefill()
+        self.decode_gather_tokens = decode_gather_tokens
 
     def segments_for(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         if self.num_segments is not None:

@@ -7,6 +7,7 @@ import re
 from functools import cache
 from pathlib import Path
 
+import helm_python
 import pytest
 import yaml
 
@@ -163,6 +164,16 @@ def test_fp8_device_values_reach_the_config_the_pods_load() -> None:
         "none",
         True,
     )
+
+
+def test_the_decode_gather_limit_reaches_the_config_the_pods_load() -> None:
+    config = rendered_config(
+        render({"decode": {"engine": {"device": {"decodeGatherTokens": 0}}}}, label="dg")
+    )
+    assert config.decode.engine.device.decode_gather_tokens == 0
+    assert config.prefill.engine.device.decode_gather_tokens == 8192, "the other pool keeps the default"
+    with pytest.raises(helm_python.HelmValuesError, match="decodeGatherTokens"):  # the schema: >= 0
+        render({"colocated": {"engine": {"device": {"decodeGatherTokens": -1}}}}, label="dg-bad")
 
 
 def test_multi_gpu_values_map_onto_groups_and_pools() -> None:

@@ -30,13 +30,22 @@ def _triton():
 
 
 def make_meta(
-    seq_lens: list[int], query_lens: list[int], table: torch.Tensor, slots: torch.Tensor, block_size: int = 16
+    seq_lens: list[int],
+    query_lens: list[int],
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int = 16,
+    decode_gather_tokens: int = 0,
 ):
-    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included."""
+    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included; decode rows join
+    the cached group up to `decode_gather_tokens` context tokens (the runner's device.decode_gather_tokens; 0
+    here by default: the decode kernel takes them)."""
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     plan = None
     if max(query_lens) > 1:
-        host = mixed_plan(query_lens, np.array(seq_lens), table.cpu().numpy(), block_size)
+        host = mixed_plan(
+            query_lens, np.array(seq_lens), table.cpu().numpy(), block_size, decode_gather_tokens
+        )
         plan = host.to_device(DEV)
     return AttentionMetadata(
         slot_mapping=slots,
@@ -82,7 +91,7 @@ def slots_for(
     return torch.tensor(slots, dtype=torch.int64, device=DEV)
 
 
-def paged_inputs(seed, seq_lens, query_lens, kv_heads, group, head_dim, block_size, dtype):
+def paged_inputs(seed, seq_lens, query_lens, kv_heads, group, head_dim, block_size, dtype, gather=0):
     gen = torch.Generator().manual_seed(seed)
     table, num_blocks = random_tables(gen, seq_lens, block_size)
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -93,7 +102,7 @@ def paged_inputs(seed, seq_lens, query_lens, kv_heads, group, head_dim, block_si
     k = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
     meta = make_meta(
-        seq_lens, query_lens, table, slots_for(table, seq_lens, query_lens, block_size), block_size
+        seq_lens, query_lens, table, slots_for(table, seq_lens, query_lens, block_size), block_size, gather
     )
     return q, k, v, kc, vc, meta
 
@@ -228,6 +237,31 @@ def test_a_step_with_every_group_of_chunks_matches_reference() -> None:
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert backend.prefill.cudnn_usable, "the cuDNN backend refused a long fresh prompt (see the log)"
+
+
+def test_decode_rows_gathered_with_the_chunks_match_the_decode_kernel() -> None:
+    """A mixed step as a colocated worker runs it at low load: two decodes beside a chunk over a cached prefix
+    and a fresh prompt, the decodes attended in the cached group's FlashAttention call over their gathered
+    contexts (device.decode_gather_tokens). Against the float32 reference and against the same step with the
+    decodes in the paged decode kernel."""
+    seq_lens, query_lens = [2300, 129, 2048 + 128, 300, 0], [1, 1, 128, 300, 1]
+    q, k, v, kc, vc, meta = paged_inputs(15, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, 8192)
+    plan = meta.mixed
+    assert plan is not None and plan.decode_rows is None and plan.cached is not None
+    assert plan.cached.query_lens == [1, 1, 128] and plan.fresh is not None
+    kernel = make_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping)
+    assert kernel.mixed is not None and kernel.mixed.decode_rows is not None
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref = TorchAttention().forward(
+        q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), meta, 0.088
+    )
+    backend = _triton()()
+    by_kernel = backend.forward(q, k, v, kc.clone(), vc.clone(), kernel, 0.088)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.088)
+    assert not out.isnan().any()
+    assert (out[-1] == 0).all(), "the padding row stays zero"
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(out, by_kernel) < TOL[torch.bfloat16]
 
 
 def test_cuda_graph_replay_equals_eager() -> None:

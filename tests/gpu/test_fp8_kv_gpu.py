@@ -145,3 +145,19 @@ def test_a_step_with_fresh_prompts_beside_a_cached_chunk_matches_the_reference()
     assert torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8)) and torch.equal(scales, ref_scales)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_decode_rows_gathered_from_the_fp8_cache_match_the_reference() -> None:
+    """Decodes beside a chunk over a cached prefix, the decodes attended in the chunk's call over contexts
+    gathered and dequantized from the FP8 cache (device.decode_gather_tokens), as the reference reads them."""
+    from model_runtime.attention.triton_backend import TritonAttention
+
+    seq_lens, query_lens = [2300, 129, 2048 + 128], [1, 1, 128]
+    q, k, v, kc, vc, meta = paged_inputs(19, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, 8192)
+    assert meta.mixed is not None and meta.mixed.decode_rows is None
+    kc, vc, scales = fp8_pages(kc, vc)
+    ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, ref_scales)
+    out = TritonAttention().forward(q, k, v, kc, vc, meta, 0.088, scales)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16]

@@ -307,6 +307,15 @@ def test_pg_sets_the_prompt_steps_graph_size_of_the_pool_that_runs_chunks() -> N
         deployment_config("colocated-1-pg9000")
 
 
+def test_dg_sets_every_pools_decode_gather_limit() -> None:
+    assert parse_config(deployment_config("colocated-1")).colocated.engine.device.decode_gather_tokens == 8192
+    off = parse_config(deployment_config("colocated-1-dg0-nocache")).colocated.engine
+    assert off.device.decode_gather_tokens == 0 and not off.cache.enable_prefix_caching
+    disagg = parse_config(deployment_config("disagg-1p1d-dg4096"))
+    assert disagg.prefill.engine.device.decode_gather_tokens == 4096
+    assert disagg.decode.engine.device.decode_gather_tokens == 4096
+
+
 def test_fp8_puts_every_pools_weights_and_kv_cache_in_fp8() -> None:
     disagg = parse_config(deployment_config("disagg-1p1d-fp8"))
     for pool in (disagg.prefill, disagg.decode):  # both sides' caches match, so their KV can move

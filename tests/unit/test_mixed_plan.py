@@ -114,3 +114,36 @@ def test_decode_only_rows_have_no_prefill_part() -> None:
     assert (
         plan.decode_rows is not None and _span(plan.decode_rows) == [0, 1] and plan.decode_rows.index is None
     )
+
+
+# --- decode rows attended with the chunks (device.decode_gather_tokens) -------------------------------------
+def test_decode_rows_join_the_cached_group_while_their_contexts_are_short() -> None:
+    # seq 0: decode over 9; seq 1: chunk of 3 over a 6-token prefix; seq 2: decode over 12; seq 3: a padding row
+    query_lens, seq_lens = [1, 3, 1, 1], np.array([9, 9, 12, 0])
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [0]]
+    plan = mixed_plan(query_lens, seq_lens, _tables(tables), BLOCK, decode_gather_tokens=21)
+    cached = plan.cached
+    assert cached is not None and plan.decode_rows is None and plan.decode_seqs is None
+    assert cached.query_lens == [1, 3, 1] and cached.seq_lens == [9, 9, 12], "every live row, in step order"
+    assert _span(cached.rows) == [0, 1, 2, 3, 4] and cached.rows.index is None
+    assert cached.cu_q.tolist() == [0, 1, 4, 5] and cached.cu_k.tolist() == [0, 9, 18, 30]
+    layout = KVLayout(1, 1, 8, BLOCK, 16, "float32")
+    expected = layout.slots(tables[0], 0, 9) + layout.slots(tables[1], 0, 9) + layout.slots(tables[2], 0, 12)
+    assert cached.context_slots is not None and cached.context_slots.tolist() == expected
+    assert not plan.covered, "seq 3's padding row is in no group (it must stay zero)"
+    # one token past the limit (21 context tokens of decodes): the decode kernel takes them as before
+    kernel = mixed_plan(query_lens, seq_lens, _tables(tables), BLOCK, decode_gather_tokens=20)
+    assert kernel.cached is not None and kernel.cached.query_lens == [3]
+    assert kernel.decode_seqs is not None and kernel.decode_seqs.tolist() == [0, 2]
+    assert mixed_plan(query_lens, seq_lens, _tables(tables), BLOCK).decode_seqs is not None, "0: never"
+
+
+def test_decodes_beside_a_fresh_prompt_form_the_cached_group_alone() -> None:
+    plan = mixed_plan([1, 1, 4], np.array([5, 7, 4]), _tables([[1, 2], [3, 4], [5]]), BLOCK, 8192)
+    assert plan.fresh is not None and plan.fresh.query_lens == [4] and plan.fresh.context_slots is None
+    assert plan.cached is not None and plan.cached.query_lens == [1, 1] and plan.decode_rows is None
+    device = plan.to_device("cpu")
+    assert device.sole_group() is None and device.cached is not None and device.cached.max_k == 7
+    # a step of decodes and a chunk over a prefix, nothing else: one call computes every row
+    only = mixed_plan([1, 2], np.array([5, 6]), _tables([[1, 2], [3, 4]]), BLOCK, 8192).to_device("cpu")
+    assert only.sole_group() is only.cached

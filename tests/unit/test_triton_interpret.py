@@ -36,14 +36,19 @@ def _meta(
     block_tables: torch.Tensor,
     slots: list[int],
     block_size: int = 16,
+    decode_gather_tokens: int = 0,
 ):
-    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included."""
+    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included; decode rows join
+    the cached group up to `decode_gather_tokens` context tokens (0: the decode kernel takes them)."""
     from model_runtime.attention.base import AttentionMetadata
     from model_runtime.host_batch import mixed_plan
 
     plan = None
     if max(query_lens) > 1:
-        plan = mixed_plan(query_lens, np.array(seq_lens), block_tables.numpy(), block_size).to_device("cpu")
+        tables = block_tables.numpy()
+        plan = mixed_plan(query_lens, np.array(seq_lens), tables, block_size, decode_gather_tokens).to_device(
+            "cpu"
+        )
 
     qsl = [0]
     for n in query_lens:
@@ -81,6 +86,7 @@ def _paged_case(
     group: int,
     head_dim: int,
     block_size: int,
+    decode_gather_tokens: int = 0,
 ):
     """Random caches already holding every context token; q/k/v for the new tokens; metadata."""
     gen = torch.Generator().manual_seed(seed)
@@ -99,7 +105,14 @@ def _paged_case(
         torch.randn(t, kv_heads, head_dim, generator=gen),
         torch.randn(t, kv_heads, head_dim, generator=gen),
     )
-    return q, k, v, k_cache, v_cache, _meta(seq_lens, query_lens, table, slots, block_size)
+    return (
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        _meta(seq_lens, query_lens, table, slots, block_size, decode_gather_tokens),
+    )
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -284,21 +297,29 @@ def _decode_case(
 
 
 def _backend_case(
-    seq_lens: list[int], query_lens: list[int], fp8: bool = False, segments: int | None = None
+    seq_lens: list[int],
+    query_lens: list[int],
+    fp8: bool = False,
+    segments: int | None = None,
+    gather_decodes: bool = False,
 ) -> Callable[[], tuple[bool, str]]:
     """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs. With an
     FP8 cache the Triton prefill of a fresh prompt attends to its own unquantized rows where the torch
     reference reads them back from the cache: only cases where every chunk reads the cache compare there.
     `segments`: the decode kernel's split (None: the backend's choice for a GPU of 132 SMs, 64 segments for
     these few sequences, most of them empty: the interpreter runs every program in Python, so the cases about
-    the prefill groups fix 4)."""
+    the prefill groups fix 4). `gather_decodes`: the plan puts the decode rows in the cached group (the case
+    fails if it did not)."""
 
     def run() -> tuple[bool, str]:
         from model_runtime.attention.select import make_attention_backend
         from model_runtime.attention.torch_ref import TorchAttention
         from model_runtime.attention.triton_backend import TritonAttention
 
-        q, k, v, kc, vc, meta = _paged_case(7, seq_lens, query_lens, 2, 2, 32, 4)
+        gather = 8192 if gather_decodes else 0
+        q, k, v, kc, vc, meta = _paged_case(7, seq_lens, query_lens, 2, 2, 32, 4, gather)
+        if gather_decodes and (meta.mixed is None or meta.mixed.decode_rows is not None):
+            return False, "the plan left decode rows to the decode kernel"
         scales = ref_scales = None
         if fp8:  # new rows on the FP8 grid: see _case_store_fp8 on the interpreter's rounding
             kc, vc, scales = _fp8_caches(kc, vc)
@@ -347,6 +368,13 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "backend_fp8_chunks_with_prefixes": _backend_case([20, 6, 33], [4, 6, 2], fp8=True),
     # decodes first, then a chunk over a prefix, then a fresh prompt (the scheduler's order): slices
     "backend_fp8_decode_prefix_fresh": _backend_case([9, 21, 20, 7], [1, 1, 4, 7], fp8=True, segments=4),
+    # a mixed step's decode rows attended with its chunks over gathered contexts (device.decode_gather_tokens)
+    "backend_decodes_gathered_with_chunks": _backend_case(
+        [9, 29, 7, 20, 40, 0], [1, 5, 7, 1, 3, 1], gather_decodes=True
+    ),
+    "backend_fp8_decodes_gathered_with_chunks": _backend_case(
+        [9, 21, 20], [1, 1, 4], fp8=True, gather_decodes=True
+    ),
     "fp8_activation_rows_quantize_as_torch": _case_quantize_rows,
     "fp8_cache_rows_gather_as_torch": _case_gather_fp8,
 }
