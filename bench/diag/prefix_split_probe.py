@@ -2,8 +2,9 @@
 heads, head_dim 128, bf16) on one GPU. Today's cached group, one FlashAttention-2 varlen call over the whole
 context, against the prefix split into S parts (one non-causal varlen call, the queries repeated per part) plus
 the chunk's own keys (one causal call), merged by their log-sum-exps (here in torch ops: `split` is the two
-calls and that merge, `calls` the two calls alone). This measured the numbers attention.base.PrefixSplitPolicy
-is drawn from (docs/performance.md, "Short chunks over long cached prefixes").
+calls and that merge, `calls` the two calls alone). The kernels gained up to 3.3x; built into the engine the
+split lost end to end, because such steps are host-bound, and it was dropped (docs/performance.md, "Mixed steps
+are host-bound").
 
     python3 bench/diag/prefix_split_probe.py [--out FILE]
 """
