@@ -4,8 +4,10 @@ A step whose prompt chunks replay the piecewise prefill graphs (model_runtime.pr
 layer's attention from Python. bench/ttft.py --profile showed such a step host-bound: a 128-token chunk over a
 cached 2,048-token prefix beside one decode took 19 ms of wall time for 8 ms of kernels (one H200). This times,
 without synchronizing, how long the host takes to enqueue each piece of that layer's attention, so the costly
-ones are named: the whole TritonAttention.forward (prefixes whole, and read in parts), then its parts one by
-one, and for scale an empty CUDA graph replay and a bare torch op.
+ones are named: the whole TritonAttention.forward with the decode row in the paged decode kernel, the same with
+the decode row attended in the chunk's call over its gathered context (device.decode_gather_tokens), then the
+parts one by one, and for scale an empty CUDA graph replay and a bare torch op. (Its first run, machine D in
+bench/results/mixed_steps_nvidia-h200/calls.md, also timed the dropped split of long prefixes.)
 
     python3 bench/diag/mixed_host_cost.py [--out FILE]
 """
