@@ -222,8 +222,11 @@ class SchedulerConfig:
 # Triton launches and their inputs cost 130-230 us of host time a layer (4-7 ms a step for a 32-layer model;
 # two H200 machines, bench/diag/mixed_host_cost.py; docs/performance.md, "Mixed steps are host-bound"), where
 # the gather and the larger call cost the GPU, by the bytes they move, about 5 us per 1,000 context tokens a
-# layer for Llama-3-8B. Past this many tokens the GPU's extra work would outgrow the host's saving.
+# layer for Llama-3-8B. Past this many tokens the GPU's extra work would outgrow the host's saving. Nor does a
+# step of more than DECODE_GATHER_MAX_STEP_TOKENS tokens gather: its kernels outlast its launches (the piecewise
+# prefill graphs stop at the same size by default), so it would pay the GPU's extra work for nothing.
 DECODE_GATHER_MAX_TOKENS = 8192
+DECODE_GATHER_MAX_STEP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -251,8 +254,9 @@ class DeviceConfig:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
-    # In a step with prompt chunks, decode rows whose contexts total at most this many tokens are attended in
-    # the chunks' FlashAttention call over contexts gathered from the cache, instead of the paged decode kernel,
+    # In a step with prompt chunks (of at most DECODE_GATHER_MAX_STEP_TOKENS tokens in all), decode rows whose
+    # contexts total at most this many tokens are attended in the chunks' FlashAttention call over contexts
+    # gathered from the cache, instead of the paged decode kernel,
     # whose launches cost more host time than the gather costs the GPU (DECODE_GATHER_MAX_TOKENS above; Triton
     # backend). 0: never.
     decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS

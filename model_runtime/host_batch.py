@@ -21,6 +21,7 @@ from model_runtime.attention.base import (
     PrefillGroup,
     Rows,
 )
+from model_runtime.config import DECODE_GATHER_MAX_STEP_TOKENS
 from model_runtime.cuda_graphs import DecodeRows
 from model_runtime.kv_layout import NULL_BLOCK
 from model_runtime.prompt_scores import PromptSpan, plan_rows, span_of
@@ -190,7 +191,8 @@ def mixed_plan(
     """The split of a step's B chunks (query_lens, seq_lens [B], block_tables [B, W]) into prompt chunks by
     group (attention.base.MixedPlan) and single-token decode chunks; chunks with no query or no context are
     padding and in none of them. Decode chunks whose contexts total at most `decode_gather_tokens` join the
-    cached group (config.DECODE_GATHER_MAX_TOKENS says why; 0: never)."""
+    cached group, in a step of at most DECODE_GATHER_MAX_STEP_TOKENS tokens (config.DECODE_GATHER_MAX_TOKENS
+    says why; 0: never)."""
     qlens = np.asarray(query_lens, dtype=np.int64)
     slens = np.asarray(seq_lens, dtype=np.int64)
     live = (qlens > 0) & (slens > 0)
@@ -201,7 +203,9 @@ def mixed_plan(
     if int(long_fresh.sum()) > PER_PROMPT_MAX_CHUNKS:
         long_fresh[:] = False
     single = live & (qlens == 1)
-    gathered = single if 0 < int(slens[single].sum()) <= decode_gather_tokens else np.zeros_like(single)
+    small_step = int(qlens.sum()) <= DECODE_GATHER_MAX_STEP_TOKENS
+    gather = small_step and 0 < int(slens[single].sum()) <= decode_gather_tokens
+    gathered = single if gather else np.zeros_like(single)
     dec = np.flatnonzero(single & ~gathered)
 
     def group(chunks: np.ndarray, gather: bool) -> HostPrefillGroup | None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model_runtime.attention.base import PER_PROMPT_MAX_CHUNKS, PER_PROMPT_MIN_TOKENS
+from model_runtime.config import DECODE_GATHER_MAX_STEP_TOKENS
 from model_runtime.host_batch import HostRows, mixed_plan
 from model_runtime.kv_layout import KVLayout
 
@@ -136,6 +137,16 @@ def test_decode_rows_join_the_cached_group_while_their_contexts_are_short() -> N
     assert kernel.cached is not None and kernel.cached.query_lens == [3]
     assert kernel.decode_seqs is not None and kernel.decode_seqs.tolist() == [0, 2]
     assert mixed_plan(query_lens, seq_lens, _tables(tables), BLOCK).decode_seqs is not None, "0: never"
+
+
+def test_a_step_past_the_gather_size_leaves_its_decodes_to_the_decode_kernel() -> None:
+    """A large step's kernels outlast its launches: gathering its decodes would only add GPU work."""
+    big = DECODE_GATHER_MAX_STEP_TOKENS - 1  # with the decode row: exactly the limit
+    tables = np.ones((2, big // BLOCK + 2), dtype=np.int32)
+    at_limit = mixed_plan([1, big], np.array([9, big]), tables, BLOCK, 8192)
+    assert at_limit.decode_rows is None and at_limit.cached is not None
+    past = mixed_plan([1, big + 1], np.array([9, big + 1]), tables, BLOCK, 8192)
+    assert past.decode_seqs is not None and past.decode_seqs.tolist() == [0] and past.cached is None
 
 
 def test_decodes_beside_a_fresh_prompt_form_the_cached_group_alone() -> None:
