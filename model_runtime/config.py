@@ -256,9 +256,8 @@ class DeviceConfig:
     prefill_graph_tokens: int = 1024
     # In a step with prompt chunks (of at most DECODE_GATHER_MAX_STEP_TOKENS tokens in all), decode rows whose
     # contexts total at most this many tokens are attended in the chunks' FlashAttention call over contexts
-    # gathered from the cache, instead of the paged decode kernel,
-    # whose launches cost more host time than the gather costs the GPU (DECODE_GATHER_MAX_TOKENS above; Triton
-    # backend). 0: never.
+    # gathered from the cache, instead of the paged decode kernel, whose launches cost more host time than the
+    # gather costs the GPU (DECODE_GATHER_MAX_TOKENS above; Triton backend). 0: never.
     decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS
     seed: int = 0
 
