@@ -6,37 +6,23 @@ calls and that merge, `calls` the two calls alone). The kernels gained up to 3.3
 split lost end to end, because such steps are host-bound, and it was dropped (docs/performance.md, "Mixed steps
 are host-bound").
 
-    python3 bench/diag/prefix_split_probe.py [--out FILE]
+    PYTHONPATH=. python3 bench/diag/prefix_split_probe.py [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections.abc import Callable
 
 import torch
 
+from bench.prefill_attention import time_ms
+
 HQ, HKV, D = 32, 8, 128
+REPS = 50
 SCALE = D**-0.5
 PARTS = (2, 3, 4, 6, 8, 12, 16)
 SHAPES = [(320, 2048), (128, 2048), (64, 4096), (512, 2048), (128, 8192), (1024, 2048), (2048, 2048)]
-
-
-def time_ms(fn: Callable[[], object], reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def cumulative(lens: list[int]) -> torch.Tensor:
@@ -92,11 +78,11 @@ def main() -> None:
             return flash(q, k, v, cu_q, cu_k, n, ctx, True)
 
         reference = whole()[0].float()
-        row: dict[str, object] = {"q": n, "prefix": prefix, "whole_ms": time_ms(whole)}
+        row: dict[str, object] = {"q": n, "prefix": prefix, "whole_ms": time_ms(whole, REPS)}
         for parts in PARTS:
             split = Split(q, k, v, prefix, parts)
-            row[f"split{parts}_ms"] = time_ms(split.merged)
-            row[f"calls{parts}_ms"] = time_ms(split.calls)
+            row[f"split{parts}_ms"] = time_ms(split.merged, REPS)
+            row[f"calls{parts}_ms"] = time_ms(split.calls, REPS)
             row[f"split{parts}_max_err"] = float((split.merged().float() - reference).abs().max())
         rows.append(row)
         best = min(PARTS, key=lambda s: float(row[f"calls{s}_ms"]))  # type: ignore[arg-type]

@@ -96,11 +96,22 @@ def test_a_mixed_step_over_cached_prefixes_matches_the_reference() -> None:
     """Chunks over cached prefixes (their context gathered from the FP8 cache) and decode tokens in one step.
     (A fresh prompt's Triton prefill attends to its own unquantized rows, the torch reference to the cache: the
     test below puts the rows on the FP8 grid for that.)"""
-    seq_lens, query_lens = [700, 129, 5000, 0, 64], [64, 1, 1, 0, 17]
-    q, k, v, kc, vc, meta = paged_inputs(11, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16)
-    kc, vc, scales = fp8_pages(kc, vc)
+    _fp8_step_matches_the_reference(11, [700, 129, 5000, 0, 64], [64, 1, 1, 0, 17])
+
+
+def _fp8_step_matches_the_reference(
+    seed: int, seq_lens: list[int], query_lens: list[int], decode_gather_tokens: int = 0
+) -> None:
+    """One step's Triton attention over an FP8 cache against the torch reference reading the same codes and
+    scales; every chunk reads its keys from the cache (no fresh prompt: see the test below for those)."""
     from model_runtime.attention.triton_backend import TritonAttention
 
+    q, k, v, kc, vc, meta = paged_inputs(
+        seed, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, decode_gather_tokens
+    )
+    if decode_gather_tokens:
+        assert meta.mixed is not None and meta.mixed.decode_rows is None, "the decodes were gathered"
+    kc, vc, scales = fp8_pages(kc, vc)
     ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, ref_scales)
     out = TritonAttention().forward(q, k, v, kc, vc, meta, 0.088, scales)
@@ -150,14 +161,4 @@ def test_a_step_with_fresh_prompts_beside_a_cached_chunk_matches_the_reference()
 def test_decode_rows_gathered_from_the_fp8_cache_match_the_reference() -> None:
     """Decodes beside a chunk over a cached prefix, the decodes attended in the chunk's call over contexts
     gathered and dequantized from the FP8 cache (device.decode_gather_tokens), as the reference reads them."""
-    from model_runtime.attention.triton_backend import TritonAttention
-
-    seq_lens, query_lens = [2300, 129, 2048 + 128], [1, 1, 128]
-    q, k, v, kc, vc, meta = paged_inputs(19, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, 8192)
-    assert meta.mixed is not None and meta.mixed.decode_rows is None
-    kc, vc, scales = fp8_pages(kc, vc)
-    ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()
-    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, ref_scales)
-    out = TritonAttention().forward(q, k, v, kc, vc, meta, 0.088, scales)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    _fp8_step_matches_the_reference(19, [2300, 129, 2048 + 128], [1, 1, 128], decode_gather_tokens=8192)
