@@ -43,6 +43,7 @@ _SAMPLING_PARAMS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "prompt_logprobs",  # vLLM's (completions); echo's scores are asked with logprobs, whose own check comes first
 )
 _PATH = re.compile(r"^(?P<path>[a-z_]+(?:\.[a-z_]+)*(?:\[\d+\](?:\.[a-z_]+)?)?): (?P<rest>.*)$", re.DOTALL)
 

@@ -6,7 +6,9 @@ length, the model) is the shared pipeline's (router.validation), so both front d
     POST /v1/completions       prompt (a string, or token ids; or a list of prompts, each either), max_tokens
     POST /v1/chat/completions  messages [{role, content}], max_completion_tokens or max_tokens
     completions                echo (the prompt before the completion; with logprobs, the prompt's tokens scored
-                               too, the first with null; max_tokens 0 then scores the prompt alone)
+                               too, the first with null; max_tokens 0 then scores the prompt alone); vLLM's
+                               prompt_logprobs (0-20, not with stream: each prompt token's logprob and that many
+                               alternatives, in the choice's prompt_logprobs)
     both                       model, temperature, top_p, seed, stop, n (1-64), user (ignored), stream,
                                stream_options.include_usage, logprobs (completions: top-n as an integer; chat:
                                true, with top_logprobs), logit_bias ({"token id": bias}), presence_penalty and
@@ -72,6 +74,9 @@ class OpenAIRequest:
     max_tokens_field: str  # the name the client used, for error messages
     n: int = 1  # choices per prompt: requests of their own (choice_messages)
     echo: bool = False  # completions: the prompt comes before the completion (and its tokens' logprobs)
+    # vLLM's extension (completions): each prompt token's logprob and this many alternatives, in the choice's
+    # `prompt_logprobs` (whole responses only); None: not asked
+    prompt_logprobs: int | None = None
     # completions with a list of prompts: the requests of prompts 1.. (`message` holds prompt 0)
     more_prompts: tuple[generate_pb2.GenerateRequest, ...] = ()
 
@@ -110,13 +115,19 @@ def parse_completion(body: Mapping[str, Any]) -> OpenAIRequest:
     _check_unsupported(body)
     logprobs = _optional(body, "logprobs", int)
     echo = bool(_optional(body, "echo", bool))
+    prompt_logprobs = _optional(body, "prompt_logprobs", int)
+    if prompt_logprobs is not None and _optional(body, "stream", bool):
+        raise bad_request("prompt_logprobs", "is not available with stream: true (as vLLM's)")
     max_tokens_field = _max_tokens(body, message, ("max_tokens",), allow_zero=echo)
     score_only = message.sampling.HasField("max_tokens") and message.sampling.max_tokens == 0
-    if echo and (logprobs is not None or score_only):
-        # the prompt's scores: returned with logprobs; needed anyway to answer max_tokens 0 (score only)
-        _set(message.sampling, "prompt_logprobs", logprobs or 0, "logprobs")
+    scored = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+    if echo and score_only and not scored:
+        scored = [0]  # max_tokens 0 is answered by the prompt's scores (score only)
+    if scored:  # one request scores the prompt for echo's logprobs and for prompt_logprobs: the wider top-n
+        param = "prompt_logprobs" if prompt_logprobs is not None else "logprobs"
+        _set(message.sampling, "prompt_logprobs", max(scored), param)
     request = _finish(body, message, chat=False, logprobs=logprobs, max_tokens_field=max_tokens_field)
-    request = dataclasses.replace(request, echo=echo)
+    request = dataclasses.replace(request, echo=echo, prompt_logprobs=prompt_logprobs)
     if len(prompts) * request.n > MAX_CHOICES:
         raise bad_request(
             "prompt", f"{len(prompts)} prompts x n = {request.n} make more than {MAX_CHOICES} choices"
@@ -142,6 +153,8 @@ def parse_chat(body: Mapping[str, Any]) -> OpenAIRequest:
     _check_unsupported(body)
     if _optional(body, "echo", bool):
         raise bad_request("echo", "is not supported for chat completions (got True)")
+    if _optional(body, "prompt_logprobs", int) is not None:
+        raise bad_request("prompt_logprobs", "is supported on /v1/completions only")
     rf = _optional(body, "response_format", dict)
     if rf is not None and rf.get("type", "text") != "text":
         raise bad_request("response_format", f"only {{'type': 'text'}} is supported, got {rf.get('type')!r}")

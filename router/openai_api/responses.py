@@ -13,6 +13,12 @@ With echo (completions) the choice's text starts with the prompt (its text as se
 and with logprobs its first entries are the prompt's tokens, the first with a null logprob (nothing predicts it);
 a stream sends them in its first chunk.
 
+With prompt_logprobs (vLLM's extension; whole responses only) the choice has `prompt_logprobs` as vLLM lays it
+out: one entry per prompt token, null for the first, else {"<token id>": {"logprob", "rank", "decoded_token"}}
+for the prompt's token and its top alternatives. An alternative's rank is its place among them (1 = the most
+likely); the prompt token's rank is its place there when it is one of them, else null (the engine does not
+count the tokens above it).
+
 Logprobs carry token strings as OpenAI's do; a token that is part of a multi-byte character reads as the
 replacement character, and chat's `bytes` field gives its UTF-8 bytes as the tokenizer decodes it.
 """
@@ -138,6 +144,8 @@ class Answer:
             self._logprobs, self._prompt_logprobs if self.request.echo else None
         )
         choice["finish_reason"] = FINISH_REASONS.get(final.finish_reason, "stop")
+        if self.request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = [None, *(self._prompt_entry(e) for e in self._prompt_logprobs)]
         if self.request.return_token_ids:
             choice["token_ids"] = self._token_ids
             if self.request.more_prompts:
@@ -197,7 +205,26 @@ class Answer:
         }
 
     def _top(self, entry: generate_pb2.TokenLogprob) -> dict[str, float]:
-        return {self._token(t.token_id): t.logprob for t in entry.top}
+        """The alternatives echo's logprobs asked for (the engine may have scored more for prompt_logprobs)."""
+        return {self._token(t.token_id): t.logprob for t in entry.top[: self.request.logprobs]}
+
+    def _prompt_entry(self, entry: generate_pb2.TokenLogprob) -> dict[str, dict[str, Any]]:
+        """One prompt position in vLLM's layout (see the module docstring)."""
+        alternatives = entry.top[: self.request.prompt_logprobs]
+        ranks = {t.token_id: i + 1 for i, t in enumerate(alternatives)}
+        out = {
+            str(entry.token_id): {
+                "logprob": entry.logprob,
+                "rank": ranks.get(entry.token_id),
+                "decoded_token": self._token(entry.token_id),
+            }
+        }
+        for t in alternatives:
+            out.setdefault(
+                str(t.token_id),
+                {"logprob": t.logprob, "rank": ranks[t.token_id], "decoded_token": self._token(t.token_id)},
+            )
+        return out
 
     def _chat_entry(self, entry: generate_pb2.TokenLogprob) -> dict[str, Any]:
         token = self._token(entry.token_id)

@@ -221,6 +221,37 @@ def test_echo_scores_the_prompt_as_the_grpc_api(cluster: ServeProcess, api: open
     wait_until(lambda: idle(cluster.address), 15, "every block and lease released")
 
 
+def test_prompt_logprobs_in_vllms_layout_are_the_grpc_apis(cluster: ServeProcess) -> None:
+    """vLLM's prompt_logprobs on /v1/completions: one entry per prompt token, null first, then the prompt token
+    and its top alternatives by token id, with the logprobs the gRPC API's prompt_logprobs give; beside echo's
+    logprobs each keeps its own top-n. Streaming with it and a top-n past 20 are a 400 naming the field."""
+    prompt, url = PROMPTS[1], cluster.http_address + "/v1/completions"
+    with Client(cluster.address) as client:
+        want = client.generate(prompt, temperature=0, max_tokens=2, prompt_logprobs=3)
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 2, "prompt_logprobs": 3}
+    status, whole = http(url, json.dumps({**body, "echo": True, "logprobs": 1}).encode())
+    assert status == 200, whole
+    (choice,) = whole["choices"]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(want.prompt_token_ids) and entries[0] is None
+    for entry, expected in zip(entries[1:], want.prompt_logprobs):
+        mine = entry[str(expected.token_id)]
+        assert mine["logprob"] == pytest.approx(expected.logprob, abs=1e-3)
+        top_ids = [t.token_id for t in expected.top]
+        assert mine["rank"] == (
+            top_ids.index(expected.token_id) + 1 if expected.token_id in top_ids else None
+        )
+        assert set(entry) == {str(expected.token_id), *(str(t) for t in top_ids)}
+        for rank, alt in enumerate(expected.top, start=1):
+            assert entry[str(alt.token_id)]["rank"] == rank
+            assert entry[str(alt.token_id)]["logprob"] == pytest.approx(alt.logprob, abs=1e-3)
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:]), "echo's own top-n: 1"
+    for extra, param in (({"stream": True}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs")):
+        status, error = http(url, json.dumps({**body, **extra}).encode())
+        assert (status, error["error"]["param"]) == (400, param), error
+    wait_until(lambda: idle(cluster.address), 15, "every block and lease released")
+
+
 def test_n_choices_are_the_requests_each_would_be_alone(cluster: ServeProcess, api: openai.OpenAI) -> None:
     """n > 1: greedy, every choice is the n = 1 completion; with a seed and temperature, choice i is what a
     request with seed + i gets alone (chat, streamed: each choice's chunks carry its index and end with its

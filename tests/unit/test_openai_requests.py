@@ -88,9 +88,27 @@ def test_echo_asks_for_the_prompts_scores_when_they_are_returned_or_alone_wanted
     assert scored.prompt_of(1).text == "b" and alone.prompt_of(0).text == "a"
 
 
+def test_prompt_logprobs_ask_for_the_prompts_scores_with_the_wider_top_n_of_it_and_echo() -> None:
+    """vLLM's prompt_logprobs: the prompt's scores with that many alternatives, with or without echo; with echo's
+    logprobs as well, one request scores the prompt with the wider of the two."""
+    alone = parse_completion({"prompt": "a", "prompt_logprobs": 2})
+    assert alone.prompt_logprobs == 2 and alone.message.sampling.prompt_logprobs == 2 and not alone.echo
+    both = parse_completion({"prompt": "a", "prompt_logprobs": 1, "echo": True, "logprobs": 4})
+    assert (both.prompt_logprobs, both.logprobs, both.message.sampling.prompt_logprobs) == (1, 4, 4)
+    wider = parse_completion({"prompt": "a", "prompt_logprobs": 5, "echo": True, "logprobs": 0})
+    assert wider.message.sampling.prompt_logprobs == 5
+    assert parse_completion({"prompt": "a"}).prompt_logprobs is None
+
+
 @pytest.mark.parametrize(
     ("parse", "body", "param", "message"),
     [
+        (parse_completion, {"prompt": "a", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs",
+         "is not available with stream: true"),
+        (parse_completion, {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs", "-1 is out of range"),
+        (parse_completion, {"prompt": "a", "prompt_logprobs": 1.5}, "prompt_logprobs", "must be an integer"),
+        (parse_chat, {"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 1}, "prompt_logprobs",
+         "is supported on /v1/completions only"),
         (parse_completion, {"prompt": "a", "temperature": "hot"}, "temperature", "must be a number, got a string"),
         (parse_completion, {"prompt": "a", "max_tokens": True}, "max_tokens", "must be an integer, got a boolean"),
         (parse_completion, {"prompt": "a", "max_tokens": 1.5}, "max_tokens", "must be an integer, got a number"),
@@ -150,6 +168,8 @@ def test_wrong_types_and_unsupported_fields_are_a_400_naming_the_field(parse, bo
          "messages[1].role", "messages[1].role: must be one of"),
         (grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: must be in [0, 20]", True, 400, "top_logprobs",
          "top_logprobs: must be in [0, 20]"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sampling.prompt_logprobs: must be an integer in [0, 20], got 21",
+         False, 400, "prompt_logprobs", "prompt_logprobs: must be an integer in [0, 20], got 21"),
         (grpc.StatusCode.NOT_FOUND, "model: unknown model 'x'", False, 404, "model", "model: unknown model 'x'"),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "router is full", False, 429, None, "router is full"),
         (grpc.StatusCode.UNAVAILABLE, "no worker can take the request now", False, 503, None,
