@@ -202,9 +202,11 @@ def mixed_plan(
     long_fresh = fresh & (qlens >= PER_PROMPT_MIN_TOKENS)
     if int(long_fresh.sum()) > PER_PROMPT_MAX_CHUNKS:
         long_fresh[:] = False
+    num_rows = int(qlens.sum())
     single = live & (qlens == 1)
-    small_step = int(qlens.sum()) <= DECODE_GATHER_MAX_STEP_TOKENS
-    gather = small_step and 0 < int(slens[single].sum()) <= decode_gather_tokens
+    gather = (
+        num_rows <= DECODE_GATHER_MAX_STEP_TOKENS and 0 < int(slens[single].sum()) <= decode_gather_tokens
+    )
     gathered = single if gather else np.zeros_like(single)
     dec = np.flatnonzero(single & ~gathered)
 
@@ -234,7 +236,7 @@ def mixed_plan(
         cached=group(np.flatnonzero((prompt & ~fresh) | gathered), gather=True),
         decode_rows=HostRows.of(starts[dec]) if len(dec) else None,
         decode_seqs=dec.astype(np.int64) if len(dec) else None,
-        num_rows=int(qlens.sum()),
+        num_rows=num_rows,
         covered=not bool(((qlens > 0) & ~live).any()),
     )
 

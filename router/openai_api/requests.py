@@ -116,17 +116,17 @@ def parse_completion(body: Mapping[str, Any]) -> OpenAIRequest:
     logprobs = _optional(body, "logprobs", int)
     echo = bool(_optional(body, "echo", bool))
     prompt_logprobs = _optional(body, "prompt_logprobs", int)
-    if prompt_logprobs is not None and _optional(body, "stream", bool):
-        raise bad_request("prompt_logprobs", "is not available with stream: true (as vLLM's)")
     max_tokens_field = _max_tokens(body, message, ("max_tokens",), allow_zero=echo)
     score_only = message.sampling.HasField("max_tokens") and message.sampling.max_tokens == 0
-    scored = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
-    if echo and score_only and not scored:
-        scored = [0]  # max_tokens 0 is answered by the prompt's scores (score only)
-    if scored:  # one request scores the prompt for echo's logprobs and for prompt_logprobs: the wider top-n
+    # One request scores the prompt for echo's logprobs and for prompt_logprobs (the wider top-n); max_tokens 0
+    # with echo is answered by the prompt's scores alone.
+    asked = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+    if asked or (echo and score_only):
         param = "prompt_logprobs" if prompt_logprobs is not None else "logprobs"
-        _set(message.sampling, "prompt_logprobs", max(scored), param)
+        _set(message.sampling, "prompt_logprobs", max(asked, default=0), param)
     request = _finish(body, message, chat=False, logprobs=logprobs, max_tokens_field=max_tokens_field)
+    if prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs", "is not available with stream: true (as vLLM's)")
     request = dataclasses.replace(request, echo=echo, prompt_logprobs=prompt_logprobs)
     if len(prompts) * request.n > MAX_CHOICES:
         raise bad_request(
