@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from deploy import local_ray
 from deploy.actors import WorkerProcess
 from deploy.config import DeployConfig
 from deploy.nodes import read_nodes
@@ -48,7 +49,7 @@ from model_runtime.roles import WorkerRole
 from router.scaling import PoolSize
 
 log = logging.getLogger(__name__)
-RAY_START_ATTEMPTS = 2  # a local Ray node that timed out starting gets one more try
+RAY_START_ATTEMPTS = 3  # a local Ray node that failed to start (deploy/local_ray.py) gets two more tries
 STAGE_POLL_S = 5.0  # while workers load: how often their start-up stage is asked for (shown on change)
 MAX_POOL_SIZE = 1024  # a sanity bound on one pool's target
 
@@ -80,10 +81,7 @@ class Controller:
         # A local cluster stays on loopback; a joined one is whatever the cluster says.
         node_ip = "127.0.0.1" if self.config.ray.address is None else None
         if node_ip is not None:
-            # Ray 2.60 on Linux swaps a loopback node address for the host's routable one unless this is 0, and
-            # reads it once, when `ray` is first imported: set it before that import. A local cluster must keep
-            # all of its traffic (its raylet, its workers' own servers) on 127.0.0.1.
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            local_ray.prepare_environment()  # before `import ray`, which reads some of it once
         import ray
 
         if not ray.is_initialized():
@@ -107,11 +105,24 @@ class Controller:
                         log_to_driver=False,
                     )
                     return
-                except Exception as exc:  # a local node that times out starting on a loaded host: retry once
-                    if self.config.ray.address is not None or attempt == RAY_START_ATTEMPTS:
+                except Exception as exc:  # a local node that times out starting on a loaded host: try again
+                    if self.config.ray.address is not None:
                         raise
-                    log.warning("Ray did not start (%s); trying again", exc)
+                    why = local_ray.failed_start_logs()
                     ray.shutdown()
+                    stopped = local_ray.stop_failed_start()  # a failed start's GCS and raylet outlive it
+                    if attempt == RAY_START_ATTEMPTS:
+                        raise RuntimeError(
+                            f"{exc} (after {attempt} tries{'; its logs: ' + why if why else ''})"
+                        ) from exc
+                    log.warning(
+                        "Ray did not start, try %d of %d (%s%s); stopped its %d processes, trying again",
+                        attempt,
+                        RAY_START_ATTEMPTS,
+                        exc,
+                        f"; its logs: {why}" if why else "",
+                        stopped,
+                    )
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
         """Start every pool and wait until each worker serves (or raise)."""
