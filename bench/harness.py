@@ -273,12 +273,14 @@ def build_engine(
     num_blocks: int | None = None,
     prefill_graph_tokens: int | None = None,
     fp8_fast_accum: bool = True,
+    prefill_graph_kv_store: bool = False,
 ) -> Engine:
     """Prefix caching off unless asked for (random prompts never share blocks; the hashing would only add host
     work); the cache size comes from the engine's memory planner unless `num_blocks` sets it. Token ids out, no
     text (emit_text=False), as the prefill and decode workers run the engine: the router owns detokenization. `quantization` and `cache_dtype`
     are device.quantization and cache.dtype (None: the model dtype),
-    `prefill_graph_tokens` device.prefill_graph_tokens (None: its default), `fp8_fast_accum` device.fp8_fast_accum."""
+    `prefill_graph_tokens` device.prefill_graph_tokens (None: its default), `fp8_fast_accum` device.fp8_fast_accum,
+    `prefill_graph_kv_store` device.prefill_graph_kv_store."""
     graphs, kv = "off" if where.eager else "on", cache_dtype or where.dtype
     log(
         f"building engine: {model}, {where.device} {where.dtype}, weights {quantization}, KV {kv}, graphs {graphs}"
@@ -292,7 +294,8 @@ def build_engine(
         num_blocks=num_blocks,
     )
     device = DeviceConfig(device=where.device, dtype=where.dtype, enforce_eager=where.eager,
-                          quantization=quantization, fp8_fast_accum=fp8_fast_accum)  # fmt: skip
+                          quantization=quantization, fp8_fast_accum=fp8_fast_accum,
+                          prefill_graph_kv_store=prefill_graph_kv_store)  # fmt: skip
     if prefill_graph_tokens is not None:
         device = dataclasses.replace(device, prefill_graph_tokens=prefill_graph_tokens)
     config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device)

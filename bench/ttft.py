@@ -30,6 +30,8 @@ matmul rate measured in the same run (8192^3 e4m3, torch._scaled_mm), attention'
 the prompt's FlashAttention call over their gathered contexts (device.decode_gather_tokens, the default: on)
 and in the paged decode kernel (off), the runner's setting switched between them; each mode draws its own
 prompts, so the second is not served from the first's cache. With --profile, one profile per mode.
+--graph-kv-store builds the engine with the KV store inside the piecewise prefill graphs (one eager launch
+fewer per layer; device.prefill_graph_kv_store): a setting of graph capture, so it is compared across two runs.
 Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
 Exit status 1 when a length raised (traceback on stderr, message in the JSON's "errors").
 """
@@ -294,6 +296,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated modes timed per length on one engine: on (--background's decodes attended with "
         "the prompt over gathered contexts, device.decode_gather_tokens, the default), off (the decode kernel)",
     )
+    p.add_argument(
+        "--graph-kv-store",
+        action="store_true",
+        help="the piecewise prefill graphs store each layer's K/V (device.prefill_graph_kv_store; default: the "
+        "eager attention stores them); run once with and once without to compare",
+    )
     p.add_argument("--out", help="JSON path (default bench/results/ttft_<gpu>.json)")
     args = p.parse_args(argv)
     args.prompt_lens = args.prompt_lens or ("16,32" if args.smoke else "2048")
@@ -334,10 +342,11 @@ def main(argv: list[str] | None = None) -> Path:
             f"--background: the model length {limits.max_model_len} leaves the background requests no room to "
             f"decode past their {BACKGROUND_PROMPT}-token prompts: pass a larger --max-model-len"
         )
-    run.doc.update(variant=v.name)
+    run.doc.update(variant=v.name, prefill_graph_kv_store=args.graph_kv_store)
     build = partial(
         gpu.build_engine, model, where, limits, args.gpu_memory_utilization, args.cached_prefix > 0,
         quantization=v.quantization, cache_dtype=v.cache_dtype, fp8_fast_accum=v.fast_accum,
+        prefill_graph_kv_store=args.graph_kv_store,
     )  # fmt: skip
     engine = run.job("engine", build)
     noise = BusyThreads(args.busy_threads) if args.busy_threads else None

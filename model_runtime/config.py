@@ -254,6 +254,9 @@ class DeviceConfig:
     # everything but the attention (model_runtime.prefill_graphs); 0 runs them eagerly. Larger steps always
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
+    # Those graphs also store each layer's new K/V in the cache (model_runtime.prefill_graphs), so the eager part
+    # of a layer is its attention alone: one host launch fewer per layer. Off until it is measured on a GPU.
+    prefill_graph_kv_store: bool = False
     # In a step with prompt chunks (of at most DECODE_GATHER_MAX_STEP_TOKENS tokens in all), decode rows whose
     # contexts total at most this many tokens are attended in the chunks' FlashAttention call over contexts
     # gathered from the cache, instead of the paged decode kernel, whose launches cost more host time than the
@@ -266,6 +269,11 @@ class DeviceConfig:
             self.prefill_graph_tokens >= 0,
             "device.prefill_graph_tokens",
             f"must be >= 0 (0 turns the prefill graphs off), got {self.prefill_graph_tokens}",
+        )
+        _require(
+            isinstance(self.prefill_graph_kv_store, bool),
+            "device.prefill_graph_kv_store",
+            f"must be true or false, got {self.prefill_graph_kv_store!r}",
         )
         _require(
             isinstance(self.decode_gather_tokens, int) and self.decode_gather_tokens >= 0,

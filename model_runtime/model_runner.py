@@ -153,6 +153,7 @@ class ModelRunner:
         quantization: str = "none",
         fp8_fast_accum: bool = False,
         prefill_graph_tokens: int = 0,
+        prefill_graph_kv_store: bool = False,
         max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
         on_phase: Callable[[str], None] | None = None,
     ) -> None:
@@ -161,7 +162,8 @@ class ModelRunner:
         share); None for one device. `quantization`: how `weights` were quantized
         (quantization.apply.quantize_weights), so the model holds them in that form; `fp8_fast_accum`: its FP8
         matmuls' accumulation (device.fp8_fast_accum). `prefill_graph_tokens`:
-        the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none).
+        the largest step with prompt chunks that replays piecewise graphs (with the decode graphs; 0: none);
+        `prefill_graph_kv_store`: those graphs store the layers' K/V too (device.prefill_graph_kv_store).
         `max_num_batched_tokens`: the scheduler's step budget, the longest prompt chunk a step can hold (the
         per-prompt prefill attention's plans are built up to it, or up to max_model_len if that is shorter, at
         start-up). `on_phase`: told when that
@@ -200,7 +202,7 @@ class ModelRunner:
         use_graphs = self._on_cuda and not enforce_eager
         pieces = prefill_graph_tokens if use_graphs else 0
         progress = _GraphProgress(on_graph_progress)
-        self.prefill_graphs = self._make_prefill_graphs(pieces, progress)
+        self.prefill_graphs = self._make_prefill_graphs(pieces, progress, prefill_graph_kv_store)
         self.graphs = self._make_graphs(backend, progress) if use_graphs else None
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture(progress.prefill)
@@ -248,15 +250,18 @@ class ModelRunner:
         dtype = self.model.embed_tokens.weight.dtype
         gather_fp8_kv(self.kv_pages[0, 0], self.kv_pages[0, 1], self.kv_scales[0], slots, dtype)
 
-    def _make_prefill_graphs(self, max_tokens: int, progress: _GraphProgress) -> PrefillGraphs | None:
-        """Built (not yet captured) before the decode graphs, so that the progress counts both."""
+    def _make_prefill_graphs(
+        self, max_tokens: int, progress: _GraphProgress, kv_store: bool
+    ) -> PrefillGraphs | None:
+        """Built (not yet captured) before the decode graphs, so that the progress counts both; `kv_store`: the
+        pieces store the layers' K/V (into this runner's cache)."""
         if max_tokens <= 0:
             return None
         reason = PiecewiseForward.unsupported(self.model)
         if reason is not None:
             log.info("piecewise prefill graphs off: %s", reason)
             return None
-        graphs = PrefillGraphs(self.model, max_tokens)
+        graphs = PrefillGraphs(self.model, max_tokens, kv_pages=self.kv_pages if kv_store else None)
         progress.prefill_total = graphs.num_graphs
         return graphs
 

@@ -13,16 +13,22 @@ runs eagerly, and everything between two attentions is one graph:
     ...          (attention i, piece i+1, ...)
     piece L      layer L-1: o_proj, add+norm, MLP; the final add+norm                -> HIDDEN
 
+With the KV store in the pieces (device.prefill_graph_kv_store), piece i also stores layer i's new K/V rows (after
+rotary) at SLOTS, inside its graph, and attention i only attends: one eager launch fewer per layer, 37-55 us of
+host time each on an H200 (bench/diag/mixed_host_cost.py). SLOTS holds the step's slot mapping in rows [:n] and
+-1 (skip) in the padding rows, so a padding row never writes the cache.
+
 One graph per piece and token-count bucket (prefill_graph_sizes), captured at start-up largest bucket first
 into one pool. A step of n tokens replays bucket b >= n; rows n..b-1 are padding. Every captured op is
 row-wise (projections, norms, rotary, SiLU, FP8 activation scales per token), so a padding row never changes a
 live one, and the attention, the only op that mixes rows and the only one that writes the KV cache, sees the
-live rows only. Padding rows hold whatever earlier steps left (finite values: token ids and positions of
-earlier steps, zeros at first).
+live rows only (or, with the store in the pieces, the store skips them by their slot, -1). Padding rows hold
+whatever earlier steps left (finite values: token ids and positions of earlier steps, zeros at first).
 
 Static buffers (StaticPrefillBuffers; their addresses are frozen into every graph, bucket b uses rows [:b]):
 
     ids, positions  int64 [max_tokens]
+    slots           int64 [max_tokens]             the step's cache slots, -1 past its rows (KV store in pieces)
     qkv             dtype [max_tokens, q + 2 kv]   queries and keys after rotary, values
     attn            dtype [max_tokens, q]          the attention's output, written by the eager part
     residual        dtype [max_tokens, hidden]     the residual stream between pieces
@@ -78,6 +84,7 @@ class StaticPrefillBuffers:
         t = max_tokens
         self.ids = torch.zeros(t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.qkv = torch.zeros(t, model.q_size + 2 * model.kv_size, dtype=dtype, device=device)
         self.attn = torch.zeros(t, model.q_size, dtype=dtype, device=device)
         self.residual = torch.zeros(t, model.hidden_size, dtype=dtype, device=device)
@@ -101,11 +108,16 @@ class PiecewiseForward:
     eagerly anywhere (the CPU tests check the cut and the padding against the model's own forward), and
     PrefillGraphs captures the same calls on a GPU."""
 
-    def __init__(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, max_tokens: int, kv_pages: torch.Tensor | None = None
+    ) -> None:
+        """`kv_pages` (the runner's [L, 2, N, B, Hkv, D] cache): store each layer's K/V in its piece (see the
+        module docstring); None: the eager attention stores them."""
         reason = self.unsupported(model)
         if reason is not None:
             raise ValueError(f"PiecewiseForward: {reason}")
         self.model = model
+        self.kv_pages = kv_pages
         weight = model.embed_tokens.weight
         self.static = StaticPrefillBuffers(model.config, max_tokens, weight.dtype, weight.device)
         self.layers = [cast(DecoderLayer, layer) for layer in model.layers]
@@ -162,16 +174,23 @@ class PiecewiseForward:
             normed, stream = norm_rows(ops, layers[i].input_norm, hidden, stream)
             _keep(residual, stream)
         st.qkv[:size].copy_(self.attns[i].qkv(normed))
-        q, k, _ = self._views(size)
+        q, k, v = self._views(size)
         rq, rk = m.rope(ops, st.positions[:size], q, k)
         _keep(q, rq)
         _keep(k, rk)
+        if self.kv_pages is not None:
+            attn = self.attns[i]
+            pages = self.kv_pages[i]
+            attn.backend.store(k, v, pages[0], pages[1], st.slots[:size], attn.kv_scale)
 
     def attention(self, i: int, n: int, kv_pages: torch.Tensor, meta: AttentionMetadata) -> None:
         """Layer i's attention over the live rows [:n], eagerly: stores their K/V and writes ATTN[:n]."""
         attn = self.attns[i]
         q, k, v = self._views(n)
-        out = attn.backend.forward(q, k, v, kv_pages[i, 0], kv_pages[i, 1], meta, attn.scale, attn.kv_scale)
+        stored = self.kv_pages is not None  # piece i stored them
+        out = attn.backend.forward(
+            q, k, v, kv_pages[i, 0], kv_pages[i, 1], meta, attn.scale, attn.kv_scale, stored=stored
+        )
         self.static.attn[:n].copy_(out.reshape(n, self._q))
 
     def run(
@@ -188,6 +207,13 @@ class PiecewiseForward:
         n, st = input_ids.shape[0], self.static
         st.ids[:n].copy_(input_ids)
         st.positions[:n].copy_(positions)
+        if self.kv_pages is not None:
+            if kv_pages.data_ptr() != self.kv_pages.data_ptr():
+                raise ValueError(
+                    "PiecewiseForward.run: the pieces store into another KV cache than this step's"
+                )
+            st.slots[:n].copy_(meta.slot_mapping)
+            st.slots[n:size].fill_(-1)
         hook = self.model.layer_hook
         replay(0)
         for i in range(len(self.layers)):
@@ -203,8 +229,17 @@ class PrefillGraphs:
     `capture()` once (CUDA), then `run()` for any step of at most `max_tokens` tokens. With `use_graphs=False`
     (any device) `run()` calls the pieces directly: the same buffers and padding, no graphs."""
 
-    def __init__(self, model: LlamaForCausalLM, max_tokens: int, *, use_graphs: bool = True) -> None:
-        self.forward = PiecewiseForward(model, max_tokens)
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        max_tokens: int,
+        *,
+        use_graphs: bool = True,
+        kv_pages: torch.Tensor | None = None,
+    ) -> None:
+        """`kv_pages`: the cache the pieces store each layer's K/V into (device.prefill_graph_kv_store); None:
+        the eager attentions store them."""
+        self.forward = PiecewiseForward(model, max_tokens, kv_pages)
         self.sizes = prefill_graph_sizes(max_tokens)
         self.max_tokens = max_tokens
         self.use_graphs = use_graphs

@@ -95,6 +95,7 @@ def build_runner(
         quantization=quantization,
         fp8_fast_accum=config.device.fp8_fast_accum,
         prefill_graph_tokens=prefill_graph_tokens(config),
+        prefill_graph_kv_store=config.device.prefill_graph_kv_store,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         on_phase=progress.phase,
     )

@@ -172,9 +172,23 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
         """Store k/v at meta.slot_mapping into k_cache/v_cache ([N, B, Hkv, D] each), return [T, Hq, D].
-        `kv_scale`: the layer's [2, N, B, Hkv] scale pages when the cache is FP8, else None."""
+        `kv_scale`: the layer's [2, N, B, Hkv] scale pages when the cache is FP8, else None. `stored`: the
+        rows are in the cache already (`store` wrote them, inside a piecewise prefill graph), so only attend."""
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
+    ) -> None:
+        """The store half of `forward` on its own (rows whose slot is -1 are skipped)."""
+        store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
 def store_kv(

@@ -95,8 +95,10 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
+        if not stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.decode_only and q.shape[0] == meta.num_seqs:
             return batched_decode(q, k_cache, v_cache, meta, scale, kv_scale)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scale)

@@ -96,11 +96,24 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
-        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
+        if not stored:
+            store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.decode_only and q.shape[0] == meta.num_seqs:
             return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kv_scale)
         return self._forward_mixed(q, k, v, k_cache, v_cache, meta, scale, kv_scale)
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
+    ) -> None:
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
     def decode(
         self,

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.model
 MAX_TOKENS = 96
 
 
-def make_engine(path: str) -> Engine:
+def make_engine(path: str, cache_dtype: str | None = None) -> Engine:
     config = EngineConfig(
         model=path,
-        cache=CacheConfig(block_size=4, num_blocks=256),
+        cache=CacheConfig(block_size=4, num_blocks=256, dtype=cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, max_model_len=256),
         device=DeviceConfig(device="cpu", dtype="float32"),
     )
@@ -35,8 +35,11 @@ def tiny_path(tmp_path_factory) -> str:
     return str(write_tiny_hf(tmp_path_factory.mktemp("prefill-graphs"), "llama", num_hidden_layers=3))
 
 
-def with_pieces(engine: Engine) -> PrefillGraphs:
-    pieces = PrefillGraphs(engine.runner.model, MAX_TOKENS, use_graphs=False)
+def with_pieces(engine: Engine, kv_store: bool = False) -> PrefillGraphs:
+    """The pieces, run directly (no graphs); `kv_store`: they store each layer's K/V into the engine's cache
+    (device.prefill_graph_kv_store) and the eager attentions only attend."""
+    kv_pages = engine.runner.kv_pages if kv_store else None
+    pieces = PrefillGraphs(engine.runner.model, MAX_TOKENS, use_graphs=False, kv_pages=kv_pages)
     engine.runner.prefill_graphs = pieces
     return pieces
 
@@ -59,12 +62,24 @@ def test_config_names_the_field_for_a_negative_size() -> None:
         DeviceConfig(prefill_graph_tokens=-1)
 
 
-def test_each_piecewise_step_equals_the_eager_forward(tiny_path: str) -> None:
+STORES = pytest.mark.parametrize("kv_store", [False, True], ids=["store-eager", "store-in-pieces"])
+
+
+@pytest.mark.parametrize(
+    ("kv_store", "cache_dtype"),
+    [(False, None), (True, None), (True, "fp8_e4m3")],
+    ids=["store-eager", "store-in-pieces", "store-in-pieces-fp8-cache"],
+)
+def test_each_piecewise_step_equals_the_eager_forward(
+    tiny_path: str, kv_store: bool, cache_dtype: str | None
+) -> None:
     """Steps of several shapes, each run both ways from the same cache: prompts alone (padded to a bucket),
-    prompts beside decodes, a prompt over a cached prefix; logits and the written KV must agree."""
-    engine = make_engine(tiny_path)
+    prompts beside decodes, a prompt over a cached prefix; logits and the written KV must agree (with the store
+    in the pieces: the padding rows, whose slots are -1, write nothing, though earlier larger steps left
+    real slots in those rows of the static buffer)."""
+    engine = make_engine(tiny_path, cache_dtype)
     runner, sched = engine.runner, engine.scheduler
-    pieces = with_pieces(engine)
+    pieces = with_pieces(engine, kv_store)
     vocab = engine.model_config.vocab_size
     system = prompts(1, [24], vocab)[0]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -91,7 +106,10 @@ def test_each_piecewise_step_equals_the_eager_forward(tiny_path: str) -> None:
                 assert pieces.num_runs == runs + 1
                 shapes.append((out.num_tokens, decodes, max(c.request.num_cached_tokens for c in out.chunks)))
             torch.testing.assert_close(cut, eager, atol=2e-5, rtol=2e-5)
-            torch.testing.assert_close(runner.kv_cache, eager_cache, atol=2e-5, rtol=2e-5)
+            if cache_dtype is None:
+                torch.testing.assert_close(runner.kv_cache, eager_cache, atol=2e-5, rtol=2e-5)
+            else:  # codes and scales as bytes: the same rows quantized the same way
+                assert torch.equal(runner.kv_cache.view(torch.uint8), eager_cache.view(torch.uint8))
             sched.advance(out)
             for chunk, token in zip(out.chunks, eager.argmax(-1).tolist()):
                 if chunk.sample:
@@ -101,13 +119,14 @@ def test_each_piecewise_step_equals_the_eager_forward(tiny_path: str) -> None:
     assert any(n not in pieces.sizes for n, _, _ in shapes), "no step was padded to a larger bucket"
 
 
-def test_an_engine_on_pieces_generates_the_eager_engines_tokens(tiny_path: str) -> None:
+@STORES
+def test_an_engine_on_pieces_generates_the_eager_engines_tokens(tiny_path: str, kv_store: bool) -> None:
     batch = prompts(5, [3, 17, 40, 64, 8], 100)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = []
     for cut in (False, True):
         engine = make_engine(tiny_path)
-        pieces = with_pieces(engine) if cut else None
+        pieces = with_pieces(engine, kv_store) if cut else None
         for i, prompt in enumerate(batch):
             engine.add_request(f"r{i}", prompt, params)
         out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}

@@ -294,8 +294,11 @@ def test_prompt_scoring_smoke_scores_every_prompt_and_counts_the_head_rows(tiny_
 def test_ttft_with_a_cached_prefix_counts_only_the_new_tokens(tiny_model, tmp_path):
     out = tmp_path / "ttft.json"
     argv = ["--smoke", "--model", tiny_model, "--out", str(out), "--prompt-lens", "8", "--reps", "2"]
-    ttft.main([*argv, "--cached-prefix", "32"])
+    ttft.main([*argv, "--cached-prefix", "32", "--graph-kv-store"])
     doc = json.loads(out.read_text())
+    assert (
+        doc["prefill_graph_kv_store"] is True
+    )  # (a CPU engine builds no graphs: the setting is only recorded)
     (row,) = doc["rows"]
     cost = ModelCost(**doc["model_cost"])
     assert row["cached_prefix"] == 32 and row["steps_to_first_token"] == 1
