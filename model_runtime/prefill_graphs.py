@@ -184,7 +184,8 @@ class PiecewiseForward:
             attn.backend.store(k, v, pages[0], pages[1], st.slots[:size], attn.kv_scale)
 
     def attention(self, i: int, n: int, kv_pages: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Layer i's attention over the live rows [:n], eagerly: stores their K/V and writes ATTN[:n]."""
+        """Layer i's attention over the live rows [:n], eagerly: stores their K/V (unless piece i did) and
+        writes ATTN[:n]."""
         attn = self.attns[i]
         q, k, v = self._views(n)
         stored = self.kv_pages is not None  # piece i stored them
