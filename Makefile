@@ -38,7 +38,9 @@ endif
 # standard cluster, the deploy checks, then the type checks) runs beside it, its output kept in .test-rest.log
 # and printed when both are done. The halves are balanced by hand to end together (a clean clone on the 2-core
 # box at a1e610a: 37 s of type checks + 982 s of OWN_CLUSTERS against 912 + 22 s of the rest, so the type checks
-# moved over). `make typecheck pytest check-deploy` runs the same one after the other. Each half has about one
+# moved over; at 35e36de: 978 s against 920 + 29 + 37 s). The box's CPU is saturated throughout (`top` over a
+# run: test processes 38%, workers 32%, Ray's own processes 14%), so a third half would not be faster.
+# `make typecheck pytest check-deploy` runs the same one after the other. Each half has about one
 # core, so torch in the test processes gets one intra-op thread (OMP_NUM_THREADS, unless set): two threads per
 # process only spin against the other half (the workers run one thread each already).
 test: install lint
