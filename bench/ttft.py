@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> Path:
         prefill_graph_kv_store=args.graph_kv_store,
     )  # fmt: skip
     engine = run.job("engine", build)
+    if engine is not None and args.graph_kv_store and engine.runner.prefill_graphs is None:
+        gpu.log(
+            "--graph-kv-store: this engine has no piecewise prefill graphs (CPU or eager): it changes nothing"
+        )
     noise = BusyThreads(args.busy_threads) if args.busy_threads else None
     if engine is not None and args.background:
         start_background(engine, args.background, limits.max_model_len or total + 16)
