@@ -108,9 +108,11 @@ class Controller:
                 except Exception as exc:  # a local node that times out starting on a loaded host: try again
                     if self.config.ray.address is not None:
                         raise
-                    why = local_ray.failed_start_logs()
+                    session = local_ray.newest_session()
+                    why = local_ray.failed_start_logs(session) if session else ""
                     ray.shutdown()
-                    stopped = local_ray.stop_failed_start()  # a failed start's GCS and raylet outlive it
+                    # A failed start's GCS and raylet outlive it.
+                    stopped = local_ray.stop_failed_start(session) if session else 0
                     if attempt == RAY_START_ATTEMPTS:
                         raise RuntimeError(
                             f"{exc} (after {attempt} tries{'; its logs: ' + why if why else ''})"

@@ -8,9 +8,10 @@ stops them when this process exits), so a second try would compete with them. Th
 failed try: reads why from the session's own logs (the error Ray raises rarely says), stops that session's
 processes, and tries again with a fresh session.
 
-    prepare_environment()            # before `import ray`
-    why = failed_start_logs()       # the tails of gcs_server/raylet .err/.out of this process's newest session
-    stopped = stop_failed_start()   # that session's processes (GCS, raylet, their agents), terminated
+    prepare_environment()                   # before `import ray`
+    session = newest_session()              # this process's newest session directory (None: Ray made none)
+    why = failed_start_logs(session)        # the tails of its gcs_server/raylet .err/.out
+    stopped = stop_failed_start(session)    # its processes (GCS, raylet, their agents), terminated
 """
 
 from __future__ import annotations
@@ -36,15 +37,13 @@ def prepare_environment() -> None:
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
 
 
-def _temp_root() -> str:
-    """Where Ray puts its sessions (Ray's own rule: RAY_TMPDIR, else TMPDIR on Linux, else /tmp)."""
-    return os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray")
-
-
 def newest_session(pid: int | None = None) -> str | None:
-    """This process's newest Ray session directory (Ray names them session_<time>_<pid>), or None."""
+    """This process's newest Ray session directory (Ray names them session_<time>_<pid>, under its temp root),
+    or None."""
+    from ray._common.utils import get_default_ray_temp_dir
+
     pid = os.getpid() if pid is None else pid
-    sessions = glob.glob(os.path.join(_temp_root(), f"session_*_{pid}"))
+    sessions = glob.glob(os.path.join(get_default_ray_temp_dir(), f"session_*_{pid}"))
     return max(sessions, key=os.path.getmtime) if sessions else None
 
 
@@ -57,11 +56,8 @@ def _tail(path: str, lines: int) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()][-lines:]
 
 
-def failed_start_logs(session: str | None = None) -> str:
+def failed_start_logs(session: str) -> str:
     """The last lines of the session's GCS and raylet logs, one part per file that has any ("" when none)."""
-    session = session or newest_session()
-    if session is None:
-        return ""
     parts = []
     for name in LOG_FILES:
         tail = _tail(os.path.join(session, "logs", name), LOG_TAIL_LINES)
@@ -70,13 +66,10 @@ def failed_start_logs(session: str | None = None) -> str:
     return "; ".join(parts)
 
 
-def stop_failed_start(session: str | None = None) -> int:
+def stop_failed_start(session: str) -> int:
     """Terminate this process's descendants that belong to the session (their command line names it), with
     theirs (the raylet's agents and idle workers do not name it); SIGKILL what outlives STOP_GRACE_S. Returns how
     many were stopped."""
-    session = session or newest_session()
-    if session is None:
-        return 0
     doomed: dict[int, psutil.Process] = {}
     for child in psutil.Process().children(recursive=True):
         try:

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata, read_kv, store_kv
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata, read_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -98,7 +98,7 @@ class TorchAttention(AttentionBackend):
         stored: bool = False,
     ) -> torch.Tensor:
         if not stored:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.decode_only and q.shape[0] == meta.num_seqs:
             return batched_decode(q, k_cache, v_cache, meta, scale, kv_scale)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scale)

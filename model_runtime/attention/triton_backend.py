@@ -99,7 +99,7 @@ class TritonAttention(AttentionBackend):
         stored: bool = False,
     ) -> torch.Tensor:
         if not stored:
-            store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.decode_only and q.shape[0] == meta.num_seqs:
             return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kv_scale)
         return self._forward_mixed(q, k, v, k_cache, v_cache, meta, scale, kv_scale)

@@ -45,12 +45,13 @@ def test_failed_start_logs_are_the_tails_of_the_newest_session_of_this_process(
     (newest / "logs" / "raylet.out").write_text("raylet: cannot register\n")
 
     assert local_ray.newest_session() == str(newest)
-    why = local_ray.failed_start_logs()
+    why = local_ray.failed_start_logs(str(newest))
     assert why == (
         "gcs_server.err: line 2 | line 3 | bind: Address already in use; raylet.out: raylet: cannot register"
     )
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "none"))
-    assert local_ray.newest_session() is None and local_ray.failed_start_logs() == ""
+    assert local_ray.newest_session() is None
+    assert local_ray.failed_start_logs(str(tmp_path / "none" / "ray" / "session_x")) == ""
 
 
 def test_stop_failed_start_stops_the_sessions_processes_and_their_children_only(tmp_path: Path) -> None:
