@@ -316,6 +316,18 @@ def test_dg_sets_every_pools_decode_gather_limit() -> None:
     assert disagg.decode.engine.device.decode_gather_tokens == 4096
 
 
+def test_gks_sets_every_pools_graph_kv_store() -> None:
+    on = parse_config(deployment_config("colocated-1-gks1-nocache")).colocated.engine
+    assert on.device.prefill_graph_kv_store and not on.cache.enable_prefix_caching
+    disagg = parse_config(deployment_config("disagg-1p1d-gks0"))
+    assert not disagg.prefill.engine.device.prefill_graph_kv_store
+    assert not disagg.decode.engine.device.prefill_graph_kv_store
+    both = parse_config(deployment_config("disagg-1p1d-gks1"))
+    assert (
+        both.prefill.engine.device.prefill_graph_kv_store and both.decode.engine.device.prefill_graph_kv_store
+    )
+
+
 def test_fp8_puts_every_pools_weights_and_kv_cache_in_fp8() -> None:
     disagg = parse_config(deployment_config("disagg-1p1d-fp8"))
     for pool in (disagg.prefill, disagg.decode):  # both sides' caches match, so their KV can move
