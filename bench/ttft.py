@@ -30,6 +30,9 @@ matmul rate measured in the same run (8192^3 e4m3, torch._scaled_mm), attention'
 the prompt's FlashAttention call over their gathered contexts (device.decode_gather_tokens, the default: on)
 and in the paged decode kernel (off), the runner's setting switched between them; each mode draws its own
 prompts, so the second is not served from the first's cache. With --profile, one profile per mode.
+--chunk-kernel on,off times every length with a cached prefix twice more on the same engine: the chunk and
+the decodes gathered beside it attended straight from the pages by the split-KV chunk kernel
+(device.chunk_attention_tokens, the default: on) or gathered for one FlashAttention-2 call (off).
 --graph-kv-store builds the engine with the KV store inside the piecewise prefill graphs (one eager launch
 fewer per layer; device.prefill_graph_kv_store): a setting of graph capture, so it is compared across two runs.
 Prints a table (stdout), progress (stderr), and rewrites bench/results/ttft_<gpu>.json after each length.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import sys
 import threading
@@ -93,6 +97,9 @@ class TTFTRow:
     achieved_tflops: float  # prompt FLOPs / median TTFT
     cached_prefix: int = 0  # tokens before prompt_len that the prefix cache held (--cached-prefix)
     decode_gather: str = "on"  # the background decodes gathered with the prompt (on) or in the decode kernel
+    chunk_kernel: str = (
+        "on"  # a cached group read by the split-KV chunk kernel (on) or gathered for FlashAttention
+    )
 
 
 def ttft_once(
@@ -123,12 +130,17 @@ def ttft_once(
 
 
 def run_length(
-    engine: Engine, prompt_len: int, args: argparse.Namespace, setup: Setup, mode: str = "on"
+    engine: Engine,
+    prompt_len: int,
+    args: argparse.Namespace,
+    setup: Setup,
+    mode: str = "on",
+    chunk: str = "on",
 ) -> TTFTRow:
     """One length's reps. `mode`: --decode-gather's, which the caller has set on the runner; it draws its own
     prompts (a second mode's would otherwise be the first's, whole in the prefix cache)."""
     vocab = engine.model_config.vocab_size
-    seed = prompt_len + (0 if mode == "on" else 1_000_003)
+    seed = prompt_len + (0 if mode == "on" else 1_000_003) + (0 if chunk == "on" else 2_000_029)
     prompts = gpu.random_prompts(args.warmup + args.reps, prompt_len, vocab, seed=seed)
     prefix = gpu.random_prompts(1, args.cached_prefix, vocab, seed=7)[0] if args.cached_prefix else []
     prompts = [prefix + p for p in prompts]
@@ -158,6 +170,7 @@ def run_length(
         achieved_tflops=floor.flops / median / 1e12,
         cached_prefix=args.cached_prefix,
         decode_gather=mode,
+        chunk_kernel=chunk,
     )
 
 
@@ -234,13 +247,14 @@ def print_table(doc: dict) -> None:
         f"matmul {rates.get('matmul_tflops', 0):.4g} TFLOP/s"
     )
     print(
-        f"{'prompt':>7} {'cached':>6} {'gather':>6} {'ttft ms':>8} {'step ms':>8} {'flop floor':>10} {'% flop':>6} "
+        f"{'prompt':>7} {'cached':>6} {'gather':>6} {'chunk':>5} {'ttft ms':>8} {'step ms':>8} {'flop floor':>10} {'% flop':>6} "
         f"{'read floor':>10} {'TFLOP/s':>8} steps"
     )
     for r in doc["rows"]:
         f = r["floor"]
         print(
-            f"{r['prompt_len']:>7} {r['cached_prefix']:>6} {r['decode_gather']:>6} {r['median_ms']:>8.2f} "
+            f"{r['prompt_len']:>7} {r['cached_prefix']:>6} {r['decode_gather']:>6} {r.get('chunk_kernel', 'on'):>5} "
+            f"{r['median_ms']:>8.2f} "
             f"{r['step_ms']:>8.2f} {1e3 * f['flop_s']:>10.2f} {r['fraction_of_flop_floor']:>6.0%} "
             f"{1e3 * f['weight_read_s']:>10.2f} {r['achieved_tflops']:>8.1f} {r['steps_to_first_token']}"
         )
@@ -297,6 +311,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the prompt over gathered contexts, device.decode_gather_tokens, the default), off (the decode kernel)",
     )
     p.add_argument(
+        "--chunk-kernel",
+        default="on",
+        help="comma-separated modes timed per length on one engine: on (a chunk over a cached prefix, and the "
+        "decodes beside it, read from the pages by the split-KV chunk kernel, device.chunk_attention_tokens, the "
+        "default), off (gathered for one FlashAttention-2 call)",
+    )
+    p.add_argument(
+        "--chunk-attention-tokens",
+        type=int,
+        help="the chunk kernel's limit in --chunk-kernel's on mode (device.chunk_attention_tokens; default the "
+        "engine's): a cached group of more query rows is gathered for FlashAttention-2",
+    )
+    p.add_argument(
         "--graph-kv-store",
         action="store_true",
         help="the piecewise prefill graphs store each layer's K/V (device.prefill_graph_kv_store; default: the "
@@ -318,6 +345,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     modes = args.gather_modes
     if not modes or set(modes) - {"on", "off"} or len(set(modes)) < len(modes):
         raise SystemExit(f"--decode-gather: on and/or off, each once, got {args.decode_gather!r}")
+    args.chunk_modes = [m.strip() for m in args.chunk_kernel.split(",") if m.strip()]
+    if (
+        not args.chunk_modes
+        or set(args.chunk_modes) - {"on", "off"}
+        or len(set(args.chunk_modes)) < len(args.chunk_modes)
+    ):
+        raise SystemExit(f"--chunk-kernel: on and/or off, each once, got {args.chunk_kernel!r}")
     return args
 
 
@@ -359,17 +393,26 @@ def main(argv: list[str] | None = None) -> Path:
     gather = engine.runner.decode_gather_tokens if engine is not None else 0
     run.doc["decode_gather_tokens"] = gather
 
-    def set_mode(mode: str) -> None:
+    backend = engine.runner.backend if engine is not None else None
+    chunk_tokens = backend.chunk_attention_tokens if backend is not None else 0
+    if args.chunk_attention_tokens is not None and backend is not None and chunk_tokens:
+        chunk_tokens = backend.chunk_attention_tokens = args.chunk_attention_tokens
+    run.doc["chunk_attention_tokens"] = chunk_tokens
+
+    def set_mode(mode: str, chunk: str = "on") -> None:
         assert engine is not None
         engine.runner.decode_gather_tokens = gather if mode == "on" else 0
+        if backend is not None and chunk_tokens:
+            backend.chunk_attention_tokens = chunk_tokens if chunk == "on" else 0
 
     for prompt_len in args.lens:
         if engine is None:  # the engine job failed or was skipped (recorded)
             break
-        for mode in args.gather_modes:
-            set_mode(mode)
+        for mode, chunk in itertools.product(args.gather_modes, args.chunk_modes):
+            set_mode(mode, chunk)
             name = f"ttft {prompt_len}" + (f" gather {mode}" if len(args.gather_modes) > 1 else "")
-            row = run.job(name, partial(run_length, engine, prompt_len, args, setup, mode))
+            name += f" chunk kernel {chunk}" if len(args.chunk_modes) > 1 else ""
+            row = run.job(name, partial(run_length, engine, prompt_len, args, setup, mode, chunk))
             if row is not None:
                 run.doc["rows"].append(dataclasses.asdict(row))
                 run.save()
@@ -378,12 +421,14 @@ def main(argv: list[str] | None = None) -> Path:
         noise.stop()
     if args.profile and engine is not None and not args.smoke:
         profiles = {}
-        for mode in args.gather_modes:  # one profile per --decode-gather mode
-            set_mode(mode)
-            profiles[mode] = run.job(
-                f"profile gather {mode}", partial(profile_prefill, engine, longest, args.cached_prefix)
+        for mode, chunk in itertools.product(args.gather_modes, args.chunk_modes):  # one profile per mode
+            set_mode(mode, chunk)
+            key = mode if len(args.chunk_modes) == 1 else f"gather {mode} chunk {chunk}"
+            profiles[key] = run.job(
+                f"profile gather {mode} chunk kernel {chunk}",
+                partial(profile_prefill, engine, longest, args.cached_prefix),
             )
-        run.doc["profile"] = profiles if len(profiles) > 1 else profiles[args.gather_modes[0]]
+        run.doc["profile"] = profiles if len(profiles) > 1 else next(iter(profiles.values()))
         run.save()
     if engine is not None:
         set_mode("on")

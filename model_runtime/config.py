@@ -227,6 +227,10 @@ class SchedulerConfig:
 # prefill graphs stop at the same size by default), so it would pay the GPU's extra work for nothing.
 DECODE_GATHER_MAX_TOKENS = 8192
 DECODE_GATHER_MAX_STEP_TOKENS = 1024
+# A step's cached group (prompt chunks over cached prefixes, and the decode rows gathered with them) of at most
+# this many query rows is attended by the split-KV chunk kernel straight from the pages (attention.triton_chunk)
+# instead of a gather and one FlashAttention-2 call whose few programs walk the whole context each.
+CHUNK_ATTENTION_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -262,6 +266,10 @@ class DeviceConfig:
     # gathered from the cache, instead of the paged decode kernel, whose launches cost more host time than the
     # gather costs the GPU (DECODE_GATHER_MAX_TOKENS above; Triton backend). 0: never.
     decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS
+    # A step's cached group (chunks over cached prefixes, with the decode rows gathered beside them) of at most
+    # this many query rows is attended straight from the pages by the split-KV chunk kernel, not gathered for
+    # one FlashAttention-2 call (CHUNK_ATTENTION_MAX_TOKENS above; Triton backend, 16-bit cache). 0: never.
+    chunk_attention_tokens: int = CHUNK_ATTENTION_MAX_TOKENS
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -279,6 +287,11 @@ class DeviceConfig:
             isinstance(self.decode_gather_tokens, int) and self.decode_gather_tokens >= 0,
             "device.decode_gather_tokens",
             f"must be an integer >= 0 (0: never), got {self.decode_gather_tokens!r}",
+        )
+        _require(
+            isinstance(self.chunk_attention_tokens, int) and self.chunk_attention_tokens >= 0,
+            "device.chunk_attention_tokens",
+            f"must be an integer >= 0 (0: never), got {self.chunk_attention_tokens!r}",
         )
         _require(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

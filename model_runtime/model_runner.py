@@ -196,6 +196,7 @@ class ModelRunner:
             )
             model.use_kv_scales(self.kv_scales)
         self._on_cuda = self.device.type == "cuda"
+        self.backend = backend  # every layer's attention (bench/ttft.py switches its settings between modes)
         # A mixed step's decode rows that join its cached group (config.DECODE_GATHER_MAX_TOKENS).
         self.decode_gather_tokens = backend.decode_gather_tokens
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=2 * max_num_seqs)
@@ -209,6 +210,7 @@ class ModelRunner:
         # No chunk is longer than the step budget, nor than a sequence may be.
         self._warm_prompt_attention(backend, min(max_num_batched_tokens, max_model_len), on_phase)
         self._warm_fp8_gather(backend)
+        self._warm_chunk_attention(backend)
 
     def _warm_prompt_attention(
         self, backend: AttentionBackend, max_tokens: int, on_phase: Callable[[str], None] | None
@@ -249,6 +251,23 @@ class ModelRunner:
         slots = torch.zeros(1, dtype=torch.int64, device=self.device)
         dtype = self.model.embed_tokens.weight.dtype
         gather_fp8_kv(self.kv_pages[0, 0], self.kv_pages[0, 1], self.kv_scales[0], slots, dtype)
+
+    def _warm_chunk_attention(self, backend: AttentionBackend) -> None:
+        """Builds the split-KV chunk kernels (attention.triton_chunk) that a chunk over a cached prefix runs with a
+        16-bit cache, on q laid out as the model's rows: no start-up step runs such a chunk."""
+        if not self._on_cuda or self.kv_scales is not None:
+            return
+        from model_runtime.attention import triton_chunk
+        from model_runtime.attention.triton_backend import TritonAttention
+
+        if not isinstance(backend, TritonAttention) or backend.chunk_attention_tokens <= 0:
+            return
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        attention = layer.attn
+        dtype = self.model.embed_tokens.weight.dtype
+        qkv = torch.zeros(1, attention.q_size + 2 * attention.kv_size, dtype=dtype, device=self.device)
+        triton_chunk.warm_up(attention.heads(qkv)[0], self.kv_pages[0, 0], self.kv_pages[0, 1])
 
     def _make_prefill_graphs(
         self, max_tokens: int, progress: _GraphProgress, kv_store: bool

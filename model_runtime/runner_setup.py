@@ -84,7 +84,10 @@ def build_runner(
         layout,
         device,
         make_attention_backend(
-            config.device.attention_backend, device, decode_gather_tokens=config.device.decode_gather_tokens
+            config.device.attention_backend,
+            device,
+            decode_gather_tokens=config.device.decode_gather_tokens,
+            chunk_attention_tokens=config.device.chunk_attention_tokens,
         ),
         max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,

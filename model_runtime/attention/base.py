@@ -72,6 +72,8 @@ class PrefillGroup:
     context_slots  int64 [K]    cache slots of every context token of the chunks (K = cu_k[-1]); None when
                                 the chunks have no cached prefix (their keys are their own fresh rows)
     starts         each chunk's first row in the step (host), for calls per chunk
+    chunk_work     a backend's per-step plan for the group, made by the first layer that needs it and reused
+                   by the others (the Triton backend's split-KV work table, triton_chunk.ChunkWork)
     """
 
     rows: Rows
@@ -83,6 +85,11 @@ class PrefillGroup:
     query_lens: list[int]  # host copies: calls per chunk and the per-chunk fallback (CPU, float32)
     seq_lens: list[int]
     starts: list[int]
+    chunk_work: object | None = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.stop - self.rows.start if self.rows.index is None else int(self.rows.index.shape[0])
 
 
 @dataclass
@@ -160,6 +167,9 @@ class AttentionBackend(ABC):
     # Decode rows of a step with prompt chunks may join its cached group up to this many context tokens
     # (config.DECODE_GATHER_MAX_TOKENS); only a backend that reads MixedPlan sets it.
     decode_gather_tokens: int = 0
+    # A cached group of at most this many query rows is read from the pages in place by a split-KV kernel
+    # (config.CHUNK_ATTENTION_MAX_TOKENS); 0 where the backend has none.
+    chunk_attention_tokens: int = 0
 
     @abstractmethod
     def forward(

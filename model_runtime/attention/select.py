@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 from model_runtime.attention.base import AttentionBackend
-from model_runtime.config import DECODE_GATHER_MAX_TOKENS
+from model_runtime.config import CHUNK_ATTENTION_MAX_TOKENS, DECODE_GATHER_MAX_TOKENS
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -20,11 +20,15 @@ def _triton_interpreting() -> bool:
 
 
 def make_attention_backend(
-    name: str, device: str, decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS
+    name: str,
+    device: str,
+    decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS,
+    chunk_attention_tokens: int = CHUNK_ATTENTION_MAX_TOKENS,
 ) -> AttentionBackend:
     """ "auto": Triton on CUDA when triton is installed, else the torch reference.
     "triton" on a CPU device needs TRITON_INTERPRET=1 (tests); it is an error otherwise.
-    `decode_gather_tokens`: the Triton backend's (device.decode_gather_tokens)."""
+    `decode_gather_tokens`, `chunk_attention_tokens`: the Triton backend's (device.decode_gather_tokens,
+    device.chunk_attention_tokens)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(BACKEND_NAMES)}")
     on_cuda = device.startswith("cuda")
@@ -43,4 +47,6 @@ def make_attention_backend(
         )
     from model_runtime.attention.triton_backend import TritonAttention
 
-    return TritonAttention(decode_gather_tokens=decode_gather_tokens)
+    return TritonAttention(
+        decode_gather_tokens=decode_gather_tokens, chunk_attention_tokens=chunk_attention_tokens
+    )

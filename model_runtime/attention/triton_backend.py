@@ -9,6 +9,8 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
                    cuDNN one by one, the other fresh chunks in one varlen FlashAttention-2 call over their own
                    rows, chunks with a cached prefix in one such call over their contexts gathered from the
                    cache by slot (one index_select per layer; a 2k-token Llama-3-8B context is 8 MiB)
+                   (a cached group of at most `chunk_attention_tokens` query rows, 16-bit cache: read from the
+                   pages in place by the split-KV Triton kernel of triton_chunk.py, no gather)
     q_len == 1  -> one decode-kernel launch over those sequences
   Rows that are contiguous in the step (the scheduler puts running sequences first, new prompts after them)
   are read and written as slices; the decode kernel writes straight into its rows of the output.
@@ -18,6 +20,7 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata, PrefillGroup
@@ -28,9 +31,10 @@ from model_runtime.attention.decode_plan import (
     choose_num_segments,
 )
 from model_runtime.attention.packed_prefill import PackedPrefill, group_kv
+from model_runtime.attention.triton_chunk import ChunkWork, chunk_attention, plan_chunk_work
 from model_runtime.attention.triton_decode import decode_attention
 from model_runtime.attention.triton_store import store_kv_triton
-from model_runtime.config import DECODE_GATHER_MAX_TOKENS
+from model_runtime.config import CHUNK_ATTENTION_MAX_TOKENS, DECODE_GATHER_MAX_TOKENS
 
 # Programs per SM the decode grid aims for when it picks a segment count (see choose_num_segments).
 PROGRAMS_PER_SM = 4
@@ -49,6 +53,8 @@ class TritonAttention(AttentionBackend):
     `num_segments` fixes the split-KV count (a power of two <= 64); None picks it from the batch shape.
     `decode_gather_tokens`: a mixed step's decode rows join its cached group up to this many context tokens in
     total (device.decode_gather_tokens; 0: never).
+    `chunk_attention_tokens`: a cached group of at most this many query rows (16-bit cache) runs the split-KV
+    chunk kernel over the pages in place (device.chunk_attention_tokens; 0: never).
     One instance serves every layer of a model: its decode scratch is shared and reused.
     """
 
@@ -59,6 +65,7 @@ class TritonAttention(AttentionBackend):
         num_segments: int | None = None,
         tuning: DecodeTuning | None = None,
         decode_gather_tokens: int = DECODE_GATHER_MAX_TOKENS,
+        chunk_attention_tokens: int = CHUNK_ATTENTION_MAX_TOKENS,
     ) -> None:
         if num_segments is not None and not (
             1 <= num_segments <= MAX_SEGMENTS and num_segments & (num_segments - 1) == 0
@@ -72,6 +79,7 @@ class TritonAttention(AttentionBackend):
         self.workspace = DecodeWorkspace()
         self.prefill = PackedPrefill()
         self.decode_gather_tokens = decode_gather_tokens
+        self.chunk_attention_tokens = chunk_attention_tokens
 
     def segments_for(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         if self.num_segments is not None:
@@ -204,6 +212,27 @@ class TritonAttention(AttentionBackend):
         scale: float,
         kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The group's rows' attention as one call (packed_prefill.PackedPrefill): [group rows, Hq, D]."""
+        """The group's rows' attention as one call (packed_prefill.PackedPrefill, or the chunk kernel for a short
+        cached group): [group rows, Hq, D]."""
+        slots = group.context_slots
+        if slots is not None and kv_scale is None and group.num_rows <= self.chunk_attention_tokens:
+            return chunk_attention(
+                group.rows.take(q), k_cache, v_cache, slots, self._chunk_work(q, k_cache, group), scale
+            )
         kc, vc = group_kv(k, v, k_cache, v_cache, group, kv_scale)
         return self.prefill(group.rows.take(q), kc, vc, group, scale)
+
+    def _chunk_work(self, q: torch.Tensor, k_cache: torch.Tensor, group: PrefillGroup) -> ChunkWork:
+        """The group's work table, planned by the step's first layer and kept on the group for the others."""
+        work = group.chunk_work
+        if not isinstance(work, ChunkWork):
+            num_heads, kv_heads = q.shape[1], k_cache.shape[2]
+            host = plan_chunk_work(
+                np.concatenate([[0], np.cumsum(group.query_lens)]),
+                np.concatenate([[0], np.cumsum(group.seq_lens)]),
+                num_heads // kv_heads,
+                kv_heads,
+                _sm_count(q.device),
+            )
+            work = group.chunk_work = ChunkWork.on(host, num_heads, q.shape[2], q.device)
+        return work

@@ -264,6 +264,43 @@ def test_decode_rows_gathered_with_the_chunks_match_the_decode_kernel() -> None:
     assert rel_err(out, by_kernel) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "group", "dtype"),
+    [
+        (
+            [2048 + 128, 2300, 129],
+            [128, 1, 1],
+            4,
+            torch.bfloat16,
+        ),  # a chat turn, two decodes gathered with it
+        ([2048 + 320, 700], [320, 1], 4, torch.bfloat16),
+        ([4096 + 64, 8192 + 1], [64, 1], 8, torch.bfloat16),  # 70B's GQA: 8 query heads a KV head
+        ([1000 + 200, 5000 + 300, 40], [200, 300, 40], 4, torch.bfloat16),  # 500 rows, a fresh prompt beside
+        ([2048 + 128, 2300, 129], [128, 1, 1], 4, torch.float32),
+    ],
+    ids=["128-over-2k", "320-over-2k", "gqa8", "500-rows", "float32"],
+)
+def test_chunk_kernel_matches_reference_and_the_gathered_call(
+    seq_lens: list[int], query_lens: list[int], group: int, dtype: torch.dtype
+) -> None:
+    """A step's cached group read from the pages by the split-KV chunk kernel (device.chunk_attention_tokens,
+    default): against the float32 reference and against the same step gathered for FlashAttention-2."""
+    q, k, v, kc, vc, meta = paged_inputs(21, seq_lens, query_lens, 8, group, 128, 16, dtype, 8192)
+    gathered_meta = make_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping, 16, 8192)
+    assert meta.mixed is not None and meta.mixed.cached is not None and meta.mixed.decode_rows is None
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.088)
+    gathered = _triton()(chunk_attention_tokens=0).forward(
+        q, k, v, kc.clone(), vc.clone(), gathered_meta, 0.088
+    )
+    out = _triton()().forward(q, k, v, kc, vc, meta, 0.088)
+    assert meta.mixed.cached.chunk_work is not None, "the chunk kernel did not run"
+    assert gathered_meta.mixed is not None and gathered_meta.mixed.cached is not None
+    assert gathered_meta.mixed.cached.chunk_work is None
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out, gathered) < TOL[dtype]
+
+
 def test_cuda_graph_replay_equals_eager() -> None:
     """Capture forward (store + decode) on a padded bucket of 8, replay on new data, compare to eager."""
     block, kv_heads, group, dim, width = 16, 8, 4, 128, 260

@@ -302,6 +302,7 @@ def _backend_case(
     fp8: bool = False,
     segments: int | None = None,
     gather_decodes: bool = False,
+    chunk_kernel: bool = True,
 ) -> Callable[[], tuple[bool, str]]:
     """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs. With an
     FP8 cache the Triton prefill of a fresh prompt attends to its own unquantized rows where the torch
@@ -309,7 +310,8 @@ def _backend_case(
     `segments`: the decode kernel's split (None: the backend's choice for a GPU of 132 SMs, 64 segments for
     these few sequences, most of them empty: the interpreter runs every program in Python, so the cases about
     the prefill groups fix 4). `gather_decodes`: the plan puts the decode rows in the cached group (the case
-    fails if it did not)."""
+    fails if it did not). `chunk_kernel`: a cached group (16-bit cache) runs the split-KV chunk kernel (the
+    default) or is gathered for the per-chunk reference path (device.chunk_attention_tokens 0)."""
 
     def run() -> tuple[bool, str]:
         from model_runtime.attention.select import make_attention_backend
@@ -328,6 +330,8 @@ def _backend_case(
         backend = make_attention_backend("triton", "cpu")
         if segments is not None:
             backend = TritonAttention(num_segments=segments)
+        if not chunk_kernel:
+            backend.chunk_attention_tokens = 0
         ref_kc, ref_vc = kc.clone(), vc.clone()
         ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, ref_scales)
         out = backend.forward(q, k, v, kc, vc, meta, 0.25, scales)
@@ -338,7 +342,45 @@ def _backend_case(
             and torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))
             and (scales is None or torch.equal(scales, ref_scales))
         )
-        return ok and caches, f"{detail} caches_equal={caches} backend={backend.name}"
+        cached = meta.mixed.cached if meta.mixed is not None else None
+        used = cached is not None and cached.chunk_work is not None
+        wanted = cached is not None and chunk_kernel and not fp8
+        return ok and caches and used == wanted, f"{detail} caches_equal={caches} chunk_kernel_used={used}"
+
+    return run
+
+
+def _chunk_case(
+    seed: int,
+    seq_lens: list[int],
+    query_lens: list[int],
+    kv_heads: int,
+    group: int,
+    block_size: int,
+    sms: int,
+) -> Callable[[], tuple[bool, str]]:
+    """The split-KV chunk kernel alone (attention.triton_chunk) on the cached group of a step whose decode rows
+    join it, against the reference; `sms` sizes the split (1: one item per tile, no merge; more: the keys of
+    a tile cut into slices of one tile, merged), and the case fails unless the plan split as asked."""
+
+    def run() -> tuple[bool, str]:
+        from model_runtime.attention.torch_ref import paged_attention_ref
+        from model_runtime.attention.triton_chunk import TILE_N, ChunkWork, chunk_attention, plan_chunk_work
+
+        q, _, _, kc, vc, meta = _paged_case(seed, seq_lens, query_lens, kv_heads, group, 32, block_size, 8192)
+        cached = meta.mixed.cached if meta.mixed is not None else None
+        if cached is None or cached.context_slots is None:
+            return False, "the step has no cached group"
+        ref = cached.rows.take(paged_attention_ref(q, kc, vc, meta, 0.25))
+        host = plan_chunk_work(cached.cu_q.numpy(), cached.cu_k.numpy(), group, kv_heads, sms)
+        work = ChunkWork.on(host, q.shape[1], q.shape[2], torch.device("cpu"))
+        out = chunk_attention(cached.rows.take(q), kc, vc, cached.context_slots, work, 0.25)
+        split_as_asked = work.split == (sms > 1) and (sms == 1 or host.split_keys == TILE_N)
+        err = _rel_err(out, ref)
+        detail = (
+            f"rel_err={err:.2e} items={host.items.shape[0]} split={work.split} split_keys={host.split_keys}"
+        )
+        return err < TOL and split_as_asked and not bool(out.isnan().any()), detail
 
     return run
 
@@ -372,6 +414,13 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "backend_decodes_gathered_with_chunks": _backend_case(
         [9, 29, 7, 20, 40, 0], [1, 5, 7, 1, 3, 1], gather_decodes=True
     ),
+    # the split-KV chunk kernel: one item per tile, then tiles cut into one-tile slices and merged; GQA 1-4
+    # (3: a tile's rows are not a power of two), pages shorter and longer than a tile, decode rows in the group
+    "chunk_kernel_one_item_per_tile": _chunk_case(11, [150, 9, 70, 40], [37, 1, 64, 1], 2, 4, 16, sms=1),
+    "chunk_kernel_split_and_merged": _chunk_case(11, [150, 9, 70, 40], [37, 1, 64, 1], 2, 4, 16, sms=10_000),
+    "chunk_kernel_gqa3_pages_of_4": _chunk_case(12, [300, 2], [130, 1], 1, 3, 4, sms=10_000),
+    "chunk_kernel_gqa1_pages_of_128": _chunk_case(13, [200, 90], [20, 90], 2, 1, 128, sms=10_000),
+    "backend_chunks_with_prefixes_gathered": _backend_case([20, 6, 33], [4, 6, 2], chunk_kernel=False),
     "backend_fp8_decodes_gathered_with_chunks": _backend_case(
         [9, 21, 20], [1, 1, 4], fp8=True, gather_decodes=True
     ),
