@@ -65,6 +65,10 @@ PREFILL_GRAPHS_MAX = 8192
 # contexts total at most N tokens are attended with the chunks over gathered contexts (default 8192); "-dg0"
 # leaves them to the paged decode kernel, as before (the A/B of docs/performance.md, "Mixed steps are host-bound").
 DECODE_GATHER = re.compile(r"(?P<base>.+)-dg(?P<tokens>[0-9]+)")
+# Any name + "-ckN": every pool's device.chunk_attention_tokens N: a step's cached group of at most N query rows is
+# read from the pages by the split-KV chunk kernel (default 1024); "-ck0" gathers it for FlashAttention-2, as
+# before (the A/B of docs/performance.md, "A chunk over a cached prefix, split along its context").
+CHUNK_ATTENTION = re.compile(r"(?P<base>.+)-ck(?P<tokens>[0-9]+)")
 # Any name + "-gks1" / "-gks0": every pool's piecewise prefill graphs store each layer's K/V inside the captured
 # pieces, or leave the store to an eager launch between them (device.prefill_graph_kv_store), for the A/B of the
 # store's host time in steps with prompt chunks (docs/performance.md, "Mixed steps are host-bound").
@@ -205,6 +209,13 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
             engine = config[pool].setdefault("engine", {})
             engine["device"] = dict(engine.get("device", {}), decode_gather_tokens=int(gather["tokens"]))
         return config
+    chunk = CHUNK_ATTENTION.fullmatch(name)
+    if chunk is not None:
+        config = _named_config(chunk["base"], slo)
+        for pool in (p for p in POOLS if p in config):
+            engine = config[pool].setdefault("engine", {})
+            engine["device"] = dict(engine.get("device", {}), chunk_attention_tokens=int(chunk["tokens"]))
+        return config
     store = GRAPH_KV_STORE.fullmatch(name)
     if store is not None:
         config = _named_config(store["base"], slo)
@@ -263,7 +274,7 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         return yaml.safe_load(DEPLOYMENTS[name].read_text())
     match = SIZED.fullmatch(name)
     if match is None:
-        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {NO_ARM}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -dgN (decode rows gathered with prompt chunks up to N context tokens), -gks1 / -gks0 (K/V stored inside the prefill graphs or not), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
+        sized = f"colocated-N, disagg-PpDd (N, P, D in 1-8), each optionally + {NO_CACHE}, {AUTOSCALE}, {AHEAD} / {SYNC} / {EARLY} (colocated or decode workers), {IPC}, {BOTH}, {NO_STREAM}, {ONE_LANE}, {NO_ARM}, {SPILL}, {FP8}, -tpN (workers of N GPUs), -ptpN / -dtpN (disagg: prefill / decode workers of N GPUs), -pbN (prefill step budget, tokens), -pgN (piecewise prefill graphs up to N tokens), -dgN (decode rows gathered with prompt chunks up to N context tokens), -ckN (cached groups of up to N rows read by the chunk kernel), -gks1 / -gks0 (K/V stored inside the prefill graphs or not), -lmN (late-launch margin, us), -siN (router stream interval), -rN (router processes)"
         raise ValueError(f"unknown deployment {name!r}; choose from {', '.join(DEPLOYMENTS)}, {sized}")
     if match["replicas"]:
         config = yaml.safe_load(DEPLOYMENTS["colocated"].read_text())

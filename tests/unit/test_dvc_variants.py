@@ -316,6 +316,17 @@ def test_dg_sets_every_pools_decode_gather_limit() -> None:
     assert disagg.decode.engine.device.decode_gather_tokens == 4096
 
 
+def test_ck_sets_every_pools_chunk_kernel_limit() -> None:
+    assert (
+        parse_config(deployment_config("colocated-1")).colocated.engine.device.chunk_attention_tokens == 1024
+    )
+    off = parse_config(deployment_config("colocated-1-ck0-nocache")).colocated.engine
+    assert off.device.chunk_attention_tokens == 0 and not off.cache.enable_prefix_caching
+    disagg = parse_config(deployment_config("disagg-1p1d-ck256"))
+    assert disagg.prefill.engine.device.chunk_attention_tokens == 256
+    assert disagg.decode.engine.device.chunk_attention_tokens == 256
+
+
 def test_gks_sets_every_pools_graph_kv_store() -> None:
     on = parse_config(deployment_config("colocated-1-gks1-nocache")).colocated.engine
     assert on.device.prefill_graph_kv_store and not on.cache.enable_prefix_caching
