@@ -262,7 +262,9 @@ class DeviceConfig:
     # run eagerly: their kernels outlast their launches.
     prefill_graph_tokens: int = 1024
     # Those graphs also store each layer's new K/V in the cache (model_runtime.prefill_graphs), so the eager part
-    # of a layer is its attention alone: one host launch fewer per layer. Off until it is measured on a GPU.
+    # of a layer is its attention alone: one host launch fewer per layer. Off: on an H200 it was 0.5-0.7 ms
+    # slower at 128-320 new tokens beside one decode and no different in the service (the launch it saves is
+    # hidden behind the GPU there; docs/performance.md, "A chunk over a cached prefix, split along its context").
     prefill_graph_kv_store: bool = False
     # In a step with prompt chunks (of at most DECODE_GATHER_MAX_STEP_TOKENS tokens in all), decode rows whose
     # contexts total at most this many tokens are attended in the chunks' FlashAttention call over contexts
