@@ -253,10 +253,9 @@ class ModelRunner:
         gather_fp8_kv(self.kv_pages[0, 0], self.kv_pages[0, 1], self.kv_scales[0], slots, dtype)
 
     def _warm_chunk_attention(self, backend: AttentionBackend) -> None:
-        """Builds the split-KV chunk kernels (attention.triton_chunk) that a chunk over a cached prefix runs, on q
-        laid out as the model's rows and this cache's pages (an FP8 cache's scales too): no start-up step runs
-        such a chunk."""
-        if not self._on_cuda:
+        """Builds the split-KV chunk kernels (attention.triton_chunk) that a chunk over a cached prefix runs with a
+        16-bit cache, on q laid out as the model's rows: no start-up step runs such a chunk."""
+        if not self._on_cuda or self.kv_scales is not None:
             return
         from model_runtime.attention import triton_chunk
         from model_runtime.attention.triton_backend import TritonAttention
@@ -268,8 +267,7 @@ class ModelRunner:
         attention = layer.attn
         dtype = self.model.embed_tokens.weight.dtype
         qkv = torch.zeros(1, attention.q_size + 2 * attention.kv_size, dtype=dtype, device=self.device)
-        scales = None if self.kv_scales is None else self.kv_scales[0]
-        triton_chunk.warm_up(attention.heads(qkv)[0], self.kv_pages[0, 0], self.kv_pages[0, 1], scales)
+        triton_chunk.warm_up(attention.heads(qkv)[0], self.kv_pages[0, 0], self.kv_pages[0, 1])
 
     def _make_prefill_graphs(
         self, max_tokens: int, progress: _GraphProgress, kv_store: bool
