@@ -64,15 +64,21 @@ PREFILL_GRAPHS_MAX = 8192
 # Any name + "-dgN": every pool's device.decode_gather_tokens N: in a step with prompt chunks, decode rows whose
 # contexts total at most N tokens are attended with the chunks over gathered contexts (default 8192); "-dg0"
 # leaves them to the paged decode kernel, as before (the A/B of docs/performance.md, "Mixed steps are host-bound").
-DECODE_GATHER = re.compile(r"(?P<base>.+)-dg(?P<tokens>[0-9]+)")
+DECODE_GATHER = re.compile(r"(?P<base>.+)-dg(?P<value>[0-9]+)")
 # Any name + "-ckN": every pool's device.chunk_attention_tokens N: a step's cached group of at most N query rows is
 # read from the pages by the split-KV chunk kernel (default 1024); "-ck0" gathers it for FlashAttention-2, as
 # before (the A/B of docs/performance.md, "A chunk over a cached prefix, split along its context").
-CHUNK_ATTENTION = re.compile(r"(?P<base>.+)-ck(?P<tokens>[0-9]+)")
+CHUNK_ATTENTION = re.compile(r"(?P<base>.+)-ck(?P<value>[0-9]+)")
 # Any name + "-gks1" / "-gks0": every pool's piecewise prefill graphs store each layer's K/V inside the captured
 # pieces, or leave the store to an eager launch between them (device.prefill_graph_kv_store), for the A/B of the
 # store's host time in steps with prompt chunks (docs/performance.md, "Mixed steps are host-bound").
-GRAPH_KV_STORE = re.compile(r"(?P<base>.+)-gks(?P<on>[01])")
+GRAPH_KV_STORE = re.compile(r"(?P<base>.+)-gks(?P<value>[01])")
+# The suffixes above that set one engine.device key in every pool: (pattern, key, the value from its digits).
+DEVICE_SUFFIXES = (
+    (DECODE_GATHER, "decode_gather_tokens", int),
+    (CHUNK_ATTENTION, "chunk_attention_tokens", int),
+    (GRAPH_KV_STORE, "prefill_graph_kv_store", lambda digit: digit == "1"),
+)
 # Any name + "-siN": the router gathers N decode tokens per client message (router.stream_interval), for points
 # where the `tandem serve` process (router) ran saturated.
 STREAM_INTERVAL = re.compile(r"(?P<base>.+)-si(?P<tokens>[0-9]+)")
@@ -154,9 +160,8 @@ def _prefill_graphs(name: str, config: dict, tokens: int) -> dict:
 
 def deployment_config(name: str, slo: tuple[float, float] = (1.0, 0.05)) -> dict:
     """The deploy config of a deployment name (see DEPLOYMENTS, SIZED, NO_CACHE, AUTOSCALE, AHEAD, EARLY, FP8,
-    IPC, BOTH, NO_STREAM, ONE_LANE, NO_ARM, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, DECODE_GATHER, LAUNCH_MARGIN,
-    STREAM_INTERVAL, ROUTERS
-    and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the
+    IPC, BOTH, NO_STREAM, ONE_LANE, NO_ARM, SPILL, PREFILL_BUDGET, PREFILL_GRAPHS, DEVICE_SUFFIXES (DECODE_GATHER,
+    CHUNK_ATTENTION, GRAPH_KV_STORE), LAUNCH_MARGIN, STREAM_INTERVAL, ROUTERS and TENSOR_PARALLEL); `slo` is the (TTFT, TPOT) the autoscaler aims at. Raises ValueError naming the
     deployment when the name is unknown or its KV could not move between its pools."""
     config = _named_config(name, slo)
     _check_handoff(name, config)
@@ -202,27 +207,14 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         engine = config[pool].setdefault("engine", {})
         engine["scheduler"] = dict(engine.get("scheduler", {}), late_launch_margin_s=int(margin["us"]) / 1e6)
         return config
-    gather = DECODE_GATHER.fullmatch(name)
-    if gather is not None:
-        config = _named_config(gather["base"], slo)
-        for pool in (p for p in POOLS if p in config):
-            engine = config[pool].setdefault("engine", {})
-            engine["device"] = dict(engine.get("device", {}), decode_gather_tokens=int(gather["tokens"]))
-        return config
-    chunk = CHUNK_ATTENTION.fullmatch(name)
-    if chunk is not None:
-        config = _named_config(chunk["base"], slo)
-        for pool in (p for p in POOLS if p in config):
-            engine = config[pool].setdefault("engine", {})
-            engine["device"] = dict(engine.get("device", {}), chunk_attention_tokens=int(chunk["tokens"]))
-        return config
-    store = GRAPH_KV_STORE.fullmatch(name)
-    if store is not None:
-        config = _named_config(store["base"], slo)
-        for pool in (p for p in POOLS if p in config):
-            engine = config[pool].setdefault("engine", {})
-            engine["device"] = dict(engine.get("device", {}), prefill_graph_kv_store=store["on"] == "1")
-        return config
+    for pattern, key, value in DEVICE_SUFFIXES:  # every pool's engine.device[key]
+        match = pattern.fullmatch(name)
+        if match is not None:
+            config = _named_config(match["base"], slo)
+            for pool in (p for p in POOLS if p in config):
+                engine = config[pool].setdefault("engine", {})
+                engine["device"] = dict(engine.get("device", {}), **{key: value(match["value"])})
+            return config
     graphs = PREFILL_GRAPHS.fullmatch(name)
     if graphs is not None:
         return _prefill_graphs(name, _named_config(graphs["base"], slo), int(graphs["tokens"]))

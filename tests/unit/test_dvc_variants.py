@@ -307,36 +307,29 @@ def test_pg_sets_the_prompt_steps_graph_size_of_the_pool_that_runs_chunks() -> N
         deployment_config("colocated-1-pg9000")
 
 
-def test_dg_sets_every_pools_decode_gather_limit() -> None:
-    assert parse_config(deployment_config("colocated-1")).colocated.engine.device.decode_gather_tokens == 8192
-    off = parse_config(deployment_config("colocated-1-dg0-nocache")).colocated.engine
-    assert off.device.decode_gather_tokens == 0 and not off.cache.enable_prefix_caching
-    disagg = parse_config(deployment_config("disagg-1p1d-dg4096"))
-    assert disagg.prefill.engine.device.decode_gather_tokens == 4096
-    assert disagg.decode.engine.device.decode_gather_tokens == 4096
+def test_device_suffixes_keep_the_engine_defaults_unless_given() -> None:
+    device = parse_config(deployment_config("colocated-1")).colocated.engine.device
+    assert (device.decode_gather_tokens, device.chunk_attention_tokens) == (8192, 1024)
+    assert not device.prefill_graph_kv_store
 
 
-def test_ck_sets_every_pools_chunk_kernel_limit() -> None:
-    assert (
-        parse_config(deployment_config("colocated-1")).colocated.engine.device.chunk_attention_tokens == 1024
-    )
-    off = parse_config(deployment_config("colocated-1-ck0-nocache")).colocated.engine
-    assert off.device.chunk_attention_tokens == 0 and not off.cache.enable_prefix_caching
-    disagg = parse_config(deployment_config("disagg-1p1d-ck256"))
-    assert disagg.prefill.engine.device.chunk_attention_tokens == 256
-    assert disagg.decode.engine.device.chunk_attention_tokens == 256
-
-
-def test_gks_sets_every_pools_graph_kv_store() -> None:
-    on = parse_config(deployment_config("colocated-1-gks1-nocache")).colocated.engine
-    assert on.device.prefill_graph_kv_store and not on.cache.enable_prefix_caching
-    disagg = parse_config(deployment_config("disagg-1p1d-gks0"))
-    assert not disagg.prefill.engine.device.prefill_graph_kv_store
-    assert not disagg.decode.engine.device.prefill_graph_kv_store
-    both = parse_config(deployment_config("disagg-1p1d-gks1"))
-    assert (
-        both.prefill.engine.device.prefill_graph_kv_store and both.decode.engine.device.prefill_graph_kv_store
-    )
+@pytest.mark.parametrize(
+    ("suffix", "key", "value"),
+    [
+        ("-dg4096", "decode_gather_tokens", 4096),
+        ("-dg0", "decode_gather_tokens", 0),
+        ("-ck256", "chunk_attention_tokens", 256),
+        ("-ck0", "chunk_attention_tokens", 0),
+        ("-gks1", "prefill_graph_kv_store", True),
+        ("-gks0", "prefill_graph_kv_store", False),
+    ],
+)
+def test_device_suffixes_set_every_pools_engine_device(suffix: str, key: str, value: object) -> None:
+    colocated = parse_config(deployment_config(f"colocated-1{suffix}-nocache")).colocated.engine
+    assert getattr(colocated.device, key) == value and not colocated.cache.enable_prefix_caching
+    disagg = parse_config(deployment_config(f"disagg-1p1d{suffix}"))
+    assert getattr(disagg.prefill.engine.device, key) == value
+    assert getattr(disagg.decode.engine.device, key) == value
 
 
 def test_fp8_puts_every_pools_weights_and_kv_cache_in_fp8() -> None:
