@@ -207,13 +207,13 @@ def _named_config(name: str, slo: tuple[float, float]) -> dict:
         engine = config[pool].setdefault("engine", {})
         engine["scheduler"] = dict(engine.get("scheduler", {}), late_launch_margin_s=int(margin["us"]) / 1e6)
         return config
-    for pattern, key, value in DEVICE_SUFFIXES:  # every pool's engine.device[key]
+    for pattern, key, parse in DEVICE_SUFFIXES:  # every pool's engine.device[key]
         match = pattern.fullmatch(name)
         if match is not None:
             config = _named_config(match["base"], slo)
             for pool in (p for p in POOLS if p in config):
                 engine = config[pool].setdefault("engine", {})
-                engine["device"] = dict(engine.get("device", {}), **{key: value(match["value"])})
+                engine["device"] = dict(engine.get("device", {}), **{key: parse(match["value"])})
             return config
     graphs = PREFILL_GRAPHS.fullmatch(name)
     if graphs is not None:
