@@ -97,9 +97,8 @@ class TTFTRow:
     achieved_tflops: float  # prompt FLOPs / median TTFT
     cached_prefix: int = 0  # tokens before prompt_len that the prefix cache held (--cached-prefix)
     decode_gather: str = "on"  # the background decodes gathered with the prompt (on) or in the decode kernel
-    chunk_kernel: str = (
-        "on"  # a cached group read by the split-KV chunk kernel (on) or gathered for FlashAttention
-    )
+    # a cached group read by the split-KV chunk kernel (on) or gathered for FlashAttention-2 (off)
+    chunk_kernel: str = "on"
 
 
 def ttft_once(
@@ -341,18 +340,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cached_prefix < 0 or (args.cached_prefix and args.warmup < 1):
         raise SystemExit("--cached-prefix: needs >= 0 tokens, and --warmup >= 1 to cache them first")
     args.lens = lens
-    args.gather_modes = [m.strip() for m in args.decode_gather.split(",") if m.strip()]
-    modes = args.gather_modes
-    if not modes or set(modes) - {"on", "off"} or len(set(modes)) < len(modes):
-        raise SystemExit(f"--decode-gather: on and/or off, each once, got {args.decode_gather!r}")
-    args.chunk_modes = [m.strip() for m in args.chunk_kernel.split(",") if m.strip()]
-    if (
-        not args.chunk_modes
-        or set(args.chunk_modes) - {"on", "off"}
-        or len(set(args.chunk_modes)) < len(args.chunk_modes)
-    ):
-        raise SystemExit(f"--chunk-kernel: on and/or off, each once, got {args.chunk_kernel!r}")
+    args.gather_modes = on_off_modes("--decode-gather", args.decode_gather)
+    args.chunk_modes = on_off_modes("--chunk-kernel", args.chunk_kernel)
     return args
+
+
+def on_off_modes(flag: str, text: str) -> list[str]:
+    """A comma-separated list of on and/or off, each at most once."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or set(modes) - {"on", "off"} or len(set(modes)) < len(modes):
+        raise SystemExit(f"{flag}: on and/or off, each once, got {text!r}")
+    return modes
 
 
 def main(argv: list[str] | None = None) -> Path:

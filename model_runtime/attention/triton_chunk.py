@@ -48,9 +48,8 @@ class HostChunkWork:
     """The work table of one cached group (see the module docstring), on the host."""
 
     items: np.ndarray  # int32 [W, ITEM_FIELDS]
-    rows: (
-        np.ndarray
-    )  # int32 [Tg, 3]: the first item of the row's tile, the tile's items, the row's place in it
+    # int32 [Tg, 3]: per row of the group, the first item of its tile, the tile's item count, its place in the tile
+    rows: np.ndarray
     tokens_per_tile: int
     split_keys: int
 
@@ -116,6 +115,8 @@ class ChunkWork:
 
     @classmethod
     def on(cls, host: HostChunkWork, num_heads: int, head_dim: int, device: torch.device) -> ChunkWork:
+        # One copy for both tables. From pageable memory a non-blocking copy returns once the bytes are staged,
+        # without waiting for the stream's queued work (a blocking one would wait for the GPU).
         both = torch.from_numpy(np.concatenate([host.items.ravel(), host.rows.ravel()])).to(
             device, non_blocking=True
         )
