@@ -416,9 +416,9 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     ),
     # the split-KV chunk kernel: one item per tile, then tiles cut into one-tile slices and merged; GQA 1-4
     # (3: a tile's rows are not a power of two), pages shorter and longer than a tile, decode rows in the group
-    "chunk_kernel_one_item_per_tile": _chunk_case(11, [150, 9, 70, 40], [37, 1, 64, 1], 2, 4, 16, sms=1),
-    "chunk_kernel_split_and_merged": _chunk_case(11, [150, 9, 70, 40], [37, 1, 64, 1], 2, 4, 16, sms=10_000),
-    "chunk_kernel_gqa3_pages_of_4": _chunk_case(12, [300, 2], [130, 1], 1, 3, 4, sms=10_000),
+    "chunk_kernel_one_item_per_tile": _chunk_case(11, [100, 9, 70], [37, 1, 20], 2, 4, 16, sms=1),
+    "chunk_kernel_split_and_merged": _chunk_case(11, [100, 9, 70], [17, 1, 20], 1, 4, 16, sms=10_000),
+    "chunk_kernel_gqa3_pages_of_4": _chunk_case(12, [150, 2], [45, 1], 1, 3, 4, sms=10_000),
     "chunk_kernel_gqa1_pages_of_128": _chunk_case(13, [200, 90], [20, 90], 2, 1, 128, sms=10_000),
     "backend_chunks_with_prefixes_gathered": _backend_case([20, 6, 33], [4, 6, 2], chunk_kernel=False),
     "backend_fp8_decodes_gathered_with_chunks": _backend_case(
