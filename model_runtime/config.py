@@ -227,12 +227,12 @@ class SchedulerConfig:
 # prefill graphs stop at the same size by default), so it would pay the GPU's extra work for nothing.
 DECODE_GATHER_MAX_TOKENS = 8192
 DECODE_GATHER_MAX_STEP_TOKENS = 1024
-# A step's cached group (prompt chunks over cached prefixes, and the decode rows gathered with them) of at most
-# this many query rows is attended by the split-KV chunk kernel straight from the pages (attention.triton_chunk)
-# instead of a gather and one FlashAttention-2 call whose few programs walk the whole context each. On one H200
-# (Llama-3-8B shape, one decode beside the chunk) it won at every size measured, 64 to 1,024 new tokens over 2k
-# and 8k cached (docs/performance.md, "A chunk over a cached prefix, split along its context"); larger groups
-# were not measured and keep the gather.
+# A step's cached group (prompt chunks over cached prefixes, and the decode rows gathered with them; not decode
+# rows alone) of at most this many query rows is attended by the split-KV chunk kernel straight from the pages
+# (attention.triton_chunk) instead of a gather and one FlashAttention-2 call whose few programs walk the whole
+# context each. On one H200 (Llama-3-8B shape, one decode beside the chunk) it won at every size measured, 64 to
+# 1,024 new tokens over 2k and 8k cached (docs/performance.md, "A chunk over a cached prefix, split along its
+# context"); larger groups were not measured and keep the gather.
 CHUNK_ATTENTION_MAX_TOKENS = 1024
 
 

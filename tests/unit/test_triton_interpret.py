@@ -344,7 +344,7 @@ def _backend_case(
         )
         cached = meta.mixed.cached if meta.mixed is not None else None
         used = cached is not None and cached.chunk_work is not None
-        wanted = cached is not None and chunk_kernel and not fp8
+        wanted = cached is not None and max(cached.query_lens) > 1 and chunk_kernel and not fp8
         return ok and caches and used == wanted, f"{detail} caches_equal={caches} chunk_kernel_used={used}"
 
     return run
@@ -421,6 +421,10 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "chunk_kernel_gqa3_pages_of_4": _chunk_case(12, [150, 2], [45, 1], 1, 3, 4, sms=10_000),
     "chunk_kernel_gqa1_pages_of_128": _chunk_case(13, [200, 90], [20, 90], 2, 1, 128, sms=10_000),
     "backend_chunks_with_prefixes_gathered": _backend_case([20, 6, 33], [4, 6, 2], chunk_kernel=False),
+    # decodes gathered beside a fresh prompt alone: their group has no chunk, and keeps the gathered call
+    "backend_decodes_gathered_beside_a_fresh_prompt": _backend_case(
+        [9, 29, 7], [1, 1, 7], gather_decodes=True
+    ),
     "backend_fp8_decodes_gathered_with_chunks": _backend_case(
         [9, 21, 20], [1, 1, 4], fp8=True, gather_decodes=True
     ),
