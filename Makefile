@@ -38,7 +38,8 @@ endif
 # standard cluster, the deploy checks, then the type checks) runs beside it, its output kept in .test-rest.log
 # and printed when both are done. The halves are balanced by hand to end together (a clean clone on the 2-core
 # box at a1e610a: 37 s of type checks + 982 s of OWN_CLUSTERS against 912 + 22 s of the rest, so the type checks
-# moved over; at 35e36de: 978 s against 920 + 29 + 37 s). The box's CPU is saturated throughout (`top` over a
+# moved over; at 35e36de: 978 s against 920 + 29 + 37 s; at f41240f: 869 s against 972 + 18 + 37 s, so the TLS
+# and router-process tests, which start clusters of their own, moved over: about 55 s). The box's CPU is saturated throughout (`top` over a
 # run: test processes 38%, workers 32%, Ray's own processes 14%), so a third half would not be faster.
 # `make typecheck pytest check-deploy` runs the same one after the other. Each half has about one
 # core, so torch in the test processes gets one intra-op thread (OMP_NUM_THREADS, unless set): two threads per
@@ -72,7 +73,8 @@ PYTEST := $(BIN)/python -m pytest -q $(PYTEST_ARGS) --reruns 1 --reruns-delay 5 
 OWN_CLUSTERS := tests/e2e/test_soak.py tests/e2e/test_autoscaler.py tests/e2e/test_overload.py \
   tests/e2e/test_faults.py::TestStall tests/e2e/test_elastic_pools.py tests/e2e/test_drain.py \
   tests/e2e/test_kv_transfer_tcp.py tests/e2e/test_multinode.py tests/e2e/test_tensor_parallel_serve.py \
-  tests/e2e/test_tensor_parallel_disagg.py tests/e2e/test_ray_job.py
+  tests/e2e/test_tensor_parallel_disagg.py tests/e2e/test_ray_job.py tests/e2e/test_tls_serve.py \
+  tests/e2e/test_router_processes.py
 NOT_OWN_CLUSTERS := $(foreach t,$(OWN_CLUSTERS),$(if $(findstring ::,$(t)),--deselect $(t),--ignore=$(t)))
 
 pytest: pytest-own-clusters pytest-rest
