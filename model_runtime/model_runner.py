@@ -223,17 +223,10 @@ class ModelRunner:
 
         if not isinstance(backend, TritonAttention):
             return
-        layer = self.model.layers[0]
-        assert isinstance(layer, DecoderLayer)
-        attention = layer.attn
-        dtype = self.model.embed_tokens.weight.dtype
-        width = attention.q_size + 2 * attention.kv_size
         if on_phase is not None:
             on_phase("building the prefill attention's cuDNN plans")
         t0 = time.perf_counter()
-        qkv = torch.zeros(per_prompt_length(max_tokens), width, dtype=dtype, device=self.device)
-        built = backend.prefill.warm_up(*attention.heads(qkv), max_tokens)
-        del qkv
+        built = backend.prefill.warm_up(*self._attention_rows(per_prompt_length(max_tokens)), max_tokens)
         if built:
             log.info("prefill attention: %d cuDNN plans in %.1f s", built, time.perf_counter() - t0)
 
@@ -262,12 +255,17 @@ class ModelRunner:
 
         if not isinstance(backend, TritonAttention) or backend.chunk_attention_tokens <= 0:
             return
+        triton_chunk.warm_up(self._attention_rows(1)[0], self.kv_pages[0, 0], self.kv_pages[0, 1])
+
+    def _attention_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of `rows` zero rows, laid out (strided) as the model's qkv projection lays them out: the
+        kernels' start-up builds key on these shapes and strides."""
         layer = self.model.layers[0]
         assert isinstance(layer, DecoderLayer)
         attention = layer.attn
         dtype = self.model.embed_tokens.weight.dtype
-        qkv = torch.zeros(1, attention.q_size + 2 * attention.kv_size, dtype=dtype, device=self.device)
-        triton_chunk.warm_up(attention.heads(qkv)[0], self.kv_pages[0, 0], self.kv_pages[0, 1])
+        qkv = torch.zeros(rows, attention.q_size + 2 * attention.kv_size, dtype=dtype, device=self.device)
+        return attention.heads(qkv)
 
     def _make_prefill_graphs(
         self, max_tokens: int, progress: _GraphProgress, kv_store: bool

@@ -16,7 +16,7 @@ import torch
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_runtime.cuda_graphs import graph_batch_sizes
 from model_runtime.engine import Engine
-from model_runtime.kv_layout import FP8_SCALE_BYTES
+from model_runtime.kv_quant import split_fp8_cache
 from model_runtime.llm import LLM
 from model_runtime.request import ChatMessage, Completion, PromptInput, Request, SamplingParams
 from model_runtime.weights import ModelLoadError
@@ -79,20 +79,19 @@ def start_decoding(engine: Engine, batch: int, tag: str) -> list[Request]:
 
 
 def written_slots(engine: Engine, before: torch.Tensor) -> set[int]:
-    """Slots whose K or V changed in any layer since `before`. An FP8 block is its tokens' codes [B, H*D], then
-    their scales [H, B] (model_runtime.kv_layout): a slot changed when its codes or any of its heads' scales did."""
-    layout, cache = engine.layout, engine.runner.kv_cache
-    if not layout.quantized:
-        flat = (layout.num_layers, 2, layout.num_blocks * layout.block_size, -1)
-        changed = (cache.view(flat) != before.view(flat)).any(dim=-1).any(dim=1).any(dim=0)
-        return set(changed.nonzero().flatten().tolist())
-    lay, blocks, size, heads = layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads
-    codes = size * heads * layout.head_dim
-    now, then = (t.view(torch.uint8).view(lay, 2, blocks, -1) for t in (cache, before))
-    changed = (now[..., :codes] != then[..., :codes]).view(lay, 2, blocks, size, -1).any(dim=-1)
-    scales = slice(codes, codes + FP8_SCALE_BYTES * heads * size)
-    scale_changed = (now[..., scales] != then[..., scales]).view(lay, 2, blocks, heads, size, -1)
-    changed |= scale_changed.any(dim=-1).any(dim=3)
+    """Slots whose K or V changed in any layer since `before` (an FP8 cache: their codes or their scales, read
+    through the cache's own split, kv_quant.split_fp8_cache)."""
+    layout = engine.layout
+
+    def per_slot(storage: torch.Tensor) -> list[torch.Tensor]:  # [L, 2, N, B, values]
+        if not layout.quantized:
+            return [storage.view(layout.num_layers, 2, layout.num_blocks, layout.block_size, -1)]
+        codes, scales = split_fp8_cache(storage, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        return [codes.view(torch.uint8).flatten(-2), scales]
+
+    changed = sum(
+        (now != then).any(dim=-1) for now, then in zip(per_slot(engine.runner.kv_cache), per_slot(before))
+    )
     return set(changed.any(dim=1).any(dim=0).flatten().nonzero().flatten().tolist())
 
 

@@ -15,117 +15,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+
+from tests.unit.paged_inputs import TOL, compare, fp8_caches, on_grid, paged_case, rel_err, step_meta
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-TOL = 1e-4  # fp32 interpreter: numpy matmuls, so only summation-order differences remain
 # The FP8-cache decode kernel's dots run in float16 (triton_decode says why): its queries and scaled probabilities
 # round to float16's 11-bit significand (2^-11 relative), the rest is exact.
 TOL_FP8_DECODE = 2e-3
-
-
-# --- building paged inputs (child side) ---------------------------------------------------------------------
-def _meta(
-    seq_lens: list[int],
-    query_lens: list[int],
-    block_tables: torch.Tensor,
-    slots: list[int],
-    block_size: int = 16,
-    decode_gather_tokens: int = 0,
-):
-    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included; decode rows join
-    the cached group up to `decode_gather_tokens` context tokens (0: the decode kernel takes them)."""
-    from model_runtime.attention.base import AttentionMetadata
-    from model_runtime.host_batch import mixed_plan
-
-    plan = None
-    if max(query_lens) > 1:
-        tables = block_tables.numpy()
-        plan = mixed_plan(query_lens, np.array(seq_lens), tables, block_size, decode_gather_tokens).to_device(
-            "cpu"
-        )
-
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        mixed=plan,
-    )
-
-
-def _random_tables(gen: torch.Generator, seq_lens: list[int], block_size: int) -> tuple[torch.Tensor, int]:
-    """Scattered block ids (a random permutation of 1..N-1), rows padded with the null block 0."""
-    need = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(need) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(len(seq_lens), max(1, max(need)) + 1, dtype=torch.int32)
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
-        perm = perm[n:]
-    return table, num_blocks
-
-
-def _paged_case(
-    seed: int,
-    seq_lens: list[int],
-    query_lens: list[int],
-    kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    decode_gather_tokens: int = 0,
-):
-    """Random caches already holding every context token; q/k/v for the new tokens; metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    table, num_blocks = _random_tables(gen, seq_lens, block_size)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    slots: list[int] = []
-    for i, (s, n) in enumerate(zip(seq_lens, query_lens)):
-        blocks = table[i].tolist()
-        slots += [
-            blocks[p // block_size] * block_size + p % block_size if s > 0 else -1 for p in range(s - n, s)
-        ]
-    t = sum(query_lens)
-    q = torch.randn(t, kv_heads * group, head_dim, generator=gen)
-    k, v = (
-        torch.randn(t, kv_heads, head_dim, generator=gen),
-        torch.randn(t, kv_heads, head_dim, generator=gen),
-    )
-    return (
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        _meta(seq_lens, query_lens, table, slots, block_size, decode_gather_tokens),
-    )
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
-
-
-def _compare(out: torch.Tensor, ref: torch.Tensor, live: list[bool], tol: float = TOL) -> tuple[bool, str]:
-    """Live rows match the reference; padded rows (seq_len 0) are exactly zero."""
-    keep = torch.tensor(live)
-    err = _rel_err(out[keep], ref[keep])
-    pad_ok = bool((out[~keep] == 0).all()) if (~keep).any() else True
-    nan_free = not bool(out.isnan().any())
-    return err < tol and pad_ok and nan_free, f"rel_err={err:.2e} pad_zero={pad_ok} nan_free={nan_free}"
 
 
 # --- cases (child side) -------------------------------------------------------------------------------------
@@ -145,21 +46,6 @@ def _case_store() -> tuple[bool, str]:
     return ok, f"caches equal: {ok}"
 
 
-def _fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """Float pages as an FP8 cache: (K codes, V codes, scale pages [2, N, B, H]) over one storage."""
-    from model_runtime.kv_quant import fp8_pages
-
-    return fp8_pages(k_cache, v_cache)
-
-
-def _on_grid(x: torch.Tensor) -> torch.Tensor:
-    """Rows [..., H, D] moved onto values an FP8 cache stores exactly: each row's codes times its scale, one code
-    at +-448, so storing it again gives the same scale and rounds nothing."""
-    from model_runtime.kv_quant import dequantize_kv, quantize_kv
-
-    return dequantize_kv(*quantize_kv(x), x.dtype)
-
-
 def _case_store_fp8() -> tuple[bool, str]:
     """The Triton store computes each row's scale (bf16 of max / 448) and codes as kv_quant does: byte for byte
     what the torch store writes, codes and scales. Inputs sit on the FP8 grid: the interpreter's float32 ->
@@ -170,11 +56,11 @@ def _case_store_fp8() -> tuple[bool, str]:
     from model_runtime.attention.triton_store import store_kv_triton
 
     gen = torch.Generator().manual_seed(0)
-    kc, vc, scales = _fp8_caches(
+    kc, vc, scales = fp8_caches(
         torch.randn(6, 4, 2, 24, generator=gen), torch.randn(6, 4, 2, 24, generator=gen)
     )
     magnitude = torch.logspace(-3, 3, 7)[:, None, None, None]
-    fused = _on_grid(torch.randn(7, 3, 2, 24, generator=gen) * magnitude)
+    fused = on_grid(torch.randn(7, 3, 2, 24, generator=gen) * magnitude)
     k, v = fused[:, 1], fused[:, 2]
     k[3, 1] = 0.0
     slots = torch.tensor([5, -1, 22, 4, -1, 9, 23], dtype=torch.int64)
@@ -207,7 +93,7 @@ def _case_gather_fp8() -> tuple[bool, str]:
     gen = torch.Generator().manual_seed(11)
     n, b, h, d = 6, 4, 3, 24
     magnitude = 10.0 ** torch.randint(-3, 4, (n, b, h, 1), generator=gen).float()
-    kc, vc, scales = _fp8_caches(
+    kc, vc, scales = fp8_caches(
         torch.randn(n, b, h, d, generator=gen) * magnitude, torch.randn(n, b, h, d, generator=gen) * magnitude
     )
     slots = torch.tensor([5, 0, 23, 23, 4, 7, 12, 3, 20, 9], dtype=torch.int64)
@@ -266,12 +152,12 @@ def _decode_case(
         from model_runtime.attention.torch_ref import paged_attention_ref
         from model_runtime.attention.triton_decode import decode_attention
 
-        q, _, _, kc, vc, meta = _paged_case(
+        q, _, _, kc, vc, meta = paged_case(
             seed, seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size
         )
         scales = None
         if fp8:  # an FP8 cache: codes plus a scale per token and head, read back as code * scale
-            kc, vc, scales = _fp8_caches(kc, vc)
+            kc, vc, scales = fp8_caches(kc, vc)
         out = torch.full_like(q, float("nan"))
         decode_attention(
             q,
@@ -287,11 +173,11 @@ def _decode_case(
             scales,
         )
         live = [s > 0 for s in seq_lens]
-        safe = _meta(
+        safe = step_meta(
             [max(1, s) for s in seq_lens], [1] * len(seq_lens), meta.block_tables, [0] * len(seq_lens)
         )
         tol = TOL_FP8_DECODE if fp8 else TOL
-        return _compare(out, paged_attention_ref(q, kc, vc, safe, 0.3, scales), live, tol)
+        return compare(out, paged_attention_ref(q, kc, vc, safe, 0.3, scales), live, tol)
 
     return run
 
@@ -319,13 +205,13 @@ def _backend_case(
         from model_runtime.attention.triton_backend import TritonAttention
 
         gather = 8192 if gather_decodes else 0
-        q, k, v, kc, vc, meta = _paged_case(7, seq_lens, query_lens, 2, 2, 32, 4, gather)
+        q, k, v, kc, vc, meta = paged_case(7, seq_lens, query_lens, 2, 2, 32, 4, gather)
         if gather_decodes and (meta.mixed is None or meta.mixed.decode_rows is not None):
             return False, "the plan left decode rows to the decode kernel"
         scales = ref_scales = None
         if fp8:  # new rows on the FP8 grid: see _case_store_fp8 on the interpreter's rounding
-            kc, vc, scales = _fp8_caches(kc, vc)
-            k, v = _on_grid(k), _on_grid(v)
+            kc, vc, scales = fp8_caches(kc, vc)
+            k, v = on_grid(k), on_grid(v)
             ref_scales = scales.clone()
         backend = make_attention_backend("triton", "cpu")
         if segments is not None:
@@ -336,7 +222,7 @@ def _backend_case(
         ref = TorchAttention().forward(q, k, v, ref_kc, ref_vc, meta, 0.25, ref_scales)
         out = backend.forward(q, k, v, kc, vc, meta, 0.25, scales)
         live = [s > 0 for s, n in zip(seq_lens, query_lens) for _ in range(n)]
-        ok, detail = _compare(out, torch.nan_to_num(ref), live, TOL_FP8_DECODE if fp8 else TOL)
+        ok, detail = compare(out, torch.nan_to_num(ref), live, TOL_FP8_DECODE if fp8 else TOL)
         caches = (
             torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8))
             and torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))
@@ -367,7 +253,7 @@ def _chunk_case(
         from model_runtime.attention.torch_ref import paged_attention_ref
         from model_runtime.attention.triton_chunk import TILE_N, ChunkWork, chunk_attention, plan_chunk_work
 
-        q, _, _, kc, vc, meta = _paged_case(seed, seq_lens, query_lens, kv_heads, group, 32, block_size, 8192)
+        q, _, _, kc, vc, meta = paged_case(seed, seq_lens, query_lens, kv_heads, group, 32, block_size, 8192)
         cached = meta.mixed.cached if meta.mixed is not None else None
         if cached is None or cached.context_slots is None:
             return False, "the step has no cached group"
@@ -376,7 +262,7 @@ def _chunk_case(
         work = ChunkWork.on(host, q.shape[1], q.shape[2], torch.device("cpu"))
         out = chunk_attention(cached.rows.take(q), kc, vc, cached.context_slots, work, 0.25)
         split_as_asked = work.split == (sms > 1) and (sms == 1 or host.split_keys == TILE_N)
-        err = _rel_err(out, ref)
+        err = rel_err(out, ref)
         detail = (
             f"rel_err={err:.2e} items={host.items.shape[0]} split={work.split} split_keys={host.split_keys}"
         )
