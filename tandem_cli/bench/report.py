@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -202,7 +203,12 @@ EXPORT_COMMIT = Path(__file__).with_name("export_commit.txt")  # `git archive` w
 def git_commit(repo: Path | None = None) -> str | None:
     """HEAD of the checkout this code runs from, with "-dirty" when tracked files changed; for a `git archive`
     export (no checkout of its own, perhaps inside another one) the commit the archive was made from, from
-    EXPORT_COMMIT (export-subst in .gitattributes); None when neither says."""
+    EXPORT_COMMIT (export-subst in .gitattributes); None when neither says. TANDEM_COMMIT, when set, wins over
+    both: a copy of the tree whose `.git` is not the one it was copied from (a GPU machine's copy of a working tree)
+    would otherwise report that `.git`'s HEAD."""
+    stamped = os.environ.get("TANDEM_COMMIT", "").strip()
+    if stamped and repo is None:
+        return stamped
     where = (repo or Path(__file__).resolve().parents[2]).resolve()
 
     def git(*args: str) -> str:

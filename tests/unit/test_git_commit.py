@@ -42,3 +42,12 @@ def test_an_archive_export_inside_another_checkout_reports_the_commit_it_was_mad
         env={"PYTHONPATH": str(export), "PATH": "/usr/bin:/bin"},
     ).stdout.strip()  # fmt: skip
     assert out == head
+
+
+def test_a_stamped_commit_wins_over_the_copys_own_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine's copy of the tree may carry a stale `.git`: the caller's stamp names what really ran."""
+    stamp = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("TANDEM_COMMIT", stamp)
+    assert git_commit() == stamp
+    monkeypatch.setenv("TANDEM_COMMIT", "")
+    assert git_commit() != stamp
