@@ -8,7 +8,10 @@ wheels, 34 MB archived; about 90 s of one core here, 5 s to unpack there).
 
     python3 bench/pack_kit.py              # here, after make-kit.sh
     carry [".whl/site.tar.xz"], and start the device command with:
-    tar -xJf .whl/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD ...
+    tar -xJf .whl/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD TANDEM_COMMIT=<the commit sent> ...
+
+The device's copy of the tree may carry an older `.git`; TANDEM_COMMIT is what the results' `commit` then records
+(tandem_cli.bench.report.git_commit).
 """
 
 from __future__ import annotations
