@@ -246,16 +246,18 @@ class ModelRunner:
         gather_fp8_kv(self.kv_pages[0, 0], self.kv_pages[0, 1], self.kv_scales[0], slots, dtype)
 
     def _warm_chunk_attention(self, backend: AttentionBackend) -> None:
-        """Builds the split-KV chunk kernels (attention.triton_chunk) that a chunk over a cached prefix runs with a
-        16-bit cache, on q laid out as the model's rows: no start-up step runs such a chunk."""
-        if not self._on_cuda or self.kv_scales is not None:
+        """Builds the split-KV chunk kernels (attention.triton_chunk) that a chunk over a cached prefix runs, on q
+        laid out as the model's rows and this cache's pages (an FP8 cache's scales too): no start-up step runs
+        such a chunk."""
+        if not self._on_cuda:
             return
         from model_runtime.attention import triton_chunk
         from model_runtime.attention.triton_backend import TritonAttention
 
         if not isinstance(backend, TritonAttention) or backend.chunk_attention_tokens <= 0:
             return
-        triton_chunk.warm_up(self._attention_rows(1)[0], self.kv_pages[0, 0], self.kv_pages[0, 1])
+        scales = None if self.kv_scales is None else self.kv_scales[0]
+        triton_chunk.warm_up(self._attention_rows(1)[0], self.kv_pages[0, 0], self.kv_pages[0, 1], scales)
 
     def _attention_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of `rows` zero rows, laid out (strided) as the model's qkv projection lays them out: the

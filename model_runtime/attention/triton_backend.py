@@ -9,8 +9,9 @@ forward() always scatters the new K/V with the Triton store kernel, then dispatc
                    cuDNN one by one, the other fresh chunks in one varlen FlashAttention-2 call over their own
                    rows, chunks with a cached prefix in one such call over their contexts gathered from the
                    cache by slot (one index_select per layer; a 2k-token Llama-3-8B context is 8 MiB)
-                   (a cached group with a prompt chunk, of at most `chunk_attention_tokens` query rows, 16-bit
-                   cache: read from the pages in place by the split-KV Triton kernel of triton_chunk.py, no gather)
+                   (a cached group with a prompt chunk, of at most `chunk_attention_tokens` query rows: read
+                   from the pages in place by the split-KV Triton kernel of triton_chunk.py, no gather, an FP8
+                   cache's codes and scales included)
     q_len == 1  -> one decode-kernel launch over those sequences
   Rows that are contiguous in the step (the scheduler puts running sequences first, new prompts after them)
   are read and written as slices; the decode kernel writes straight into its rows of the output.
@@ -53,8 +54,7 @@ class TritonAttention(AttentionBackend):
     `num_segments` fixes the split-KV count (a power of two <= 64); None picks it from the batch shape.
     `decode_gather_tokens`: a mixed step's decode rows join its cached group up to this many context tokens in
     total (device.decode_gather_tokens; 0: never).
-    `chunk_attention_tokens`: a cached group of at most this many query rows (16-bit cache) with a prompt chunk
-    in it runs the split-KV chunk kernel over the pages in place (device.chunk_attention_tokens; 0: never). A
+    `chunk_attention_tokens`: a cached group of at most this many query rows with a prompt chunk in it runs the split-KV chunk kernel over the pages in place (device.chunk_attention_tokens; 0: never). A
     group of gathered decode rows alone (beside a fresh prompt) keeps the gathered call: the kernel was measured
     to win with a chunk over a cached prefix in the group, and a mixed workload, whose steps often hold such
     decode-only groups, ran slower with it (docs/performance.md, "A chunk over a cached prefix, split along its
@@ -221,13 +221,11 @@ class TritonAttention(AttentionBackend):
         slots = group.context_slots
         if (
             slots is not None
-            and kv_scale is None
             and group.max_q > 1  # a prompt chunk over a cached prefix, not decode rows alone (see below)
             and group.num_rows <= self.chunk_attention_tokens
         ):
-            return chunk_attention(
-                group.rows.take(q), k_cache, v_cache, slots, self._chunk_work(q, k_cache, group), scale
-            )
+            work = self._chunk_work(q, k_cache, group)
+            return chunk_attention(group.rows.take(q), k_cache, v_cache, slots, work, scale, kv_scale)
         kc, vc = group_kv(k, v, k_cache, v_cache, group, kv_scale)
         return self.prefill(group.rows.take(q), kc, vc, group, scale)
 

@@ -16,8 +16,12 @@ A tile whose keys fit in one item writes its output rows directly; the others wr
 and log-sum-exps (log2) that the merge kernel combines per (row, query head). The work table is planned on the
 host once per step (plan_chunk_work, numpy) and reused by every layer. No gather, no copy of the context.
 
-16-bit caches (and float32 for tests); an FP8 cache's cached group keeps the gather (attention.triton_gather),
-which dequantizes once per step and layer.
+An FP8 cache (QUANTIZED) is read as the decode kernel reads it (triton_decode's docstring): e4m3 codes and one
+bfloat16 scale per token and KV head from the same blocks, dots in float16, a key's scale applied to its score
+column and a value's to its probability (lifted by V_SCALE_LIFT, undone on the output), so the loop reads one byte
+per element and no dequantized copy of the context is made. As there, a tile's scales are loaded one iteration
+ahead and the slots that address them two: a first version that loaded them beside their codes was 1-1.6 ms a
+step slower than gathering (docs/performance.md, "A chunk over a cached prefix, split along its context").
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from model_runtime.attention.triton_decode import V_SCALE_LIFT
+from model_runtime.attention.triton_store import check_scale_pages
+from model_runtime.fused.e4m3 import converts_e4m3, e4m3_to_float16
 
 ROWS = 64  # a tile's M rows: tokens x the query heads of one KV head (GQA packed), padded to a power of two
 TILE_N = 64  # keys per loop iteration
@@ -131,16 +139,28 @@ class ChunkWork:
         return cls(items, rows, host.tokens_per_tile, split, part_out, part_lse)
 
 
+@triton.jit
+def _slot_scales(
+    k_scale_ptr, v_scale_ptr, slots, ok, kv_head, stride_sn, stride_sb, stride_sh, PAGE: tl.constexpr
+):  # fmt: skip
+    """An FP8 cache's K and V scales of the keys at `slots` for one KV head, 0 where not `ok`."""
+    at = (slots // PAGE) * stride_sn + (slots % PAGE) * stride_sb + kv_head * stride_sh
+    return tl.load(k_scale_ptr + at, mask=ok, other=0.0), tl.load(v_scale_ptr + at, mask=ok, other=0.0)
+
+
 # The work tables and the slots are views into per-step buffers at offsets that vary from step to step: kept out of
 # Triton's 16-byte alignment specialization, which would otherwise build another variant mid-run.
 # fmt: off
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "items_ptr"])
 def _chunk_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, items_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+    q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, items_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    k_scale_ptr, v_scale_ptr, scale_log2,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+    stride_sn, stride_sb, stride_sh,
     stride_ot, stride_oh, stride_pw, stride_pt, stride_ph, stride_lw, stride_lt, stride_lh,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     # fmt: on
     w = tl.program_id(0)
@@ -163,14 +183,30 @@ def _chunk_split_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + row[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0)
+    if QUANTIZED:
+        q = q.to(tl.float16)  # and k, p, v follow q's dtype below
     last_key = row + delta  # row's own position in the group's context
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if QUANTIZED:  # scales run one tile ahead of their use, their slots two (see the module docstring)
+        first = k_lo + tl.arange(0, TILE)
+        k_scale_next, v_scale_next = _slot_scales(
+            k_scale_ptr, v_scale_ptr, tl.load(slots_ptr + first, mask=first < k_hi, other=0), first < k_hi,
+            kv_head, stride_sn, stride_sb, stride_sh, PAGE,
+        )
+        slots_after = tl.load(slots_ptr + first + TILE, mask=first + TILE < k_hi, other=0)
     for n0 in range(k_lo, k_hi, TILE):
         a = n0 + tl.arange(0, TILE)
         a_ok = a < k_hi
+        if QUANTIZED:
+            k_scale, v_scale = k_scale_next, v_scale_next
+            k_scale_next, v_scale_next = _slot_scales(
+                k_scale_ptr, v_scale_ptr, slots_after, a + TILE < k_hi, kv_head, stride_sn, stride_sb, stride_sh,
+                PAGE,
+            )
+            slots_after = tl.load(slots_ptr + a + 2 * TILE, mask=a + 2 * TILE < k_hi, other=0)
         # Keys past the item read slot 0 (block 0, the null block: zeros, never written) and are masked below.
         slot = tl.load(slots_ptr + a, mask=a_ok, other=0)
         block = slot // PAGE
@@ -178,6 +214,8 @@ def _chunk_split_kernel(
         k = tl.load(k_cache_ptr + (block * stride_kn + in_page * stride_kb + kv_head * stride_kh)[:, None]
                     + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        if QUANTIZED:
+            s = s * k_scale.to(tl.float32)[None, :]
         seen = a_ok[None, :] & (a[None, :] <= last_key[:, None])
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -187,12 +225,19 @@ def _chunk_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + (block * stride_vn + in_page * stride_vb + kv_head * stride_vh)[:, None]
                     + d[None, :], mask=d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        pv = p
+        if QUANTIZED:
+            pv = p * (v_scale.to(tl.float32) * V_SCALE_LIFT)[None, :]
+        if STAGE_V:  # V's codes as float16 before the dot's operand is formed (fused/e4m3.py)
+            v = e4m3_to_float16(v)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if QUANTIZED:
+        o = o * (1.0 / V_SCALE_LIFT)
     if num_items == 1:
         tl.store(out_ptr + row[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -244,9 +289,11 @@ def chunk_attention(
     context_slots: torch.Tensor,
     work: ChunkWork,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the group's rows q [Tg, Hq, D] over their contexts (slots `context_slots`, the
-    chunks' own new keys stored already) in pages k_cache, v_cache [N, B, Hkv, D]: [Tg, Hq, D]."""
+    chunks' own new keys stored already) in pages k_cache, v_cache [N, B, Hkv, D]: [Tg, Hq, D]. `kv_scale`
+    [2, N, B, Hkv] bfloat16: an FP8 cache's scale pages (kv_quant.split_fp8_cache)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"chunk_attention: q must be [T, Hq, D] and the caches [N, B, Hkv, D] alike; got {tuple(q.shape)}, "
@@ -259,20 +306,25 @@ def chunk_attention(
             f"chunk_attention: {num_heads} query heads of dim {head_dim} (contiguous) over {kv_heads} KV heads "
             f"of dim {k_cache.shape[3]}"
         )
+    check_scale_pages(k_cache, kv_scale, "chunk_attention")
     group = num_heads // kv_heads
+    quantized = kv_scale is not None
+    k_scale, v_scale = (context_slots, context_slots) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread
+    scale_strides = (0, 0, 0) if kv_scale is None else (kv_scale.stride(1), kv_scale.stride(2), kv_scale.stride(3))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     po, pl = work.part_out, work.part_lse
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # fmt: off
     _chunk_split_kernel[(work.items.shape[0], kv_heads)](
-        q, k_cache, v_cache, context_slots, work.items, out, po, pl, scale * math.log2(math.e),
+        q, k_cache, v_cache, context_slots, work.items, out, po, pl, k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scale_strides, out.stride(0), out.stride(1),
         *_part_strides(po, pl),
         GROUP=group, TOKENS=work.tokens_per_tile,
         BLOCK_M=max(16, triton.next_power_of_2(work.tokens_per_tile * group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], TILE=TILE_N, DOT_PRECISION=precision,
+        QUANTIZED=quantized, STAGE_V=quantized and converts_e4m3(q.device),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if work.split:
@@ -288,13 +340,15 @@ def _part_strides(po: torch.Tensor, pl: torch.Tensor) -> tuple[int, ...]:
     return po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), pl.stride(2)
 
 
-def warm_up(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def warm_up(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None = None
+) -> None:
     """Builds both kernels for the model's shapes and strides (q [>= 1, Hq, D] laid out as the model's rows, any
-    values; one layer's pages) by running a one-token chunk over two tiles of null-block keys, split in two: no
+    values; one layer's pages, with an FP8 cache's scale pages) by running a one-token chunk over two tiles of null-block keys, split in two: no
     start-up step runs a chunk over a cached prefix, and a kernel built mid-run would hold up the first one."""
     keys = 2 * TILE_N
     host = plan_chunk_work(np.array([0, 1]), np.array([0, keys]), q.shape[1] // k_cache.shape[2], 1, keys)
     work = ChunkWork.on(host, q.shape[1], q.shape[2], q.device)
     assert work.split, "the warm-up must build the merge kernel too"
     slots = torch.zeros(keys, dtype=torch.int64, device=q.device)
-    chunk_attention(q[:1], k_cache, v_cache, slots, work, 1.0)
+    chunk_attention(q[:1], k_cache, v_cache, slots, work, 1.0, kv_scale)

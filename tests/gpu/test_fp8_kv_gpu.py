@@ -162,3 +162,34 @@ def test_decode_rows_gathered_from_the_fp8_cache_match_the_reference() -> None:
     """Decodes beside a chunk over a cached prefix, the decodes attended in the chunk's call over contexts
     gathered and dequantized from the FP8 cache (device.decode_gather_tokens), as the reference reads them."""
     _fp8_step_matches_the_reference(19, [2300, 129, 2048 + 128], [1, 1, 128], decode_gather_tokens=8192)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [
+        ([2048 + 128, 2300, 129], [128, 1, 1]),
+        ([8192 + 64, 700], [64, 1]),
+        ([1000 + 200, 5000 + 300], [200, 300]),
+    ],
+    ids=["128-over-2k", "64-over-8k", "500-rows"],
+)
+def test_the_chunk_kernel_reads_the_fp8_cache_in_place(seq_lens: list[int], query_lens: list[int]) -> None:
+    """A cached group over an FP8 cache through the split-KV chunk kernel (codes and scales read in place,
+    device.chunk_attention_tokens) against the reference reading the same codes and scales, and against the
+    same step gathered and dequantized for FlashAttention-2."""
+    from model_runtime.attention.triton_backend import TritonAttention
+
+    q, k, v, kc, vc, meta = paged_inputs(23, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, 8192)
+    gathered_meta = make_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping, 16, 8192)
+    assert meta.mixed is not None and meta.mixed.cached is not None and meta.mixed.decode_rows is None
+    kc, vc, scales = fp8_pages(kc, vc)
+    ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, 0.088, ref_scales)
+    gathered = TritonAttention(chunk_attention_tokens=0).forward(
+        q, k, v, kc.clone(), vc.clone(), gathered_meta, 0.088, scales.clone()
+    )
+    out = TritonAttention().forward(q, k, v, kc, vc, meta, 0.088, scales)
+    assert meta.mixed.cached.chunk_work is not None, "the chunk kernel did not run"
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(out, gathered) < TOL[torch.bfloat16]

@@ -230,7 +230,7 @@ def _backend_case(
         )
         cached = meta.mixed.cached if meta.mixed is not None else None
         used = cached is not None and cached.chunk_work is not None
-        wanted = cached is not None and max(cached.query_lens) > 1 and chunk_kernel and not fp8
+        wanted = cached is not None and max(cached.query_lens) > 1 and chunk_kernel
         return ok and caches and used == wanted, f"{detail} caches_equal={caches} chunk_kernel_used={used}"
 
     return run
@@ -244,10 +244,12 @@ def _chunk_case(
     group: int,
     block_size: int,
     sms: int,
+    fp8: bool = False,
 ) -> Callable[[], tuple[bool, str]]:
     """The split-KV chunk kernel alone (attention.triton_chunk) on the cached group of a step whose decode rows
     join it, against the reference; `sms` sizes the split (1: one item per tile, no merge; more: the keys of
-    a tile cut into slices of one tile, merged), and the case fails unless the plan split as asked."""
+    a tile cut into slices of one tile, merged), and the case fails unless the plan split as asked. `fp8`: the
+    pages as an FP8 cache, read in place (codes and scales) as the reference reads them."""
 
     def run() -> tuple[bool, str]:
         from model_runtime.attention.torch_ref import paged_attention_ref
@@ -257,16 +259,20 @@ def _chunk_case(
         cached = meta.mixed.cached if meta.mixed is not None else None
         if cached is None or cached.context_slots is None:
             return False, "the step has no cached group"
-        ref = cached.rows.take(paged_attention_ref(q, kc, vc, meta, 0.25))
+        scales = None
+        if fp8:
+            kc, vc, scales = fp8_caches(kc, vc)
+        ref = cached.rows.take(paged_attention_ref(q, kc, vc, meta, 0.25, scales))
         host = plan_chunk_work(cached.cu_q.numpy(), cached.cu_k.numpy(), group, kv_heads, sms)
         work = ChunkWork.on(host, q.shape[1], q.shape[2], torch.device("cpu"))
-        out = chunk_attention(cached.rows.take(q), kc, vc, cached.context_slots, work, 0.25)
+        out = chunk_attention(cached.rows.take(q), kc, vc, cached.context_slots, work, 0.25, scales)
         split_as_asked = work.split == (sms > 1) and (sms == 1 or host.split_keys == TILE_N)
         err = rel_err(out, ref)
         detail = (
             f"rel_err={err:.2e} items={host.items.shape[0]} split={work.split} split_keys={host.split_keys}"
         )
-        return err < TOL and split_as_asked and not bool(out.isnan().any()), detail
+        tol = TOL_FP8_DECODE if fp8 else TOL
+        return err < tol and split_as_asked and not bool(out.isnan().any()), detail
 
     return run
 
@@ -306,6 +312,11 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
     "chunk_kernel_split_and_merged": _chunk_case(11, [100, 9, 70], [17, 1, 20], 1, 4, 16, sms=10_000),
     "chunk_kernel_gqa3_pages_of_4": _chunk_case(12, [150, 2], [45, 1], 1, 3, 4, sms=10_000),
     "chunk_kernel_gqa1_pages_of_128": _chunk_case(13, [200, 90], [20, 90], 2, 1, 128, sms=10_000),
+    # an FP8 cache read in place: scales a tile ahead of their keys, their slots two; many tiles a slice (sms=1)
+    "chunk_kernel_fp8_one_item_per_tile": _chunk_case(15, [300, 2], [45, 1], 1, 3, 4, sms=1, fp8=True),
+    "chunk_kernel_fp8_split_and_merged": _chunk_case(
+        14, [100, 9, 70], [17, 1, 20], 2, 4, 16, 10_000, fp8=True
+    ),
     "backend_chunks_with_prefixes_gathered": _backend_case([20, 6, 33], [4, 6, 2], chunk_kernel=False),
     # decodes gathered beside a fresh prompt alone: their group has no chunk, and keeps the gathered call
     "backend_decodes_gathered_beside_a_fresh_prompt": _backend_case(
