@@ -35,7 +35,11 @@ from model_runtime.attention.packed_prefill import PackedPrefill, group_kv
 from model_runtime.attention.triton_chunk import ChunkWork, chunk_attention, plan_chunk_work
 from model_runtime.attention.triton_decode import decode_attention
 from model_runtime.attention.triton_store import store_kv_triton
-from model_runtime.config import CHUNK_ATTENTION_MAX_TOKENS, DECODE_GATHER_MAX_TOKENS
+from model_runtime.config import (
+    CHUNK_ATTENTION_FP8_MAX_TOKENS,
+    CHUNK_ATTENTION_MAX_TOKENS,
+    DECODE_GATHER_MAX_TOKENS,
+)
 
 # Programs per SM the decode grid aims for when it picks a segment count (see choose_num_segments).
 PROGRAMS_PER_SM = 4
@@ -222,12 +226,19 @@ class TritonAttention(AttentionBackend):
         if (
             slots is not None
             and group.max_q > 1  # a prompt chunk over a cached prefix, not decode rows alone (see below)
-            and group.num_rows <= self.chunk_attention_tokens
+            and group.num_rows <= self._chunk_rows_limit(kv_scale)
         ):
             work = self._chunk_work(q, k_cache, group)
             return chunk_attention(group.rows.take(q), k_cache, v_cache, slots, work, scale, kv_scale)
         kc, vc = group_kv(k, v, k_cache, v_cache, group, kv_scale)
         return self.prefill(group.rows.take(q), kc, vc, group, scale)
+
+    def _chunk_rows_limit(self, kv_scale: torch.Tensor | None) -> int:
+        """The most query rows a cached group may have for the chunk kernel (fewer with an FP8 cache:
+        config.CHUNK_ATTENTION_FP8_MAX_TOKENS says why)."""
+        if kv_scale is None:
+            return self.chunk_attention_tokens
+        return min(self.chunk_attention_tokens, CHUNK_ATTENTION_FP8_MAX_TOKENS)
 
     def _chunk_work(self, q: torch.Tensor, k_cache: torch.Tensor, group: PrefillGroup) -> ChunkWork:
         """The group's work table, planned by the step's first layer and kept on the group for the others."""

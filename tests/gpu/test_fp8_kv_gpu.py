@@ -169,9 +169,9 @@ def test_decode_rows_gathered_from_the_fp8_cache_match_the_reference() -> None:
     [
         ([2048 + 128, 2300, 129], [128, 1, 1]),
         ([8192 + 64, 700], [64, 1]),
-        ([1000 + 200, 5000 + 300], [200, 300]),
+        ([1000 + 100, 5000 + 150], [100, 150]),
     ],
-    ids=["128-over-2k", "64-over-8k", "500-rows"],
+    ids=["128-over-2k", "64-over-8k", "250-rows"],
 )
 def test_the_chunk_kernel_reads_the_fp8_cache_in_place(seq_lens: list[int], query_lens: list[int]) -> None:
     """A cached group over an FP8 cache through the split-KV chunk kernel (codes and scales read in place,
@@ -193,3 +193,22 @@ def test_the_chunk_kernel_reads_the_fp8_cache_in_place(seq_lens: list[int], quer
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert rel_err(out, gathered) < TOL[torch.bfloat16]
+
+
+def test_an_fp8_cached_group_past_the_fp8_limit_keeps_the_gather() -> None:
+    """More rows than config.CHUNK_ATTENTION_FP8_MAX_TOKENS over an FP8 cache: gathered and dequantized for
+    FlashAttention-2 (the kernel lost there), still matching the reference."""
+    from model_runtime.attention.triton_backend import TritonAttention
+    from model_runtime.config import CHUNK_ATTENTION_FP8_MAX_TOKENS
+
+    seq_lens, query_lens = [1000 + 200, 5000 + 300], [200, 300]
+    assert sum(query_lens) > CHUNK_ATTENTION_FP8_MAX_TOKENS
+    q, k, v, kc, vc, meta = paged_inputs(29, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, 8192)
+    kc, vc, scales = fp8_pages(kc, vc)
+    ref = TorchAttention().forward(
+        q.float(), k.float(), v.float(), kc.clone(), vc.clone(), meta, 0.088, scales
+    )
+    out = TritonAttention(chunk_attention_tokens=1024).forward(q, k, v, kc, vc, meta, 0.088, scales)
+    assert meta.mixed is not None and meta.mixed.cached is not None
+    assert meta.mixed.cached.chunk_work is None, "the chunk kernel ran past the FP8 limit"
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
