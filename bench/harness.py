@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_runtime.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from model_runtime.engine import Engine
 from model_runtime.weights import load_model_config, resolve_model
+from tandem_cli.bench.report import git_commit
 
 BLOCK_SIZE = 16
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -88,6 +89,7 @@ class BenchRun:
             "gpu": device_name(where.device),
             "smoke": args.smoke,
             "torch": torch.__version__,
+            "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "settings": {"dtype": where.dtype, "graphs": not where.eager, **vars(args)},
             "skipped": self.skipped,
