@@ -76,6 +76,20 @@ def test_hash_is_stable_and_chained() -> None:
     assert extend_block_hashes(h[:1], [1, 2, 3, 4, 5, 6, 7, 8], BS) == h
 
 
+def test_a_long_prompt_hashes_as_its_blocks_chained_one_by_one() -> None:
+    """extend_block_hashes packs all new blocks at once: the same hashes as hash_block block after block, from
+    nothing, from a prefix of them, and up to num_tokens (large token ids included)."""
+    tokens = [(i * 7919 + 3) % 128_256 for i in range(1000)] + [2**40, 0]
+    chain, parent = [], ROOT_HASH
+    for i in range(len(tokens) // 16):
+        parent = hash_block(parent, tokens[i * 16 : (i + 1) * 16])
+        chain.append(parent)
+    assert extend_block_hashes([], tokens, 16) == chain
+    assert extend_block_hashes(chain[:5], tokens, 16) == chain
+    assert extend_block_hashes([], tokens, 16, 999) == chain[: 999 // 16]
+    assert extend_block_hashes(chain[:3], tokens, 16, 40) == chain[:3]  # nothing new: returned as given
+
+
 def commit(pool: BlockPool, tokens: list[int]) -> list[int]:
     """Allocate blocks for `tokens` and register its full blocks, as the scheduler does after compute."""
     ids = pool.allocate(-(-len(tokens) // BS))
