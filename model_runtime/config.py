@@ -238,7 +238,7 @@ CHUNK_ATTENTION_MAX_TOKENS = 1024
 # query tile, while the gather dequantizes the context once a layer: over 8k cached it won 3.4-4.6 ms at 64-128 new
 # tokens, tied at 256 and lost 2.4 ms at 512; over 2k it tied within the run's spread (one H200, the same
 # section). So FP8 cached groups take it up to this many rows (and never past chunk_attention_tokens).
-CHUNK_ATTENTION_FP8_MAX_TOKENS = 1024  # EXPERIMENT: taller FP8 tiles
+CHUNK_ATTENTION_FP8_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)

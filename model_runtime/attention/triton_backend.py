@@ -32,7 +32,7 @@ from model_runtime.attention.decode_plan import (
     choose_num_segments,
 )
 from model_runtime.attention.packed_prefill import PackedPrefill, group_kv
-from model_runtime.attention.triton_chunk import ChunkWork, chunk_attention, plan_chunk_work, tile_rows
+from model_runtime.attention.triton_chunk import ChunkWork, chunk_attention, plan_chunk_work
 from model_runtime.attention.triton_decode import decode_attention
 from model_runtime.attention.triton_store import store_kv_triton
 from model_runtime.config import (
@@ -251,7 +251,6 @@ class TritonAttention(AttentionBackend):
                 num_heads // kv_heads,
                 kv_heads,
                 _sm_count(q.device),
-                tile_rows(k_cache),
             )
             work = group.chunk_work = ChunkWork.on(host, num_heads, q.shape[2], q.device)
         return work

@@ -39,7 +39,6 @@ from model_runtime.attention.triton_store import check_scale_pages
 from model_runtime.fused.e4m3 import converts_e4m3, e4m3_to_float16
 
 ROWS = 64  # a tile's M rows: tokens x the query heads of one KV head (GQA packed), padded to a power of two
-ROWS_FP8 = 128  # an FP8 cache's: a key tile's codes are converted once per tile of rows, so tiles are taller
 TILE_N = 64  # keys per loop iteration
 PROGRAMS_PER_SM = 2  # the split aims for this many programs (work items x KV heads) per SM
 NUM_WARPS = 4
@@ -47,14 +46,9 @@ NUM_STAGES = 2
 ITEM_FIELDS = 6  # q_lo, q_hi, k_lo, k_hi, delta, items of its tile
 
 
-def tile_rows(k_cache: torch.Tensor) -> int:
-    """A tile's M rows for this cache (ROWS, or ROWS_FP8 for one-byte codes)."""
-    return ROWS_FP8 if k_cache.element_size() == 1 else ROWS
-
-
-def tile_tokens(group: int, rows: int = ROWS) -> int:
+def tile_tokens(group: int) -> int:
     """Query tokens per tile for `group` query heads per KV head."""
-    return max(1, rows // group)
+    return max(1, ROWS // group)
 
 
 @dataclass(frozen=True)
@@ -69,7 +63,7 @@ class HostChunkWork:
 
 
 def plan_chunk_work(
-    cu_q: np.ndarray, cu_k: np.ndarray, group: int, num_kv_heads: int, sm_count: int, rows: int = ROWS
+    cu_q: np.ndarray, cu_k: np.ndarray, group: int, num_kv_heads: int, sm_count: int
 ) -> HostChunkWork:
     """Tiles of tile_tokens(group) rows per chunk, each cut into slices of `split_keys` keys (a multiple of
     TILE_N, sized so that items x KV heads come to about PROGRAMS_PER_SM programs per SM); a tile's slices
@@ -80,7 +74,7 @@ def plan_chunk_work(
         raise ValueError(
             f"plan_chunk_work: chunks need 1 <= query length <= context, got {q_lens} / {np.diff(cu_k)}"
         )
-    per_tile = tile_tokens(group, rows)
+    per_tile = tile_tokens(group)
     tiles = -(-q_lens // per_tile)  # per chunk
     chunk = np.repeat(np.arange(len(q_lens)), tiles)
     first_tile = np.concatenate([[0], np.cumsum(tiles)[:-1]])
@@ -331,7 +325,7 @@ def chunk_attention(
         BLOCK_M=max(16, triton.next_power_of_2(work.tokens_per_tile * group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], TILE=TILE_N, DOT_PRECISION=precision,
         QUANTIZED=quantized, STAGE_V=quantized and converts_e4m3(q.device),
-        num_warps=NUM_WARPS if work.tokens_per_tile * group <= ROWS else 2 * NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if work.split:
         _chunk_merge_kernel[(q.shape[0], num_heads)](
@@ -353,8 +347,7 @@ def warm_up(
     values; one layer's pages, with an FP8 cache's scale pages) by running a one-token chunk over two tiles of null-block keys, split in two: no
     start-up step runs a chunk over a cached prefix, and a kernel built mid-run would hold up the first one."""
     keys = 2 * TILE_N
-    group = q.shape[1] // k_cache.shape[2]
-    host = plan_chunk_work(np.array([0, 1]), np.array([0, keys]), group, 1, keys, tile_rows(k_cache))
+    host = plan_chunk_work(np.array([0, 1]), np.array([0, keys]), q.shape[1] // k_cache.shape[2], 1, keys)
     work = ChunkWork.on(host, q.shape[1], q.shape[2], q.device)
     assert work.split, "the warm-up must build the merge kernel too"
     slots = torch.zeros(keys, dtype=torch.int64, device=q.device)
