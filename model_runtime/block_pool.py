@@ -44,9 +44,8 @@ class NoFreeBlocks(RuntimeError):
     """allocate() asked for more blocks than are free; nothing was allocated."""
 
 
-_HASHER = hashlib.blake2b(
-    digest_size=HASH_BYTES, person=b"tandem-kv"
-)  # copied per block: cheaper than a new one
+# Copied for each block: cheaper than building a hasher with its parameters every time.
+_HASHER = hashlib.blake2b(digest_size=HASH_BYTES, person=b"tandem-kv")
 
 
 def _chained(parent: bytes, packed: bytes | memoryview) -> bytes:

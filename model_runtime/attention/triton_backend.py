@@ -58,11 +58,13 @@ class TritonAttention(AttentionBackend):
     `num_segments` fixes the split-KV count (a power of two <= 64); None picks it from the batch shape.
     `decode_gather_tokens`: a mixed step's decode rows join its cached group up to this many context tokens in
     total (device.decode_gather_tokens; 0: never).
-    `chunk_attention_tokens`: a cached group of at most this many query rows with a prompt chunk in it runs the split-KV chunk kernel over the pages in place (device.chunk_attention_tokens; 0: never). A
-    group of gathered decode rows alone (beside a fresh prompt) keeps the gathered call: the kernel was measured
-    to win with a chunk over a cached prefix in the group, and a mixed workload, whose steps often hold such
-    decode-only groups, ran slower with it (docs/performance.md, "A chunk over a cached prefix, split along its
-    context").
+    `chunk_attention_tokens`: a cached group of at most this many query rows with a prompt chunk in it runs
+    the split-KV chunk kernel over the pages in place (device.chunk_attention_tokens; 0: never; an FP8 cache's
+    groups at most config.CHUNK_ATTENTION_FP8_MAX_TOKENS rows). A group of gathered decode rows alone (beside a
+    fresh prompt) keeps the gathered call: the kernel was measured to win with a chunk over a cached prefix in
+    the group, and on a mixed workload, whose steps often hold such decode-only groups, one run was slower with
+    it and a later one in both orders showed no difference (docs/performance.md, "A chunk over a cached prefix,
+    split along its context").
     One instance serves every layer of a model: its decode scratch is shared and reused.
     """
 

@@ -344,8 +344,9 @@ def warm_up(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None = None
 ) -> None:
     """Builds both kernels for the model's shapes and strides (q [>= 1, Hq, D] laid out as the model's rows, any
-    values; one layer's pages, with an FP8 cache's scale pages) by running a one-token chunk over two tiles of null-block keys, split in two: no
-    start-up step runs a chunk over a cached prefix, and a kernel built mid-run would hold up the first one."""
+    values; one layer's pages, with an FP8 cache's scale pages) by running a one-token chunk over two tiles of
+    null-block keys, split in two: no start-up step runs a chunk over a cached prefix, and a kernel built mid-run
+    would hold up the first one."""
     keys = 2 * TILE_N
     host = plan_chunk_work(np.array([0, 1]), np.array([0, keys]), q.shape[1] // k_cache.shape[2], 1, keys)
     work = ChunkWork.on(host, q.shape[1], q.shape[2], q.device)
