@@ -82,22 +82,14 @@ def _group_mm_kernel(
     n_ok = rn < N
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    sa_rows = sa_ptr + rm * stride_sam
-    sw_rows = sw_ptr + rn * stride_swn
-    groups = tl.cdiv(K, GROUP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # The scales run one group ahead of their use: Triton's pipeliner prefetches the code tiles (they feed the
-    # dot) but not loads that feed elementwise arithmetic, so scales loaded in their own step stalled every step.
-    sa_next = tl.load(sa_rows, mask=m_ok, other=0.0)
-    sw_next = tl.load(sw_rows, mask=n_ok, other=0.0)
-    for g in range(0, groups):
-        sa, sw = sa_next, sw_next
-        sa_next = tl.load(sa_rows + g + 1, mask=m_ok & (g + 1 < groups), other=0.0)
-        sw_next = tl.load(sw_rows + g + 1, mask=n_ok & (g + 1 < groups), other=0.0)
+    for g in range(0, tl.cdiv(K, GROUP)):
         k = g * GROUP + rk
         k_ok = k < K
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        sa = tl.load(sa_ptr + rm * stride_sam + g, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptr + rn * stride_swn + g, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * sw[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
