@@ -193,11 +193,11 @@ def _backend_case(
     """TritonAttention.forward (store + dispatch) against TorchAttention.forward on the same inputs. With an
     FP8 cache the Triton prefill of a fresh prompt attends to its own unquantized rows where the torch
     reference reads them back from the cache: only cases where every chunk reads the cache compare there.
-    `segments`: the decode kernel's split (None: the backend's choice for a GPU of 132 SMs, 64 segments for
-    these few sequences, most of them empty: the interpreter runs every program in Python, so the cases about
-    the prefill groups fix 4). `gather_decodes`: the plan puts the decode rows in the cached group (the case
-    fails if it did not). `chunk_kernel`: a cached group (16-bit cache) runs the split-KV chunk kernel (the
-    default) or is gathered for the per-chunk reference path (device.chunk_attention_tokens 0)."""
+    `segments`: the decode kernel's split (None: the backend's choice for the interpreter's 8 SMs,
+    triton_backend.FALLBACK_SM_COUNT: 8-16 segments for these few sequences, most of them empty; the cases
+    about the prefill groups fix 4). `gather_decodes`: the plan puts the decode rows in the cached group (the
+    case fails if it did not). `chunk_kernel`: a cached group runs the split-KV chunk kernel (the default) or
+    is gathered for the per-chunk reference path (device.chunk_attention_tokens 0)."""
 
     def run() -> tuple[bool, str]:
         from model_runtime.attention.select import make_attention_backend
