@@ -234,10 +234,11 @@ DECODE_GATHER_MAX_STEP_TOKENS = 1024
 # 1,024 new tokens over 2k and 8k cached (docs/performance.md, "A chunk over a cached prefix, split along its
 # context"); larger groups were not measured and keep the gather.
 CHUNK_ATTENTION_MAX_TOKENS = 1024
-# With an FP8 cache the kernel reads codes and scales in place and converts each key tile to float16 once per
-# query tile, while the gather dequantizes the context once a layer: over 8k cached it won 3.4-4.6 ms at 64-128 new
-# tokens, tied at 256 and lost 2.4 ms at 512; over 2k it tied within the run's spread (one H200, the same
-# section). So FP8 cached groups take it up to this many rows (and never past chunk_attention_tokens).
+# With an FP8 cache the kernel reads codes and scales in place where the gather dequantizes the context once a
+# layer: over 8k cached it won 3.4-6.5 ms at 64-128 new tokens, tied at 256 and lost 2.4 ms at 512 (not profiled:
+# taller tiles, which halve its key conversions, did not change that); over 2k it tied within the run's spread
+# (one H200, the same section). So FP8 cached groups take it up to this many rows (never past
+# chunk_attention_tokens).
 CHUNK_ATTENTION_FP8_MAX_TOKENS = 256
 
 
