@@ -9,13 +9,6 @@ in it); the GEMM case takes codes made by torch, so its inputs are exact by cons
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,8 +19,7 @@ from model_runtime.quantization.fp8 import (
     quantize_groups_torch,
 )
 from model_runtime.weights.canonical import FP8_MAX
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.interpreter import run_child
 
 
 @pytest.mark.parametrize("k", [128, 100, 64 * 9])
@@ -95,11 +87,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_the_triton_quantizer_and_gemm_match_torch_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_child(["-c", CHILD], timeout_s=600)
     assert out["groups_agree"] and out["quantizer_codes"] and out["quantizer_scales"], out
     assert out["gemm_small"] < 1e-5 and out["gemm_prefill"] < 1e-5, out

@@ -3,27 +3,20 @@ against the torch reference (model_runtime.fused.torch_ops): each op alone on aw
 strided qkv views, sizes that are not powers of two), then a whole tiny model's logits and KV with TritonOps
 against the same model with TorchOps.
 
-As in test_triton_interpret.py, the kernels run in one child process (this file run as a script) because
-TRITON_INTERPRET must be set before triton is imported.
+The kernels run in one child process, this file run as a script (tests/unit/interpreter.py says why).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.unit.interpreter import HAVE_TRITON, interpreted_cases, run_cases
+
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 TOL = 1e-5  # fp32: only summation order differs
 
 
@@ -246,32 +239,10 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
 }
 
 
-def _child_main() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1")
-    torch.set_num_threads(1)
-    results = {}
-    for name, case in CASES.items():
-        try:
-            ok, detail = case()
-        except Exception as exc:  # reported per case, so one broken kernel does not hide the others
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        results[name] = {"ok": ok, "detail": detail}
-    print(json.dumps(results))
-
-
 # --- pytest side --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, object]]:
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed: pip install 'triton>=3.7'")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_cases(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -296,4 +267,4 @@ def test_select_fused_ops_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 if __name__ == "__main__":
-    _child_main()
+    run_cases(CASES)

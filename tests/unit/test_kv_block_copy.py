@@ -4,21 +4,15 @@ against torch indexing as the reference."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kv_transfer.block_copy import DevicePointer
 from kv_transfer.slicing import ring_bytes, slices
 from model_runtime.kv_layout import KVLayout
+from tests.unit.interpreter import run_child
 
 pytestmark = pytest.mark.unit
-REPO = Path(__file__).resolve().parents[2]
 
 
 def layout(num_layers: int = 32, blocks: int = 600) -> KVLayout:
@@ -125,14 +119,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_copy_blocks_kernel_matches_torch_indexing():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_child(["-c", CHILD], timeout_s=300)
     assert results == {
         "scatter_gather_f32": True,
         "bf16": True,

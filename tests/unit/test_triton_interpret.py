@@ -1,29 +1,21 @@
 """Triton attention kernels on the CPU through Triton's interpreter (fp32, tiny shapes), against torch_ref.
 
-TRITON_INTERPRET must be set before triton is imported, and this pytest process may already hold compiled
-(non-interpreted) kernels from other tests, so the kernels run in one child process: this file executed as a
-script. The child prints one JSON line {case: {"ok", "detail"}}; each pytest test asserts one case.
+The kernels run in one child process, this file executed as a script (tests/unit/interpreter.py says why); each
+pytest test asserts one of its cases.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.unit.interpreter import HAVE_TRITON, interpreted_cases, run_cases
 from tests.unit.paged_inputs import TOL, compare, fp8_caches, on_grid, paged_case, rel_err, step_meta
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # The FP8-cache decode kernel's dots run in float16 (triton_decode says why): its queries and scaled probabilities
 # round to float16's 11-bit significand (2^-11 relative), the rest is exact.
 TOL_FP8_DECODE = 2e-3
@@ -330,51 +322,10 @@ CASES: dict[str, Callable[[], tuple[bool, str]]] = {
 }
 
 
-def _child_main() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1")
-    torch.set_num_threads(1)
-    results = {}
-    for name, case in CASES.items():
-        try:
-            ok, detail = case()
-        except Exception as exc:  # reported per case, so one broken kernel does not hide the others
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        results[name] = {"ok": ok, "detail": detail}
-    print(json.dumps(results))
-
-
 # --- pytest side --------------------------------------------------------------------------------------------
-def _interpreter_breaks_on_numpy() -> bool:
-    from importlib.metadata import version
-
-    import numpy
-
-    def major_minor(text: str) -> tuple[int, int]:
-        major, minor = text.split(".")[:2]
-        return int(major), int(minor)
-
-    return major_minor(version("triton")) < (3, 7) and major_minor(numpy.__version__) >= (2, 4)
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, object]]:
-    if not HAVE_TRITON:
-        pytest.skip(
-            "triton is not installed (the CPU torch wheel does not ship it): pip install 'triton>=3.7'"
-        )
-    if _interpreter_breaks_on_numpy():
-        pytest.skip(
-            "triton < 3.7's interpreter fails on numpy >= 2.4 (triton-lang/triton#9171): "
-            "pip install 'triton>=3.7'"
-        )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_cases(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -397,4 +348,4 @@ def test_select_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 if __name__ == "__main__":
-    _child_main()
+    run_cases(CASES)
