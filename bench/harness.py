@@ -143,13 +143,17 @@ class BenchRun:
 
 
 def result_path(out: str | None, stem: str, device: str, smoke: bool) -> Path:
-    """--out when given; smoke runs default to a temp dir so they never touch bench/results."""
-    if out:
-        return Path(out)
+    """--out when given (a folder that exists gets the default file name inside it: a run must not measure for
+    minutes and then fail to write); smoke runs default to a temp dir so they never touch bench/results."""
     if smoke:
-        return Path(tempfile.gettempdir()) / f"{stem}_smoke.json"
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")  # as the other benches name it
-    return RESULTS_DIR / f"{stem}_{slug}.json"
+        name = f"{stem}_smoke.json"
+    else:
+        # The card's name as the other benches write it.
+        slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+        name = f"{stem}_{slug}.json"
+    if out:
+        return Path(out) / name if Path(out).is_dir() else Path(out)
+    return (Path(tempfile.gettempdir()) if smoke else RESULTS_DIR) / name
 
 
 # --- measured device rates -------------------------------------------------------------------------------

@@ -396,3 +396,15 @@ def test_fp8_matmul_smoke_checks_every_projection_against_bf16(tmp_path):
         errs = r["err_vs_bf16"]
         assert 0 < errs["fp8"] < 0.08 and 0 < errs["fp8_group"] < 0.08, r
         assert "us" not in r and "accum_err" not in r  # timing and the accumulation check are the GPU's
+
+
+def test_out_may_name_a_folder_or_a_file(tmp_path: Path) -> None:
+    """--out given a folder that exists puts the default file name in it (a device run once measured for a minute
+    and then failed to write its JSON over a folder); a file path is taken as it is."""
+    from bench.harness import result_path
+
+    assert result_path(str(tmp_path), "ttft", "cpu", smoke=True) == tmp_path / "ttft_smoke.json"
+    named = result_path(str(tmp_path), "ttft", "cpu", smoke=False)
+    assert named.parent == tmp_path and named.name.startswith("ttft_") and named.suffix == ".json"
+    assert result_path(str(tmp_path / "x.json"), "ttft", "cpu", smoke=False) == tmp_path / "x.json"
+    assert result_path(None, "ttft", "cpu", smoke=True).name == "ttft_smoke.json"
