@@ -6,13 +6,12 @@ tables are random permutations, and some batches carry padding rows (seq_len 0) 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from model_runtime.attention.base import AttentionMetadata, store_kv
 from model_runtime.attention.torch_ref import TorchAttention, paged_attention_ref
-from model_runtime.host_batch import mixed_plan
+from tests.unit.paged_inputs import step_meta
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,37 +26,6 @@ def _triton():
     from model_runtime.attention.triton_backend import TritonAttention
 
     return TritonAttention
-
-
-def make_meta(
-    seq_lens: list[int],
-    query_lens: list[int],
-    table: torch.Tensor,
-    slots: torch.Tensor,
-    block_size: int = 16,
-    decode_gather_tokens: int = 0,
-):
-    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included; decode rows join
-    the cached group up to `decode_gather_tokens` context tokens (the runner's device.decode_gather_tokens; 0
-    here by default: the decode kernel takes them)."""
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-    plan = None
-    if max(query_lens) > 1:
-        host = mixed_plan(
-            query_lens, np.array(seq_lens), table.cpu().numpy(), block_size, decode_gather_tokens
-        )
-        plan = host.to_device(DEV)
-    return AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-        block_tables=table,
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        mixed=plan,
-    )
 
 
 def random_tables(
@@ -101,7 +69,7 @@ def paged_inputs(seed, seq_lens, query_lens, kv_heads, group, head_dim, block_si
     q = torch.randn(t, kv_heads * group, head_dim, generator=gen).to(DEV, dtype)
     k = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(DEV, dtype)
-    meta = make_meta(
+    meta = step_meta(
         seq_lens, query_lens, table, slots_for(table, seq_lens, query_lens, block_size), block_size, gather
     )
     return q, k, v, kc, vc, meta
@@ -115,7 +83,7 @@ def check_decode_rows(
     out: torch.Tensor, q, kc, vc, meta: AttentionMetadata, scale: float, tol: float
 ) -> None:
     live = torch.tensor([s > 0 for s in meta.seq_lens_host], device=DEV)
-    safe = make_meta(
+    safe = step_meta(
         [max(1, s) for s in meta.seq_lens_host], [1] * meta.num_seqs, meta.block_tables, meta.slot_mapping
     )
     ref = paged_attention_ref(q.float(), kc.float(), vc.float(), safe, scale)
@@ -249,7 +217,7 @@ def test_decode_rows_gathered_with_the_chunks_match_the_decode_kernel() -> None:
     plan = meta.mixed
     assert plan is not None and plan.decode_rows is None and plan.cached is not None
     assert plan.cached.query_lens == [1, 1, 128] and plan.fresh is not None
-    kernel = make_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping)
+    kernel = step_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping)
     assert kernel.mixed is not None and kernel.mixed.decode_rows is not None
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref = TorchAttention().forward(
@@ -286,7 +254,7 @@ def test_chunk_kernel_matches_reference_and_the_gathered_call(
     """A step's cached group read from the pages by the split-KV chunk kernel (device.chunk_attention_tokens,
     default): against the float32 reference and against the same step gathered for FlashAttention-2."""
     q, k, v, kc, vc, meta = paged_inputs(21, seq_lens, query_lens, 8, group, 128, 16, dtype, 8192)
-    gathered_meta = make_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping, 16, 8192)
+    gathered_meta = step_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping, 16, 8192)
     assert meta.mixed is not None and meta.mixed.cached is not None and meta.mixed.decode_rows is None
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.088)
     gathered = _triton()(chunk_attention_tokens=0).forward(
@@ -313,7 +281,7 @@ def test_cuda_graph_replay_equals_eager() -> None:
         table, _ = random_tables(gen, seq_lens, block, num_blocks, width)
         qkv = torch.randn(8, (group + 2) * kv_heads, dim, generator=gen).to(DEV, torch.bfloat16)
         q, k, v = qkv.split([group * kv_heads, kv_heads, kv_heads], dim=1)  # strided views, as in a model
-        return q, k, v, make_meta(seq_lens, [1] * 8, table, slots_for(table, seq_lens, [1] * 8, block))
+        return q, k, v, step_meta(seq_lens, [1] * 8, table, slots_for(table, seq_lens, [1] * 8, block))
 
     backend = _triton()()
     backend.reserve(8, group * kv_heads, kv_heads, dim, DEV)

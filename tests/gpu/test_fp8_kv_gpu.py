@@ -16,7 +16,8 @@ from model_runtime.config import CacheConfig
 from model_runtime.engine import Engine
 from model_runtime.kv_quant import fp8_pages
 from tests.gpu.graphs_vs_eager import graphs_and_eager_tokens
-from tests.gpu.test_attention_gpu import TOL, make_meta, paged_inputs, rel_err
+from tests.gpu.test_attention_gpu import TOL, paged_inputs, rel_err
+from tests.unit.paged_inputs import step_meta
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,7 +86,7 @@ def test_decode_reads_codes_times_scales(
         q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out, DecodeWorkspace(), segments,
         DecodeTuning(fp8_max_registers=max_registers), kv_scale=scales,
     )  # fmt: skip
-    safe = make_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
+    safe = step_meta([max(1, s) for s in seq_lens], [1] * 4, meta.block_tables, meta.slot_mapping)
     ref = paged_attention_ref(q.float(), kc, vc, safe, 0.088, scales)
     live = torch.tensor([s > 0 for s in seq_lens], device="cuda")
     assert not out.isnan().any() and bool((out[~live] == 0).all())
@@ -180,7 +181,7 @@ def test_the_chunk_kernel_reads_the_fp8_cache_in_place(seq_lens: list[int], quer
     from model_runtime.attention.triton_backend import TritonAttention
 
     q, k, v, kc, vc, meta = paged_inputs(23, seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, 8192)
-    gathered_meta = make_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping, 16, 8192)
+    gathered_meta = step_meta(seq_lens, query_lens, meta.block_tables, meta.slot_mapping, 16, 8192)
     assert meta.mixed is not None and meta.mixed.cached is not None and meta.mixed.decode_rows is None
     kc, vc, scales = fp8_pages(kc, vc)
     ref_kc, ref_vc, ref_scales = kc.clone(), vc.clone(), scales.clone()

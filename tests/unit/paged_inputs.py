@@ -15,29 +15,31 @@ def step_meta(
     seq_lens: list[int],
     query_lens: list[int],
     block_tables: torch.Tensor,
-    slots: list[int],
+    slots: list[int] | torch.Tensor,
     block_size: int = 16,
     decode_gather_tokens: int = 0,
 ):
-    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included; decode rows join
-    the cached group up to `decode_gather_tokens` context tokens (0: the decode kernel takes them)."""
+    """Metadata as the model runner builds it, the prefill/decode split (MixedPlan) included, on the block
+    tables' device (the CPU cases here, CUDA in tests/gpu); decode rows join the cached group up to
+    `decode_gather_tokens` context tokens (0: the decode kernel takes them)."""
     from model_runtime.attention.base import AttentionMetadata
     from model_runtime.host_batch import mixed_plan
 
+    device = block_tables.device
     plan = None
     if max(query_lens) > 1:
-        tables = block_tables.numpy()
+        tables = block_tables.cpu().numpy()
         plan = mixed_plan(query_lens, np.array(seq_lens), tables, block_size, decode_gather_tokens).to_device(
-            "cpu"
+            device
         )
 
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.as_tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=block_tables,
         query_lens_host=list(query_lens),
         seq_lens_host=list(seq_lens),
